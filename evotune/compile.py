@@ -1,0 +1,202 @@
+"""Compile kernel sources with NVRTC (through CuPy), cache the cubins, read resources from ptxas -v.
+
+Compiling needs no GPU: CuPy's NVRTC bindings produce a cubin for an explicit
+real architecture (sm_90a by default). Only `load_kernel` touches the driver.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import EvotuneError
+
+DEFAULT_ARCH = "sm_90a"
+# Per-block opt-in shared memory and register file of an SM on sm_90.
+SMEM_LIMIT_BYTES = 227 * 1024
+REGISTERS_PER_SM = 65536
+MAX_REGISTERS_PER_THREAD = 255
+
+
+class CompileError(EvotuneError):
+    """NVRTC rejected the source; the message holds the first error line, `.log` the whole log."""
+
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message)
+        self.log = log
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas reported for the entry function."""
+
+    registers: int
+    static_smem: int
+    stack_frame: int
+    spill_stores: int
+    spill_loads: int
+    barriers: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    key: str
+    entry: str
+    arch: str
+    cubin_path: str
+    options: tuple[str, ...]
+    log: str
+    resources: Resources
+    compile_seconds: float
+    cached: bool = field(default=False, compare=False)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EVOTUNE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "evotune")
+    path = Path(root) / "cubin"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cuda_include_dirs() -> list[str]:
+    """Headers for cuda_fp16.h and friends: the nvidia-cuda-runtime wheel first, then a system toolkit."""
+    dirs = []
+    try:
+        import nvidia.cu13  # type: ignore
+
+        for root in nvidia.cu13.__path__:
+            inc = Path(root) / "include"
+            if (inc / "cuda_fp16.h").exists():
+                dirs.append(str(inc))
+    except ImportError:
+        pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            dirs.append(os.path.join(os.environ[env], "include"))
+    dirs.append("/usr/local/cuda/include")
+    return [d for d in dict.fromkeys(dirs) if Path(d, "cuda_fp16.h").exists()]
+
+
+def toolchain() -> dict:
+    """Versions that change generated code; part of every cache key and of run metadata."""
+    from cupy.cuda import nvrtc
+    import cupy
+
+    major, minor = nvrtc.getVersion()
+    return {"nvrtc": f"{major}.{minor}", "cupy": cupy.__version__}
+
+
+def nvrtc_options(arch: str = DEFAULT_ARCH, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v", "-lineinfo"]
+    opts += [f"-I{d}" for d in cuda_include_dirs()]
+    return tuple(opts) + tuple(extra)
+
+
+_ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")
+_REGS_RE = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+_STACK_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_resources(log: str, entry: str) -> Resources:
+    """Read the ptxas -v block of `entry` from an NVRTC program log."""
+    blocks = _ENTRY_RE.split(log)
+    # split gives [before, name1, body1, name2, body2, ...]
+    for name, body in zip(blocks[1::2], blocks[2::2]):
+        if name == entry:
+            regs = _REGS_RE.search(body)
+            stack = _STACK_RE.search(body)
+            if not regs or not stack:
+                break
+            return Resources(
+                registers=int(regs.group(1)),
+                barriers=int(regs.group(2) or 0),
+                static_smem=int(regs.group(3) or 0),
+                stack_frame=int(stack.group(1)),
+                spill_stores=int(stack.group(2)),
+                spill_loads=int(stack.group(3)),
+            )
+    raise CompileError(f"no ptxas resource report for entry {entry!r} in the NVRTC log", log)
+
+
+def _first_error(log: str) -> str:
+    for line in log.splitlines():
+        if "error" in line:
+            return line.strip()
+    return log.strip().splitlines()[0] if log.strip() else "NVRTC failed with an empty log"
+
+
+def compile_source(code: str, entry: str, arch: str = DEFAULT_ARCH, extra_options: tuple[str, ...] = (),
+                   name: str = "evotune.cu") -> Compiled:
+    """Compile `code` to a cubin for `arch`, or return the cached one; raise CompileError on failure."""
+    from cupy.cuda import nvrtc
+
+    options = nvrtc_options(arch, extra_options)
+    # Include dirs are install paths, not semantics: keep them out of the key.
+    key_material = json.dumps({"code": code, "entry": entry, "arch": arch, "toolchain": toolchain(),
+                               "options": [o for o in options if not o.startswith("-I")]}, sort_keys=True)
+    key = hashlib.sha256(key_material.encode()).hexdigest()[:24]
+    cubin_path = cache_dir() / f"{key}.cubin"
+    meta_path = cache_dir() / f"{key}.json"
+    if cubin_path.exists() and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        return Compiled(key=key, entry=entry, arch=arch, cubin_path=str(cubin_path), options=options,
+                        log=meta["log"], resources=Resources(**meta["resources"]),
+                        compile_seconds=meta["compile_seconds"], cached=True)
+
+    start = time.perf_counter()
+    prog = nvrtc.createProgram(code, name, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError:
+            log = nvrtc.getProgramLog(prog)
+            raise CompileError(f"NVRTC: {_first_error(log)}", log) from None
+        log = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    seconds = time.perf_counter() - start
+    resources = parse_resources(log, entry)
+    # Write-then-rename so a concurrent reader never sees half a cubin.
+    tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(cubin)
+    os.replace(tmp, cubin_path)
+    tmp = meta_path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"log": log, "resources": resources.as_dict(), "compile_seconds": seconds}))
+    os.replace(tmp, meta_path)
+    return Compiled(key=key, entry=entry, arch=arch, cubin_path=str(cubin_path), options=options, log=log,
+                    resources=resources, compile_seconds=seconds, cached=False)
+
+
+def static_violations(res: Resources, threads: int, dynamic_smem: int) -> list[str]:
+    """Reasons a compiled kernel must not run: spills, local memory, or more than one SM can hold."""
+    why = []
+    if res.spill_stores or res.spill_loads:
+        why.append(f"spills registers ({res.spill_stores} B stores, {res.spill_loads} B loads)")
+    if res.stack_frame:
+        why.append(f"uses local memory ({res.stack_frame} B stack frame)")
+    if res.registers * threads > REGISTERS_PER_SM:
+        why.append(f"{res.registers} registers x {threads} threads exceed the {REGISTERS_PER_SM} of an SM")
+    if res.static_smem + dynamic_smem > SMEM_LIMIT_BYTES:
+        why.append(f"shared memory {res.static_smem + dynamic_smem} B exceeds {SMEM_LIMIT_BYTES} B")
+    return why
+
+
+def load_kernel(compiled: Compiled, dynamic_smem: int = 0):
+    """Load the cubin on the current GPU and return a CuPy RawKernel ready to launch."""
+    import cupy
+
+    module = cupy.RawModule(path=compiled.cubin_path)
+    kernel = module.get_function(compiled.entry)
+    if dynamic_smem > 48 * 1024:
+        # Above 48 KB a kernel must opt in to its dynamic shared memory.
+        kernel.max_dynamic_shared_size_bytes = dynamic_smem
+    return kernel

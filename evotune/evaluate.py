@@ -1,0 +1,185 @@
+"""Verify and time one candidate on the GPU. The one verification function and the one
+timing function here are used by search, replay, bench and the GPU tests alike.
+
+Verification: fresh random inputs per seed (never zeros), the output poisoned with NaN
+before the checked launch, max-abs / max-rel error and a count of non-finite outputs
+against an fp32 reference. Timing: CUDA events around CUDA-graph replays of many
+back-to-back launches, after warm-up; median and p10/p90 over the replays.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from . import result as R
+from .compile import Compiled, load_kernel, static_violations
+from .result import Result, Timing, Verification
+
+DEFAULT_SEEDS = (1, 2, 3)
+TIMING_SEED = 1000
+# Aim for replays of about this much GPU time, so event resolution (~0.5 us) and
+# per-replay launch cost vanish against the measured work.
+TARGET_REPLAY_US = 400.0
+DEFAULT_REPS = 40
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def time_gpu(fn, reps: int = DEFAULT_REPS, launches_per_rep: int | None = None, warmup: int = 10) -> Timing:
+    """Per-call GPU time of `fn` (which launches work on torch's current stream)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    if launches_per_rep is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        end.synchronize()
+        estimate_us = max(start.elapsed_time(end) * 1000.0 / 20, 1.0)
+        launches_per_rep = int(min(500, max(1, math.ceil(TARGET_REPLAY_US / estimate_us))))
+
+    method = "cuda-graph"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(launches_per_rep):
+                fn()
+        run_rep = graph.replay
+    except Exception:  # some launches cannot be captured: time them back to back instead
+        torch.cuda.synchronize()
+        method = "stream"
+
+        def run_rep():
+            for _ in range(launches_per_rep):
+                fn()
+
+    for _ in range(3):
+        run_rep()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        run_rep()
+        e.record()
+    torch.cuda.synchronize()
+    per_call = [s.elapsed_time(e) * 1000.0 / launches_per_rep for s, e in zip(starts, ends)]
+    return Timing(median_us=statistics.median(per_call), p10_us=_percentile(per_call, 0.1),
+                  p90_us=_percentile(per_call, 0.9), reps=reps, launches_per_rep=launches_per_rep, method=method)
+
+
+def output_errors(out, ref) -> tuple[float, float, int]:
+    """(max |out-ref|, that over max |ref|, count of non-finite outputs); errors are inf if any is non-finite."""
+    import torch
+
+    outf = out.float()
+    nonfinite = int((~torch.isfinite(outf)).sum().item())
+    if nonfinite:
+        return math.inf, math.inf, nonfinite
+    max_abs = float((outf - ref).abs().max().item())
+    ref_max = float(ref.abs().max().item())
+    return max_abs, max_abs / max(ref_max, 1e-30), 0
+
+
+def verify(problem, shape, run_into, seeds=DEFAULT_SEEDS) -> Verification:
+    """Check `run_into(inputs, out)` on fresh inputs for each seed against the fp32 reference.
+
+    `run_into` must write the result into `out`, which is filled with NaN first so
+    that any element the kernel leaves unwritten shows up as non-finite.
+    """
+    import torch
+
+    worst_abs, worst_rel, worst_nonfinite = 0.0, 0.0, 0
+    for seed in seeds:
+        inputs = problem.make_inputs(shape, seed)
+        out = problem.new_output(inputs)
+        out.fill_(float("nan"))
+        run_into(inputs, out)
+        torch.cuda.synchronize()
+        ref = problem.reference(shape, inputs)
+        max_abs, max_rel, nonfinite = output_errors(out, ref)
+        worst_abs, worst_rel = max(worst_abs, max_abs), max(worst_rel, max_rel)
+        worst_nonfinite = max(worst_nonfinite, nonfinite)
+    tol = problem.tolerance(shape)
+    passed = worst_nonfinite == 0 and worst_abs <= tol
+    return Verification(max_abs=worst_abs, max_rel=worst_rel, nonfinite=worst_nonfinite, seeds=tuple(seeds),
+                        tolerance=tol, passed=passed)
+
+
+def kernel_runner(problem, shape, config, kernel):
+    """`run_into(inputs, out)` for a loaded candidate kernel."""
+
+    def run_into(inputs, out):
+        problem.launcher(kernel, config, shape, inputs, out)()
+
+    return run_into
+
+
+def evaluate_compiled(problem, shape, config, compiled: Compiled, seeds=DEFAULT_SEEDS, reps: int = DEFAULT_REPS,
+                      time_it: bool = True) -> Result:
+    """Gate and time one compiled candidate. Raises on CUDA faults (the worker decides what they poison)."""
+    geo = problem.geometry(config, shape)
+    why = static_violations(compiled.resources, geo.threads, geo.dynamic_smem)
+    resources = compiled.resources.as_dict()
+    if why:
+        return Result(status=R.PRUNED, message="; ".join(why), resources=resources,
+                      compile_seconds=compiled.compile_seconds)
+    kernel = load_kernel(compiled, geo.dynamic_smem)
+    check = verify(problem, shape, kernel_runner(problem, shape, config, kernel), seeds)
+    if not check.passed:
+        msg = (f"{check.nonfinite} non-finite outputs (NaN poison left or computed)" if check.nonfinite
+               else f"max abs error {check.max_abs:.3g} > tolerance {check.tolerance:.3g}")
+        return Result(status=R.WRONG, message=msg, max_abs=check.max_abs, verification=check.as_dict(),
+                      resources=resources, compile_seconds=compiled.compile_seconds)
+    timing = None
+    if time_it:
+        inputs = problem.make_inputs(shape, TIMING_SEED)
+        out = problem.new_output(inputs)
+        timing = time_gpu(problem.launcher(kernel, config, shape, inputs, out), reps=reps)
+    return Result(status=R.OK, time_us=timing.median_us if timing else None, max_abs=check.max_abs,
+                  timing=timing.as_dict() if timing else None, verification=check.as_dict(), resources=resources,
+                  compile_seconds=compiled.compile_seconds)
+
+
+def measure_baselines(problem, shape, names=None, seeds=DEFAULT_SEEDS, reps: int = DEFAULT_REPS) -> dict:
+    """Error and time of each reference implementation (SDPA backends), measured like a candidate."""
+    import torch
+
+    names = names or problem.baselines()
+    report = {}
+    timing_inputs = problem.make_inputs(shape, TIMING_SEED)
+    for name in names:
+        if name == "math" and shape.seq_q * shape.seq_k * shape.batch * shape.heads > (1 << 28):
+            report[name] = {"available": False, "reason": "skipped: the math backend's S matrix is too large"}
+            continue
+        probe = problem.baseline_launcher(name, shape, timing_inputs)
+        if probe is None:
+            report[name] = {"available": False, "reason": "backend does not support this shape here"}
+            continue
+
+        def run_into(inputs, out, name=name):
+            out.copy_(problem.baseline_launcher(name, shape, inputs)())
+
+        check = verify(problem, shape, run_into, seeds)
+        timing = time_gpu(probe, reps=reps)
+        report[name] = {"available": True, "time_us": timing.median_us, "timing": timing.as_dict(),
+                        "verification": check.as_dict()}
+        del probe
+        torch.cuda.synchronize()
+    return report

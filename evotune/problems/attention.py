@@ -1,0 +1,195 @@
+"""The fused attention forward family: kernels/attention.cu against PyTorch SDPA.
+
+CPU side (no torch needed): which shapes are supported, template arguments, launch
+geometry. GPU side (torch + CuPy): inputs, the launch, the fp32 reference, and SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import UsageError
+from ..shapes import Shape
+from . import LaunchGeometry
+
+SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
+
+# Gate tolerances on max |out - ref| against an fp32 reference, for inputs ~ N(0, 1).
+# Set from SDPA's own error on the H100 (see docs/PERFORMANCE.md, correctness):
+# on the mission shape SDPA's backends land near 2.4e-4 (fp16) and 2e-3 (bf16);
+# the gate leaves a margin of several times that, and is far below the error of
+# a kernel that drops or misplaces a tile (order 1e-1).
+TOLERANCE = {"fp16": 2e-3, "bf16": 1.6e-2}
+
+
+class AttentionProblem:
+    family = "attention"
+    kernel_file = "attention.cu"
+    entry_name = "evotune_attention"
+    default_space = "attention"
+
+    # ------------------------------------------------------------ CPU side
+    def check_shape(self, shape: Shape) -> None:
+        """Refuse shapes the kernel does not compute, with the reason."""
+        if shape.head_dim not in (64, 128):
+            raise UsageError(f"attention: head_dim {shape.head_dim} is not supported (64 or 128)")
+        if shape.dtype not in ("fp16", "bf16"):
+            raise UsageError(f"attention: dtype {shape.dtype} is not supported (fp16 or bf16)")
+
+    def context(self, shape: Shape) -> dict:
+        """Names the search space's expressions may use for this shape."""
+        from ..space import shape_context
+
+        return shape_context(shape)
+
+    def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
+        return [
+            ("BLOCK_M", int(config["block_m"])),
+            ("BLOCK_N", int(config["block_n"])),
+            ("COMPUTE_WARPS", int(config["compute_warps"])),
+            ("PRODUCER_WARPS", int(config["producer_warps"])),
+            ("STAGES", int(config["stages"])),
+            ("SMEM_LAYOUT", SMEM_LAYOUTS[config["smem_layout"]]),
+            ("HEAD_DIM", shape.head_dim),
+            ("IS_BF16", "true" if shape.dtype == "bf16" else "false"),
+            ("IS_CAUSAL", "true" if shape.causal else "false"),
+        ]
+
+    def instantiation(self, config, shape: Shape) -> str:
+        args = self.template_args(config, shape)
+        targs = ",\n    ".join(f"/* {name} = */ {value}" for name, value in args)
+        return f"""using EvotuneTraits = evotune::AttnTraits<
+    {targs}>;
+
+// Launch: grid (ceil(seq_q / BLOCK_M), heads, batch), block (EvotuneTraits::kThreads),
+// dynamic shared memory EvotuneTraits::kSmemBytes. Pointers are fp16/bf16 bit patterns;
+// strides are in elements (b = batch, h = head, s = sequence; the head-dim stride is 1).
+extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
+{self.entry_name}(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
+                  const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
+                  long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
+                  long long v_sb, long long v_sh, long long v_ss, long long o_sb, long long o_sh, long long o_ss,
+                  int seq_q, int seq_k, float scale_log2) {{
+    evotune::attention_fwd<EvotuneTraits>(q, k, v, o, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
+                                          o_sb, o_sh, o_ss, seq_q, seq_k, scale_log2);
+}}
+"""
+
+    def geometry(self, config, shape: Shape) -> LaunchGeometry:
+        block_m, block_n = int(config["block_m"]), int(config["block_n"])
+        threads = 32 * (int(config["compute_warps"]) + int(config["producer_warps"]))
+        pitch = shape.head_dim + (8 if config["smem_layout"] == "pad" else 0)
+        smem = 2 * pitch * (block_m + 2 * int(config["stages"]) * block_n)
+        return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads, shape.batch),
+                              block=(threads, 1, 1), dynamic_smem=smem)
+
+    def tolerance(self, shape: Shape) -> float:
+        return TOLERANCE[shape.dtype]
+
+    def signature(self) -> str:
+        return ("evotune_attention(const half* q, const half* k, const half* v, half* o, "
+                "int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, "
+                "int seq_q, int seq_k, float scale_log2)  // strides in elements; scale_log2 = scale*log2(e)")
+
+    # ------------------------------------------------------------ GPU side
+    def torch_dtype(self, shape: Shape):
+        import torch
+
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}[shape.dtype]
+
+    def make_inputs(self, shape: Shape, seed: int, device="cuda") -> dict:
+        """Fresh N(0,1) Q, K, V in the shape's layout; the output buffer is allocated by `new_output`."""
+        import torch
+
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        dt = self.torch_dtype(shape)
+
+        def tensor(seq):
+            if shape.layout == "bshd":
+                # A model's projection output: (B, S, H, D) memory, viewed as (B, H, S, D) without a copy.
+                t = torch.randn(shape.batch, seq, shape.heads, shape.head_dim, generator=gen, device=device, dtype=dt)
+                return t.transpose(1, 2)
+            return torch.randn(shape.batch, shape.heads, seq, shape.head_dim, generator=gen, device=device, dtype=dt)
+
+        q, k, v = tensor(shape.seq_q), tensor(shape.seq_k), tensor(shape.seq_k)
+        return {"q": q, "k": k, "v": v, "scale": 1.0 / math.sqrt(shape.head_dim)}
+
+    def new_output(self, inputs: dict):
+        import torch
+
+        return torch.empty_like(inputs["q"])  # keeps the (B,H,S,D) or (B,S,H,D) strides
+
+    def launcher(self, kernel, config, shape: Shape, inputs: dict, out):
+        """A zero-argument callable that launches the kernel on torch's current stream."""
+        import cupy
+        import numpy as np
+        import torch
+
+        geo = self.geometry(config, shape)
+        for name, t in (("q", inputs["q"]), ("k", inputs["k"]), ("v", inputs["v"]), ("o", out)):
+            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+                raise UsageError(f"attention: {name} must have unit head-dim stride and 16-byte aligned rows")
+        args = [np.uint64(t.data_ptr()) for t in (inputs["q"], inputs["k"], inputs["v"], out)]
+        for t in (inputs["q"], inputs["k"], inputs["v"], out):
+            args += [np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))]
+        args += [np.int32(shape.seq_q), np.int32(shape.seq_k), np.float32(inputs["scale"] * math.log2(math.e))]
+        args = tuple(args)
+
+        def launch():
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            kernel(geo.grid, geo.block, args, shared_mem=geo.dynamic_smem, stream=stream)
+
+        return launch
+
+    def reference(self, shape: Shape, inputs: dict):
+        """softmax(scale·QKᵀ + mask)·V in fp32 (no TF32), one (batch, head-chunk) at a time to bound memory."""
+        import torch
+
+        q, k, v = (inputs[n].float() for n in ("q", "k", "v"))
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            heads_per_chunk = max(1, (1 << 27) // (shape.seq_q * shape.seq_k))
+            mask = None
+            if shape.causal:
+                # Top-left aligned, as SDPA's is_causal: query i sees keys 0..i.
+                mask = torch.ones(shape.seq_q, shape.seq_k, dtype=torch.bool, device=q.device).tril()
+            for b in range(shape.batch):
+                for h0 in range(0, shape.heads, heads_per_chunk):
+                    sl = (b, slice(h0, h0 + heads_per_chunk))
+                    s = torch.matmul(q[sl], k[sl].transpose(-1, -2)) * inputs["scale"]
+                    if mask is not None:
+                        s = s.masked_fill(~mask, float("-inf"))
+                    out[sl] = torch.matmul(torch.softmax(s, dim=-1), v[sl])
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
+        return out
+
+    def baselines(self) -> list[str]:
+        return ["flash", "cudnn", "efficient", "math"]
+
+    def baseline_launcher(self, name: str, shape: Shape, inputs: dict):
+        """A callable running SDPA with one backend forced, returning its output; None if unavailable."""
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+
+        def run():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, scale=inputs["scale"])
+
+        try:
+            run()
+            torch.cuda.synchronize()
+        except RuntimeError:
+            return None
+        return run
+
+
+PROBLEM = AttentionProblem()

@@ -1,0 +1,72 @@
+"""The outcome of one trial, as recorded in runs/<id>/trials.jsonl."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Every way a candidate can end. Only OK results have objectives and can be "best".
+OK = "ok"
+PRUNED = "pruned"              # rejected by the space's constraints or the static resource gate
+COMPILE_ERROR = "compile_error"
+LAUNCH_ERROR = "launch_error"  # the launch failed or faulted (e.g. illegal address)
+WRONG = "wrong"                # ran, but failed the correctness gate
+TIMEOUT = "timeout"            # the worker did not answer in time (hang) and was killed
+CRASHED = "crashed"            # the worker process died
+STATUSES = (OK, PRUNED, COMPILE_ERROR, LAUNCH_ERROR, WRONG, TIMEOUT, CRASHED)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-launch GPU time from CUDA events around graph replays (microseconds)."""
+
+    median_us: float
+    p10_us: float
+    p90_us: float
+    reps: int
+    launches_per_rep: int
+    method: str
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Errors of one output against the fp32 reference, worst over all checked seeds."""
+
+    max_abs: float
+    max_rel: float            # max |out - ref| / max |ref|
+    nonfinite: int            # NaN/Inf in the output, unwritten (NaN-poisoned) elements included
+    seeds: tuple[int, ...]
+    tolerance: float
+    passed: bool
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["seeds"] = list(self.seeds)
+        return d
+
+
+@dataclass(frozen=True)
+class Result:
+    status: str
+    message: str = ""
+    time_us: float | None = None
+    max_abs: float | None = None
+    timing: dict | None = None
+    verification: dict | None = None
+    resources: dict | None = None
+    compile_seconds: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Result":
+        return cls(**{k: d.get(k) for k in ("status", "message", "time_us", "max_abs", "timing", "verification",
+                                           "resources", "compile_seconds")}, extra=d.get("extra") or {})

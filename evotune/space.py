@@ -1,0 +1,574 @@
+"""Search spaces: the tunable knobs of a kernel family, read from a YAML file.
+
+A space file names the parameters (each a short list of allowed values),
+derived quantities computed from them, and constraints that rule out
+configurations the kernel cannot run (too much shared memory, a tile that
+does not split across warps, ...). Derived and constraint expressions are
+written in a small subset of Python and evaluated by `safe_eval`, which walks
+the syntax tree itself: nothing from the file is ever handed to eval/exec.
+
+Every validation error is one line, `<path>:<line>: <message>`, pointing at
+the YAML node at fault.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import itertools
+import json
+import keyword
+import operator
+import os
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import yaml
+
+from .errors import UsageError
+from .shapes import Shape
+
+# Names every expression may use besides the parameters: the problem shape and device limits.
+CONTEXT_NAMES = (
+    "batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "dtype_bytes", "causal",
+    "smem_limit", "max_threads",
+)
+
+# Opt-in dynamic shared memory per block on H100 (227 KB), and threads per block.
+SMEM_LIMIT = 232448
+MAX_THREADS = 1024
+
+TOP_KEYS = ("family", "description", "params", "derived", "constraints")
+PARAM_KEYS = ("values", "default", "doc")
+CONSTRAINT_KEYS = ("expr", "why")
+
+# Bounds `**` so that an expression cannot stall the tuner computing a huge integer.
+_MAX_EXPONENT = 64
+
+
+# --------------------------------------------------------------------------- expressions
+
+
+class ExpressionError(UsageError):
+    """An expression uses a construct outside the allowed subset, or fails to evaluate."""
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _is_pow2(x) -> bool:
+    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
+
+
+# name -> (function, fewest arguments, most arguments or None for no limit)
+_FUNCTIONS = {
+    "min": (min, 2, None),
+    "max": (max, 2, None),
+    "abs": (abs, 1, 1),
+    "ceil_div": (_ceil_div, 2, 2),
+    "is_pow2": (_is_pow2, 1, 1),
+    "int": (int, 1, 1),
+    "bool": (bool, 1, 1),
+}
+
+
+def _pow(a, b):
+    if abs(b) > _MAX_EXPONENT:
+        raise ValueError(f"exponent {b} is larger than {_MAX_EXPONENT}")
+    return a**b
+
+
+_BINOPS = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: _pow,
+}
+_COMPARE = {
+    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+    ast.Gt: operator.gt, ast.GtE: operator.ge,
+    ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+}
+
+
+def _check(node: ast.AST, names: set[str]) -> None:
+    """Reject any construct outside the allowed subset; collect the variable names used into `names`."""
+    if isinstance(node, ast.Constant):
+        if type(node.value) not in (int, float, str, bool):
+            raise ExpressionError(f"literal {node.value!r} is not allowed")
+    elif isinstance(node, ast.Name):
+        names.add(node.id)
+    elif isinstance(node, ast.BinOp):
+        if type(node.op) not in _BINOPS:
+            raise ExpressionError(f"operator {type(node.op).__name__} is not allowed")
+        _check(node.left, names)
+        _check(node.right, names)
+    elif isinstance(node, ast.UnaryOp):
+        if not isinstance(node.op, (ast.USub, ast.Not)):
+            raise ExpressionError(f"operator {type(node.op).__name__} is not allowed")
+        _check(node.operand, names)
+    elif isinstance(node, ast.BoolOp):
+        for value in node.values:
+            _check(value, names)
+    elif isinstance(node, ast.Compare):
+        _check(node.left, names)
+        for op, right in zip(node.ops, node.comparators):
+            if isinstance(op, (ast.In, ast.NotIn)):
+                if not isinstance(right, (ast.Tuple, ast.List)):
+                    raise ExpressionError("the right side of `in` must be a tuple or list literal")
+                for element in right.elts:
+                    _check(element, names)
+            elif type(op) in _COMPARE:
+                _check(right, names)
+            else:
+                raise ExpressionError(f"comparison {type(op).__name__} is not allowed")
+    elif isinstance(node, ast.IfExp):
+        for part in (node.test, node.body, node.orelse):
+            _check(part, names)
+    elif isinstance(node, ast.Call):
+        if not isinstance(node.func, ast.Name) or node.func.id not in _FUNCTIONS:
+            raise ExpressionError(f"only {', '.join(_FUNCTIONS)} may be called")
+        if node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
+            raise ExpressionError(f"{node.func.id}() takes plain positional arguments only")
+        _, fewest, most = _FUNCTIONS[node.func.id]
+        if len(node.args) < fewest or (most is not None and len(node.args) > most):
+            wanted = str(fewest) if fewest == most else f"at least {fewest}"
+            raise ExpressionError(f"{node.func.id}() takes {wanted} argument(s), got {len(node.args)}")
+        for arg in node.args:
+            _check(arg, names)
+    elif isinstance(node, (ast.Tuple, ast.List)):
+        raise ExpressionError("tuples and lists are only allowed on the right side of `in`")
+    else:
+        raise ExpressionError(f"{type(node).__name__} is not allowed")
+
+
+@lru_cache(maxsize=None)
+def _parse(expr: str) -> tuple[ast.expr, frozenset[str]]:
+    """Parse and vet `expr` once (cached: the tuner evaluates the same few expressions thousands of times)."""
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ExpressionError(f"cannot parse {expr!r}: {exc.msg}") from None
+    names: set[str] = set()
+    _check(tree.body, names)
+    return tree.body, frozenset(names)
+
+
+def expression_names(expr: str) -> frozenset[str]:
+    """The variable names `expr` reads; raises ExpressionError if it does not parse or is not allowed."""
+    return _parse(expr)[1]
+
+
+def _number(value):
+    # Arithmetic is limited to numbers so that e.g. 'x' * 10**9 cannot exhaust memory.
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"arithmetic on {value!r}, which is not a number")
+    return value
+
+
+def _eval(node: ast.expr, env: Mapping[str, object]):
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id not in env:
+            raise ExpressionError(f"unknown name {node.id!r}")
+        return env[node.id]
+    if isinstance(node, ast.BinOp):
+        return _BINOPS[type(node.op)](_number(_eval(node.left, env)), _number(_eval(node.right, env)))
+    if isinstance(node, ast.UnaryOp):
+        value = _eval(node.operand, env)
+        return not value if isinstance(node.op, ast.Not) else -_number(value)
+    if isinstance(node, ast.BoolOp):
+        # Short-circuit like Python: `and` returns the first falsy value, `or` the first truthy one.
+        want = isinstance(node.op, ast.Or)
+        for value_node in node.values:
+            value = _eval(value_node, env)
+            if bool(value) == want:
+                return value
+        return value
+    if isinstance(node, ast.Compare):
+        left = _eval(node.left, env)
+        for op, right_node in zip(node.ops, node.comparators):
+            if isinstance(right_node, (ast.Tuple, ast.List)):
+                right = tuple(_eval(e, env) for e in right_node.elts)
+            else:
+                right = _eval(right_node, env)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.IfExp):
+        return _eval(node.body if _eval(node.test, env) else node.orelse, env)
+    if isinstance(node, ast.Call):
+        return _FUNCTIONS[node.func.id][0](*(_eval(a, env) for a in node.args))
+    raise AssertionError(f"unvetted node {type(node).__name__}")  # _check admits nothing else
+
+
+def safe_eval(expr: str, env: Mapping[str, object]):
+    """Evaluate `expr` (the subset described in the module docstring) with the names in `env`.
+
+    Raises ExpressionError for a disallowed construct, an unknown name or a failed operation.
+    """
+    tree, _ = _parse(expr)
+    try:
+        return _eval(tree, env)
+    except (ArithmeticError, TypeError, ValueError) as exc:
+        raise ExpressionError(str(exc)) from None
+
+
+# --------------------------------------------------------------------------- data model
+
+
+@dataclass(frozen=True)
+class Param:
+    """One knob: its allowed values in order, a default among them, and a line of documentation."""
+
+    name: str
+    values: tuple
+    doc: str
+    default: object
+    line: int
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A boolean expression every admitted configuration satisfies, and why it must."""
+
+    expr: str
+    why: str
+    line: int
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of a space: a frozen, hashable mapping from parameter name to value."""
+
+    items: tuple[tuple[str, object], ...]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> "Config":
+        return cls(tuple(sorted(d.items())))
+
+    def __getitem__(self, name: str):
+        for key, value in self.items:
+            if key == name:
+                return value
+        raise KeyError(name)
+
+    def get(self, name: str, default=None):
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def keys(self) -> list[str]:
+        return [key for key, _ in self.items]
+
+    def as_dict(self) -> dict:
+        return dict(self.items)
+
+    def key(self) -> str:
+        """Short stable spelling, e.g. `block_m=64,block_n=64,...` (names sorted)."""
+        return ",".join(f"{k}={v}" for k, v in self.items)
+
+    def digest(self) -> str:
+        """12 hex digits identifying the configuration (for file names and caches)."""
+        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _same_value(a, b) -> bool:
+    # Type-strict: True == 1 in Python, but a bool knob must not accept 1 nor an int knob True.
+    return type(a) is type(b) and a == b
+
+
+def _fmt(values) -> str:
+    return ", ".join(map(str, values))
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The parameters of a kernel family, the quantities derived from them, and the constraints on both."""
+
+    family: str
+    path: str
+    description: str
+    params: tuple[Param, ...]
+    derived: tuple[tuple[str, str, int], ...]
+    constraints: tuple[Constraint, ...]
+
+    def param_names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+    def size(self) -> int:
+        """Number of configurations before constraints."""
+        n = 1
+        for p in self.params:
+            n *= len(p.values)
+        return n
+
+    def default_config(self) -> Config:
+        return Config.from_dict({p.name: p.default for p in self.params})
+
+    def config(self, d: Mapping[str, object]) -> Config:
+        """A Config from `d`; parameters it leaves out take their defaults. Raises UsageError on an unknown name or value."""
+        by_name = {p.name: p for p in self.params}
+        for name, value in d.items():
+            if name not in by_name:
+                raise UsageError(f"{self.family}: unknown parameter {name!r}; parameters: {_fmt(by_name)}")
+            param = by_name[name]
+            if not any(_same_value(value, v) for v in param.values):
+                raise UsageError(
+                    f"{self.family}: {name}={value!r} is not allowed; allowed: {_fmt(param.values)}"
+                )
+        return Config.from_dict({p.name: d.get(p.name, p.default) for p in self.params})
+
+    def derive(self, cfg: Config, context: Mapping[str, object]) -> dict:
+        """Context, parameters and derived values together (derived ones computed in file order)."""
+        env = {**context, **cfg.as_dict()}
+        for name, expr, line in self.derived:
+            env[name] = self._eval(expr, env, line, name)
+        return env
+
+    def violations(self, cfg: Config, context: Mapping[str, object]) -> list[str]:
+        """`why (expr)` for each constraint `cfg` fails under `context`; empty when it is admitted."""
+        env = self.derive(cfg, context)
+        return [f"{c.why} ({c.expr})" for c in self.constraints if not self._eval(c.expr, env, c.line, "constraint")]
+
+    def admitted(self, cfg: Config, context: Mapping[str, object]) -> bool:
+        return not self.violations(cfg, context)
+
+    def all_configs(self) -> Iterator[Config]:
+        """Every configuration, in the order of the file's parameters and values (the last parameter varies fastest)."""
+        names = self.param_names()
+        for combo in itertools.product(*(p.values for p in self.params)):
+            yield Config.from_dict(dict(zip(names, combo)))
+
+    def admitted_configs(self, context: Mapping[str, object]) -> list[Config]:
+        return [cfg for cfg in self.all_configs() if self.admitted(cfg, context)]
+
+    def _eval(self, expr: str, env: Mapping[str, object], line: int, what: str):
+        try:
+            return safe_eval(expr, env)
+        except ExpressionError as exc:
+            raise UsageError(f"{self.path}:{line}: {what}: {expr}: {exc}") from None
+
+
+def shape_context(shape: Shape) -> dict:
+    """The names CONTEXT_NAMES for `shape` on an H100."""
+    return {
+        "batch": shape.batch, "heads": shape.heads, "seq_q": shape.seq_q, "seq_k": shape.seq_k,
+        "head_dim": shape.head_dim, "dtype": shape.dtype, "dtype_bytes": shape.dtype_bytes,
+        "causal": shape.causal, "smem_limit": SMEM_LIMIT, "max_threads": MAX_THREADS,
+    }
+
+
+def check_nonempty(space: SearchSpace, context: Mapping[str, object]) -> None:
+    """Raise UsageError when no configuration of `space` is admitted under `context`, naming the commonest reason."""
+    reasons: Counter[str] = Counter()
+    for cfg in space.all_configs():
+        failed = space.violations(cfg, context)
+        if not failed:
+            return
+        reasons.update(failed)
+    summary = ", ".join(f"{k}={v}" for k, v in context.items())
+    commonest = f"; most often failed: {reasons.most_common(1)[0][0]}" if reasons else ""
+    raise UsageError(f"{space.path}: no configuration is admitted for {summary}{commonest}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _Reader:
+    """Builds a SearchSpace from the composed YAML node tree, so each error can name its node's line."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.constructor = yaml.constructor.SafeConstructor()
+
+    def fail(self, node: yaml.Node, message: str):
+        raise UsageError(f"{self.path}:{node.start_mark.line + 1}: {message}")
+
+    def mapping(self, node: yaml.Node, what: str, allowed: tuple[str, ...] | None = None):
+        """(key, key node, value node) triples of a mapping node; rejects duplicate and, given `allowed`, unknown keys."""
+        if not isinstance(node, yaml.MappingNode):
+            self.fail(node, f"{what} must be a mapping")
+        seen: set[str] = set()
+        entries = []
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                self.fail(key_node, f"keys of {what} must be names")
+            key = key_node.value
+            if key in seen:
+                self.fail(key_node, f"duplicate key {key!r} in {what}")
+            if allowed is not None and key not in allowed:
+                self.fail(key_node, f"unknown key {key!r} in {what}; allowed: {_fmt(allowed)}")
+            seen.add(key)
+            entries.append((key, key_node, value_node))
+        return entries
+
+    def scalar(self, node: yaml.Node, what: str):
+        if not isinstance(node, yaml.ScalarNode):
+            self.fail(node, f"{what} must be a single value")
+        return self.constructor.construct_object(node)
+
+    def string(self, node: yaml.Node, what: str) -> str:
+        value = self.scalar(node, what)
+        if not isinstance(value, str):
+            self.fail(node, f"{what} must be text, got {value!r}")
+        return value
+
+    def expression(self, node: yaml.Node, what: str, known: set[str]) -> str:
+        if not isinstance(node, yaml.ScalarNode) or not node.value.strip():
+            self.fail(node, f"{what} must be an expression")
+        expr = node.value  # the raw text: `x: 4` is the expression "4", not the int 4
+        try:
+            unknown = sorted(expression_names(expr) - known)
+        except ExpressionError as exc:
+            self.fail(node, f"{what}: {exc}")
+        if unknown:
+            self.fail(node, f"{what}: unknown name {unknown[0]!r} in {expr!r}")
+        return expr
+
+    def new_name(self, node: yaml.Node, name: str, what: str, taken: Mapping[str, str]) -> None:
+        """Check that `name` can be used in expressions and does not hide anything else they can use."""
+        if not name.isidentifier() or keyword.iskeyword(name):
+            self.fail(node, f"{what} name {name!r} is not a valid identifier")
+        if name in taken:
+            self.fail(node, f"{what} {name!r} shadows {taken[name]}")
+
+    def space(self, root: yaml.Node | None) -> SearchSpace:
+        if root is None:
+            raise UsageError(f"{self.path}:1: empty file; expected a mapping with {_fmt(TOP_KEYS)}")
+        if not isinstance(root, yaml.MappingNode):
+            self.fail(root, f"the top level must be a mapping with {_fmt(TOP_KEYS)}")
+        top = {key: value for key, _, value in self.mapping(root, "the top level", TOP_KEYS)}
+        for required in ("family", "params"):
+            if required not in top:
+                self.fail(root, f"missing top-level key {required!r}")
+
+        family = self.string(top["family"], "family")
+        description = self.string(top["description"], "description") if "description" in top else ""
+
+        # `taken`: names a parameter or derived value may not reuse, and why; `known`: names expressions may read.
+        taken = {name: "a context name" for name in CONTEXT_NAMES}
+        taken.update({name: "a function" for name in _FUNCTIONS})
+        known = set(CONTEXT_NAMES)
+
+        params = self.params(top["params"], taken)
+        taken.update({p.name: "a parameter" for p in params})
+        known.update(p.name for p in params)
+
+        derived = []
+        if not _is_empty(top.get("derived")):
+            for name, key_node, value_node in self.mapping(top["derived"], "derived"):
+                self.new_name(key_node, name, "derived", taken)
+                expr = self.expression(value_node, f"derived {name!r}", known)
+                derived.append((name, expr, key_node.start_mark.line + 1))
+                taken[name] = "a derived name"
+                known.add(name)
+
+        constraints = [] if _is_empty(top.get("constraints")) else self.constraints(top["constraints"], known)
+        return SearchSpace(family, self.path, description, tuple(params), tuple(derived), tuple(constraints))
+
+    def params(self, node: yaml.Node, taken: Mapping[str, str]) -> list[Param]:
+        if _is_empty(node):
+            self.fail(node, "params is empty; a space needs at least one parameter")
+        params = []
+        for name, key_node, value_node in self.mapping(node, "params"):
+            self.new_name(key_node, name, "parameter", taken)
+            what = f"parameter {name!r}"
+            fields = {key: value for key, _, value in self.mapping(value_node, what, PARAM_KEYS)}
+            if "values" not in fields:
+                self.fail(key_node, f"{what} has no `values`")
+            values = self.values(fields["values"], what)
+            default = values[0]
+            if "default" in fields:
+                default = self.scalar(fields["default"], f"default of {what}")
+                if not any(_same_value(default, v) for v in values):
+                    self.fail(fields["default"], f"default {default!r} of {what} is not one of {_fmt(values)}")
+            doc = self.string(fields["doc"], f"doc of {what}") if "doc" in fields else ""
+            params.append(Param(name, values, doc, default, key_node.start_mark.line + 1))
+        return params
+
+    def values(self, node: yaml.Node, what: str) -> tuple:
+        if not isinstance(node, yaml.SequenceNode):
+            self.fail(node, f"values of {what} must be a list")
+        if not node.value:
+            self.fail(node, f"values of {what} is empty")
+        values: list = []
+        for item in node.value:
+            value = self.scalar(item, f"a value of {what}")
+            if type(value) not in (int, str, bool):
+                self.fail(item, f"values of {what} must be integers, strings or booleans, got {value!r}")
+            if values and type(value) is not type(values[0]):
+                self.fail(item, f"values of {what} mix {type(values[0]).__name__} and {type(value).__name__}")
+            if value in values:
+                self.fail(item, f"duplicate value {value!r} in {what}")
+            values.append(value)
+        return tuple(values)
+
+    def constraints(self, node: yaml.Node, known: set[str]) -> list[Constraint]:
+        if not isinstance(node, yaml.SequenceNode):
+            self.fail(node, "constraints must be a list of {expr, why} mappings")
+        constraints = []
+        for item in node.value:
+            fields = {key: value for key, _, value in self.mapping(item, "a constraint", CONSTRAINT_KEYS)}
+            for required in CONSTRAINT_KEYS:
+                if required not in fields:
+                    self.fail(item, f"constraint has no `{required}`")
+            expr = self.expression(fields["expr"], "constraint", known)
+            why = self.string(fields["why"], "why of a constraint")
+            constraints.append(Constraint(expr, why, fields["expr"].start_mark.line + 1))
+        return constraints
+
+
+def _is_empty(node: yaml.Node | None) -> bool:
+    """True for an absent section, a bare `key:` (null) and an empty `{}` or `[]`."""
+    if node is None:
+        return True
+    if isinstance(node, yaml.ScalarNode):
+        return node.tag == "tag:yaml.org,2002:null"
+    return not node.value
+
+
+def load_space(path: str | os.PathLike) -> SearchSpace:
+    """Read and validate a search-space YAML file; raises UsageError `<path>:<line>: <message>` on any problem."""
+    path = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: cannot read: {exc}") from None
+    reader = _Reader(path)
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        return reader.space(root)
+    except yaml.MarkedYAMLError as exc:  # syntax errors, and unsupported tags met while constructing values
+        mark = exc.problem_mark or exc.context_mark
+        message = " ".join(str(exc.problem or exc.context).split())
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise UsageError(f"{where}: YAML error: {message}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path}: YAML error: {' '.join(str(exc).split())}") from None
+
+
+def spaces_dir() -> Path:
+    """The folder of built-in spaces: $EVOTUNE_SPACES, else `search_spaces/` at the repository root."""
+    override = os.environ.get("EVOTUNE_SPACES")
+    return Path(override) if override else Path(__file__).resolve().parents[1] / "search_spaces"
+
+
+def builtin_names() -> list[str]:
+    """Names of the built-in spaces, sorted."""
+    return sorted(p.stem for p in spaces_dir().glob("*.yaml"))
+
+
+def load_builtin(name: str) -> SearchSpace:
+    """Load `<spaces_dir()>/<name>.yaml`; raises UsageError listing the available names when there is none."""
+    path = spaces_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise UsageError(f"unknown search space {name!r}; available: {_fmt(builtin_names()) or 'none'} (in {spaces_dir()})")
+    return load_space(path)

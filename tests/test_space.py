@@ -1,0 +1,397 @@
+"""Tests for evotune.space: the YAML search-space loader, the data model and the safe evaluator."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from evotune.errors import UsageError
+from evotune.shapes import parse_shape
+from evotune.space import (
+    CONTEXT_NAMES,
+    Config,
+    ExpressionError,
+    builtin_names,
+    check_nonempty,
+    load_builtin,
+    load_space,
+    safe_eval,
+    shape_context,
+)
+
+ATTENTION_YAML = Path(__file__).resolve().parents[1] / "search_spaces" / "attention.yaml"
+
+
+@pytest.fixture(scope="module")
+def space():
+    return load_space(ATTENTION_YAML)
+
+
+@pytest.fixture(scope="module")
+def mission():
+    return shape_context(parse_shape("mission"))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+# --------------------------------------------------------------------------- the real attention space
+
+
+def test_attention_loads(space):
+    """The shipped attention.yaml loads with its six parameters, four derived values and five constraints."""
+    assert space.family == "attention"
+    assert space.path == str(ATTENTION_YAML)
+    assert space.param_names() == ["block_m", "block_n", "compute_warps", "producer_warps", "stages", "smem_layout"]
+    assert [name for name, _, _ in space.derived] == ["threads", "rows_per_warp", "row_bytes", "smem_bytes"]
+    assert len(space.constraints) == 5
+    assert all(c.why for c in space.constraints)
+    block_m = space.params[0]
+    assert block_m.values == (16, 32, 64, 128) and block_m.default == 64 and block_m.line == 5
+    assert space.params[-1].values == ("pad", "swizzle", "plain")
+
+
+def test_load_builtin_finds_attention(space):
+    """load_builtin('attention') returns the same space as loading the file directly."""
+    assert "attention" in builtin_names()
+    assert load_builtin("attention") == space
+
+
+def test_load_builtin_unknown_name_lists_available():
+    """An unknown built-in name is a UsageError that lists the available spaces."""
+    with pytest.raises(UsageError, match=r"unknown search space 'nope'; available: .*attention"):
+        load_builtin("nope")
+
+
+def test_spaces_folder_override(tmp_path, monkeypatch):
+    """EVOTUNE_SPACES points load_builtin at another folder."""
+    (tmp_path / "tiny.yaml").write_text("family: tiny\nparams:\n  p: {values: [1, 2]}\n")
+    monkeypatch.setenv("EVOTUNE_SPACES", str(tmp_path))
+    assert builtin_names() == ["tiny"]
+    assert load_builtin("tiny").family == "tiny"
+
+
+def test_size(space):
+    """size() is the product of the value counts: 4*4*4*3*4*3."""
+    assert space.size() == 2304
+
+
+def test_all_configs_is_the_full_product_in_order(space):
+    """all_configs() yields size() distinct configs, deterministically, the last parameter varying fastest."""
+    configs = list(space.all_configs())
+    assert len(configs) == space.size() == len(set(configs))
+    assert configs == list(space.all_configs())
+    assert [c["smem_layout"] for c in configs[:3]] == ["pad", "swizzle", "plain"]
+
+
+def test_shape_context_has_every_context_name(mission):
+    """shape_context() provides exactly CONTEXT_NAMES, with the H100 limits."""
+    assert set(mission) == set(CONTEXT_NAMES)
+    assert mission["head_dim"] == 64 and mission["dtype_bytes"] == 2 and mission["causal"] is False
+    assert mission["smem_limit"] == 232448 and mission["max_threads"] == 1024
+
+
+def test_default_config_admitted_for_mission(space, mission):
+    """The default configuration runs on the mission shape."""
+    cfg = space.default_config()
+    assert cfg["block_m"] == 64 and cfg["smem_layout"] == "swizzle"
+    assert space.violations(cfg, mission) == []
+    assert space.admitted(cfg, mission)
+
+
+def test_derive_smem_bytes_by_hand(space, mission):
+    """block 64x64, 2 stages, padded rows at head_dim 64: rows of 144 B, (64 + 2*2*64) * 144 bytes."""
+    cfg = space.config({"block_m": 64, "block_n": 64, "compute_warps": 4, "stages": 2, "smem_layout": "pad"})
+    env = space.derive(cfg, mission)
+    assert env["row_bytes"] == 144
+    assert env["smem_bytes"] == (64 + 256) * 144 == 46080
+    assert env["threads"] == 128 and env["rows_per_warp"] == 16
+    assert env["head_dim"] == 64 and env["block_m"] == 64
+
+
+def test_violations_name_the_failed_why(space, mission):
+    """A config that splits 16 rows over 8 warps reports the whole-tile constraint, with its expression."""
+    cfg = space.config({"block_m": 16, "compute_warps": 8})
+    failed = space.violations(cfg, mission)
+    assert failed == ["each compute warp owns a whole number of 16-row mma tiles (block_m % (16 * compute_warps) == 0)"]
+    assert not space.admitted(cfg, mission)
+
+
+def test_violations_shared_memory_limit(space):
+    """128-row tiles with 4 stages of 128 keys at head_dim 128 exceed 227 KB."""
+    ctx = shape_context(parse_shape("llama-4k"))
+    cfg = space.config({"block_m": 128, "block_n": 128, "stages": 4})
+    assert any("shared-memory limit" in why for why in space.violations(cfg, ctx))
+
+
+def test_admitted_configs_nonempty_and_all_admitted(space, mission):
+    """admitted_configs() is a nonempty strict subset of the space, and each member is admitted."""
+    admitted = space.admitted_configs(mission)
+    assert 0 < len(admitted) < space.size()
+    assert space.default_config() in admitted
+    assert all(space.violations(cfg, mission) == [] for cfg in admitted)
+
+
+def test_check_nonempty(space, mission):
+    """check_nonempty passes for the mission shape and names the blocking constraint for head_dim 96."""
+    check_nonempty(space, mission)
+    with pytest.raises(UsageError) as info:
+        check_nonempty(space, shape_context(parse_shape("1,1,64,64,96")))
+    message = str(info.value)
+    assert message.startswith(f"{ATTENTION_YAML}: no configuration is admitted for ")
+    assert "head_dim=96" in message and "written for head_dim 64 and 128" in message
+
+
+# --------------------------------------------------------------------------- config()
+
+
+def test_config_fills_defaults(space):
+    """Parameters left out of config() take their defaults."""
+    cfg = space.config({"block_m": 32})
+    assert cfg["block_m"] == 32 and cfg["block_n"] == 64 and cfg["stages"] == 2
+
+
+def test_config_rejects_unknown_name(space):
+    """config() names an unknown parameter and lists the real ones."""
+    with pytest.raises(UsageError, match=r"unknown parameter 'block_k'; parameters: block_m, block_n"):
+        space.config({"block_k": 64})
+
+
+def test_config_rejects_bad_value(space):
+    """config() names a value that is not allowed and lists the allowed ones."""
+    with pytest.raises(UsageError, match=r"block_m=48 is not allowed; allowed: 16, 32, 64, 128"):
+        space.config({"block_m": 48})
+
+
+def test_config_is_type_strict(space):
+    """A bool or a string is not accepted where an int is expected, although True == 1 in Python."""
+    with pytest.raises(UsageError, match="producer_warps=True"):
+        space.config({"producer_warps": True})
+    with pytest.raises(UsageError, match="block_m='64'"):
+        space.config({"block_m": "64"})
+
+
+# --------------------------------------------------------------------------- Config
+
+
+def test_config_hash_equality_and_keys(space):
+    """Equal configs built in any key order are equal, hash equal, and share key() and digest()."""
+    a = space.config({"block_m": 32, "stages": 3})
+    b = Config.from_dict({**a.as_dict()})
+    c = Config.from_dict(dict(reversed(list(a.as_dict().items()))))
+    assert a == b == c and hash(a) == hash(b) == hash(c)
+    assert len({a, b, c, space.default_config()}) == 2
+    assert a.key() == c.key() == "block_m=32,block_n=64,compute_warps=4,producer_warps=0,smem_layout=swizzle,stages=3"
+    assert a.digest() == c.digest() and len(a.digest()) == 12 and int(a.digest(), 16) >= 0
+    assert a.digest() != space.default_config().digest()
+
+
+def test_config_mapping_methods():
+    """Config supports [], get(), keys() and as_dict(), with names sorted."""
+    cfg = Config.from_dict({"b": 2, "a": "x"})
+    assert cfg.items == (("a", "x"), ("b", 2))
+    assert cfg["b"] == 2 and cfg.get("a") == "x" and cfg.get("zz", 7) == 7
+    assert cfg.keys() == ["a", "b"] and cfg.as_dict() == {"a": "x", "b": 2}
+    with pytest.raises(KeyError):
+        cfg["zz"]
+
+
+def test_digest_is_stable():
+    """digest() is the first 12 hex digits of the sha256 of the sorted JSON, so it is the same in every process."""
+    d = {"smem_layout": "pad", "block_m": 64}
+    expected = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+    assert Config.from_dict(d).digest() == expected == "8f32838a2d28"
+
+
+# --------------------------------------------------------------------------- safe evaluator
+
+
+@pytest.mark.parametrize(
+    "expr, env, expected",
+    [
+        ("1 + 2 * 3 - 4 // 3 % 2", {}, 6),
+        ("7 / 2", {}, 3.5),
+        ("2 ** 10", {}, 1024),
+        ("-x", {"x": 3}, -3),
+        ("not x", {"x": 0}, True),
+        ("0 < x <= 4 < 5", {"x": 4}, True),
+        ("0 < x < 4", {"x": 4}, False),
+        ("x in (64, 128)", {"x": 128}, True),
+        ("x not in [64, 128]", {"x": 96}, True),
+        ("s == 'pad'", {"s": "pad"}, True),
+        ("16 if s == 'pad' else 0", {"s": "swizzle"}, 0),
+        ("x == 0 or 64 // x > 1", {"x": 0}, True),  # `or` short-circuits past the division by zero
+        ("x and 64 // x", {"x": 0}, 0),
+        ("min(x, 8, 3) + max(1, x) + abs(-2)", {"x": 5}, 10),
+        ("ceil_div(x, 16)", {"x": 33}, 3),
+        ("is_pow2(x) and not is_pow2(x + 1)", {"x": 64}, True),
+        ("int(7 / 2) + int(b)", {"b": True}, 4),
+        ("bool(x)", {"x": 0}, False),
+    ],
+)
+def test_safe_eval_allowed(expr, env, expected):
+    """Each allowed construct evaluates as Python would."""
+    result = safe_eval(expr, env)
+    assert result == expected and type(result) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "expr, message",
+    [
+        ("__import__('os')", "may be called"),
+        ("(1).real", "Attribute is not allowed"),
+        ("x.__class__", "Attribute is not allowed"),
+        ("lambda: 1", "Lambda is not allowed"),
+        ("[i for i in (1, 2)]", "ListComp is not allowed"),
+        ("x[0]", "Subscript is not allowed"),
+        ("(x := 1)", "NamedExpr is not allowed"),
+        ("x in y", "tuple or list literal"),
+        ("(1, 2)", "only allowed on the right side of `in`"),
+        ("min(x)", "at least 2"),
+        ("abs(x, y)", "takes 1 argument"),
+        ("max(*x, 1)", "positional arguments only"),
+        ("int(x=1)", "positional arguments only"),
+        ("x is None", "comparison Is is not allowed"),
+        ("~x", "operator Invert is not allowed"),
+        ("x << 2", "operator LShift is not allowed"),
+        ("None", "literal None is not allowed"),
+        ("x +", "cannot parse"),
+        ("x = 1", "cannot parse"),
+    ],
+)
+def test_safe_eval_rejects(expr, message):
+    """Constructs outside the subset are refused before anything is evaluated."""
+    with pytest.raises(ExpressionError, match=re.escape(message)):
+        safe_eval(expr, {"x": 1, "y": (1,)})
+
+
+@pytest.mark.parametrize(
+    "expr, env, message",
+    [
+        ("missing + 1", {}, "unknown name 'missing'"),
+        ("1 // x", {"x": 0}, "division or modulo by zero"),
+        ("2 ** x", {"x": 1000}, "exponent 1000 is larger than 64"),
+        ("s * 100", {"s": "pad"}, "not a number"),
+        ("int(s)", {"s": "pad"}, "invalid literal"),
+    ],
+)
+def test_safe_eval_runtime_errors(expr, env, message):
+    """Failures while evaluating become ExpressionError, never a raw Python exception."""
+    with pytest.raises(ExpressionError, match=message):
+        safe_eval(expr, env)
+
+
+# --------------------------------------------------------------------------- malformed files
+
+
+def test_missing_file(tmp_path):
+    """A missing file is reported as `<path>: no such file`, with no line."""
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(UsageError) as info:
+        load_space(path)
+    assert str(info.value) == f"{path}: no such file"
+
+
+HEAD = "family: t\nparams:\n  p:\n    values: [1, 2]\n"  # a valid 4-line start that cases extend
+
+MALFORMED = [
+    # (id, file text, line of the offending node, text the message contains)
+    ("syntax", "family: t\nparams:\n  p: {values: [1, 2}\n", 3, "YAML error"),
+    ("empty-file", "", 1, "empty file"),
+    ("top-not-mapping", "# a list\n- family\n- params\n", 2, "top level must be a mapping"),
+    ("missing-family", "# c\nparams:\n  p: {values: [1]}\n", 2, "missing top-level key 'family'"),
+    ("missing-params", "family: t\n", 1, "missing top-level key 'params'"),
+    ("unknown-top-key", HEAD + "parms: {}\n", 5, "unknown key 'parms' in the top level; allowed: family"),
+    ("duplicate-top-key", HEAD + "family: u\n", 5, "duplicate key 'family' in the top level"),
+    ("family-not-text", "family: 3\nparams:\n  p: {values: [1]}\n", 1, "family must be text"),
+    ("description-not-text", HEAD + "description: [a]\n", 5, "description must be a single value"),
+    ("params-empty", "family: t\nparams: {}\n", 2, "params is empty"),
+    ("params-null", "family: t\nparams:\nderived: {}\n", 2, "params is empty"),
+    ("params-not-mapping", "family: t\nparams: [p]\n", 2, "params must be a mapping"),
+    ("param-not-mapping", "family: t\nparams:\n  p: [1, 2]\n", 3, "parameter 'p' must be a mapping"),
+    ("param-missing-values", "family: t\nparams:\n  q: {values: [1]}\n  p:\n    doc: x\n", 4, "'p' has no `values`"),
+    ("values-empty", "family: t\nparams:\n  p:\n    values: []\n", 4, "values of parameter 'p' is empty"),
+    ("values-not-list", "family: t\nparams:\n  p:\n    values: 4\n", 4, "must be a list"),
+    ("values-duplicate", "family: t\nparams:\n  p:\n    values:\n      - 1\n      - 2\n      - 1\n", 7, "duplicate value 1"),
+    ("values-mixed", "family: t\nparams:\n  p:\n    values:\n      - 1\n      - a\n", 6, "mix int and str"),
+    ("values-int-and-bool", "family: t\nparams:\n  p:\n    values:\n      - 1\n      - true\n", 6, "mix int and bool"),
+    ("values-float", "family: t\nparams:\n  p:\n    values: [1.5]\n", 4, "integers, strings or booleans"),
+    ("values-nested", "family: t\nparams:\n  p:\n    values:\n      - [1]\n", 5, "must be a single value"),
+    ("values-unsafe-tag", "family: t\nparams:\n  p:\n    values:\n      - !!python/name:os.system ''\n", 5, "YAML error"),
+    ("default-not-in-values", HEAD + "    default: 3\n", 5, "default 3 of parameter 'p' is not one of 1, 2"),
+    ("default-bool-for-int", "family: t\nparams:\n  p:\n    values: [0, 1]\n    default: true\n", 5, "default True"),
+    ("unknown-param-key", HEAD + "    valus: [1]\n", 5, "unknown key 'valus' in parameter 'p'; allowed: values, default, doc"),
+    ("duplicate-param-key", HEAD + "    values: [3]\n", 5, "duplicate key 'values' in parameter 'p'"),
+    ("duplicate-param", HEAD + "  p:\n    values: [3]\n", 5, "duplicate key 'p' in params"),
+    ("param-bad-identifier", "family: t\nparams:\n  block-m: {values: [1]}\n", 3, "'block-m' is not a valid identifier"),
+    ("param-keyword", "family: t\nparams:\n  if: {values: [1]}\n", 3, "'if' is not a valid identifier"),
+    ("param-shadows-context", "family: t\nparams:\n  head_dim: {values: [1]}\n", 3, "shadows a context name"),
+    ("param-shadows-function", "family: t\nparams:\n  max: {values: [1]}\n", 3, "shadows a function"),
+    ("derived-not-mapping", HEAD + "derived: [x]\n", 5, "derived must be a mapping"),
+    ("derived-does-not-parse", HEAD + "derived:\n  x: p +\n", 6, "cannot parse"),
+    ("derived-disallowed", HEAD + "derived:\n  x: p.real\n", 6, "Attribute is not allowed"),
+    ("derived-unknown-name", HEAD + "derived:\n  x: 2 * q\n", 6, "unknown name 'q'"),
+    ("derived-uses-later-derived", HEAD + "derived:\n  x: y + 1\n  y: p\n", 6, "unknown name 'y'"),
+    ("derived-shadows-param", HEAD + "derived:\n  p: 2\n", 6, "derived 'p' shadows a parameter"),
+    ("derived-shadows-context", HEAD + "derived:\n  smem_limit: 2\n", 6, "shadows a context name"),
+    ("derived-duplicate", HEAD + "derived:\n  x: p\n  x: 2\n", 7, "duplicate key 'x' in derived"),
+    ("derived-empty-expression", HEAD + "derived:\n  x: ''\n", 6, "must be an expression"),
+    ("constraints-not-list", HEAD + "constraints:\n  expr: p > 0\n", 6, "constraints must be a list"),
+    ("constraint-not-mapping", HEAD + "constraints:\n  - p > 0\n", 6, "a constraint must be a mapping"),
+    ("constraint-missing-why", HEAD + "constraints:\n  - expr: p > 0\n", 6, "constraint has no `why`"),
+    ("constraint-missing-expr", HEAD + "constraints:\n  - why: because\n", 6, "constraint has no `expr`"),
+    ("constraint-unknown-key", HEAD + "constraints:\n  - expr: p > 0\n    why: w\n    note: n\n", 8, "unknown key 'note'"),
+    ("constraint-does-not-parse", HEAD + "constraints:\n  - why: w\n    expr: p >\n", 7, "cannot parse"),
+    ("constraint-import", HEAD + "constraints:\n  - expr: \"__import__('os')\"\n    why: w\n", 6, "may be called"),
+    ("constraint-lambda", HEAD + "constraints:\n  - expr: 'lambda: p'\n    why: w\n", 6, "Lambda is not allowed"),
+    ("constraint-unknown-name", HEAD + "constraints:\n  - expr: p < block_q\n    why: w\n", 6, "unknown name 'block_q'"),
+    ("constraint-why-not-text", HEAD + "constraints:\n  - expr: p > 0\n    why: [w]\n", 7, "why of a constraint must be a single value"),
+]
+
+
+@pytest.mark.parametrize("text, line, fragment", [case[1:] for case in MALFORMED], ids=[case[0] for case in MALFORMED])
+def test_malformed_space(tmp_path, text, line, fragment):
+    """A malformed space file raises one UsageError line `<path>:<line>: ...` pointing at the offending node."""
+    path = write(tmp_path, text)
+    with pytest.raises(UsageError) as info:
+        load_space(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:{line}: "), message
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_optional_sections_may_be_empty(tmp_path):
+    """A space with only family and params loads; bare `derived:` and `constraints:` mean none."""
+    space = load_space(write(tmp_path, HEAD + "derived:\nconstraints: []\n"))
+    assert space.description == "" and space.derived == () and space.constraints == ()
+    assert space.params[0].default == 1 and space.params[0].doc == ""
+    assert space.admitted_configs({}) == list(space.all_configs())
+
+
+def test_runtime_error_names_file_and_line(tmp_path):
+    """A derived value that divides by zero for some config fails with the file and line of its definition."""
+    path = write(tmp_path, HEAD + "derived:\n  x: 64 // (p - 1)\nconstraints:\n  - {expr: x > 0, why: w}\n")
+    space = load_space(path)
+    assert space.admitted(space.config({"p": 2}), {})
+    with pytest.raises(UsageError) as info:
+        space.violations(space.config({"p": 1}), {})
+    assert str(info.value).startswith(f"{path}:6: x: 64 // (p - 1): ")
+    assert "by zero" in str(info.value)
+
+
+def test_missing_context_name_at_runtime(tmp_path):
+    """A constraint reading a context name that the caller did not supply fails with file and line."""
+    path = write(tmp_path, HEAD + "constraints:\n  - expr: p <= head_dim\n    why: w\n")
+    space = load_space(path)
+    assert space.admitted(space.default_config(), {"head_dim": 64})
+    with pytest.raises(UsageError, match=rf"^{path}:6: constraint: p <= head_dim: unknown name 'head_dim'$"):
+        space.violations(space.default_config(), {})
