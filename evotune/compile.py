@@ -133,11 +133,24 @@ def _first_error(log: str) -> str:
     return log.strip().splitlines()[0] if log.strip() else "NVRTC failed with an empty log"
 
 
+def _nvrtc_compile(code: str, name: str, options: tuple[str, ...]) -> tuple[str, bytes]:
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(code, name, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError:
+            log = nvrtc.getProgramLog(prog)
+            raise CompileError(f"NVRTC: {_first_error(log)}", log) from None
+        return nvrtc.getProgramLog(prog), nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def compile_source(code: str, entry: str, arch: str = DEFAULT_ARCH, extra_options: tuple[str, ...] = (),
                    name: str = "evotune.cu") -> Compiled:
     """Compile `code` to a cubin for `arch`, or return the cached one; raise CompileError on failure."""
-    from cupy.cuda import nvrtc
-
     options = nvrtc_options(arch, extra_options)
     # Include dirs are install paths, not semantics: keep them out of the key.
     key_material = json.dumps({"code": code, "entry": entry, "arch": arch, "toolchain": toolchain(),
@@ -152,19 +165,17 @@ def compile_source(code: str, entry: str, arch: str = DEFAULT_ARCH, extra_option
                         compile_seconds=meta["compile_seconds"], cached=True)
 
     start = time.perf_counter()
-    prog = nvrtc.createProgram(code, name, [], [])
+    log, cubin = _nvrtc_compile(code, name, options)
     try:
-        try:
-            nvrtc.compileProgram(prog, list(options))
-        except nvrtc.NVRTCError:
-            log = nvrtc.getProgramLog(prog)
-            raise CompileError(f"NVRTC: {_first_error(log)}", log) from None
-        log = nvrtc.getProgramLog(prog)
-        cubin = nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+        resources = parse_resources(log, entry)
+    except CompileError:
+        # Seen on the H100 machine's NVRTC: a second program whose PTX matches one
+        # compiled earlier in the process comes back without ptxas's -v report.
+        # A unique (unused, externally visible) global changes the PTX and forces ptxas.
+        nonce = f"\n__device__ int evotune_resource_probe_{os.getpid()}_{time.monotonic_ns()} = 0;\n"
+        log, cubin = _nvrtc_compile(code + nonce, name, options)
+        resources = parse_resources(log, entry)
     seconds = time.perf_counter() - start
-    resources = parse_resources(log, entry)
     # Write-then-rename so a concurrent reader never sees half a cubin.
     tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(cubin)

@@ -37,8 +37,10 @@ class Verification:
     max_abs: float
     max_rel: float            # max |out - ref| / max |ref|
     nonfinite: int            # NaN/Inf in the output, unwritten (NaN-poisoned) elements included
+    gate_ratio: float         # max |out - ref| / (atol + rtol*|ref|): the gate passes at <= 1
     seeds: tuple[int, ...]
-    tolerance: float
+    atol: float
+    rtol: float
     passed: bool
 
     def as_dict(self) -> dict:

@@ -1,8 +1,9 @@
 """Problem shapes: presets and the `--shape` spelling.
 
 A shape is written either as a preset name (`mission`) or as
-`B,H,S,D` / `B,H,Sq,Sk,D`, optionally followed by `:`-separated flags
-(`fp16`, `bf16`, `causal`, `bshd`), e.g. `4,32,4096,128:bf16:causal`.
+`B,H,S,D` / `B,H,Sq,Sk,D`; either may be followed by `:`-separated flags
+(`fp16`, `bf16`, `causal`, `bshd`, `bhsd`), e.g. `4,32,4096,128:bf16:causal`
+or `mission:bf16`.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ def parse_shape(text: str) -> Shape:
     if text in PRESETS:
         return PRESETS[text][0]
     dims_part, *flags = text.split(":")
+    if dims_part.strip() in PRESETS:  # a preset with flags, e.g. mission:bf16
+        p = PRESETS[dims_part.strip()][0]
+        dims_part = f"{p.batch},{p.heads},{p.seq_q},{p.seq_k},{p.head_dim}"
+        flags = [p.dtype] + (["causal"] if p.causal else []) + [p.layout] + flags
     if not _DIMS.match(dims_part):
         if re.match(r"^[A-Za-z][\w-]*$", text):
             raise UsageError(f"shape: unknown preset {text!r}; presets: {', '.join(PRESETS)}")

@@ -46,6 +46,7 @@ def instantiate(problem, config, shape) -> KernelSource:
     """Append the problem's instantiation block for (config, shape) to its template."""
     path, template = read_template(problem.kernel_file)
     block = problem.instantiation(config, shape)
-    banner = f"\n// ---- evotune instantiation: {problem.family} {config.key()} on {shape.spec}\n"
+    # Only what changes the code goes in: the same kernel for two shapes is one source and one cache entry.
+    banner = f"\n// ---- evotune instantiation: {problem.family} {config.key()}\n"
     return KernelSource(family=problem.family, entry=problem.entry_name, code=template + banner + block,
                         template_path=str(path))

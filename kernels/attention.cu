@@ -19,6 +19,9 @@
 //                  load their own tiles, one __syncthreads per tile)
 //   STAGES         K/V tiles resident in shared memory
 //   SMEM_LAYOUT    0 plain rows, 1 rows padded by 16 B, 2 XOR-swizzled 16 B chunks
+//   Q_IN_REGS      keep the Q fragments in registers for the whole K/V loop (true)
+//                  or re-read them from shared memory at every k-step (false; frees
+//                  HEAD_DIM/4 registers per 16 rows, which d128 tiles need)
 // Problem traits (from the shape, also compile time):
 //   HEAD_DIM (64 or 128), IS_BF16, IS_CAUSAL (top-left aligned, as SDPA's is_causal)
 //
@@ -38,7 +41,7 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 enum SmemLayout { kPlain = 0, kPadded = 1, kSwizzled = 2 };
 
 template <int BLOCK_M_, int BLOCK_N_, int COMPUTE_WARPS_, int PRODUCER_WARPS_, int STAGES_,
-          int SMEM_LAYOUT_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          int SMEM_LAYOUT_, bool Q_IN_REGS_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct AttnTraits {
     static constexpr int kBlockM = BLOCK_M_;
     static constexpr int kBlockN = BLOCK_N_;
@@ -46,6 +49,7 @@ struct AttnTraits {
     static constexpr int kProducerWarps = PRODUCER_WARPS_;
     static constexpr int kStages = STAGES_;
     static constexpr int kSmemLayout = SMEM_LAYOUT_;
+    static constexpr bool kQInRegs = Q_IN_REGS_;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -60,6 +64,7 @@ struct AttnTraits {
     static constexpr int kNFrags = kBlockN / 8;            // 8-key column blocks of S
     static constexpr int kDFrags = kHeadDim / 8;           // 8-wide column blocks of O
     static constexpr int kQKSteps = kHeadDim / 16;         // k-steps of Q K^T
+    static constexpr int kQRegSteps = kQInRegs ? kQKSteps : 1;  // k-steps of Q held in registers
     static constexpr int kPVSteps = kBlockN / 16;          // k-steps of P V
     static constexpr int kChunksPerRow = kHeadDim / 8;     // 16-byte chunks per row
 
@@ -188,24 +193,27 @@ __device__ __forceinline__ void load_kv_tile(unsigned short* sK, unsigned short*
 
 // --------------------------------------------------------- warp-level math
 
-// Q fragments (A operand, 16x16 per k-step) of this warp's rows, via ldmatrix.x4.
+// Q fragments (A operand, 16x16) of this warp's rows for k-step kk, via ldmatrix.x4.
 template <class T>
-__device__ __forceinline__ void load_q_frags(u32 (&qf)[T::kMFrags][T::kQKSteps][4], const unsigned short* sQ,
+__device__ __forceinline__ void load_q_step(u32 (&qa)[4], const unsigned short* sQ, int row0, int kk, int lane) {
+    const int row = row0 + (lane & 15);
+    const int chunk = kk * 2 + (lane >> 4);
+    ldmatrix_x4(qa, smem_addr(sQ + tile_offset<T>(row, chunk)));
+}
+
+template <class T>
+__device__ __forceinline__ void load_q_frags(u32 (&qf)[T::kMFrags][T::kQRegSteps][4], const unsigned short* sQ,
                                              int warp_row0, int lane) {
 #pragma unroll
     for (int mf = 0; mf < T::kMFrags; ++mf)
 #pragma unroll
-        for (int kk = 0; kk < T::kQKSteps; ++kk) {
-            const int row = warp_row0 + mf * 16 + (lane & 15);
-            const int chunk = kk * 2 + (lane >> 4);
-            ldmatrix_x4(qf[mf][kk], smem_addr(sQ + tile_offset<T>(row, chunk)));
-        }
+        for (int kk = 0; kk < T::kQRegSteps; ++kk) load_q_step<T>(qf[mf][kk], sQ, warp_row0 + mf * 16, kk, lane);
 }
 
 // S = Q K^T for one K tile: each ldmatrix.x4 gives the B fragments of two 8-key blocks.
 template <class T>
-__device__ __forceinline__ void qk_tile(float (&s)[T::kMFrags][T::kNFrags][4], const u32 (&qf)[T::kMFrags][T::kQKSteps][4],
-                                        const unsigned short* sK, int lane) {
+__device__ __forceinline__ void qk_tile(float (&s)[T::kMFrags][T::kNFrags][4], u32 (&qf)[T::kMFrags][T::kQRegSteps][4],
+                                        const unsigned short* sQ, int warp_row0, const unsigned short* sK, int lane) {
 #pragma unroll
     for (int mf = 0; mf < T::kMFrags; ++mf)
 #pragma unroll
@@ -213,7 +221,12 @@ __device__ __forceinline__ void qk_tile(float (&s)[T::kMFrags][T::kNFrags][4], c
 #pragma unroll
             for (int i = 0; i < 4; ++i) s[mf][nf][i] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < T::kQKSteps; ++kk)
+    for (int kk = 0; kk < T::kQKSteps; ++kk) {
+        if constexpr (!T::kQInRegs) {
+#pragma unroll
+            for (int mf = 0; mf < T::kMFrags; ++mf) load_q_step<T>(qf[mf][0], sQ, warp_row0 + mf * 16, kk, lane);
+        }
+        const int qs = T::kQInRegs ? kk : 0;
 #pragma unroll
         for (int np = 0; np < T::kNFrags / 2; ++np) {
             u32 b[4];
@@ -222,10 +235,11 @@ __device__ __forceinline__ void qk_tile(float (&s)[T::kMFrags][T::kNFrags][4], c
             ldmatrix_x4(b, smem_addr(sK + tile_offset<T>(key, chunk)));
 #pragma unroll
             for (int mf = 0; mf < T::kMFrags; ++mf) {
-                mma_16816<T::kIsBf16>(s[mf][2 * np], qf[mf][kk], b[0], b[1]);
-                mma_16816<T::kIsBf16>(s[mf][2 * np + 1], qf[mf][kk], b[2], b[3]);
+                mma_16816<T::kIsBf16>(s[mf][2 * np], qf[mf][qs], b[0], b[1]);
+                mma_16816<T::kIsBf16>(s[mf][2 * np + 1], qf[mf][qs], b[2], b[3]);
             }
         }
+    }
 }
 
 // Set scores of keys past seq_k (ragged last tile) and, if causal, of keys
@@ -312,7 +326,7 @@ __device__ __forceinline__ void pv_tile(float (&o)[T::kMFrags][T::kDFrags][4], c
 }
 
 // Normalise O by the row sums, stage this warp's rows in its own slice of the
-// Q tile (no other warp reads it after the Q fragments are loaded), then
+// Q tile (only this warp ever reads that slice, and it is done with Q), then
 // write them to global memory with 16-byte stores.
 template <class T>
 __device__ __forceinline__ void store_o(float (&o)[T::kMFrags][T::kDFrags][4], float (&l)[T::kMFrags][2], unsigned short* sO,
@@ -416,7 +430,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
 
     // ---- compute warps
     const int warp_row0 = warp * T::kRowsPerWarp;
-    u32 qf[T::kMFrags][T::kQKSteps][4];
+    u32 qf[T::kMFrags][T::kQRegSteps][4];
     float o_acc[T::kMFrags][T::kDFrags][4];
     float s_acc[T::kMFrags][T::kNFrags][4];
     float m_run[T::kMFrags][2], l_run[T::kMFrags][2];
@@ -450,11 +464,11 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
             if (next < n_tiles) load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, next, seq_k, tid);
             cp_async_commit();
         }
-        if (t == 0) load_q_frags<T>(qf, sQ, warp_row0, lane);
+        if (T::kQInRegs && t == 0) load_q_frags<T>(qf, sQ, warp_row0, lane);
 
         const int slot = t % T::kStages;
         const int kv0 = t * T::kBlockN;
-        qk_tile<T>(s_acc, qf, sK + slot * T::kKVElems, lane);
+        qk_tile<T>(s_acc, qf, sQ, warp_row0, sK + slot * T::kKVElems, lane);
         bool need_mask = kv0 + T::kBlockN > seq_k;
         if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kBlockN - 1 > q_row0 + warp_row0;
         if (need_mask) mask_tile<T>(s_acc, q_row0 + warp_row0, kv0, seq_k, lane);

@@ -14,12 +14,15 @@ from . import LaunchGeometry
 
 SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
 
-# Gate tolerances on max |out - ref| against an fp32 reference, for inputs ~ N(0, 1).
-# Set from SDPA's own error on the H100 (see docs/PERFORMANCE.md, correctness):
-# on the mission shape SDPA's backends land near 2.4e-4 (fp16) and 2e-3 (bf16);
-# the gate leaves a margin of several times that, and is far below the error of
-# a kernel that drops or misplaces a tile (order 1e-1).
-TOLERANCE = {"fp16": 2e-3, "bf16": 1.6e-2}
+# Correctness gate, elementwise against an fp32 reference: |out - ref| <= ATOL + RTOL*|ref|.
+# The relative term is needed because |O| grows where a row attends few keys (causal
+# rows near the diagonal copy V almost verbatim), and one rounding of O to the output
+# dtype alone is 2^-11 (fp16) or 2^-8 (bf16) of |O|. Measured on the H100 (torch 2.11,
+# docs/PERFORMANCE.md): SDPA's max-abs error is 1.6e-4 (fp16) and 1.3e-3 (bf16) on the
+# mission shape, 9.3e-4 fp16 causal, 8.7e-3 on bf16 d128 causal; each is at most ~0.3
+# of this gate. A kernel that drops, repeats or misplaces one K/V tile is off by ~1e-1
+# at |ref| ~ 0.1, dozens of times the gate.
+TOLERANCE = {"fp16": (1e-3, 4e-3), "bf16": (8e-3, 3e-2)}  # (atol, rtol)
 
 
 class AttentionProblem:
@@ -50,6 +53,7 @@ class AttentionProblem:
             ("PRODUCER_WARPS", int(config["producer_warps"])),
             ("STAGES", int(config["stages"])),
             ("SMEM_LAYOUT", SMEM_LAYOUTS[config["smem_layout"]]),
+            ("Q_IN_REGS", "true" if config["q_in_regs"] else "false"),
             ("HEAD_DIM", shape.head_dim),
             ("IS_BF16", "true" if shape.dtype == "bf16" else "false"),
             ("IS_CAUSAL", "true" if shape.causal else "false"),
@@ -83,7 +87,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads, shape.batch),
                               block=(threads, 1, 1), dynamic_smem=smem)
 
-    def tolerance(self, shape: Shape) -> float:
+    def tolerance(self, shape: Shape) -> tuple[float, float]:
+        """(atol, rtol) of the elementwise gate for this shape's dtype."""
         return TOLERANCE[shape.dtype]
 
     def signature(self) -> str:

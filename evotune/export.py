@@ -1,0 +1,61 @@
+"""Export one configuration as a standalone .cu file: the template with the config baked in
+as template arguments of one extern "C" entry point, and a header that says how to launch it.
+`nvcc -arch=sm_90a -c FILE.cu` compiles it with nothing of evotune beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .compile import DEFAULT_ARCH, nvrtc_options
+from .template import instantiate
+
+
+def export_source(problem, shape, config, record: dict | None = None, meta: dict | None = None,
+                  arch: str = DEFAULT_ARCH) -> str:
+    """The standalone source text for (problem, shape, config), with provenance from a run record."""
+    src = instantiate(problem, config, shape)
+    geo = problem.geometry(config, shape)
+    record, meta = record or {}, meta or {}
+    result = record.get("result") or {}
+    timing = result.get("timing") or {}
+    ver = result.get("verification") or {}
+    res = result.get("resources") or {}
+    flags = " ".join(o for o in nvrtc_options(arch) if not o.startswith("-I"))
+    lines = [
+        f"evotune export: {problem.family} forward kernel, configuration baked in",
+        "",
+        f"shape        {shape.spec}  (B={shape.batch} H={shape.heads} Sq={shape.seq_q} Sk={shape.seq_k} D={shape.head_dim})",
+        f"config       {json.dumps(config.as_dict(), sort_keys=True)}",
+        f"entry        {src.entry}",
+        f"signature    {problem.signature()}",
+        f"grid         {geo.grid}   block {geo.block}   dynamic shared memory {geo.dynamic_smem} B"
+        + ("  (above 48 KB: set cudaFuncAttributeMaxDynamicSharedMemorySize first)" if geo.dynamic_smem > 48 * 1024 else ""),
+        f"NVRTC flags  {flags}",
+        f"build        nvcc -arch={arch} -c THIS_FILE.cu",
+    ]
+    if res:
+        lines.append(f"resources    {res.get('registers')} registers, {res.get('spill_stores', 0)} B spill stores, "
+                     f"{res.get('stack_frame', 0)} B stack frame (ptxas -v, {arch})")
+    if timing:
+        lines.append(f"measured     {timing.get('median_us', float('nan')):.2f} us median "
+                     f"(p10 {timing.get('p10_us', float('nan')):.2f}, p90 {timing.get('p90_us', float('nan')):.2f}; "
+                     f"{timing.get('method')}, {timing.get('launches_per_rep')} launches x {timing.get('reps')} replays)")
+    if ver:
+        lines.append(f"error        max abs {ver.get('max_abs'):.3g} vs fp32 reference, gate ratio "
+                     f"{ver.get('gate_ratio'):.3g} (atol {ver.get('atol')}, rtol {ver.get('rtol')}), seeds {ver.get('seeds')}")
+    if meta:
+        dev = meta.get("device") or {}
+        lines.append(f"device       {dev.get('name', 'unknown')} (driver {dev.get('driver', '?')}), "
+                     f"torch {meta.get('versions', {}).get('torch', '?')}, NVRTC {meta.get('versions', {}).get('nvrtc', '?')}")
+        lines.append(f"run          {meta.get('run_id', '?')}  git {meta.get('git_sha', '?')}  evotune {meta.get('versions', {}).get('evotune', '?')}")
+    header = "// " + "\n// ".join(line.rstrip() for line in lines) + "\n\n"
+    return header + src.code
+
+
+def write_export(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
