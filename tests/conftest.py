@@ -1,0 +1,78 @@
+"""Shared fixtures, and the rule that skips `gpu` tests where no CUDA GPU is visible.
+
+The `gpu` and `slow` markers are registered in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from evotune.problems import get_problem
+from evotune.shapes import parse_shape
+from evotune.space import load_builtin
+
+
+def _torch_sees_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken driver install must not break collection
+        return False
+
+
+def _cupy_device_count() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # ImportError, or CUDARuntimeError where there is no driver or device
+        return 0
+
+
+def gpu_skip_reason() -> str | None:
+    """Why GPU tests cannot run here, or None when both torch and CuPy see a CUDA device."""
+    torch_ok = _torch_sees_gpu()
+    cupy_count = _cupy_device_count()
+    if torch_ok and cupy_count > 0:
+        return None
+    return f"no CUDA GPU visible (torch.cuda.is_available()={torch_ok}, CuPy device count={cupy_count})"
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return  # do not touch the CUDA runtime when nothing needs it
+    reason = gpu_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_dir(tmp_path_factory):
+    """EVOTUNE_CACHE points at one temporary folder for the whole session: tests never touch ~/.cache,
+    and a cubin compiled by one test is reused by the next."""
+    path = tmp_path_factory.mktemp("evotune-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EVOTUNE_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def attention():
+    return get_problem("attention")
+
+
+@pytest.fixture(scope="session")
+def space():
+    return load_builtin("attention")
+
+
+@pytest.fixture(scope="session")
+def mission():
+    return parse_shape("mission")

@@ -1,0 +1,124 @@
+"""Tests for evotune.template: one kernel source per (config, shape), built from the template file."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from evotune.errors import UsageError
+from evotune.shapes import parse_shape
+from evotune.space import shape_context
+from evotune.template import REPO_ROOT, instantiate, kernels_dir
+
+BANNER = "// ---- evotune instantiation:"
+
+
+def without_banner(code: str) -> str:
+    """The code less the banner comment, which names the config and so differs for any two configs."""
+    return "\n".join(line for line in code.splitlines() if not line.startswith(BANNER))
+
+
+def first_admitted_change(space, name, shape):
+    """The default config with `name` moved to the first other value that the space admits on `shape`."""
+    default = space.default_config()
+    ctx = shape_context(shape)
+    param = next(p for p in space.params if p.name == name)
+    for value in param.values:
+        if value == default[name]:
+            continue
+        cfg = space.config({**default.as_dict(), name: value})
+        if space.admitted(cfg, ctx):
+            return cfg
+    return None
+
+
+def test_default_instantiation(attention, space, mission):
+    """The default mission source is the template text, a banner, and one extern "C" entry with the args in order."""
+    template = (REPO_ROOT / "kernels" / "attention.cu").read_text()
+    src = instantiate(attention, space.default_config(), mission)
+    assert src.family == "attention" and src.entry == "evotune_attention"
+    assert src.template_path == str(kernels_dir() / "attention.cu")
+    assert src.code.startswith(template)
+    tail = src.code[len(template):]
+    assert tail.startswith(f"\n{BANNER} attention {space.default_config().key()}\n")
+    assert tail.count('extern "C"') == 1
+    assert len(re.findall(r"\bevotune_attention\s*\(", tail)) == 1
+    expected = [
+        "/* BLOCK_M = */ 64", "/* BLOCK_N = */ 64", "/* COMPUTE_WARPS = */ 4", "/* PRODUCER_WARPS = */ 0",
+        "/* STAGES = */ 2", "/* SMEM_LAYOUT = */ 2", "/* Q_IN_REGS = */ true", "/* HEAD_DIM = */ 64",
+        "/* IS_BF16 = */ false", "/* IS_CAUSAL = */ false",
+    ]
+    positions = [tail.find(arg) for arg in expected]
+    assert all(p >= 0 for p in positions), dict(zip(expected, positions))
+    assert positions == sorted(positions)
+    assert len(src.digest) == 16 and int(src.digest, 16) >= 0
+
+
+def test_template_args_match_traits_parameters(attention, space, mission):
+    """The names of template_args() are, in order, the template parameters of evotune::AttnTraits in the .cu file."""
+    template = (REPO_ROOT / "kernels" / "attention.cu").read_text()
+    decl = re.search(r"template\s*<([^>]*)>\s*struct\s+AttnTraits\b", template)
+    assert decl, "AttnTraits declaration not found in kernels/attention.cu"
+    cuda_names = [part.split()[-1].rstrip("_") for part in decl.group(1).split(",")]
+    python_names = [name for name, _ in attention.template_args(space.default_config(), mission)]
+    assert python_names == cuda_names
+
+
+@pytest.mark.parametrize(
+    "name", ["block_m", "block_n", "compute_warps", "producer_warps", "stages", "smem_layout", "q_in_regs"]
+)
+def test_every_knob_changes_the_code(attention, space, mission, name):
+    """Changing one knob from its default to another admitted value changes the generated code beyond the banner."""
+    assert name in space.param_names()
+    cfg = first_admitted_change(space, name, mission)
+    assert cfg is not None, f"no admitted value of {name} other than the default on the mission shape"
+    base = instantiate(attention, space.default_config(), mission).code
+    changed = instantiate(attention, cfg, mission).code
+    assert without_banner(changed) != without_banner(base)
+
+
+def test_knob_list_covers_the_space(space):
+    """The knob list of test_every_knob_changes_the_code names every parameter of the attention space."""
+    assert set(space.param_names()) == {
+        "block_m", "block_n", "compute_warps", "producer_warps", "stages", "smem_layout", "q_in_regs"
+    }
+
+
+@pytest.mark.parametrize("other", ["1,8,4096,64", "1,8,512,2048,64", "16,32,512,64", "mission:bshd"])
+def test_code_independent_of_sizes_and_layout(attention, space, mission, other):
+    """Shapes that differ only in batch, heads, sequence lengths or memory layout share one source (one cache entry)."""
+    a = instantiate(attention, space.default_config(), mission)
+    b = instantiate(attention, space.default_config(), parse_shape(other))
+    assert a.code == b.code and a.digest == b.digest
+
+
+@pytest.mark.parametrize(
+    "field, value, arg",
+    [("dtype", "bf16", "/* IS_BF16 = */ true"), ("causal", True, "/* IS_CAUSAL = */ true"),
+     ("head_dim", 128, "/* HEAD_DIM = */ 128")],
+)
+def test_code_depends_on_dtype_mask_and_head_dim(attention, space, mission, field, value, arg):
+    """dtype, the causal mask and head_dim are compile-time traits, so each gives different code."""
+    a = instantiate(attention, space.default_config(), mission)
+    b = instantiate(attention, space.default_config(), replace(mission, **{field: value}))
+    assert a.code != b.code
+    assert arg in b.code and arg not in a.code
+
+
+def test_missing_template(attention, space, mission, tmp_path, monkeypatch):
+    """With EVOTUNE_KERNELS pointing at a folder without the template, instantiate raises UsageError naming the path."""
+    monkeypatch.setenv("EVOTUNE_KERNELS", str(tmp_path))
+    with pytest.raises(UsageError) as info:
+        instantiate(attention, space.default_config(), mission)
+    assert str(info.value) == f"{tmp_path / 'attention.cu'}: kernel template not found"
+
+
+def test_kernels_dir_override(attention, space, mission, tmp_path, monkeypatch):
+    """EVOTUNE_KERNELS selects the folder the template is read from."""
+    (tmp_path / "attention.cu").write_text("// stand-in template\n")
+    monkeypatch.setenv("EVOTUNE_KERNELS", str(tmp_path))
+    src = instantiate(attention, space.default_config(), mission)
+    assert src.code.startswith("// stand-in template\n")
+    assert src.template_path == str(tmp_path / "attention.cu")
