@@ -12,6 +12,7 @@ import random
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext as _nullcontext
 from typing import Optional
 
 import typer
@@ -53,6 +54,15 @@ def _load(shape_text: str, space_path: Optional[str], family: str = "attention")
         raise UsageError(f"{space.path}: space is for family {space.family!r}, not {problem.family!r}")
     check_nonempty(space, problem.context(shape))
     return problem, shape, space
+
+
+def _repo_relative(path: str) -> str:
+    from .template import REPO_ROOT
+
+    try:
+        return str(os.path.relpath(path, REPO_ROOT)) if os.path.abspath(path).startswith(str(REPO_ROOT)) else path
+    except ValueError:
+        return path
 
 
 def _gpu_count() -> int:
@@ -229,7 +239,7 @@ def search(
         info = worker.call({"kind": "info"})
         if rn is None:
             meta = {**base_meta(), "family": problem.family, "shape": shp.as_dict(), "shape_spec": shp.spec,
-                    "space": spc.path, "options": options.__dict__, "device": info}
+                    "space": _repo_relative(spc.path), "options": options.__dict__, "device": info}
             rn = Run.create(run, meta)
         evaluate = worker_evaluator(worker, problem, shp)
         stop = {"flag": False}
@@ -238,21 +248,23 @@ def search(
                             TimeElapsedColumn(), TimeRemainingColumn(), console=err_console)
         task = progress.add_task(rn.run_id, total=trials,
                                  completed=sum(1 for r in rn.trials() if r.get("counted")))
-        live = Live(Group(progress), console=err_console, refresh_per_second=4, transient=False,
-                    disable=json_out or not err_console.is_terminal)
+        # On a terminal: a live progress bar with ETA and the best-so-far table; elsewhere a line per trial.
+        live = (Live(Group(progress), console=err_console, refresh_per_second=4)
+                if err_console.is_terminal and not json_out else None)
 
         def on_trial(record, best):
             recent.append(record)
             if record.get("counted"):
                 progress.advance(task)
-            live.update(Group(progress, _best_table(best, recent)))
-            if not live.is_started and not json_out:
+            if live is not None:
+                live.update(Group(progress, _best_table(best, recent)))
+            elif not json_out:
                 res = record["result"]
                 t = f"{res['time_us']:.2f} us" if res.get("time_us") else res["message"][:80]
                 err_console.print(f"trial {record['number']:4d} {res['status']:<13} {t:<14} {_cfg_short(record['config'])}")
 
         try:
-            with live:
+            with live if live is not None else _nullcontext():
                 summary = run_search(problem, spc, shp, rn, evaluate, options, on_trial=on_trial,
                                      should_stop=lambda: stop["flag"])
         except KeyboardInterrupt:

@@ -141,9 +141,9 @@ def _nvrtc_compile(code: str, name: str, options: tuple[str, ...]) -> tuple[str,
         try:
             nvrtc.compileProgram(prog, list(options))
         except nvrtc.NVRTCError:
-            log = nvrtc.getProgramLog(prog)
+            log = nvrtc.getProgramLog(prog).rstrip("\x00")
             raise CompileError(f"NVRTC: {_first_error(log)}", log) from None
-        return nvrtc.getProgramLog(prog), nvrtc.getCUBIN(prog)
+        return nvrtc.getProgramLog(prog).rstrip("\x00"), nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -194,8 +194,12 @@ def static_violations(res: Resources, threads: int, dynamic_smem: int) -> list[s
         why.append(f"spills registers ({res.spill_stores} B stores, {res.spill_loads} B loads)")
     if res.stack_frame:
         why.append(f"uses local memory ({res.stack_frame} B stack frame)")
-    if res.registers * threads > REGISTERS_PER_SM:
-        why.append(f"{res.registers} registers x {threads} threads exceed the {REGISTERS_PER_SM} of an SM")
+    # Registers are handed out per warp in units of 256, and an SM's four schedulers
+    # each hold a quarter of the register file: count whole warps per scheduler.
+    warps = -(-threads // 32)
+    regs_per_warp = -(-res.registers * 32 // 256) * 256
+    if warps > (REGISTERS_PER_SM // regs_per_warp) // 4 * 4:
+        why.append(f"{res.registers} registers x {threads} threads do not fit one SM's register file")
     if res.static_smem + dynamic_smem > SMEM_LIMIT_BYTES:
         why.append(f"shared memory {res.static_smem + dynamic_smem} B exceeds {SMEM_LIMIT_BYTES} B")
     return why

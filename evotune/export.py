@@ -43,14 +43,15 @@ def export_source(problem, shape, config, record: dict | None = None, meta: dict
                      f"(p10 {timing.get('p10_us', float('nan')):.2f}, p90 {timing.get('p90_us', float('nan')):.2f}; "
                      f"{timing.get('method')}, {timing.get('launches_per_rep')} launches x {timing.get('reps')} replays)")
     if ver:
-        lines.append(f"error        max abs {ver.get('max_abs'):.3g} vs fp32 reference, gate ratio "
-                     f"{ver.get('gate_ratio'):.3g} (atol {ver.get('atol')}, rtol {ver.get('rtol')}), seeds {ver.get('seeds')}")
+        nan = float("nan")
+        lines.append(f"error        max abs {ver.get('max_abs', nan):.3g} vs fp32 reference, gate ratio "
+                     f"{ver.get('gate_ratio', nan):.3g} (atol {ver.get('atol')}, rtol {ver.get('rtol')}), seeds {ver.get('seeds')}")
     if meta:
         dev = meta.get("device") or {}
         lines.append(f"device       {dev.get('name', 'unknown')} (driver {dev.get('driver', '?')}), "
                      f"torch {meta.get('versions', {}).get('torch', '?')}, NVRTC {meta.get('versions', {}).get('nvrtc', '?')}")
         lines.append(f"run          {meta.get('run_id', '?')}  git {meta.get('git_sha', '?')}  evotune {meta.get('versions', {}).get('evotune', '?')}")
-    header = "// " + "\n// ".join(line.rstrip() for line in lines) + "\n\n"
+    header = "\n".join(("// " + line).rstrip() for line in lines) + "\n\n"
     return header + src.code
 
 

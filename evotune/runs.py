@@ -27,6 +27,9 @@ def runs_dir() -> Path:
 
 
 def git_sha() -> str:
+    """Short sha of the checkout (with -dirty); EVOTUNE_GIT_SHA names it where the tree has no .git (a copied tree)."""
+    if os.environ.get("EVOTUNE_GIT_SHA"):
+        return os.environ["EVOTUNE_GIT_SHA"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=10)
@@ -152,7 +155,7 @@ class Run:
 
 
 def ok_records(records: list[dict]) -> list[dict]:
-    return [r for r in records if (r.get("result") or {}).get("status") == "ok" and not r.get("duplicate_of")]
+    return [r for r in records if (r.get("result") or {}).get("status") == "ok" and r.get("duplicate_of") is None]
 
 
 def best_record(records: list[dict]) -> dict | None:
@@ -186,8 +189,10 @@ def base_meta(command_line: list[str] | None = None) -> dict:
         tc = toolchain()
     except Exception:  # NVRTC missing: the compile step will say so
         tc = {}
+    # `python -m evotune` puts the package path in argv[0]: record what a user would type.
+    argv = command_line if command_line is not None else ["evotune"] + sys.argv[1:]
     return {
-        "command_line": " ".join(command_line if command_line is not None else sys.argv),
+        "command_line": " ".join(argv),
         "git_sha": git_sha(),
         "versions": {"evotune": __version__, "python": sys.version.split()[0], **tc},
     }

@@ -68,7 +68,7 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
         study.tell(t.number, state=TrialState.FAIL)
 
     records = run.trials()
-    by_digest = {r["digest"]: r for r in records if not r.get("duplicate_of")}
+    by_digest = {r["digest"]: r for r in records if r.get("duplicate_of") is None}
     evaluated = sum(1 for r in records if r.get("counted"))
     proposals = 0
     dists = distributions(space)
@@ -108,7 +108,7 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
     best = best_record(records)
     counts: dict[str, int] = {}
     for r in records:
-        if not r.get("duplicate_of"):
+        if r.get("duplicate_of") is None:
             counts[r["result"]["status"]] = counts.get(r["result"]["status"], 0) + 1
     return {"run_id": run.run_id, "evaluated": evaluated, "proposals": proposals, "statuses": counts,
             "seconds": time.time() - started, "best": best}

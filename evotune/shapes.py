@@ -99,8 +99,8 @@ def parse_shape(text: str) -> Shape:
         dims_part = f"{p.batch},{p.heads},{p.seq_q},{p.seq_k},{p.head_dim}"
         flags = [p.dtype] + (["causal"] if p.causal else []) + [p.layout] + flags
     if not _DIMS.match(dims_part):
-        if re.match(r"^[A-Za-z][\w-]*$", text):
-            raise UsageError(f"shape: unknown preset {text!r}; presets: {', '.join(PRESETS)}")
+        if re.match(r"^[A-Za-z][\w-]*$", dims_part.strip()):
+            raise UsageError(f"shape: unknown preset {dims_part.strip()!r}; presets: {', '.join(PRESETS)}")
         raise UsageError(
             f"shape: cannot read {text!r}; write B,H,S,D or B,H,Sq,Sk,D with optional :fp16|:bf16|:causal|:bshd"
         )

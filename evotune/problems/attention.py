@@ -92,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         return TOLERANCE[shape.dtype]
 
     def signature(self) -> str:
-        return ("evotune_attention(const half* q, const half* k, const half* v, half* o, "
+        return ("evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, "
                 "int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, "
                 "int seq_q, int seq_k, float scale_log2)  // strides in elements; scale_log2 = scale*log2(e)")
 

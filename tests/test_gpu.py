@@ -1,0 +1,118 @@
+"""GPU tests: run on the H100 (`python -m pytest -m gpu`); skipped where no GPU is visible."""
+
+from __future__ import annotations
+
+import pytest
+
+from evotune import result as R
+from evotune.compile import compile_source
+from evotune.shapes import parse_shape
+from evotune.template import instantiate
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = ["mission", "mission:bf16", "mission:causal", "2,3,200,333,64", "1,2,1,64", "2,4,257,64:bshd",
+          "1,4,1000,128:bf16:causal", "3,2,77,300,128:causal", "2,2,300,77,64:causal"]
+CONFIGS = [
+    dict(block_m=64, block_n=64, compute_warps=4, producer_warps=0, stages=2, smem_layout="swizzle", q_in_regs=True),
+    dict(block_m=64, block_n=32, compute_warps=4, producer_warps=1, stages=3, smem_layout="pad", q_in_regs=False),
+    dict(block_m=16, block_n=16, compute_warps=1, producer_warps=2, stages=4, smem_layout="plain", q_in_regs=True),
+    dict(block_m=128, block_n=64, compute_warps=8, producer_warps=0, stages=1, smem_layout="swizzle", q_in_regs=False),
+]
+
+
+def _evaluate(problem, space, shape, cfg_dict, **kw):
+    from evotune.evaluate import evaluate_compiled
+
+    cfg = space.config(cfg_dict)
+    src = instantiate(problem, cfg, shape)
+    return evaluate_compiled(problem, shape, cfg, compile_source(src.code, src.entry), **kw)
+
+
+@pytest.mark.parametrize("shape_text", SHAPES)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"M{c['block_m']}N{c['block_n']}pw{c['producer_warps']}st{c['stages']}")
+def test_kernel_matches_reference(attention, space, shape_text, cfg):
+    """Every sampled config passes the gate on ragged, causal, bf16, d128 and BSHD shapes."""
+    shape = parse_shape(shape_text)
+    if not space.admitted(space.config(cfg), attention.context(shape)):
+        pytest.skip("config not admitted for this shape")
+    res = _evaluate(attention, space, shape, cfg, time_it=False)
+    assert res.status in (R.OK, R.PRUNED), res.message
+    if res.status == R.OK:
+        assert res.verification["nonfinite"] == 0
+        assert res.verification["gate_ratio"] <= 1.0
+
+
+def test_sdpa_passes_the_gate_by_a_margin(attention):
+    """Each SDPA backend's own error is well inside the gate (ratio <= 0.5) on the mission shape."""
+    from evotune.evaluate import measure_baselines
+
+    report = measure_baselines(attention, parse_shape("mission"), names=["flash", "cudnn", "efficient"], reps=5)
+    for name, b in report.items():
+        if b.get("available"):
+            assert b["verification"]["gate_ratio"] <= 0.5, (name, b["verification"])
+
+
+def test_gate_catches_a_wrong_kernel(attention, space, mission, monkeypatch):
+    """A kernel launched with the wrong softmax scale fails the gate instead of passing."""
+    import math
+
+    from evotune.evaluate import kernel_runner, verify
+    from evotune.compile import load_kernel
+
+    cfg = space.default_config()
+    src = instantiate(attention, cfg, mission)
+    compiled = compile_source(src.code, src.entry)
+    kernel = load_kernel(compiled, attention.geometry(cfg, mission).dynamic_smem)
+    run = kernel_runner(attention, mission, cfg, kernel)
+
+    def wrong(inputs, out):
+        run({**inputs, "scale": inputs["scale"] * 1.05}, out)
+
+    assert verify(attention, mission, run).passed
+    assert not verify(attention, mission, wrong).passed
+    assert math.isfinite(verify(attention, mission, wrong).max_abs)
+
+
+def test_unwritten_output_is_caught(attention, mission):
+    """An implementation that leaves one element unwritten fails through the NaN poison."""
+    from evotune.evaluate import verify
+
+    def partial(inputs, out):
+        ref = attention.reference(mission, inputs)
+        keep = out[0, 0, 0, 0].clone()
+        out.copy_(ref.to(out.dtype))
+        out[0, 0, 0, 0] = keep  # still NaN from the poison
+
+    check = verify(attention, mission, partial)
+    assert not check.passed and check.nonfinite == 1
+
+
+def test_timing_is_stable(attention, space, mission):
+    """Two timings of the same kernel agree within 10% and p10 <= median <= p90."""
+    res1 = _evaluate(attention, space, mission, space.default_config().as_dict())
+    res2 = _evaluate(attention, space, mission, space.default_config().as_dict())
+    for r in (res1, res2):
+        assert r.timing["p10_us"] <= r.time_us <= r.timing["p90_us"]
+    assert abs(res1.time_us - res2.time_us) / res1.time_us < 0.10
+
+
+def test_worker_survives_an_illegal_address(attention, space, mission, tmp_path):
+    """A candidate that faults is recorded as launch_error and the next job runs in a fresh worker."""
+    from evotune.search import worker_evaluator
+    from evotune.workers import GPUWorker
+
+    cfg = space.default_config()
+    src = instantiate(attention, cfg, mission)
+    # Plant an out-of-bounds store far past the output buffer.
+    bad_code = src.code.replace("evotune::attention_fwd<EvotuneTraits>(q, k, v, o,",
+                                "if (threadIdx.x == 0) o[(1ll << 40)] = 1;\n    evotune::attention_fwd<EvotuneTraits>(q, k, v, o,")
+    assert bad_code != src.code
+    bad = compile_source(bad_code, src.entry)
+    good = compile_source(src.code, src.entry)
+    with GPUWorker(timeout_s=120) as worker:
+        evaluate = worker_evaluator(worker, attention, mission)
+        res_bad = evaluate(cfg, bad)
+        res_good = evaluate(cfg, good)
+    assert res_bad.status == R.LAUNCH_ERROR, res_bad
+    assert res_good.status == R.OK, res_good
