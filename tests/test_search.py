@@ -1,0 +1,386 @@
+"""Tests for evotune.search: the search loop end to end on the CPU, with real NVRTC compiles of the
+attention template and an injected evaluator in place of the GPU worker.
+
+The space is a reduced copy of search_spaces/attention.yaml (128 configurations, 96 admitted
+on the mission shape), so that the few distinct kernels the tests compile stay cheap; the
+session-wide cubin cache makes a config compiled by one test free for the next.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from evotune import result as R
+from evotune import search as S
+from evotune.errors import UsageError
+from evotune.result import Result
+from evotune.runs import Run
+from evotune.search import SAMPLERS, SearchOptions, run_search
+from evotune.space import Config, load_space
+from evotune.template import KernelSource
+
+REDUCED_SPACE = """\
+# A reduced attention space for the search tests.
+family: attention
+description: reduced attention space for tests
+params:
+  block_m: {values: [32, 64]}
+  block_n: {values: [32, 64]}
+  compute_warps: {values: [2, 4]}
+  producer_warps: {values: [0, 1]}
+  stages: {values: [1, 2]}
+  smem_layout: {values: [swizzle, pad]}
+  q_in_regs: {values: [true, false]}
+derived:
+  threads: 32 * (compute_warps + producer_warps)
+  rows_per_warp: block_m // compute_warps
+  row_bytes: head_dim * dtype_bytes + (16 if smem_layout == 'pad' else 0)
+  smem_bytes: (block_m + 2 * stages * block_n) * row_bytes
+constraints:
+  - expr: block_m % (16 * compute_warps) == 0
+    why: each compute warp owns a whole number of 16-row mma tiles
+  - expr: rows_per_warp <= 64
+    why: more than four 16-row tiles per warp cannot keep O and S in registers
+  - expr: smem_bytes <= smem_limit
+    why: Q tile plus stages x (K,V) tiles must fit the per-block shared-memory limit
+  - expr: threads <= max_threads
+    why: a CTA has at most 1024 threads
+"""
+
+# Two configurations only (block_n varies); every other knob is fixed at a cheap value.
+TINY_SPACE = """\
+family: attention
+params:
+  block_m: {values: [32]}
+  block_n: {values: [32, 64]}
+  compute_warps: {values: [2]}
+  producer_warps: {values: [0]}
+  stages: {values: [1]}
+  smem_layout: {values: [swizzle]}
+  q_in_regs: {values: [true]}
+constraints:
+  - expr: block_m % (16 * compute_warps) == 0
+    why: each compute warp owns a whole number of 16-row mma tiles
+"""
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spaces") / "attention-reduced.yaml"
+    path.write_text(REDUCED_SPACE)
+    return load_space(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spaces") / "attention-tiny.yaml"
+    path.write_text(TINY_SPACE)
+    return load_space(path)
+
+
+@pytest.fixture(autouse=True)
+def runs_root(tmp_path, monkeypatch):
+    root = tmp_path / "runs"
+    monkeypatch.setenv("EVOTUNE_RUNS", str(root))
+    return root
+
+
+def fake_time(config: Config, registers: int) -> float:
+    """A deterministic stand-in for the measured time of a config."""
+    return round(20.0 - config["block_m"] / 16 - config["block_n"] / 32 + 0.5 * config["stages"]
+                 + 0.25 * config["producer_warps"] + (0.125 if config["smem_layout"] == "pad" else 0.0)
+                 + (0.0625 if not config["q_in_regs"] else 0.0) + registers / 1000.0, 6)
+
+
+class FakeEvaluator:
+    """Records every call and answers OK with a time computed from the config and its registers,
+    unless `status_for(call_index, config)` names another status."""
+
+    def __init__(self, space, context, status_for=None):
+        self.space, self.context = space, context
+        self.status_for = status_for
+        self.calls: list[tuple[str, Config]] = []
+
+    def __call__(self, config, compiled) -> Result:
+        assert self.space.admitted(config, self.context), f"evaluator called for a pruned config {config.key()}"
+        assert Path(compiled.cubin_path).is_file() and compiled.entry == "evotune_attention"
+        index = len(self.calls)
+        self.calls.append((config.digest(), config))
+        status = self.status_for(index, config) if self.status_for else R.OK
+        t = fake_time(config, compiled.resources.registers)
+        if status == R.OK:
+            return Result(status=R.OK, time_us=t, max_abs=1e-4,
+                          timing={"median_us": t, "p10_us": t * 0.98, "p90_us": t * 1.02, "reps": 5,
+                                  "launches_per_rep": 10, "method": "fake"})
+        if status == R.WRONG:
+            # Faster than anything that passes, and wildly wrong: must never be best.
+            return Result(status=R.WRONG, message="error 500x the gate", time_us=0.01, max_abs=0.5)
+        return Result(status=status, message=f"fake {status}")
+
+    def digests(self) -> list[str]:
+        return [d for d, _ in self.calls]
+
+
+def search(problem, space, shape, run, evaluator, trials, sampler="nsga2", max_proposals_factor=30,
+           on_trial=None, should_stop=None):
+    """run_search with a small NSGA-II population and a fixed seed."""
+    options = SearchOptions(trials=trials, sampler=sampler, population=4, seed=0,
+                            max_proposals_factor=max_proposals_factor)
+    return run_search(problem, space, shape, run, evaluator, options, on_trial=on_trial, should_stop=should_stop)
+
+
+def check_records(records: list[dict]) -> None:
+    """Every record has the recorded fields; duplicates point at an earlier record of the same digest and repeat its result."""
+    by_number = {r["number"]: r for r in records}
+    assert len(by_number) == len(records), "trial numbers are unique"
+    for r in records:
+        assert {"number", "config", "digest", "result", "started", "finished", "counted"} <= set(r)
+        assert r["result"]["status"] in R.STATUSES
+        assert Config.from_dict(r["config"]).digest() == r["digest"]
+        if r.get("duplicate_of") is not None:
+            first = by_number[r["duplicate_of"]]
+            assert first["number"] < r["number"] and first["digest"] == r["digest"]
+            assert first.get("duplicate_of") is None
+            assert r["result"] == first["result"] and r["counted"] is False
+
+
+# ------------------------------------------------------------------ (a) end to end
+
+
+def test_search_end_to_end(attention, reduced, mission):
+    """An 8-trial search records every proposal, evaluates each admitted config once, and writes best.json and pareto.json."""
+    run = Run.create("e2e", {"shape_spec": mission.spec})
+    ev = FakeEvaluator(reduced, attention.context(mission))
+    seen = []
+    summary = search(attention, reduced, mission, run, ev, trials=8,
+                     on_trial=lambda record, best: seen.append((record, best)))
+
+    records = run.trials()
+    assert len(records) >= 8 and len(records) == summary["proposals"] == len(seen)
+    check_records(records)
+    counted = [r for r in records if r["counted"]]
+    assert summary["evaluated"] == len(counted) == 8 == len(ev.calls)
+    assert Counter(ev.digests()).most_common(1)[0][1] == 1, "no config is evaluated twice"
+    assert sorted(ev.digests()) == sorted(r["digest"] for r in counted)
+    for r in records:
+        status = r["result"]["status"]
+        if r.get("duplicate_of") is None and not r["counted"]:
+            assert status == R.PRUNED and r["result"]["message"].startswith("constraint: ")
+            assert not reduced.admitted(Config.from_dict(r["config"]), attention.context(mission))
+        if r["counted"]:
+            assert status == R.OK and r["source_digest"]
+            # The loop fills in what the compile reported when the evaluator leaves it out.
+            assert r["result"]["resources"]["registers"] > 0 and r["result"]["compile_seconds"] >= 0
+            assert r["result"]["time_us"] == fake_time(Config.from_dict(r["config"]),
+                                                       r["result"]["resources"]["registers"])
+    assert [rec["number"] for rec, _ in seen] == [r["number"] for r in records]
+
+    ok = [r for r in records if r["result"]["status"] == R.OK and r.get("duplicate_of") is None]
+    fastest = min(ok, key=lambda r: r["result"]["time_us"])
+    best = json.loads((run.path / "best.json").read_text())
+    assert best == fastest == summary["best"] == seen[-1][1]
+    front = json.loads((run.path / "pareto.json").read_text())
+    assert front and front[0] == fastest  # all errors are equal, so the front is the fastest alone
+    assert summary["statuses"].get(R.OK) == len(ok)
+    assert summary["run_id"] == "e2e"
+
+    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    assert len(study.trials) == len(records)
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
+
+
+def test_repeated_proposals_are_answered_from_the_record(attention, tiny, mission):
+    """In a space of two configs, repeated proposals become duplicate records and the search stops at its proposal cap."""
+    run = Run.create("tiny", {})
+    ev = FakeEvaluator(tiny, attention.context(mission))
+    summary = search(attention, tiny, mission, run, ev, trials=4, sampler="random", max_proposals_factor=3)
+    records = run.trials()
+    check_records(records)
+    assert summary["proposals"] == len(records) == 4 * 3  # evaluated can never reach 4: the cap ends the search
+    assert summary["evaluated"] == 2 and len(ev.calls) == 2 and len(set(ev.digests())) == 2
+    dups = [r for r in records if r.get("duplicate_of") is not None]
+    assert len(dups) == len(records) - 2
+    assert summary["statuses"] == {R.OK: 2}  # duplicates are not counted twice
+    best = json.loads((run.path / "best.json").read_text())
+    assert best.get("duplicate_of") is None and best["counted"] is True
+
+
+# ------------------------------------------------------------------ (b) failing candidates
+
+
+def test_failing_statuses_are_recorded_never_best(attention, reduced, mission):
+    """WRONG, LAUNCH_ERROR and TIMEOUT answers are recorded with their status, the search goes on, and none is best."""
+    cycle = [R.WRONG, R.LAUNCH_ERROR, R.TIMEOUT, R.OK]
+    run = Run.create("failing", {})
+    ev = FakeEvaluator(reduced, attention.context(mission), status_for=lambda i, cfg: cycle[i % len(cycle)])
+    summary = search(attention, reduced, mission, run, ev, trials=8, sampler="random")
+    records = [r for r in run.trials() if r.get("duplicate_of") is None]
+    by_digest = {r["digest"]: r for r in records}
+    for i, digest in enumerate(ev.digests()):
+        assert by_digest[digest]["result"]["status"] == cycle[i % len(cycle)]
+        assert by_digest[digest]["counted"] is True  # a failure still spent its GPU time
+    assert summary["evaluated"] == 8
+    assert summary["statuses"][R.WRONG] == 2 and summary["statuses"][R.LAUNCH_ERROR] == 2
+    assert summary["statuses"][R.TIMEOUT] == 2 and summary["statuses"][R.OK] == 2
+    best = json.loads((run.path / "best.json").read_text())
+    assert best["result"]["status"] == R.OK and summary["best"] == best
+    assert all(r["result"]["status"] == R.OK for r in json.loads((run.path / "pareto.json").read_text()))
+    wrong = [r for r in records if r["result"]["status"] == R.WRONG]
+    assert all(w["result"]["time_us"] < best["result"]["time_us"] for w in wrong)  # faster, yet not best
+    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    states = Counter(t.state for t in study.trials)
+    assert states[TrialState.FAIL] >= 6 and states[TrialState.COMPLETE] >= 2
+
+
+def test_all_failing_search_has_no_best(attention, reduced, mission):
+    """A search where every candidate fails finishes with best None and no best.json."""
+    run = Run.create("allfail", {})
+    ev = FakeEvaluator(reduced, attention.context(mission), status_for=lambda i, cfg: R.CRASHED)
+    summary = search(attention, reduced, mission, run, ev, trials=3, sampler="random")
+    assert summary["best"] is None and summary["evaluated"] == 3
+    assert not (run.path / "best.json").exists()
+    assert json.loads((run.path / "pareto.json").read_text()) == []
+
+
+# ------------------------------------------------------------------ (c) compile errors
+
+
+def test_compile_error_is_recorded(attention, reduced, mission, monkeypatch):
+    """A candidate whose source does not compile is a counted compile_error trial, never handed to the evaluator."""
+    real_instantiate = S.instantiate
+    broken = {}
+
+    def instantiate(problem, config, shape):
+        src = real_instantiate(problem, config, shape)
+        if not broken or broken["digest"] == config.digest():
+            broken["digest"] = config.digest()  # the first config instantiated is the broken one
+            return KernelSource(family=src.family, entry=src.entry, template_path=src.template_path,
+                                code=src.code + "\nstatic int evotune_broken = ;\n")
+        return src
+
+    monkeypatch.setattr(S, "instantiate", instantiate)
+    run = Run.create("cerr", {})
+    ev = FakeEvaluator(reduced, attention.context(mission))
+    summary = search(attention, reduced, mission, run, ev, trials=4, sampler="random")
+    assert broken["digest"] not in ev.digests()
+    (bad,) = [r for r in run.trials() if r["digest"] == broken["digest"] and r.get("duplicate_of") is None]
+    assert bad["result"]["status"] == R.COMPILE_ERROR and bad["counted"] is True
+    assert bad["result"]["message"].startswith("NVRTC: ") and "error" in bad["result"]["message"]
+    assert summary["statuses"][R.COMPILE_ERROR] == 1
+    assert summary["evaluated"] == 4 and len(ev.calls) == 3
+    assert summary["best"]["digest"] != broken["digest"]
+
+
+def test_static_gate_prunes_before_evaluation(attention, reduced, mission, monkeypatch):
+    """A compiled kernel that fails the static resource gate is a counted PRUNED trial with its resources, not evaluated."""
+    monkeypatch.setattr(S, "static_violations", lambda res, threads, smem: ["spills registers (8 B stores, 8 B loads)"])
+    run = Run.create("static", {})
+    ev = FakeEvaluator(reduced, attention.context(mission))
+    summary = search(attention, reduced, mission, run, ev, trials=2, sampler="random")
+    assert ev.calls == [] and summary["best"] is None and summary["evaluated"] == 2
+    static = [r for r in run.trials() if r["counted"]]
+    assert len(static) == 2
+    for r in static:
+        assert r["result"]["status"] == R.PRUNED and r["result"]["message"].startswith("static: spills")
+        assert r["result"]["resources"]["registers"] > 0
+
+
+# ------------------------------------------------------------------ (d) resume
+
+
+def test_resume_continues_without_repeating(attention, reduced, mission):
+    """A run resumed with more trials reaches the new total, keeps earlier records, and never evaluates a config twice."""
+    run = Run.create("resumable", {"shape_spec": mission.spec})
+    ev = FakeEvaluator(reduced, attention.context(mission))
+    first = search(attention, reduced, mission, run, ev, trials=4, sampler="random")
+    assert first["evaluated"] == 4
+    before = run.trials_path.read_text()
+
+    # A killed process leaves its trial RUNNING in the study (asked, never told) and nothing in trials.jsonl.
+    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    orphan = study.ask(S.distributions(reduced)).number
+
+    again = Run.open("resumable")
+    second = search(attention, reduced, mission, again, ev, trials=8, sampler="random")
+    assert second["evaluated"] == 8 and len(ev.calls) == 8
+    assert len(set(ev.digests())) == 8, "no config is evaluated twice across the two calls"
+    after = again.trials_path.read_text()
+    assert after.startswith(before)  # earlier records intact, in place
+    records = again.trials()
+    # The resumed random sampler restarts from the same seed, so it re-proposes the first call's configs:
+    # those must be answered from the records made before the restart.
+    resumed = [json.loads(line) for line in after[len(before):].splitlines()]
+    assert any(r.get("duplicate_of") is not None for r in resumed)
+    check_records(records)
+    assert sum(r["counted"] for r in records) == 8
+    assert orphan not in {r["number"] for r in records}
+
+    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    assert study.trials[orphan].state == TrialState.FAIL
+    assert not [t for t in study.trials if t.state == TrialState.RUNNING]
+    assert json.loads((run.path / "best.json").read_text()) == second["best"]
+
+
+def test_resume_of_finished_run_does_nothing(attention, reduced, mission):
+    """Resuming a run that already has its trials proposes nothing and evaluates nothing."""
+    run = Run.create("done", {})
+    ev = FakeEvaluator(reduced, attention.context(mission))
+    search(attention, reduced, mission, run, ev, trials=2, sampler="random")
+    n = len(run.trials())
+    summary = search(attention, reduced, mission, Run.open("done"), ev, trials=2, sampler="random")
+    assert summary["proposals"] == 0 and summary["evaluated"] == 2 and len(ev.calls) == 2
+    assert len(run.trials()) == n and summary["best"] is not None
+
+
+# ------------------------------------------------------------------ (e) samplers
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_each_sampler_runs(attention, reduced, mission, sampler):
+    """Each named sampler drives a 3-trial search to completion."""
+    run = Run.create(f"s-{sampler}", {})
+    ev = FakeEvaluator(reduced, attention.context(mission))
+    summary = search(attention, reduced, mission, run, ev, trials=3, sampler=sampler)
+    assert summary["evaluated"] == 3 and len(set(ev.digests())) == 3
+    assert summary["best"] is not None and (run.path / "best.json").exists()
+
+
+def test_unknown_sampler_is_usage_error(attention, reduced, mission):
+    """An unknown sampler name is a UsageError naming the choices, raised before any trial is recorded."""
+    run = Run.create("bad-sampler", {})
+    ev = FakeEvaluator(reduced, attention.context(mission))
+    with pytest.raises(UsageError, match="unknown sampler 'annealing'; choose one of nsga2, tpe, random"):
+        search(attention, reduced, mission, run, ev, trials=3, sampler="annealing")
+    assert run.trials() == [] and ev.calls == []
+
+
+# ------------------------------------------------------------------ (f) stopping
+
+
+def test_should_stop_ends_the_loop(attention, reduced, mission):
+    """When should_stop turns True the loop stops before the next proposal, and what finished is recorded."""
+    run = Run.create("stopped", {})
+    ev = FakeEvaluator(reduced, attention.context(mission))
+    finished = []
+    summary = search(attention, reduced, mission, run, ev, trials=8, sampler="random",
+                     on_trial=lambda record, best: finished.append(record),
+                     should_stop=lambda: len(finished) >= 2)
+    assert summary["proposals"] == 2 and len(finished) == 2
+    assert [r["number"] for r in run.trials()] == [r["number"] for r in finished]
+    assert summary["evaluated"] == sum(r["counted"] for r in finished) <= 2
+    assert (run.path / "pareto.json").exists()
+
+
+def test_should_stop_at_once_records_nothing(attention, reduced, mission):
+    """A search told to stop before it starts proposes nothing and records nothing."""
+    run = Run.create("never", {})
+    ev = FakeEvaluator(reduced, attention.context(mission))
+    summary = search(attention, reduced, mission, run, ev, trials=8, should_stop=lambda: True)
+    assert summary["proposals"] == 0 and summary["evaluated"] == 0 and summary["best"] is None
+    assert run.trials() == [] and ev.calls == []
