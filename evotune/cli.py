@@ -82,7 +82,7 @@ def _require_gpu(command: str) -> None:
 
 def _cfg_short(cfg: dict) -> str:
     abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
-              "smem_layout": "", "q_in_regs": "qreg"}
+              "smem_layout": "", "q_in_regs": "qreg", "kv_splits": "kv"}
     parts = []
     for k, v in cfg.items():
         if k == "q_in_regs":
@@ -233,6 +233,8 @@ def search(
             raise UsageError(f"run {run!r} searched {meta.get('shape_spec')}, not {shp.spec}")
     else:
         rn = None
+        if run is not None:
+            Run.check_new_name(run)  # before the slow worker start
     _require_gpu("search")
     options = SearchOptions(trials=trials, sampler=sampler, population=population, seed=seed)
     with GPUWorker(device=gpu, timeout_s=timeout) as worker:
@@ -401,7 +403,12 @@ def list_runs(json_out: bool = typer.Option(False, "--json")):
     root = runs_dir()
     for meta_path in sorted(root.glob("*/meta.json")) if root.exists() else []:
         rn = Run(meta_path.parent)
-        meta = rn.meta()
+        try:
+            meta = rn.meta()
+        except EvotuneError as e:  # one damaged run must not hide the others
+            rows.append({"run": rn.run_id, "shape": None, "device": None, "trials": 0, "best_us": None,
+                         "error": str(e)})
+            continue
         recs = rn.trials()
         best = best_record(recs)
         rows.append({"run": rn.run_id, "shape": meta.get("shape_spec"), "device": (meta.get("device") or {}).get("name"),

@@ -65,17 +65,24 @@ class Run:
     # ---------------------------------------------------------------- create / open
     @classmethod
     def create(cls, name: str | None, meta: dict) -> "Run":
-        name = name or new_run_id(meta.get("shape_spec", "run"))
-        if not _NAME_RE.match(name):
-            raise UsageError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (at most 100)")
-        path = runs_dir() / name
-        if path.exists():
-            raise UsageError(f"run {name!r} already exists in {runs_dir()}; use --resume to continue it or pick another --run")
+        if name is None:
+            name = new_run_id(meta.get("shape_spec", "run"))
+        path = cls.check_new_name(name)
         path.mkdir(parents=True)
         run = cls(path)
         run.write_json("meta.json", {**meta, "run_id": name, "created": dt.datetime.now().isoformat(timespec="seconds")})
         run.trials_path.touch()
         return run
+
+    @staticmethod
+    def check_new_name(name: str) -> Path:
+        """The folder a new run of this name would get; UsageError if the name is bad or taken."""
+        if not _NAME_RE.match(name):
+            raise UsageError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (at most 100)")
+        path = runs_dir() / name
+        if path.exists():
+            raise UsageError(f"run {name!r} already exists in {runs_dir()}; use --resume to continue it or pick another --run")
+        return path
 
     @classmethod
     def open(cls, name: str | None) -> "Run":
@@ -112,8 +119,15 @@ class Run:
             raise EvotuneError(f"{self.path / filename}: not valid JSON ({e})") from None
 
     def append_trial(self, record: dict) -> None:
-        with open(self.trials_path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        line = json.dumps(record, sort_keys=True) + "\n"
+        with open(self.trials_path, "ab+") as f:
+            # A run killed mid-write leaves a torn last line: start on a fresh line
+            # so this record is not glued to it and lost with it.
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = "\n" + line
+            f.write(line.encode())
             f.flush()
             os.fsync(f.fileno())
 

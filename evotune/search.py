@@ -72,9 +72,13 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
     evaluated = sum(1 for r in records if r.get("counted"))
     proposals = 0
     dists = distributions(space)
+    # Once every admitted config has a record there is nothing left to learn.
+    admitted_total = len(space.admitted_configs(context))
+    admitted_seen = {r["digest"] for r in records if r.get("counted")}
     started = time.time()
 
-    while evaluated < options.trials and proposals < options.trials * options.max_proposals_factor:
+    while (evaluated < options.trials and len(admitted_seen) < admitted_total
+           and proposals < options.trials * options.max_proposals_factor):
         if should_stop is not None and should_stop():
             break
         proposals += 1
@@ -91,6 +95,8 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
             res, counted, source_digest = _evaluate_one(problem, space, shape, context, config, evaluate)
             record.update(counted=counted, source_digest=source_digest)
             evaluated += int(counted)
+            if counted:
+                admitted_seen.add(record["digest"])
         if res.ok:
             study.tell(trial, [res.time_us, res.max_abs])
         else:

@@ -172,7 +172,12 @@ class GPUWorker:
                 self._stop(kill=True)
                 self.restarts += 1
             self._start()
-        self._conn.send(job)
+        try:
+            self._conn.send(job)
+        except (BrokenPipeError, OSError):
+            self._stop(kill=True)
+            self.restarts += 1
+            raise WorkerError(R.CRASHED, "GPU worker died before it took the job") from None
         if not self._conn.poll(timeout_s or self.timeout_s):
             self._stop(kill=True)
             self.restarts += 1
@@ -180,6 +185,8 @@ class GPUWorker:
         try:
             tag, payload = self._conn.recv()
         except (EOFError, ConnectionResetError):
+            if self._proc is not None:
+                self._proc.join(2)  # the pipe closes before the process is reaped
             code = self._proc.exitcode if self._proc else None
             self._stop(kill=True)
             self.restarts += 1

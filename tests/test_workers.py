@@ -23,7 +23,7 @@ from evotune.search import worker_evaluator
 from evotune.space import Config
 from evotune.workers import GPUWorker, WorkerError, _compiled_from_dict, compiled_to_dict
 
-TIMEOUT_S = 2.0
+TIMEOUT_S = 1.0
 
 
 def _compiled() -> Compiled:
@@ -146,7 +146,7 @@ def test_hang_becomes_timeout(worker_with):
 
 def test_call_timeout_argument_overrides_default(worker_with):
     """call(job, timeout_s=...) waits that long rather than the worker's default, and raises WorkerError(TIMEOUT)."""
-    w = worker_with(fake.hang_worker, timeout_s=600)
+    w = worker_with(fake.hang_worker, timeout_s=30)
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
         w.call({"kind": "evaluate"}, timeout_s=1)
