@@ -32,6 +32,7 @@ def export_source(problem, shape, config, record: dict | None = None, meta: dict
         f"signature    {problem.signature()}",
         f"grid         {geo.grid}   block {geo.block}   dynamic shared memory {geo.dynamic_smem} B"
         + ("  (above 48 KB: set cudaFuncAttributeMaxDynamicSharedMemorySize first)" if geo.dynamic_smem > 48 * 1024 else ""),
+        *problem.launch_notes(config, shape),
         f"NVRTC flags  {flags}",
         f"build        nvcc -arch={arch} -c THIS_FILE.cu",
     ]

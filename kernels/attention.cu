@@ -19,6 +19,9 @@
 //                  load their own tiles, one __syncthreads per tile)
 //   STAGES         K/V tiles resident in shared memory
 //   SMEM_LAYOUT    0 plain rows, 1 rows padded by 16 B, 2 XOR-swizzled 16 B chunks
+//   KV_SPLITS      CTAs that share one query tile, each walking 1/KV_SPLITS of the
+//                  K/V tiles (split-KV, for small problems that leave SMs idle); the
+//                  last CTA of a tile to finish merges the partial results (fused combine)
 //   Q_IN_REGS      keep the Q fragments in registers for the whole K/V loop (true)
 //                  or re-read them from shared memory at every k-step (false; frees
 //                  HEAD_DIM/4 registers per 16 rows, which d128 tiles need)
@@ -41,7 +44,7 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 enum SmemLayout { kPlain = 0, kPadded = 1, kSwizzled = 2 };
 
 template <int BLOCK_M_, int BLOCK_N_, int COMPUTE_WARPS_, int PRODUCER_WARPS_, int STAGES_,
-          int SMEM_LAYOUT_, bool Q_IN_REGS_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          int SMEM_LAYOUT_, bool Q_IN_REGS_, int KV_SPLITS_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct AttnTraits {
     static constexpr int kBlockM = BLOCK_M_;
     static constexpr int kBlockN = BLOCK_N_;
@@ -50,6 +53,7 @@ struct AttnTraits {
     static constexpr int kStages = STAGES_;
     static constexpr int kSmemLayout = SMEM_LAYOUT_;
     static constexpr bool kQInRegs = Q_IN_REGS_;
+    static constexpr int kKVSplits = KV_SPLITS_;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -83,7 +87,10 @@ struct AttnTraits {
     static_assert(kProducerWarps >= 0 && kProducerWarps <= 4, "0 to 4 producer warps");
     static_assert(kThreads <= 1024, "at most 1024 threads per CTA");
     static_assert(kSmemLayout != kSwizzled || kChunksPerRow >= 8, "the XOR swizzle needs 8 chunks per row");
-    static_assert(!kHasProducers || 1 + 2 * kStages <= 16, "named barriers: 1 + 2*STAGES must fit the 16 per CTA");
+    static_assert(!kHasProducers || 2 + 2 * kStages <= 16, "named barriers: 2 + 2*STAGES must fit the 16 per CTA");
+    static_assert(kKVSplits >= 1 && kKVSplits <= 16, "1 to 16 KV splits");
+    // With producer warps, the compute warps alone synchronise on this named barrier.
+    static constexpr int kComputeBarrier = 1 + 2 * kStages;
     static_assert(kSmemBytes <= 227 * 1024, "Q tile + STAGES*(K,V) tiles exceed the 227 KB per-CTA shared memory");
 };
 
@@ -181,12 +188,11 @@ __device__ __forceinline__ void load_tile_async(unsigned short* tile, const unsi
     }
 }
 
-// K and V tile `t` into pipeline slot t % STAGES, by NTHREADS loader threads.
+// K and V tile `t` (keys t*BLOCK_N ...) into pipeline slot `slot`, by NTHREADS loader threads.
 template <class T, int NTHREADS>
 __device__ __forceinline__ void load_kv_tile(unsigned short* sK, unsigned short* sV, const unsigned short* gK,
-                                             const unsigned short* gV, long long k_ss, long long v_ss, int t, int seq_k,
-                                             int loader_tid) {
-    const int slot = t % T::kStages;
+                                             const unsigned short* gV, long long k_ss, long long v_ss, int slot, int t,
+                                             int seq_k, int loader_tid) {
     load_tile_async<T, T::kBlockN, NTHREADS>(sK + slot * T::kKVElems, gK, k_ss, t * T::kBlockN, seq_k, loader_tid);
     load_tile_async<T, T::kBlockN, NTHREADS>(sV + slot * T::kKVElems, gV, v_ss, t * T::kBlockN, seq_k, loader_tid);
 }
@@ -275,8 +281,9 @@ __device__ __forceinline__ void online_softmax(float (&s)[T::kMFrags][T::kNFrags
             for (int nf = 0; nf < T::kNFrags; ++nf) mx = fmaxf(mx, fmaxf(s[mf][nf][2 * r], s[mf][nf][2 * r + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // Every row sees at least one unmasked key in its first tile, so mx is finite here.
-            const float m_scaled = mx * scale_log2;
+            // A row whose keys so far are all masked (possible in a causal KV split)
+            // keeps m = -inf; scaling by 0 then keeps p = 0 and alpha finite.
+            const float m_scaled = mx == neg_inf() ? 0.f : mx * scale_log2;
             const float alpha = fast_exp2(m[mf][r] * scale_log2 - m_scaled);  // 0 on the first tile (m = -inf)
             m[mf][r] = mx;
             float row_sum = 0.f;
@@ -325,6 +332,14 @@ __device__ __forceinline__ void pv_tile(float (&o)[T::kMFrags][T::kDFrags][4], c
     }
 }
 
+// Row sums reduced across the quad; 0 for a row that saw no unmasked key.
+template <class T>
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    return x;
+}
+
 // Normalise O by the row sums, stage this warp's rows in its own slice of the
 // Q tile (only this warp ever reads that slice, and it is done with Q), then
 // write them to global memory with 16-byte stores.
@@ -335,10 +350,7 @@ __device__ __forceinline__ void store_o(float (&o)[T::kMFrags][T::kDFrags][4], f
     for (int mf = 0; mf < T::kMFrags; ++mf)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float sum = l[mf][r];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float inv = 1.f / sum;
+            const float inv = 1.f / quad_sum<T>(l[mf][r]);
             const int row = warp_row0 + mf * 16 + (lane >> 2) + 8 * r;
 #pragma unroll
             for (int df = 0; df < T::kDFrags; ++df) {
@@ -364,15 +376,81 @@ __device__ __forceinline__ void store_o(float (&o)[T::kMFrags][T::kDFrags][4], f
     }
 }
 
+// Split-KV: write this CTA's normalised partial O (fp32) and per-row log2-sum-exp
+// to its workspace slice. A row with no unmasked key in this split gets lse = -inf.
+template <class T>
+__device__ __forceinline__ void store_partial(float (&o)[T::kMFrags][T::kDFrags][4], float (&m)[T::kMFrags][2],
+                                              float (&l)[T::kMFrags][2], float* wo, float* wlse, int warp_row0,
+                                              float scale_log2, int lane) {
+#pragma unroll
+    for (int mf = 0; mf < T::kMFrags; ++mf)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float sum = quad_sum<T>(l[mf][r]);
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            const int row = warp_row0 + mf * 16 + (lane >> 2) + 8 * r;
+            if ((lane & 3) == 0) wlse[row] = sum > 0.f ? m[mf][r] * scale_log2 + __log2f(sum) : neg_inf();
+#pragma unroll
+            for (int df = 0; df < T::kDFrags; ++df) {
+                const int col = df * 8 + 2 * (lane & 3);
+                *reinterpret_cast<float2*>(wo + row * T::kHeadDim + col) =
+                    make_float2(o[mf][df][2 * r] * inv, o[mf][df][2 * r + 1] * inv);
+            }
+        }
+}
+
+// Split-KV: merge the KV_SPLITS partials of one query tile, weighting each by
+// 2^(lse_s - max lse), and write O. Run by the compute threads of the last CTA.
+template <class T>
+__device__ __forceinline__ void combine_partials(const float* wo, const float* wlse, unsigned short* gO,
+                                                 long long row_stride, int q_row0, int seq_q, int tid) {
+    constexpr int kSliceO = T::kBlockM * T::kHeadDim;
+    constexpr int kQuads = T::kHeadDim / 4;
+    for (int idx = tid; idx < T::kBlockM * kQuads; idx += T::kComputeThreads) {
+        const int row = idx / kQuads;
+        const int col = (idx % kQuads) * 4;
+        if (q_row0 + row >= seq_q) continue;
+        float lse_max = neg_inf();
+#pragma unroll
+        for (int s = 0; s < T::kKVSplits; ++s) lse_max = fmaxf(lse_max, __ldcg(wlse + s * T::kBlockM + row));
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        float wsum = 0.f;
+#pragma unroll
+        for (int s = 0; s < T::kKVSplits; ++s) {
+            const float w = fast_exp2(__ldcg(wlse + s * T::kBlockM + row) - lse_max);  // 0 for an empty split
+            const float4 p = __ldcg(reinterpret_cast<const float4*>(wo + s * kSliceO + row * T::kHeadDim + col));
+            acc.x += w * p.x; acc.y += w * p.y; acc.z += w * p.z; acc.w += w * p.w;
+            wsum += w;
+        }
+        const float inv = 1.f / wsum;
+        uint2 packed;
+        packed.x = pack2<T::kIsBf16>(acc.x * inv, acc.y * inv);
+        packed.y = pack2<T::kIsBf16>(acc.z * inv, acc.w * inv);
+        *reinterpret_cast<uint2*>(gO + (long long)(q_row0 + row) * row_stride + col) = packed;
+    }
+}
+
+// Synchronise the compute warps only (producer warps may have exited).
+template <class T>
+__device__ __forceinline__ void compute_sync() {
+    if constexpr (T::kHasProducers) named_bar_sync(T::kComputeBarrier, T::kComputeThreads);
+    else __syncthreads();
+}
+
 // ------------------------------------------------------------------ kernel
 
 // Strides are in elements: *_sb batch, *_sh head, *_ss sequence (the head-dim stride is 1).
+// Split-KV workspace (KV_SPLITS > 1 only; null otherwise), per (batch, head, query tile):
+//   ws_o   [KV_SPLITS][BLOCK_M][HEAD_DIM] fp32 partial outputs
+//   ws_lse [KV_SPLITS][BLOCK_M]           fp32 log2-sum-exp of the scaled scores
+//   ws_count                              int, zero before a launch; the kernel leaves it zero
 template <class T>
 __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                                               const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
                                               long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh,
                                               long long k_ss, long long v_sb, long long v_sh, long long v_ss, long long o_sb,
-                                              long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2) {
+                                              long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
+                                              float* __restrict__ ws_o, float* __restrict__ ws_lse, int* __restrict__ ws_count) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
     unsigned short* sK = sQ + T::kQElems;
@@ -381,9 +459,11 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
     const int lane = tid & 31;
-    const int q_row0 = blockIdx.x * T::kBlockM;
+    const int m_tile = blockIdx.x;
+    const int q_row0 = m_tile * T::kBlockM;
     const int head = blockIdx.y;
-    const int batch = blockIdx.z;
+    const int batch = blockIdx.z / T::kKVSplits;
+    const int split = blockIdx.z % T::kKVSplits;
     const unsigned short* gQ = q + batch * q_sb + head * q_sh;
     const unsigned short* gK = k + batch * k_sb + head * k_sh;
     const unsigned short* gV = v + batch * v_sb + head * v_sh;
@@ -392,29 +472,35 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     // Causal: tiles wholly after this CTA's last query row contribute nothing; skip them.
     int kv_end = seq_k;
     if constexpr (T::kIsCausal) kv_end = min(seq_k, q_row0 + T::kBlockM);
-    const int n_tiles = (kv_end + T::kBlockN - 1) / T::kBlockN;
+    const int n_tiles_all = (kv_end + T::kBlockN - 1) / T::kBlockN;
+    // This CTA's share of the K/V tiles: [t_begin, t_begin + n_tiles); may be empty in a split.
+    const int per_split = (n_tiles_all + T::kKVSplits - 1) / T::kKVSplits;
+    const int t_begin = min(split * per_split, n_tiles_all);
+    const int n_tiles = min(n_tiles_all - t_begin, per_split);
 
     if constexpr (T::kHasProducers) {
         // Named barrier ids: FULL[s] = 1 + s (producers arrive, consumers wait),
-        // EMPTY[s] = 1 + STAGES + s (consumers arrive, producers wait).
+        // EMPTY[s] = 1 + STAGES + s (consumers arrive, producers wait). Pipeline
+        // step i holds tile t_begin + i in slot i % STAGES.
         if (warp >= T::kComputeWarps) {
             const int ptid = tid - T::kComputeThreads;
             load_tile_async<T, T::kBlockM, T::kProducerThreads>(sQ, gQ, q_ss, q_row0, seq_q, ptid);
 #pragma unroll
             for (int s = 0; s < T::kStages - 1; ++s) {
-                if (s < n_tiles) load_kv_tile<T, T::kProducerThreads>(sK, sV, gK, gV, k_ss, v_ss, s, seq_k, ptid);
+                if (s < n_tiles) load_kv_tile<T, T::kProducerThreads>(sK, sV, gK, gV, k_ss, v_ss, s, t_begin + s, seq_k, ptid);
                 cp_async_commit();  // Q joins tile 0's group
             }
-            for (int t = 0; t < n_tiles; ++t) {
-                const int next = t + T::kStages - 1;
+            for (int i = 0; i < n_tiles; ++i) {
+                const int next = i + T::kStages - 1;
                 if (next < n_tiles) {
-                    // Slot of `next` last held tile t-1: wait until the consumers released it.
-                    if (t >= 1) named_bar_sync(1 + T::kStages + (t - 1) % T::kStages, T::kThreads);
-                    load_kv_tile<T, T::kProducerThreads>(sK, sV, gK, gV, k_ss, v_ss, next, seq_k, ptid);
+                    // Slot of `next` last held step i-1: wait until the consumers released it.
+                    if (i >= 1) named_bar_sync(1 + T::kStages + (i - 1) % T::kStages, T::kThreads);
+                    load_kv_tile<T, T::kProducerThreads>(sK, sV, gK, gV, k_ss, v_ss, next % T::kStages, t_begin + next,
+                                                         seq_k, ptid);
                 }
                 cp_async_commit();  // empty groups keep the wait count uniform
                 cp_async_wait<T::kStages - 1>();
-                named_bar_arrive(1 + t % T::kStages, T::kThreads);
+                named_bar_arrive(1 + i % T::kStages, T::kThreads);
             }
             return;
         }
@@ -423,7 +509,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         cp_async_commit();
 #pragma unroll
         for (int s = 0; s < T::kStages - 1; ++s) {
-            if (s < n_tiles) load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, s, seq_k, tid);
+            if (s < n_tiles) load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, s, t_begin + s, seq_k, tid);
             cp_async_commit();
         }
     }
@@ -444,30 +530,31 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
             for (int i = 0; i < 4; ++i) o_acc[mf][df][i] = 0.f;
     }
 
-    for (int t = 0; t < n_tiles; ++t) {
-        // ---- wait for tile t (and, at t = 0, for Q)
+    for (int i = 0; i < n_tiles; ++i) {
+        const int slot = i % T::kStages;
+        // ---- wait for step i (and, at i = 0, for Q)
         if constexpr (T::kHasProducers) {
-            named_bar_sync(1 + t % T::kStages, T::kThreads);
+            named_bar_sync(1 + slot, T::kThreads);
         } else if constexpr (T::kStages == 1) {
-            // One slot: everyone must be done with tile t-1 before it is overwritten.
-            if (t > 0) __syncthreads();
-            load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, t, seq_k, tid);
+            // One slot: everyone must be done with step i-1 before it is overwritten.
+            if (i > 0) __syncthreads();
+            load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, 0, t_begin + i, seq_k, tid);
             cp_async_commit();
             cp_async_wait<0>();
             __syncthreads();
         } else {
             cp_async_wait<T::kStages - 2>();
-            // After this barrier tile t is visible to all, and every warp has
-            // finished tile t-1, so its slot can take tile t + STAGES - 1.
+            // After this barrier step i is visible to all, and every warp has
+            // finished step i-1, so its slot can take step i + STAGES - 1.
             __syncthreads();
-            const int next = t + T::kStages - 1;
-            if (next < n_tiles) load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, next, seq_k, tid);
+            const int next = i + T::kStages - 1;
+            if (next < n_tiles)
+                load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, next % T::kStages, t_begin + next, seq_k, tid);
             cp_async_commit();
         }
-        if (T::kQInRegs && t == 0) load_q_frags<T>(qf, sQ, warp_row0, lane);
+        if (T::kQInRegs && i == 0) load_q_frags<T>(qf, sQ, warp_row0, lane);
 
-        const int slot = t % T::kStages;
-        const int kv0 = t * T::kBlockN;
+        const int kv0 = (t_begin + i) * T::kBlockN;
         qk_tile<T>(s_acc, qf, sQ, warp_row0, sK + slot * T::kKVElems, lane);
         bool need_mask = kv0 + T::kBlockN > seq_k;
         if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kBlockN - 1 > q_row0 + warp_row0;
@@ -476,10 +563,33 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         pv_tile<T>(o_acc, s_acc, sV + slot * T::kKVElems, lane);
 
         if constexpr (T::kHasProducers) {
-            if (t + T::kStages < n_tiles) named_bar_arrive(1 + T::kStages + slot, T::kThreads);
+            if (i + T::kStages < n_tiles) named_bar_arrive(1 + T::kStages + slot, T::kThreads);
         }
     }
-    store_o<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
+
+    if constexpr (T::kKVSplits == 1) {
+        store_o<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
+    } else {
+        const long long tile_index = ((long long)(batch * gridDim.y + head)) * gridDim.x + m_tile;
+        float* wo = ws_o + tile_index * (T::kKVSplits * T::kBlockM * T::kHeadDim);
+        float* wlse = ws_lse + tile_index * (T::kKVSplits * T::kBlockM);
+        store_partial<T>(o_acc, m_run, l_run, wo + split * (T::kBlockM * T::kHeadDim), wlse + split * T::kBlockM,
+                         warp_row0, scale_log2, lane);
+        // Publish the partial, then count arrivals: the CTA that brings the count to
+        // KV_SPLITS sees every other partial (threadfence-reduction pattern).
+        __threadfence();
+        compute_sync<T>();
+        __shared__ int is_last;
+        if (tid == 0) {
+            const int arrived = atomicAdd(ws_count + tile_index, 1);
+            is_last = arrived == T::kKVSplits - 1;
+            if (is_last) ws_count[tile_index] = 0;  // ready for the next launch
+        }
+        compute_sync<T>();
+        if (!is_last) return;
+        __threadfence();
+        combine_partials<T>(wo, wlse, gO, o_ss, q_row0, seq_q, tid);
+    }
 }
 
 }  // namespace evotune

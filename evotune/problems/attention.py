@@ -14,6 +14,15 @@ from . import LaunchGeometry
 
 SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
 
+# The value a knob takes when a (reduced) search space does not list it.
+KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
+                 "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1}
+
+
+def knob(config, name: str):
+    value = config.get(name)
+    return KNOB_DEFAULTS[name] if value is None else value
+
 # Correctness gate, elementwise against an fp32 reference: |out - ref| <= ATOL + RTOL*|ref|.
 # The relative term is needed because |O| grows where a row attends few keys (causal
 # rows near the diagonal copy V almost verbatim), and one rounding of O to the output
@@ -47,13 +56,14 @@ class AttentionProblem:
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         return [
-            ("BLOCK_M", int(config["block_m"])),
-            ("BLOCK_N", int(config["block_n"])),
-            ("COMPUTE_WARPS", int(config["compute_warps"])),
-            ("PRODUCER_WARPS", int(config["producer_warps"])),
-            ("STAGES", int(config["stages"])),
-            ("SMEM_LAYOUT", SMEM_LAYOUTS[config["smem_layout"]]),
-            ("Q_IN_REGS", "true" if config["q_in_regs"] else "false"),
+            ("BLOCK_M", int(knob(config, "block_m"))),
+            ("BLOCK_N", int(knob(config, "block_n"))),
+            ("COMPUTE_WARPS", int(knob(config, "compute_warps"))),
+            ("PRODUCER_WARPS", int(knob(config, "producer_warps"))),
+            ("STAGES", int(knob(config, "stages"))),
+            ("SMEM_LAYOUT", SMEM_LAYOUTS[knob(config, "smem_layout")]),
+            ("Q_IN_REGS", "true" if knob(config, "q_in_regs") else "false"),
+            ("KV_SPLITS", int(knob(config, "kv_splits"))),
             ("HEAD_DIM", shape.head_dim),
             ("IS_BF16", "true" if shape.dtype == "bf16" else "false"),
             ("IS_CAUSAL", "true" if shape.causal else "false"),
@@ -65,26 +75,29 @@ class AttentionProblem:
         return f"""using EvotuneTraits = evotune::AttnTraits<
     {targs}>;
 
-// Launch: grid (ceil(seq_q / BLOCK_M), heads, batch), block (EvotuneTraits::kThreads),
+// Launch: grid (ceil(seq_q / BLOCK_M), heads, batch * KV_SPLITS), block (EvotuneTraits::kThreads),
 // dynamic shared memory EvotuneTraits::kSmemBytes. Pointers are fp16/bf16 bit patterns;
 // strides are in elements (b = batch, h = head, s = sequence; the head-dim stride is 1).
+// With KV_SPLITS > 1 the fp32 workspace ws_o / ws_lse and the int counters ws_count
+// (zeroed once; the kernel leaves them zero) hold one slice per (batch, head, query tile).
 extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 {self.entry_name}(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                   const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
                   long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
                   long long v_sb, long long v_sh, long long v_ss, long long o_sb, long long o_sh, long long o_ss,
-                  int seq_q, int seq_k, float scale_log2) {{
+                  int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count) {{
     evotune::attention_fwd<EvotuneTraits>(q, k, v, o, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
-                                          o_sb, o_sh, o_ss, seq_q, seq_k, scale_log2);
+                                          o_sb, o_sh, o_ss, seq_q, seq_k, scale_log2, ws_o, ws_lse, ws_count);
 }}
 """
 
     def geometry(self, config, shape: Shape) -> LaunchGeometry:
-        block_m, block_n = int(config["block_m"]), int(config["block_n"])
-        threads = 32 * (int(config["compute_warps"]) + int(config["producer_warps"]))
-        pitch = shape.head_dim + (8 if config["smem_layout"] == "pad" else 0)
-        smem = 2 * pitch * (block_m + 2 * int(config["stages"]) * block_n)
-        return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads, shape.batch),
+        block_m, block_n = int(knob(config, "block_m")), int(knob(config, "block_n"))
+        threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
+        pitch = shape.head_dim + (8 if knob(config, "smem_layout") == "pad" else 0)
+        smem = 2 * pitch * (block_m + 2 * int(knob(config, "stages")) * block_n)
+        return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads,
+                                    shape.batch * int(knob(config, "kv_splits"))),
                               block=(threads, 1, 1), dynamic_smem=smem)
 
     def tolerance(self, shape: Shape) -> tuple[float, float]:
@@ -94,7 +107,25 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
     def signature(self) -> str:
         return ("evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, "
                 "int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, "
-                "int seq_q, int seq_k, float scale_log2)  // strides in elements; scale_log2 = scale*log2(e)")
+                "int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count)"
+                "  // strides in elements; scale_log2 = scale*log2(e); workspace only for kv_splits > 1")
+
+    def launch_notes(self, config, shape: Shape) -> list[str]:
+        """Extra launch requirements for an export header."""
+        n_o, n_lse, n_count = self.workspace_elems(config, shape)
+        if not n_count:
+            return ["workspace    none (kv_splits = 1): pass null for ws_o, ws_lse, ws_count"]
+        return [f"workspace    ws_o {n_o} fp32, ws_lse {n_lse} fp32, ws_count {n_count} int32 zeroed once "
+                f"(the kernel leaves the counters zero)"]
+
+    def workspace_elems(self, config, shape: Shape) -> tuple[int, int, int]:
+        """(ws_o floats, ws_lse floats, ws_count ints) a launch needs; zeros when kv_splits == 1."""
+        splits = int(knob(config, "kv_splits"))
+        if splits == 1:
+            return 0, 0, 0
+        tiles = math.ceil(shape.seq_q / int(knob(config, "block_m"))) * shape.heads * shape.batch
+        rows = tiles * splits * int(knob(config, "block_m"))
+        return rows * shape.head_dim, rows, tiles
 
     # ------------------------------------------------------------ GPU side
     def torch_dtype(self, shape: Shape):
@@ -139,9 +170,15 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         for t in (inputs["q"], inputs["k"], inputs["v"], out):
             args += [np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))]
         args += [np.int32(shape.seq_q), np.int32(shape.seq_k), np.float32(inputs["scale"] * math.log2(math.e))]
+        n_o, n_lse, n_count = self.workspace_elems(config, shape)
+        # Kept alive by the closure below; counters start at zero and the kernel re-zeroes them.
+        workspace = (torch.empty(n_o, dtype=torch.float32, device=out.device),
+                     torch.empty(n_lse, dtype=torch.float32, device=out.device),
+                     torch.zeros(n_count, dtype=torch.int32, device=out.device)) if n_count else ()
+        args += [np.uint64(t.data_ptr()) for t in workspace] if workspace else [np.uint64(0)] * 3
         args = tuple(args)
 
-        def launch():
+        def launch(_keep=workspace):
             stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
             kernel(geo.grid, geo.block, args, shared_mem=geo.dynamic_smem, stream=stream)
 
