@@ -211,7 +211,9 @@ def load_kernel(compiled: Compiled, dynamic_smem: int = 0):
 
     module = cupy.RawModule(path=compiled.cubin_path)
     kernel = module.get_function(compiled.entry)
-    if dynamic_smem > 48 * 1024:
-        # Above 48 KB a kernel must opt in to its dynamic shared memory.
+    if dynamic_smem > 0:
+        # The default cap is 48 KB of static plus dynamic shared memory: a kernel with
+        # exactly 48 KB dynamic and any static bytes fails to launch without opting in
+        # (seen on the H100: CUDA_ERROR_INVALID_VALUE). Opting in is harmless below the cap.
         kernel.max_dynamic_shared_size_bytes = dynamic_smem
     return kernel
