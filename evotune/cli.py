@@ -96,7 +96,7 @@ def _best_table(best: Optional[dict], recent: list[dict]) -> Table:
     table = Table(title="best so far" if best else "no passing candidate yet", expand=False)
     for col in ("trial", "status", "time us", "max abs err", "regs", "config"):
         table.add_column(col)
-    rows = ([best] if best else []) + [r for r in recent[-6:] if r is not best]
+    rows = ([best] if best else []) + [r for r in recent[-6:] if not best or r["number"] != best["number"]]
     for i, r in enumerate(rows):
         res = r["result"]
         t = f"{res['time_us']:.2f}" if res.get("time_us") else "-"
