@@ -370,6 +370,126 @@ def _print_comparison(out: dict, shp) -> None:
         console.print("note: the kernel template changed since this trial was recorded")
 
 
+# ---------------------------------------------------------------- verify / sanitize
+def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str], shape_text: Optional[str],
+                       space_path: Optional[str]):
+    """(problem, shape, config) from a run record, or from --config JSON on --shape; --shape overrides a run's."""
+    from .problems import get_problem
+    from .runs import Run
+    from .shapes import Shape, parse_shape
+
+    if config_json is not None:
+        problem, shp, spc = _load(shape_text or "mission", space_path)
+        try:
+            cfg_dict = json.loads(config_json)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--config is not valid JSON: {e}") from None
+        if not isinstance(cfg_dict, dict):
+            raise UsageError("--config must be a JSON object of knob values")
+        config = spc.config(cfg_dict)
+        why = spc.violations(config, problem.context(shp))
+        if why:
+            raise UsageError(f"--config is not admitted on {shp.spec}: {'; '.join(why)}")
+        return problem, shp, config
+    from .space import Config
+
+    rn = Run.open(run)
+    meta = rn.meta()
+    rec = _select(rn, which)
+    problem = get_problem(meta["family"])
+    shp = parse_shape(shape_text) if shape_text else Shape.from_dict(meta["shape"])
+    problem.check_shape(shp)
+    return problem, shp, Config.from_dict(rec["config"])
+
+
+def _compile_candidate(problem, shp, config):
+    from .compile import compile_source
+    from .template import instantiate
+
+    src = instantiate(problem, config, shp)
+    return compile_source(src.code, src.entry)
+
+
+@app.command("verify")
+def verify_cmd(
+    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
+    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Shape to check on (default: the run's)."),
+    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    launches: int = typer.Option(100, "--launches", min=2, help="Launches for the bitwise determinism check."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Deep check of one config: the gate (seeds + stress inputs + dependency) and bitwise determinism."""
+    from .workers import GPUWorker, compiled_to_dict
+
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space)
+    _require_gpu("verify")
+    compiled = _compile_candidate(problem, shp, cfg)
+    with GPUWorker(timeout_s=600) as worker:
+        rep = worker.call({"kind": "verify", "family": problem.family, "shape": shp.as_dict(),
+                           "config": cfg.as_dict(), "compiled": compiled_to_dict(compiled), "launches": launches,
+                           "seeds": list(REPLAY_SEEDS)})
+    ver, det = rep["verification"], rep["determinism"]
+    ok = ver["passed"] and det["passed"]
+    if json_out:
+        _emit_json({"shape": shp.spec, "config": cfg.as_dict(), "passed": ok, **rep})
+    else:
+        console.print(f"{shp.spec}  {_cfg_short(cfg.as_dict())}")
+        console.print(f"  gate         {'pass' if ver['passed'] else 'FAIL'}: ratio {ver['gate_ratio']:.3g} (worst: "
+                      f"{ver['worst_case']}), max abs {ver['max_abs']:.3g}, non-finite {ver['nonfinite']}, "
+                      f"patterns {', '.join(ver['patterns'])}")
+        console.print(f"  dependency   {ver['dependency']}")
+        console.print(f"  determinism  {'pass' if det['passed'] else 'FAIL'}: {det['detail']}")
+    if not ok:
+        raise EvotuneError(f"{_cfg_short(cfg.as_dict())} failed the deep check on {shp.spec}")
+
+
+def _sanitize_shape(shp):
+    """A small ragged shape of the same class (head dim, dtype, mask, layout): sanitizers run ~100x slower."""
+    from dataclasses import replace
+
+    return replace(shp, batch=1, heads=2, seq_q=197, seq_k=300 if not shp.causal else 197)
+
+
+@app.command()
+def sanitize(
+    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
+    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Shape (default: a small ragged one of the run's class)."),
+    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    tool: list[str] = typer.Option(["memcheck", "racecheck", "synccheck"], "--tool", help="Sanitizer tool(s)."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Run compute-sanitizer (memcheck, racecheck, synccheck) on one config and report clean or the finding."""
+    from .sanitize import TOOLS, run_tool
+    from .workers import compiled_to_dict
+
+    for t in tool:
+        if t not in TOOLS:
+            raise UsageError(f"unknown sanitizer tool {t!r}; tools: {', '.join(TOOLS)}")
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space)
+    if shape is None:
+        shp = _sanitize_shape(shp)
+    _require_gpu("sanitize")
+    compiled = _compile_candidate(problem, shp, cfg)
+    job = {"family": problem.family, "shape": shp.as_dict(), "config": cfg.as_dict(),
+           "compiled": compiled_to_dict(compiled)}
+    reports = [run_tool(t, job) for t in tool]
+    if json_out:
+        _emit_json({"shape": shp.spec, "config": cfg.as_dict(), "reports": reports})
+    else:
+        console.print(f"{shp.spec}  {_cfg_short(cfg.as_dict())}")
+        for r in reports:
+            console.print(f"  {r['tool']:<10} {r['summary']}")
+            if not r["clean"]:
+                console.print(r["output_tail"], markup=False, highlight=False)
+    bad = [r["tool"] for r in reports if not r["clean"]]
+    if bad:
+        raise EvotuneError(f"compute-sanitizer reported findings ({', '.join(bad)}) for {_cfg_short(cfg.as_dict())} on {shp.spec}")
+
+
 # ---------------------------------------------------------------- export
 @app.command()
 def export(

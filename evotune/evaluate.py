@@ -103,27 +103,88 @@ def output_errors(out, ref, atol: float, rtol: float) -> tuple[float, float, int
     return max_abs, max_abs / max(ref_max, 1e-30), 0, ratio
 
 
-def verify(problem, shape, run_into, seeds=DEFAULT_SEEDS) -> Verification:
-    """Check `run_into(inputs, out)` on fresh inputs for each seed against the fp32 reference.
+def gate_cases(problem, seeds=DEFAULT_SEEDS) -> list[tuple[int, str]]:
+    """(seed, input pattern) pairs of the gate: fresh N(0,1) inputs per seed, then each stress pattern once."""
+    stress = [p for p in getattr(problem, "PATTERNS", ("normal",)) if p != "normal"]
+    return [(seed, "normal") for seed in seeds] + [(seeds[0] + 100 + i, p) for i, p in enumerate(stress)]
 
-    `run_into` must write the result into `out`, which is filled with NaN first so
-    that any element the kernel leaves unwritten shows up as non-finite.
-    """
+
+def _run_poisoned(problem, run_into, inputs):
     import torch
 
+    out = problem.new_output(inputs)
+    out.fill_(float("nan"))
+    run_into(inputs, out)
+    torch.cuda.synchronize()
+    return out
+
+
+def check_dependency(problem, shape, run_into, seed: int = 11) -> tuple[bool, str]:
+    """Perturb one key/value row: the rows that must see it change, every other row stays bitwise equal.
+
+    A row counts as "must change" where the fp32 reference moves by more than the gate's
+    tolerance, so a legitimately tiny influence is not demanded of the kernel.
+    """
+    inputs = problem.make_inputs(shape, seed)
+    changed_inputs, may_change = problem.perturb(shape, inputs)
+    out1 = _run_poisoned(problem, run_into, inputs)
+    out2 = _run_poisoned(problem, run_into, changed_inputs)
     atol, rtol = problem.tolerance(shape)
-    worst = [0.0, 0.0, 0, 0.0]
-    for seed in seeds:
-        inputs = problem.make_inputs(shape, seed)
-        out = problem.new_output(inputs)
+    ref1, ref2 = problem.reference(shape, inputs), problem.reference(shape, changed_inputs)
+    moved = (out1 != out2).any(dim=-1)
+    clearly = ((ref2 - ref1).abs() > atol + rtol * ref1.abs()).any(dim=-1) & may_change
+    stray = int((moved & ~may_change).sum().item())
+    missed = int((clearly & ~moved).sum().item())
+    if not bool(clearly.any()):
+        return False, "the perturbation moved no reference row beyond the tolerance (test is too weak)"
+    if stray or missed:
+        return False, f"{stray} rows changed that cannot see the perturbed key; {missed} rows that see it did not change"
+    return True, f"{int(clearly.sum().item())} rows followed the perturbed key; all others bitwise unchanged"
+
+
+def check_determinism(problem, shape, run_into, launches: int = 100, seed: int = 12) -> tuple[bool, str]:
+    """The output is bitwise identical across `launches` launches on the same inputs."""
+    import torch
+
+    inputs = problem.make_inputs(shape, seed)
+    first = _run_poisoned(problem, run_into, inputs)
+    out = problem.new_output(inputs)
+    differing = 0
+    for _ in range(launches - 1):
         out.fill_(float("nan"))
         run_into(inputs, out)
-        torch.cuda.synchronize()
-        ref = problem.reference(shape, inputs)
-        worst = [max(a, b) for a, b in zip(worst, output_errors(out, ref, atol, rtol))]
+        differing += int(not torch.equal(out, first))
+    torch.cuda.synchronize()
+    if differing:
+        return False, f"{differing} of {launches - 1} repeated launches differ from the first"
+    return True, f"{launches} launches bitwise identical"
+
+
+def verify(problem, shape, run_into, seeds=DEFAULT_SEEDS, dependency: bool = True) -> Verification:
+    """The correctness gate for `run_into(inputs, out)`, which must write its result into `out`.
+
+    Every case draws fresh inputs and fills `out` with NaN first, so an element left
+    unwritten shows up as non-finite; errors are against the fp32 reference. Then, with
+    `dependency`, one key/value row is perturbed and the right rows must move.
+    """
+    atol, rtol = problem.tolerance(shape)
+    worst = [0.0, 0.0, 0, 0.0]
+    worst_case = ""
+    cases = gate_cases(problem, seeds)
+    for seed, pattern in cases:
+        inputs = problem.make_inputs(shape, seed, pattern=pattern)
+        out = _run_poisoned(problem, run_into, inputs)
+        errs = output_errors(out, problem.reference(shape, inputs), atol, rtol)
+        if errs[3] >= worst[3]:
+            worst_case = f"seed {seed} {pattern}"
+        worst = [max(a, b) for a, b in zip(worst, errs)]
     max_abs, max_rel, nonfinite, ratio = worst
+    dep_ok, dep_msg = check_dependency(problem, shape, run_into) if dependency else (True, "not checked")
     return Verification(max_abs=max_abs, max_rel=max_rel, nonfinite=nonfinite, gate_ratio=ratio,
-                        seeds=tuple(seeds), atol=atol, rtol=rtol, passed=nonfinite == 0 and ratio <= 1.0)
+                        seeds=tuple(seeds), atol=atol, rtol=rtol,
+                        passed=nonfinite == 0 and ratio <= 1.0 and dep_ok,
+                        patterns=tuple(sorted({p for _, p in cases})), worst_case=worst_case,
+                        dependency=dep_msg if dep_ok else "FAILED: " + dep_msg)
 
 
 def kernel_runner(problem, shape, config, kernel):
@@ -147,8 +208,13 @@ def evaluate_compiled(problem, shape, config, compiled: Compiled, seeds=DEFAULT_
     kernel = load_kernel(compiled, geo.dynamic_smem)
     check = verify(problem, shape, kernel_runner(problem, shape, config, kernel), seeds)
     if not check.passed:
-        msg = (f"{check.nonfinite} non-finite outputs (NaN poison left or computed)" if check.nonfinite
-               else f"error {check.gate_ratio:.3g}x the gate (max abs {check.max_abs:.3g}; atol {check.atol:g}, rtol {check.rtol:g})")
+        if check.nonfinite:
+            msg = f"{check.nonfinite} non-finite outputs (NaN poison left or computed) in {check.worst_case}"
+        elif check.gate_ratio > 1.0:
+            msg = (f"error {check.gate_ratio:.3g}x the gate in {check.worst_case} (max abs {check.max_abs:.3g}; "
+                   f"atol {check.atol:g}, rtol {check.rtol:g})")
+        else:
+            msg = f"dependency check {check.dependency}"
         return Result(status=R.WRONG, message=msg, max_abs=check.max_abs, verification=check.as_dict(),
                       resources=resources, compile_seconds=compiled.compile_seconds)
     timing = None

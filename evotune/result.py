@@ -42,10 +42,14 @@ class Verification:
     atol: float
     rtol: float
     passed: bool
+    patterns: tuple[str, ...] = ("normal",)  # input patterns checked (see the problem's make_inputs)
+    worst_case: str = ""                     # the (seed, pattern) with the largest gate ratio
+    dependency: str = "not checked"          # outcome of the perturb-one-key check
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["seeds"] = list(self.seeds)
+        d["patterns"] = list(self.patterns)
         return d
 
 

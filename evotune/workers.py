@@ -81,6 +81,17 @@ def _handle(job: dict) -> dict:
                                 seeds=tuple(job.get("seeds") or (1, 2, 3)), reps=job.get("reps", 40),
                                 time_it=job.get("time_it", True))
         return res.as_dict()
+    if kind == "verify":
+        from .compile import load_kernel
+        from .evaluate import check_determinism, kernel_runner, verify
+
+        config = Config.from_dict(job["config"])
+        compiled = _compiled_from_dict(job["compiled"])
+        kernel = load_kernel(compiled, problem.geometry(config, shape).dynamic_smem)
+        run_into = kernel_runner(problem, shape, config, kernel)
+        check = verify(problem, shape, run_into, seeds=tuple(job.get("seeds") or (1, 2, 3)))
+        det_ok, det_msg = check_determinism(problem, shape, run_into, launches=job.get("launches", 100))
+        return {"verification": check.as_dict(), "determinism": {"passed": det_ok, "detail": det_msg}}
     if kind == "baselines":
         from .evaluate import measure_baselines
 

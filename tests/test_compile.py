@@ -214,3 +214,29 @@ def test_static_violations_all_reasons():
     res = _res(registers=200, stack_frame=64, spill_stores=32, spill_loads=32, static_smem=4096)
     why = static_violations(res, 1024, SMEM_LIMIT_BYTES)
     assert [w.split()[0] for w in why] == ["spills", "uses", "200", "shared"]
+
+
+# Every (head dim x dtype x mask) variant of several configs compiles without spills or
+# local memory: the kernel's variants are separate code paths, each must build cleanly.
+MATRIX_CONFIGS = [
+    dict(block_m=64, block_n=64, compute_warps=4, producer_warps=0, stages=2, smem_layout="swizzle", q_in_regs=False),
+    dict(block_m=32, block_n=32, compute_warps=2, producer_warps=1, stages=3, smem_layout="pad", q_in_regs=True),
+    dict(block_m=32, block_n=32, compute_warps=2, producer_warps=0, stages=2, smem_layout="plain", q_in_regs=False,
+         kv_splits=4),
+]
+
+
+@pytest.mark.parametrize("cfg", MATRIX_CONFIGS, ids=["M64N64", "M32N32pw1", "M32N32kv4"])
+@pytest.mark.parametrize("variant", [f"{d}:{t}{c}" for d in (64, 128) for t in ("fp16", "bf16") for c in ("", ":causal")])
+def test_every_variant_compiles_clean(attention, space, cfg, variant):
+    """Each head-dim/dtype/mask variant of the config compiles for sm_90a with no spills and no stack frame."""
+    head_dim, flags = variant.split(":", 1)
+    shape = parse_shape(f"1,2,300,{head_dim}:{flags}")
+    config = space.config(cfg)
+    assert space.admitted(config, attention.context(shape)), space.violations(config, attention.context(shape))
+    src = instantiate(attention, config, shape)
+    res = compile_source(src.code, src.entry).resources
+    assert res.spill_stores == res.spill_loads == res.stack_frame == 0, res
+    assert 32 <= res.registers <= 255
+    geo = attention.geometry(config, shape)
+    assert static_violations(res, geo.threads, geo.dynamic_smem) == []

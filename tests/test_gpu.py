@@ -51,8 +51,54 @@ def test_kernel_matches_reference(attention, space, shape_text, cfg):
         assert res.verification["gate_ratio"] <= 1.0
 
 
+def _random_shapes(n: int, seed: int = 2026) -> list[str]:
+    """A fixed, seeded list of ragged shapes across head dim, dtype, mask and layout (S=1 and Sq != Sk included)."""
+    import random
+
+    rng = random.Random(seed)
+    shapes = []
+    for i in range(n):
+        sq = rng.choice([1, 2, 15, 17, 63, 65, 127, 129, 200, 333, 511, 700])
+        sk = sq if rng.random() < 0.4 else rng.choice([1, 3, 31, 33, 64, 100, 255, 257, 513, 999])
+        flags = [rng.choice(["fp16", "bf16"])] + (["causal"] if rng.random() < 0.5 else []) \
+            + (["bshd"] if rng.random() < 0.3 else [])
+        d = rng.choice([64, 128])
+        shapes.append(f"{rng.choice([1, 2, 3])},{rng.choice([1, 2, 5])},{sq},{sk},{d}:" + ":".join(flags))
+    return shapes
+
+
+RAGGED = _random_shapes(16)
+
+
+@pytest.mark.parametrize("shape_text", RAGGED)
+@pytest.mark.parametrize("cfg", CONFIGS[:2] + CONFIGS[4:6], ids=lambda c: f"M{c['block_m']}N{c['block_n']}kv{c.get('kv_splits', 1)}")
+def test_ragged_matrix(attention, space, shape_text, cfg):
+    """A seeded matrix of ragged shapes (S=1, Sq != Sk, both masks, dtypes, head dims, layouts) passes the full gate."""
+    shape = parse_shape(shape_text)
+    config = space.config(dict(cfg))
+    if not space.admitted(config, attention.context(shape)):
+        pytest.skip("config not admitted for this shape")
+    res = _evaluate(attention, space, shape, cfg, time_it=False)
+    assert res.status in (R.OK, R.PRUNED), res.message
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4]], ids=["M64N64", "M64N32pw1", "M32N64kv4"])
+@pytest.mark.parametrize("shape_text", ["mission", "2,3,333,257,128:bf16:causal"])
+def test_bitwise_deterministic(attention, space, shape_text, cfg):
+    """100 launches on the same inputs give bitwise identical outputs (split-KV merges in a fixed order)."""
+    from evotune.compile import load_kernel
+    from evotune.evaluate import check_determinism, kernel_runner
+
+    shape = parse_shape(shape_text)
+    config = space.config(dict(cfg))
+    src = instantiate(attention, config, shape)
+    kernel = load_kernel(compile_source(src.code, src.entry), attention.geometry(config, shape).dynamic_smem)
+    ok, detail = check_determinism(attention, shape, kernel_runner(attention, shape, config, kernel), launches=100)
+    assert ok, detail
+
+
 def test_sdpa_passes_the_gate_by_a_margin(attention):
-    """Each SDPA backend's own error is well inside the gate (ratio <= 0.5) on the mission shape."""
+    """Each SDPA backend's own error is well inside the gate (ratio <= 0.5) on the mission shape, stress inputs included."""
     from evotune.evaluate import measure_baselines
 
     report = measure_baselines(attention, parse_shape("mission"), names=["flash", "cudnn", "efficient"], reps=5)
@@ -148,3 +194,36 @@ def test_worker_survives_an_illegal_address(attention, space, mission, tmp_path)
         res_good = evaluate(cfg, good)
     assert res_bad.status == R.LAUNCH_ERROR, res_bad
     assert res_good.status == R.OK, res_good
+
+
+def _sanitize_job(attention, space, shape, code_edit=None):
+    from evotune.workers import compiled_to_dict
+
+    cfg = space.config(dict(CONFIGS[1]))
+    src = instantiate(attention, cfg, shape)
+    code = code_edit(src.code) if code_edit else src.code
+    return {"family": "attention", "shape": shape.as_dict(), "config": cfg.as_dict(),
+            "compiled": compiled_to_dict(compile_source(code, src.entry))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_sanitizer_clean_on_a_producer_config(attention, space, tool):
+    """compute-sanitizer finds nothing in a producer-warp config on a ragged causal bf16 d128 shape."""
+    from evotune.sanitize import run_tool
+
+    report = run_tool(tool, _sanitize_job(attention, space, parse_shape("1,2,197,300,128:bf16:causal")))
+    assert report["clean"], report
+
+
+@pytest.mark.slow
+def test_sanitizer_reports_a_planted_out_of_bounds_write(attention, space):
+    """memcheck reports a kernel that writes far outside any allocation."""
+    from evotune.sanitize import run_tool
+
+    def plant(code):
+        return code.replace("evotune::attention_fwd<EvotuneTraits>(q, k, v, o,",
+                            "if (threadIdx.x == 0 && blockIdx.x == 0) o[1ll << 40] = 0;\n    evotune::attention_fwd<EvotuneTraits>(q, k, v, o,")
+
+    report = run_tool("memcheck", _sanitize_job(attention, space, parse_shape("1,2,197,300,64"), plant))
+    assert not report["clean"] and report["errors"], report

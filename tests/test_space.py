@@ -47,13 +47,13 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its eight parameters, four derived values and five constraints."""
+    """The shipped attention.yaml loads with its eight parameters, five derived values and six constraints."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["block_m", "block_n", "compute_warps", "producer_warps", "stages", "smem_layout",
                                   "q_in_regs", "kv_splits"]
-    assert [name for name, _, _ in space.derived] == ["threads", "rows_per_warp", "row_bytes", "smem_bytes"]
-    assert len(space.constraints) == 5
+    assert [name for name, _, _ in space.derived] == ["threads", "rows_per_warp", "row_bytes", "smem_bytes", "acc_regs"]
+    assert len(space.constraints) == 6
     assert all(c.why for c in space.constraints)
     block_m = space.params[0]
     assert block_m.values == (16, 32, 64, 128) and block_m.default == 64 and block_m.line == 5

@@ -133,23 +133,67 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
         return {"fp16": torch.float16, "bf16": torch.bfloat16}[shape.dtype]
 
-    def make_inputs(self, shape: Shape, seed: int, device="cuda") -> dict:
-        """Fresh N(0,1) Q, K, V in the shape's layout; the output buffer is allocated by `new_output`."""
+    # Input patterns of the gate. "normal" is N(0,1); the others stress the online softmax.
+    PATTERNS = ("normal", "large", "dominant_key", "equal_scores", "very_negative")
+
+    def make_inputs(self, shape: Shape, seed: int, device="cuda", pattern: str = "normal") -> dict:
+        """Fresh Q, K, V in the shape's layout (never zeros); the output buffer comes from `new_output`.
+
+        large:         |Q|, |K| x4 (peaked softmax, scores ~ N(0, 16^2)) and |V| x30 (large |O|)
+        dominant_key:  one key per head aligned with every query: it takes almost all the mass
+        equal_scores:  every key identical: uniform attention, O = mean of V
+        very_negative: keys point away from the queries: scaled scores near -240, so exp()
+                       underflows to 0 in fp32 unless the running max is subtracted
+        """
         import torch
 
+        if pattern not in self.PATTERNS:
+            raise UsageError(f"attention: unknown input pattern {pattern!r}; patterns: {', '.join(self.PATTERNS)}")
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         dt = self.torch_dtype(shape)
+        b, h, d = shape.batch, shape.heads, shape.head_dim
 
-        def tensor(seq):
+        def randn(seq):  # (B, H, seq, D) in fp32
+            return torch.randn(b, h, seq, d, generator=gen, device=device)
+
+        q, k, v = randn(shape.seq_q), randn(shape.seq_k), randn(shape.seq_k)
+        if pattern == "large":
+            q, k, v = q * 4, k * 4, v * 30
+        elif pattern in ("dominant_key", "very_negative"):
+            u = torch.randn(b, h, 1, d, generator=gen, device=device)  # one direction per head
+            q = u + 0.3 * q
+            if pattern == "dominant_key":
+                j = int(torch.randint(shape.seq_k, (1,), generator=gen, device=device).item())
+                k[:, :, j, :] = 4 * u[:, :, 0, :]
+            else:
+                k = -30 * u + 0.3 * k
+        elif pattern == "equal_scores":
+            k = k[:, :, :1, :].expand_as(k).clone()
+
+        def place(t):
             if shape.layout == "bshd":
                 # A model's projection output: (B, S, H, D) memory, viewed as (B, H, S, D) without a copy.
-                t = torch.randn(shape.batch, seq, shape.heads, shape.head_dim, generator=gen, device=device, dtype=dt)
-                return t.transpose(1, 2)
-            return torch.randn(shape.batch, shape.heads, seq, shape.head_dim, generator=gen, device=device, dtype=dt)
+                return t.transpose(1, 2).contiguous().to(dt).transpose(1, 2)
+            return t.to(dt).contiguous()
 
-        q, k, v = tensor(shape.seq_q), tensor(shape.seq_k), tensor(shape.seq_k)
-        return {"q": q, "k": k, "v": v, "scale": 1.0 / math.sqrt(shape.head_dim)}
+        return {"q": place(q), "k": place(k), "v": place(v), "scale": 1.0 / math.sqrt(shape.head_dim)}
+
+    def perturb(self, shape: Shape, inputs: dict) -> tuple[dict, object]:
+        """Inputs with one key/value row of the last (batch, head) changed, and the boolean
+        (B, H, Sq) mask of output rows that must change (all others must stay bitwise equal)."""
+        import torch
+
+        j = shape.seq_k // 2
+        k, v = inputs["k"].clone(), inputs["v"].clone()
+        k[-1, -1, j, :] += 1.0
+        v[-1, -1, j, :] += 8.0
+        must_change = torch.zeros(shape.batch, shape.heads, shape.seq_q, dtype=torch.bool, device=k.device)
+        if shape.causal:
+            must_change[-1, -1, j:] = True  # top-left causal: query i sees key j iff j <= i
+        else:
+            must_change[-1, -1, :] = True
+        return {**inputs, "k": k, "v": v}, must_change
 
     def new_output(self, inputs: dict):
         import torch
