@@ -45,6 +45,7 @@ class Verification:
     patterns: tuple[str, ...] = ("normal",)  # input patterns checked (see the problem's make_inputs)
     worst_case: str = ""                     # the (seed, pattern) with the largest gate ratio
     dependency: str = "not checked"          # outcome of the perturb-one-key check
+    case_ratios: dict | None = None          # gate ratio of every "seed:pattern" case
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
