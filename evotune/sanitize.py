@@ -18,7 +18,8 @@ import tempfile
 from .errors import EvotuneError
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
-_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+# memcheck/synccheck: "ERROR SUMMARY: 0 errors"; racecheck: "RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)".
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error|SUMMARY: \d+ hazards? displayed \((\d+) errors?")
 
 
 def sanitizer_path() -> str:
@@ -48,7 +49,7 @@ def run_tool(tool: str, job: dict, timeout_s: float = 900.0) -> dict:
         os.unlink(job_path)
     out = proc.stdout + proc.stderr
     match = _SUMMARY.search(out)
-    errors = int(match.group(1)) if match else None
+    errors = int(match.group(1) or match.group(2)) if match else None
     target_ok = "evotune-sanitize-target: launched" in out
     clean = proc.returncode == 0 and errors == 0 and target_ok
     if clean:

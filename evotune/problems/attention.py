@@ -7,6 +7,7 @@ geometry. GPU side (torch + CuPy): inputs, the launch, the fp32 reference, and S
 from __future__ import annotations
 
 import math
+import warnings
 
 from ..errors import UsageError
 from ..shapes import Shape
@@ -191,7 +192,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         (B, H, Sq) mask of output rows that must change (all others must stay bitwise equal)."""
         import torch
 
-        j = shape.seq_k // 2
+        # A key some query can see: with top-left causal and Sq < Sk, keys past Sq-1 are seen by none.
+        j = (min(shape.seq_q, shape.seq_k) if shape.causal else shape.seq_k) // 2
         k, v = inputs["k"].clone(), inputs["v"].clone()
         k[-1, -1, j, :] += 1.0
         v[-1, -1, j, :] += 8.0
@@ -229,9 +231,15 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         args += [np.uint64(t.data_ptr()) for t in workspace] if workspace else [np.uint64(0)] * 3
         args = tuple(args)
 
+        streams = {}  # torch stream handle -> CuPy view of it, made once (graph capture uses a side stream)
+
         def launch(_keep=workspace):
-            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-            kernel(geo.grid, geo.block, args, shared_mem=geo.dynamic_smem, stream=stream)
+            handle = torch.cuda.current_stream().cuda_stream
+            if handle not in streams:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 prefers Stream.from_external
+                    streams[handle] = cupy.cuda.ExternalStream(handle)
+            kernel(geo.grid, geo.block, args, shared_mem=geo.dynamic_smem, stream=streams[handle])
 
         return launch
 
