@@ -174,19 +174,24 @@ def verify(problem, shape, run_into, seeds=DEFAULT_SEEDS, dependency: bool = Tru
     `dependency`, one key/value row is perturbed and the right rows must move.
     """
     atol, rtol = problem.tolerance(shape)
-    worst = [0.0, 0.0, 0, 0.0]
+    max_abs = max_rel = ratio = 0.0
+    nonfinite = 0
     worst_case = ""
     cases = gate_cases(problem, seeds)
     per_case = {}
     for seed, pattern in cases:
         inputs = problem.make_inputs(shape, seed, pattern=pattern)
         out = _run_poisoned(problem, run_into, inputs)
-        errs = output_errors(out, problem.reference(shape, inputs), atol * _error_scale(problem, inputs), rtol)
-        per_case[f"{seed}:{pattern}"] = errs[3]
-        if errs[3] >= worst[3]:
-            worst_case = f"seed {seed} {pattern}"
-        worst = [max(a, b) for a, b in zip(worst, errs)]
-    max_abs, max_rel, nonfinite, ratio = worst
+        case_abs, case_rel, case_nonfinite, case_ratio = output_errors(
+            out, problem.reference(shape, inputs), atol * _error_scale(problem, inputs), rtol)
+        per_case[f"{seed}:{pattern}"] = case_ratio
+        if case_ratio >= ratio:
+            ratio, worst_case = case_ratio, f"seed {seed} {pattern}"
+        nonfinite = max(nonfinite, case_nonfinite)
+        # Reported errors (and the search's error objective) are those of the N(0,1) inputs;
+        # the stress patterns, whose |O| reaches ~100, count through the gate ratio.
+        if pattern == "normal" or case_nonfinite:
+            max_abs, max_rel = max(max_abs, case_abs), max(max_rel, case_rel)
     dep_ok, dep_msg = check_dependency(problem, shape, run_into) if dependency else (True, "not checked")
     return Verification(max_abs=max_abs, max_rel=max_rel, nonfinite=nonfinite, gate_ratio=ratio,
                         seeds=tuple(seeds), atol=atol, rtol=rtol,

@@ -34,8 +34,8 @@ class Timing:
 class Verification:
     """Errors of one output against the fp32 reference, worst over all checked seeds."""
 
-    max_abs: float
-    max_rel: float            # max |out - ref| / max |ref|
+    max_abs: float            # worst over the N(0,1) cases (stress patterns count through gate_ratio)
+    max_rel: float            # max |out - ref| / max |ref|, same cases
     nonfinite: int            # NaN/Inf in the output, unwritten (NaN-poisoned) elements included
     gate_ratio: float         # max |out - ref| / (atol + rtol*|ref|): the gate passes at <= 1
     seeds: tuple[int, ...]

@@ -19,7 +19,7 @@ from .errors import EvotuneError
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
 # memcheck/synccheck: "ERROR SUMMARY: 0 errors"; racecheck: "RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)".
-_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error|SUMMARY: \d+ hazards? displayed \((\d+) errors?")
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error|SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?")
 
 
 def sanitizer_path() -> str:
@@ -50,17 +50,18 @@ def run_tool(tool: str, job: dict, timeout_s: float = 900.0) -> dict:
     out = proc.stdout + proc.stderr
     match = _SUMMARY.search(out)
     errors = int(match.group(1) or match.group(2)) if match else None
+    warnings = int(match.group(3)) if match and match.group(3) else 0  # racecheck's possible hazards
     target_ok = "evotune-sanitize-target: launched" in out
-    clean = proc.returncode == 0 and errors == 0 and target_ok
+    clean = proc.returncode == 0 and errors == 0 and warnings == 0 and target_ok
     if clean:
         summary = "clean (0 errors)"
-    elif errors:
-        summary = f"{errors} error(s)"
+    elif errors or warnings:
+        summary = f"{errors} error(s), {warnings} warning(s)"
     elif not target_ok:
         summary = "the target did not run to its launch (see output)"
     else:
         summary = f"exit code {proc.returncode}"
-    return {"tool": tool, "clean": clean, "errors": errors, "summary": summary,
+    return {"tool": tool, "clean": clean, "errors": errors, "warnings": warnings, "summary": summary,
             "output_tail": "\n".join(out.strip().splitlines()[-40:]), "returncode": proc.returncode}
 
 

@@ -346,6 +346,10 @@ __device__ __forceinline__ float quad_sum(float x) {
 template <class T>
 __device__ __forceinline__ void store_o(float (&o)[T::kMFrags][T::kDFrags][4], float (&l)[T::kMFrags][2], unsigned short* sO,
                                         unsigned short* gO, long long row_stride, int q_row0, int warp_row0, int seq_q, int lane) {
+    // Other lanes of this warp may still be reading these rows as Q (ldmatrix); under
+    // independent thread scheduling only a warp barrier orders that before our writes
+    // (racecheck reported the hazard on causal shapes without it).
+    __syncwarp();
 #pragma unroll
     for (int mf = 0; mf < T::kMFrags; ++mf)
 #pragma unroll
