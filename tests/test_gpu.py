@@ -196,10 +196,10 @@ def test_worker_survives_an_illegal_address(attention, space, mission, tmp_path)
     assert res_good.status == R.OK, res_good
 
 
-def _sanitize_job(attention, space, shape, code_edit=None):
+def _sanitize_job(attention, space, shape, code_edit=None, cfg_dict=CONFIGS[1]):
     from evotune.workers import compiled_to_dict
 
-    cfg = space.config(dict(CONFIGS[1]))
+    cfg = space.config(dict(cfg_dict))
     src = instantiate(attention, cfg, shape)
     code = code_edit(src.code) if code_edit else src.code
     return {"family": "attention", "shape": shape.as_dict(), "config": cfg.as_dict(),
@@ -207,12 +207,28 @@ def _sanitize_job(attention, space, shape, code_edit=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+@pytest.mark.parametrize("tool", ["memcheck", "synccheck"])
 def test_sanitizer_clean_on_a_producer_config(attention, space, tool):
-    """compute-sanitizer finds nothing in a producer-warp config on a ragged causal bf16 d128 shape."""
+    """memcheck and synccheck find nothing in a producer-warp config on a ragged causal bf16 d128 shape.
+
+    racecheck is not asked here: it reports the producer's cp.async into a slot that the
+    consumers released with bar.arrive, a handoff the PTX ISA orders; tools/racecheck_probe.py
+    reproduces that report on a 20-line race-free kernel (docs/CORRECTNESS.md).
+    """
     from evotune.sanitize import run_tool
 
     report = run_tool(tool, _sanitize_job(attention, space, parse_shape("1,2,197,300,128:bf16:causal")))
+    assert report["clean"], report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape_text", ["1,2,197,197,64:fp16:causal", "1,2,197,300,128:bf16"])
+def test_racecheck_clean_without_producers(attention, space, shape_text):
+    """racecheck finds no hazard in a compute-warps-only config (the __syncwarp before staging O is needed on causal)."""
+    from evotune.sanitize import run_tool
+
+    job = _sanitize_job(attention, space, parse_shape(shape_text), cfg_dict=CONFIGS[0])
+    report = run_tool("racecheck", job)
     assert report["clean"], report
 
 
