@@ -22,6 +22,9 @@
 //   KV_SPLITS      CTAs that share one query tile, each walking 1/KV_SPLITS of the
 //                  K/V tiles (split-KV, for small problems that leave SMs idle); the
 //                  last CTA of a tile to finish merges the partial results (fused combine)
+//   WARP_KEY_GROUPS  compute warps that share the same query rows, each taking 1/WARP_KEY_GROUPS
+//                  of every K/V tile's keys; their partial (max, sum, O) are merged through
+//                  shared memory at the end (split-K inside the CTA: shorter serial chains per warp)
 //   Q_IN_REGS      keep the Q fragments in registers for the whole K/V loop (true)
 //                  or re-read them from shared memory at every k-step (false; frees
 //                  HEAD_DIM/4 registers per 16 rows, which d128 tiles need)
@@ -44,7 +47,8 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 enum SmemLayout { kPlain = 0, kPadded = 1, kSwizzled = 2 };
 
 template <int BLOCK_M_, int BLOCK_N_, int COMPUTE_WARPS_, int PRODUCER_WARPS_, int STAGES_,
-          int SMEM_LAYOUT_, bool Q_IN_REGS_, int KV_SPLITS_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          int SMEM_LAYOUT_, bool Q_IN_REGS_, int KV_SPLITS_, int WARP_KEY_GROUPS_, int HEAD_DIM_, bool IS_BF16_,
+          bool IS_CAUSAL_>
 struct AttnTraits {
     static constexpr int kBlockM = BLOCK_M_;
     static constexpr int kBlockN = BLOCK_N_;
@@ -54,6 +58,7 @@ struct AttnTraits {
     static constexpr int kSmemLayout = SMEM_LAYOUT_;
     static constexpr bool kQInRegs = Q_IN_REGS_;
     static constexpr int kKVSplits = KV_SPLITS_;
+    static constexpr int kKeyGroups = WARP_KEY_GROUPS_;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -63,13 +68,15 @@ struct AttnTraits {
     static constexpr int kThreads = kComputeThreads + kProducerThreads;
     static constexpr bool kHasProducers = kProducerWarps > 0;
 
-    static constexpr int kRowsPerWarp = kBlockM / kComputeWarps;
+    static constexpr int kRowGroups = kComputeWarps / kKeyGroups;
+    static constexpr int kRowsPerWarp = kBlockM / kRowGroups;
+    static constexpr int kWarpKeys = kBlockN / kKeyGroups;  // keys of each tile one warp handles
     static constexpr int kMFrags = kRowsPerWarp / 16;      // 16-row mma tiles per warp
-    static constexpr int kNFrags = kBlockN / 8;            // 8-key column blocks of S
+    static constexpr int kNFrags = kWarpKeys / 8;          // 8-key column blocks of this warp's S
     static constexpr int kDFrags = kHeadDim / 8;           // 8-wide column blocks of O
     static constexpr int kQKSteps = kHeadDim / 16;         // k-steps of Q K^T
     static constexpr int kQRegSteps = kQInRegs ? kQKSteps : 1;  // k-steps of Q held in registers
-    static constexpr int kPVSteps = kBlockN / 16;          // k-steps of P V
+    static constexpr int kPVSteps = kWarpKeys / 16;        // k-steps of P V
     static constexpr int kChunksPerRow = kHeadDim / 8;     // 16-byte chunks per row
 
     // Shared-memory row pitch in elements: padding shifts each row by one
@@ -77,9 +84,18 @@ struct AttnTraits {
     static constexpr int kRowPitch = kHeadDim + (kSmemLayout == kPadded ? 8 : 0);
     static constexpr int kQElems = kBlockM * kRowPitch;
     static constexpr int kKVElems = kBlockN * kRowPitch;
-    static constexpr int kSmemBytes = 2 * (kQElems + 2 * kStages * kKVElems);
+    // Key-group merge: every warp but the first of a row group leaves its O (fp32), max and sum.
+    static constexpr int kMergeSlotFloats = kBlockM * (kHeadDim + 2);
+    static constexpr int kMergeBytes = kKeyGroups > 1 ? 4 * (kKeyGroups - 1) * kMergeSlotFloats : 0;
+    static constexpr int kSmemBytes = 2 * (kQElems + 2 * kStages * kKVElems) + kMergeBytes;
+    // Rows can meet a tile in which all of their keys are masked before any unmasked one:
+    // their running max stays -inf and must not turn exp2 into NaN.
+    static constexpr bool kGuardEmptyRows = (kIsCausal && kKVSplits > 1) || kKeyGroups > 1;
 
-    static_assert(kBlockM % (16 * kComputeWarps) == 0, "each compute warp must own a whole number of 16-row mma tiles");
+    static_assert(kComputeWarps % kKeyGroups == 0, "compute warps must split evenly into key groups");
+    static_assert(kBlockM % (16 * kRowGroups) == 0, "each row group must own a whole number of 16-row mma tiles");
+    static_assert(kWarpKeys % 16 == 0, "each warp's share of a K/V tile must be a multiple of 16 keys");
+    static_assert(kKeyGroups == 1 || kKVSplits == 1, "key groups and KV splits are not combined");
     static_assert(kMFrags >= 1 && kMFrags <= 4, "1 to 4 mma row tiles per warp");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "BLOCK_N must be a multiple of 16 (ldmatrix.x4 covers 16 keys)");
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
@@ -281,11 +297,12 @@ __device__ __forceinline__ void online_softmax(float (&s)[T::kMFrags][T::kNFrags
             for (int nf = 0; nf < T::kNFrags; ++nf) mx = fmaxf(mx, fmaxf(s[mf][nf][2 * r], s[mf][nf][2 * r + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // A row whose keys so far are all masked (only possible in a causal KV split)
-            // keeps m = -inf; scaling by 0 then keeps p = 0 and alpha finite. Elsewhere every
-            // row sees a key in its first tile, so the guard is compiled only where needed.
+            // A row whose keys so far are all masked (causal KV split, or a key group whose
+            // share of the first tile is masked) keeps m = -inf; scaling by 0 then keeps p = 0
+            // and alpha finite. Elsewhere every row sees a key in its first tile, so the guard
+            // is compiled only where needed (T::kGuardEmptyRows).
             float m_scaled = mx * scale_log2;
-            if constexpr (T::kIsCausal && T::kKVSplits > 1) m_scaled = mx == neg_inf() ? 0.f : m_scaled;
+            if constexpr (T::kGuardEmptyRows) m_scaled = mx == neg_inf() ? 0.f : m_scaled;
             const float alpha = fast_exp2(m[mf][r] * scale_log2 - m_scaled);  // 0 on the first tile (m = -inf)
             m[mf][r] = mx;
             float row_sum = 0.f;
@@ -345,7 +362,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 // Normalise O by the row sums, stage this warp's rows in its own slice of the
 // Q tile (only this warp ever reads that slice, and it is done with Q), then
 // write them to global memory with 16-byte stores.
-template <class T>
+template <class T, bool L_REDUCED = false>
 __device__ __forceinline__ void store_o(float (&o)[T::kMFrags][T::kDFrags][4], float (&l)[T::kMFrags][2], unsigned short* sO,
                                         unsigned short* gO, long long row_stride, int q_row0, int warp_row0, int seq_q, int lane) {
     // Other lanes of this warp may still be reading these rows as Q (ldmatrix); under
@@ -356,7 +373,7 @@ __device__ __forceinline__ void store_o(float (&o)[T::kMFrags][T::kDFrags][4], f
     for (int mf = 0; mf < T::kMFrags; ++mf)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float inv = 1.f / quad_sum<T>(l[mf][r]);
+            const float inv = 1.f / (L_REDUCED ? l[mf][r] : quad_sum<T>(l[mf][r]));
             const int row = warp_row0 + mf * 16 + (lane >> 2) + 8 * r;
 #pragma unroll
             for (int df = 0; df < T::kDFrags; ++df) {
@@ -434,6 +451,69 @@ __device__ __forceinline__ void combine_partials(const float* wo, const float* w
         packed.y = pack2<T::kIsBf16>(acc.z * inv, acc.w * inv);
         *reinterpret_cast<uint2*>(gO + (long long)(q_row0 + row) * row_stride + col) = packed;
     }
+}
+
+// Key groups: a warp other than its row group's first writes its unnormalised O, running
+// max and quad-reduced sum to its merge slot.
+template <class T>
+__device__ __forceinline__ void write_key_group_partial(const float (&o)[T::kMFrags][T::kDFrags][4], const float (&m)[T::kMFrags][2],
+                                                        const float (&l)[T::kMFrags][2], float* slot, int warp_row0, int lane) {
+#pragma unroll
+    for (int mf = 0; mf < T::kMFrags; ++mf)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp_row0 + mf * 16 + (lane >> 2) + 8 * r;
+            const float sum = quad_sum<T>(l[mf][r]);
+            if ((lane & 3) == 0) {
+                slot[T::kBlockM * T::kHeadDim + row] = m[mf][r];
+                slot[T::kBlockM * (T::kHeadDim + 1) + row] = sum;
+            }
+#pragma unroll
+            for (int df = 0; df < T::kDFrags; ++df) {
+                const int col = df * 8 + 2 * (lane & 3);
+                *reinterpret_cast<float2*>(slot + row * T::kHeadDim + col) = make_float2(o[mf][df][2 * r], o[mf][df][2 * r + 1]);
+            }
+        }
+}
+
+// Key groups: the row group's first warp folds the other warps' partials into its own
+// accumulators; afterwards `l` holds the full (quad-reduced) row sums.
+template <class T>
+__device__ __forceinline__ void merge_key_groups(float (&o)[T::kMFrags][T::kDFrags][4], const float (&m)[T::kMFrags][2],
+                                                 float (&l)[T::kMFrags][2], const float* slots, int warp_row0,
+                                                 float scale_log2, int lane) {
+#pragma unroll
+    for (int mf = 0; mf < T::kMFrags; ++mf)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp_row0 + mf * 16 + (lane >> 2) + 8 * r;
+            // Row max over all groups; the first group always holds key 0, so it is finite.
+            float mx = m[mf][r];
+#pragma unroll
+            for (int g = 1; g < T::kKeyGroups; ++g)
+                mx = fmaxf(mx, slots[(g - 1) * T::kMergeSlotFloats + T::kBlockM * T::kHeadDim + row]);
+            const float w0 = fast_exp2((m[mf][r] - mx) * scale_log2);
+            float sum = quad_sum<T>(l[mf][r]) * w0;
+#pragma unroll
+            for (int df = 0; df < T::kDFrags; ++df) {
+                o[mf][df][2 * r] *= w0;
+                o[mf][df][2 * r + 1] *= w0;
+            }
+#pragma unroll
+            for (int g = 1; g < T::kKeyGroups; ++g) {
+                const float* slot = slots + (g - 1) * T::kMergeSlotFloats;
+                const float w = fast_exp2((slot[T::kBlockM * T::kHeadDim + row] - mx) * scale_log2);  // 0 if that group saw no key
+                sum += w * slot[T::kBlockM * (T::kHeadDim + 1) + row];
+#pragma unroll
+                for (int df = 0; df < T::kDFrags; ++df) {
+                    const int col = df * 8 + 2 * (lane & 3);
+                    const float2 p = *reinterpret_cast<const float2*>(slot + row * T::kHeadDim + col);
+                    o[mf][df][2 * r] += w * p.x;
+                    o[mf][df][2 * r + 1] += w * p.y;
+                }
+            }
+            l[mf][r] = sum;
+        }
 }
 
 // Synchronise the compute warps only (producer warps may have exited).
@@ -526,7 +606,9 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     }
 
     // ---- compute warps
-    const int warp_row0 = warp * T::kRowsPerWarp;
+    const int key_group = warp % T::kKeyGroups;
+    const int warp_row0 = (warp / T::kKeyGroups) * T::kRowsPerWarp;
+    const int warp_key0 = key_group * T::kWarpKeys;  // this warp's keys within each tile
     u32 qf[T::kMFrags][T::kQRegSteps][4];
     float o_acc[T::kMFrags][T::kDFrags][4];
     float s_acc[T::kMFrags][T::kNFrags][4];
@@ -565,20 +647,30 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         }
         if (T::kQInRegs && i == 0) load_q_frags<T>(qf, sQ, warp_row0, lane);
 
-        const int kv0 = (t_begin + i) * T::kBlockN;
-        qk_tile<T>(s_acc, qf, sQ, warp_row0, sK + slot * T::kKVElems, lane);
-        bool need_mask = kv0 + T::kBlockN > seq_k;
-        if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kBlockN - 1 > q_row0 + warp_row0;
+        // Key groups read their rows of the tile through an offset base: warp_key0 is a
+        // multiple of 16, so the swizzle (row & 7) is the same relative to either base.
+        const int kv0 = (t_begin + i) * T::kBlockN + warp_key0;
+        qk_tile<T>(s_acc, qf, sQ, warp_row0, sK + slot * T::kKVElems + warp_key0 * T::kRowPitch, lane);
+        bool need_mask = kv0 + T::kWarpKeys > seq_k;
+        if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kWarpKeys - 1 > q_row0 + warp_row0;
         if (need_mask) mask_tile<T>(s_acc, q_row0 + warp_row0, kv0, seq_k, lane);
         online_softmax<T>(s_acc, o_acc, m_run, l_run, scale_log2);
-        pv_tile<T>(o_acc, s_acc, sV + slot * T::kKVElems, lane);
+        pv_tile<T>(o_acc, s_acc, sV + slot * T::kKVElems + warp_key0 * T::kRowPitch, lane);
 
         if constexpr (T::kHasProducers) {
             if (i + T::kStages < n_tiles) named_bar_arrive(1 + T::kStages + slot, T::kThreads);
         }
     }
 
-    if constexpr (T::kKVSplits == 1) {
+    if constexpr (T::kKeyGroups > 1) {
+        float* slots = reinterpret_cast<float*>(sV + T::kStages * T::kKVElems);
+        if (key_group > 0)
+            write_key_group_partial<T>(o_acc, m_run, l_run, slots + (key_group - 1) * T::kMergeSlotFloats, warp_row0, lane);
+        compute_sync<T>();
+        if (key_group > 0) return;
+        merge_key_groups<T>(o_acc, m_run, l_run, slots, warp_row0, scale_log2, lane);
+        store_o<T, true>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
+    } else if constexpr (T::kKVSplits == 1) {
         store_o<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
     } else {
         const long long tile_index = ((long long)(batch * gridDim.y + head)) * gridDim.x + m_tile;

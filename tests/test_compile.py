@@ -223,10 +223,12 @@ MATRIX_CONFIGS = [
     dict(block_m=32, block_n=32, compute_warps=2, producer_warps=1, stages=3, smem_layout="pad", q_in_regs=True),
     dict(block_m=32, block_n=32, compute_warps=2, producer_warps=0, stages=2, smem_layout="plain", q_in_regs=False,
          kv_splits=4),
+    dict(block_m=16, block_n=64, compute_warps=4, producer_warps=0, stages=2, smem_layout="swizzle", q_in_regs=True,
+         warp_key_groups=4),
 ]
 
 
-@pytest.mark.parametrize("cfg", MATRIX_CONFIGS, ids=["M64N64", "M32N32pw1", "M32N32kv4"])
+@pytest.mark.parametrize("cfg", MATRIX_CONFIGS, ids=["M64N64", "M32N32pw1", "M32N32kv4", "M16N64kg4"])
 @pytest.mark.parametrize("variant", [f"{d}:{t}{c}" for d in (64, 128) for t in ("fp16", "bf16") for c in ("", ":causal")])
 def test_every_variant_compiles_clean(attention, space, cfg, variant):
     """Each head-dim/dtype/mask variant of the config compiles for sm_90a with no spills and no stack frame."""

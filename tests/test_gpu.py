@@ -26,6 +26,11 @@ CONFIGS = [
     # exactly 48 KB dynamic + 128 B static shared memory: failed to launch before load_kernel always opted in
     dict(block_m=128, block_n=32, compute_warps=2, producer_warps=0, stages=4, smem_layout="swizzle", q_in_regs=False,
          kv_splits=2),
+    # key groups: warps splitting each tile's keys, merged in shared memory (with and without producers)
+    dict(block_m=16, block_n=64, compute_warps=4, producer_warps=0, stages=2, smem_layout="swizzle", q_in_regs=True,
+         warp_key_groups=4),
+    dict(block_m=32, block_n=64, compute_warps=4, producer_warps=1, stages=3, smem_layout="pad", q_in_regs=False,
+         warp_key_groups=2),
 ]
 
 
@@ -38,7 +43,8 @@ def _evaluate(problem, space, shape, cfg_dict, **kw):
 
 
 @pytest.mark.parametrize("shape_text", SHAPES)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"M{c['block_m']}N{c['block_n']}pw{c['producer_warps']}st{c['stages']}kv{c.get('kv_splits', 1)}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: (f"M{c['block_m']}N{c['block_n']}pw{c['producer_warps']}st{c['stages']}"
+                                      f"kv{c.get('kv_splits', 1)}kg{c.get('warp_key_groups', 1)}"))
 def test_kernel_matches_reference(attention, space, shape_text, cfg):
     """Every sampled config passes the gate on ragged, causal, bf16, d128 and BSHD shapes."""
     shape = parse_shape(shape_text)
@@ -71,7 +77,8 @@ RAGGED = _random_shapes(16)
 
 
 @pytest.mark.parametrize("shape_text", RAGGED)
-@pytest.mark.parametrize("cfg", CONFIGS[:2] + CONFIGS[4:6], ids=lambda c: f"M{c['block_m']}N{c['block_n']}kv{c.get('kv_splits', 1)}")
+@pytest.mark.parametrize("cfg", CONFIGS[:2] + CONFIGS[4:6] + CONFIGS[7:9],
+                         ids=lambda c: f"M{c['block_m']}N{c['block_n']}kv{c.get('kv_splits', 1)}kg{c.get('warp_key_groups', 1)}")
 def test_ragged_matrix(attention, space, shape_text, cfg):
     """A seeded matrix of ragged shapes (S=1, Sq != Sk, both masks, dtypes, head dims, layouts) passes the full gate."""
     shape = parse_shape(shape_text)
@@ -82,7 +89,8 @@ def test_ragged_matrix(attention, space, shape_text, cfg):
     assert res.status in (R.OK, R.PRUNED), res.message
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4]], ids=["M64N64", "M64N32pw1", "M32N64kv4"])
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[7]],
+                         ids=["M64N64", "M64N32pw1", "M32N64kv4", "M16N64kg4"])
 @pytest.mark.parametrize("shape_text", ["mission", "2,3,333,257,128:bf16:causal"])
 def test_bitwise_deterministic(attention, space, shape_text, cfg):
     """100 launches on the same inputs give bitwise identical outputs (split-KV merges in a fixed order)."""

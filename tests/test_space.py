@@ -47,19 +47,21 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its eight parameters, five derived values and six constraints."""
+    """The shipped attention.yaml loads with its nine parameters, six derived values and nine constraints."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["block_m", "block_n", "compute_warps", "producer_warps", "stages", "smem_layout",
-                                  "q_in_regs", "kv_splits"]
-    assert [name for name, _, _ in space.derived] == ["threads", "rows_per_warp", "row_bytes", "smem_bytes", "acc_regs"]
-    assert len(space.constraints) == 6
+                                  "q_in_regs", "kv_splits", "warp_key_groups"]
+    assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
+                                                     "acc_regs"]
+    assert len(space.constraints) == 9
     assert all(c.why for c in space.constraints)
     block_m = space.params[0]
     assert block_m.values == (16, 32, 64, 128) and block_m.default == 64 and block_m.line == 5
-    assert space.params[-3].values == ("pad", "swizzle", "plain")
-    assert space.params[-2].values == (True, False)
-    assert space.params[-1].values == (1, 2, 4, 8)
+    assert space.params[-4].values == ("pad", "swizzle", "plain")
+    assert space.params[-3].values == (True, False)
+    assert space.params[-2].values == (1, 2, 4, 8)
+    assert space.params[-1].values == (1, 2, 4)
 
 
 def test_load_builtin_finds_attention(space):
@@ -83,8 +85,8 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 
 def test_size(space):
-    """size() is the product of the value counts: 4*4*4*3*4*3*2*4."""
-    assert space.size() == 18432
+    """size() is the product of the value counts: 4*4*4*3*4*3*2*4*3."""
+    assert space.size() == 55296
 
 
 def test_all_configs_is_the_full_product_in_order(space):
@@ -92,9 +94,10 @@ def test_all_configs_is_the_full_product_in_order(space):
     configs = list(space.all_configs())
     assert len(configs) == space.size() == len(set(configs))
     assert configs == list(space.all_configs())
-    assert [c["kv_splits"] for c in configs[:4]] == [1, 2, 4, 8]
-    assert [c["q_in_regs"] for c in configs[0:8:4]] == [True, False]
-    assert [c["smem_layout"] for c in configs[0:24:8]] == ["pad", "swizzle", "plain"]
+    assert [c["warp_key_groups"] for c in configs[:3]] == [1, 2, 4]
+    assert [c["kv_splits"] for c in configs[0:12:3]] == [1, 2, 4, 8]
+    assert [c["q_in_regs"] for c in configs[0:24:12]] == [True, False]
+    assert [c["smem_layout"] for c in configs[0:72:24]] == ["pad", "swizzle", "plain"]
 
 
 def test_shape_context_has_every_context_name(mission):
@@ -126,7 +129,8 @@ def test_violations_name_the_failed_why(space, mission):
     """A config that splits 16 rows over 8 warps reports the whole-tile constraint, with its expression."""
     cfg = space.config({"block_m": 16, "compute_warps": 8})
     failed = space.violations(cfg, mission)
-    assert failed == ["each compute warp owns a whole number of 16-row mma tiles (block_m % (16 * compute_warps) == 0)"]
+    assert failed == ["each row group of compute warps owns a whole number of 16-row mma tiles "
+                      "(block_m % (16 * row_groups) == 0)"]
     assert not space.admitted(cfg, mission)
 
 
@@ -194,7 +198,8 @@ def test_config_hash_equality_and_keys(space):
     c = Config.from_dict(dict(reversed(list(a.as_dict().items()))))
     assert a == b == c and hash(a) == hash(b) == hash(c)
     assert len({a, b, c, space.default_config()}) == 2
-    assert a.key() == c.key() == "block_m=32,block_n=64,compute_warps=4,kv_splits=1,producer_warps=0,q_in_regs=True,smem_layout=swizzle,stages=3"
+    assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,kv_splits=1,producer_warps=0,q_in_regs=True,"
+                                  "smem_layout=swizzle,stages=3,warp_key_groups=1")
     assert a.digest() == c.digest() and len(a.digest()) == 12 and int(a.digest(), 16) >= 0
     assert a.digest() != space.default_config().digest()
 

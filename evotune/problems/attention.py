@@ -17,7 +17,7 @@ SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
 
 # The value a knob takes when a (reduced) search space does not list it.
 KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
-                 "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1}
+                 "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1}
 
 
 def knob(config, name: str):
@@ -67,6 +67,7 @@ class AttentionProblem:
             ("SMEM_LAYOUT", SMEM_LAYOUTS[knob(config, "smem_layout")]),
             ("Q_IN_REGS", "true" if knob(config, "q_in_regs") else "false"),
             ("KV_SPLITS", int(knob(config, "kv_splits"))),
+            ("WARP_KEY_GROUPS", int(knob(config, "warp_key_groups"))),
             ("HEAD_DIM", shape.head_dim),
             ("IS_BF16", "true" if shape.dtype == "bf16" else "false"),
             ("IS_CAUSAL", "true" if shape.causal else "false"),
@@ -99,6 +100,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
         pitch = shape.head_dim + (8 if knob(config, "smem_layout") == "pad" else 0)
         smem = 2 * pitch * (block_m + 2 * int(knob(config, "stages")) * block_n)
+        key_groups = int(knob(config, "warp_key_groups"))
+        if key_groups > 1:  # fp32 O, max and sum of every key group but the first (AttnTraits::kMergeBytes)
+            smem += 4 * (key_groups - 1) * block_m * (shape.head_dim + 2)
         return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads,
                                     shape.batch * int(knob(config, "kv_splits"))),
                               block=(threads, 1, 1), dynamic_smem=smem)
