@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .errors import EvotuneError, NoGPUError, UsageError
+from .search import SAMPLERS as _SAMPLERS  # the one list --sampler takes (importing it does not import Optuna)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Autotune and evolve templated CUDA kernels (fused attention forward on the H100).")
@@ -208,12 +209,17 @@ def search(
     trials: int = typer.Option(60, "--trials", min=1, help="Candidates to compile and evaluate."),
     run: Optional[str] = typer.Option(None, "--run", help="Run name (default: timestamp + shape)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the named run."),
-    sampler: str = typer.Option("nsga2", "--sampler", help="nsga2 (evolutionary), tpe or random."),
+    sampler: str = typer.Option("nsga2", "--sampler", help=f"Search strategy: {', '.join(_SAMPLERS)} "
+                                "(nsga2: evolutionary; exhaustive: every admitted config once, in order)."),
     population: int = typer.Option(16, "--population", min=2, help="NSGA-II population size."),
     seed: int = typer.Option(0, "--seed"),
     space: Optional[str] = typer.Option(None, "--space", help="YAML search space (default: the family's)."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds a candidate may take on the GPU before it is killed."),
     gpu: int = typer.Option(0, "--gpu", help="GPU index for the worker."),
+    compile_workers: Optional[int] = typer.Option(None, "--compile-workers", min=1,
+                                                  help="Processes compiling candidates ahead (default: CPU count)."),
+    lookahead: Optional[int] = typer.Option(None, "--lookahead", min=0,
+                                            help="Proposals compiled ahead of the GPU (default: 2 x compile workers; 0: serial)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Search the space on the GPU; record every trial, the Pareto front and the best in runs/<run>."""
@@ -236,7 +242,8 @@ def search(
         if run is not None:
             Run.check_new_name(run)  # before the slow worker start
     _require_gpu("search")
-    options = SearchOptions(trials=trials, sampler=sampler, population=population, seed=seed)
+    options = SearchOptions(trials=trials, sampler=sampler, population=population, seed=seed,
+                            compile_workers=compile_workers, lookahead=lookahead)
     with GPUWorker(device=gpu, timeout_s=timeout) as worker:
         info = worker.call({"kind": "info"})
         if rn is None:

@@ -187,6 +187,34 @@ def compile_source(code: str, entry: str, arch: str = DEFAULT_ARCH, extra_option
                     resources=resources, compile_seconds=seconds, cached=False)
 
 
+def _pool_worker_init(parent_pid: int) -> None:
+    """Set up a compile-pool process: leave Ctrl-C to the search process (which shuts the pool down),
+    and exit once the search process is gone, even if it was killed with SIGKILL (an orphaned
+    worker would otherwise wait on its task queue forever)."""
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch_parent() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(0)
+
+    threading.Thread(target=watch_parent, name="evotune-parent-watch", daemon=True).start()
+
+
+def compile_pool(workers: int):
+    """A process pool for compile_source. Spawned, not forked: the search process may hold threads
+    (a live progress display, SQLite) that a forked child would inherit in an undefined state."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_pool_worker_init, initargs=(os.getpid(),))
+
+
 def static_violations(res: Resources, threads: int, dynamic_smem: int) -> list[str]:
     """Reasons a compiled kernel must not run: spills, local memory, or more than one SM can hold."""
     why = []

@@ -9,6 +9,7 @@ session-wide cubin cache makes a config compiled by one test free for the next.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -128,11 +129,33 @@ class FakeEvaluator:
 
 
 def search(problem, space, shape, run, evaluator, trials, sampler="nsga2", max_proposals_factor=30,
-           on_trial=None, should_stop=None):
-    """run_search with a small NSGA-II population and a fixed seed."""
+           on_trial=None, should_stop=None, lookahead=None):
+    """run_search with a small NSGA-II population, a fixed seed and two compile workers (compiling ahead
+    unless lookahead=0)."""
     options = SearchOptions(trials=trials, sampler=sampler, population=4, seed=0,
-                            max_proposals_factor=max_proposals_factor)
+                            max_proposals_factor=max_proposals_factor, compile_workers=2, lookahead=lookahead)
     return run_search(problem, space, shape, run, evaluator, options, on_trial=on_trial, should_stop=should_stop)
+
+
+def child_pids() -> set[int]:
+    """Processes whose parent is this one, read from /proc (not from multiprocessing's own bookkeeping)."""
+    me, out = os.getpid(), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == me:
+            out.add(int(stat.parent.name))
+    return out
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+
+
+def without_times(records: list[dict]) -> list[dict]:
+    """Records less the wall-clock fields, for comparing two searches."""
+    return [{k: v for k, v in r.items() if k not in ("started", "finished")} for r in records]
 
 
 def check_records(records: list[dict]) -> None:
@@ -359,7 +382,7 @@ def test_unknown_sampler_is_usage_error(attention, reduced, mission):
     """An unknown sampler name is a UsageError naming the choices, raised before any trial is recorded."""
     run = Run.create("bad-sampler", {})
     ev = FakeEvaluator(reduced, attention.context(mission))
-    with pytest.raises(UsageError, match="unknown sampler 'annealing'; choose one of nsga2, tpe, random"):
+    with pytest.raises(UsageError, match="unknown sampler 'annealing'; choose one of nsga2, tpe, random, exhaustive"):
         search(attention, reduced, mission, run, ev, trials=3, sampler="annealing")
     assert run.trials() == [] and ev.calls == []
 
@@ -388,3 +411,127 @@ def test_should_stop_at_once_records_nothing(attention, reduced, mission):
     summary = search(attention, reduced, mission, run, ev, trials=8, should_stop=lambda: True)
     assert summary["proposals"] == 0 and summary["evaluated"] == 0 and summary["best"] is None
     assert run.trials() == [] and ev.calls == []
+
+
+def test_should_stop_shuts_the_compile_pool_down(attention, reduced, mission):
+    """Stopping with proposals queued ahead tells them FAIL without records and leaves no compile process behind."""
+    before = child_pids() if Path("/proc/self/stat").exists() else set()
+    run = Run.create("stop-ahead", {})
+    ev = FakeEvaluator(reduced, attention.context(mission))
+    finished, pool_seen = [], []
+
+    def on_trial(record, best):
+        finished.append(record)
+        if Path("/proc/self/stat").exists():
+            pool_seen.append(len(child_pids() - before))
+
+    summary = search(attention, reduced, mission, run, ev, trials=8, sampler="random", lookahead=3,
+                     on_trial=on_trial, should_stop=lambda: len(finished) >= 2)
+    assert summary["proposals"] == 2 and summary["abandoned"] >= 1
+    assert [r["number"] for r in run.trials()] == [r["number"] for r in finished]
+    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    assert len(study.trials) == 2 + summary["abandoned"]
+    assert not [t for t in study.trials if t.state == TrialState.RUNNING]
+    recorded = {r["number"] for r in finished}
+    assert all(t.state == TrialState.FAIL for t in study.trials if t.number not in recorded)
+    if Path("/proc/self/stat").exists():
+        assert max(pool_seen) >= 1, "the compile pool was running during the search"
+        assert child_pids() <= before, "no compile process outlives the search"
+
+
+@needs_proc
+def test_keyboard_interrupt_shuts_down_and_resumes(attention, reduced, mission):
+    """A KeyboardInterrupt from the evaluator ends the search with the pool gone and no RUNNING trial, and a resume
+    evaluates nothing twice."""
+    before = child_pids()
+    run = Run.create("interrupted", {})
+    ev = FakeEvaluator(reduced, attention.context(mission))
+
+    def interrupting(config, compiled):
+        if len(ev.calls) == 2:
+            raise KeyboardInterrupt
+        return ev(config, compiled)
+
+    with pytest.raises(KeyboardInterrupt):
+        search(attention, reduced, mission, run, interrupting, trials=6, sampler="random", lookahead=3)
+    assert child_pids() <= before, "no compile process outlives the interrupt"
+    assert sum(r["counted"] for r in run.trials()) == 2
+    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    assert not [t for t in study.trials if t.state == TrialState.RUNNING]
+    assert len(study.trials) > len(run.trials())  # the interrupted and the queued trials were told FAIL
+
+    summary = search(attention, reduced, mission, Run.open("interrupted"), ev, trials=6, sampler="random",
+                     lookahead=3)
+    assert summary["evaluated"] == 6 and len(ev.calls) == 6 and len(set(ev.digests())) == 6
+    check_records(run.trials())
+
+
+# ------------------------------------------------------------------ (g) compile ahead
+
+
+def test_compile_ahead_records_what_a_serial_search_records(attention, reduced, mission, monkeypatch):
+    """With the same seed, a search compiling ahead in the pool writes the same records as a serial one, evaluates in
+    ask order, and never compiles in the search process; the serial one compiles each new config once."""
+    real_compile = S.compile_source
+    compiled_here = []
+
+    def counting_compile(code, entry, *args, **kwargs):
+        compiled_here.append(code)
+        return real_compile(code, entry, *args, **kwargs)
+
+    monkeypatch.setattr(S, "compile_source", counting_compile)
+    context = attention.context(mission)
+
+    serial_ev = FakeEvaluator(reduced, context)
+    search(attention, reduced, mission, Run.create("serial", {}), serial_ev, trials=6, sampler="random", lookahead=0)
+    serial = Run.open("serial").trials()
+    assert len(compiled_here) == len(set(compiled_here)) == 6 == sum(r["counted"] for r in serial)
+
+    ahead_ev = FakeEvaluator(reduced, context)
+    search(attention, reduced, mission, Run.create("ahead", {}), ahead_ev, trials=6, sampler="random", lookahead=3)
+    ahead = Run.open("ahead").trials()
+    assert len(compiled_here) == 6, "compile-ahead compiles in the pool, not in the search process"
+    assert without_times(ahead) == without_times(serial)
+    assert [r["number"] for r in ahead] == sorted(r["number"] for r in ahead)  # recorded in ask order
+    assert ahead_ev.digests() == [r["digest"] for r in ahead if r["counted"]]  # evaluated in ask order
+    assert all(r["result"]["compile_seconds"] >= 0 for r in ahead if r["counted"])
+
+
+def test_repeats_in_flight_wait_for_their_first(attention, reduced, mission, monkeypatch):
+    """A config proposed again while its first proposal is still queued is compiled and evaluated once, and the
+    repeat is recorded as its duplicate; a repeated constraint-pruned config likewise."""
+    context = attention.context(mission)
+    admitted = reduced.admitted_configs(context)
+    a, b = admitted[0], admitted[1]
+    p = next(c for c in reduced.all_configs() if not reduced.admitted(c, context))
+    run = Run.create("window", {})
+    study = optuna.create_study(study_name="evotune", storage=run.storage_url, directions=["minimize", "minimize"])
+    for cfg in (a, p, a, b, p, a):
+        study.enqueue_trial(cfg.as_dict())
+
+    submitted = []
+    real_pool = S.compile_pool
+
+    def counting_pool(workers):
+        pool = real_pool(workers)
+        real_submit = pool.submit
+
+        def submit(fn, code, entry):
+            submitted.append(code)
+            return real_submit(fn, code, entry)
+
+        pool.submit = submit
+        return pool
+
+    monkeypatch.setattr(S, "compile_pool", counting_pool)
+    ev = FakeEvaluator(reduced, context)
+    summary = search(attention, reduced, mission, run, ev, trials=3, sampler="random", lookahead=5)
+    records = run.trials()
+    check_records(records)
+    first6 = records[:6]
+    assert [r["digest"] for r in first6] == [c.digest() for c in (a, p, a, b, p, a)]
+    assert [r.get("duplicate_of") for r in first6] == [None, None, 0, None, 1, 0]
+    assert [r["counted"] for r in first6] == [True, False, False, True, False, False]
+    assert first6[1]["result"]["status"] == R.PRUNED and first6[1]["result"]["message"].startswith("constraint: ")
+    assert ev.digests()[:2] == [a.digest(), b.digest()] and summary["evaluated"] == 3 == len(ev.calls)
+    assert len(submitted) == len(set(submitted)) == 3, "one compile per new config, none for repeats"
