@@ -145,9 +145,10 @@ class Run:
                 continue
         return out
 
-    def update_summary(self) -> dict | None:
-        """Rewrite pareto.json and best.json from trials.jsonl; return the best record or None."""
-        records = self.trials()
+    def update_summary(self, records: list[dict] | None = None) -> dict | None:
+        """Rewrite pareto.json and best.json from `records` (default: all of trials.jsonl); return the best or None."""
+        if records is None:
+            records = self.trials()
         front = pareto_front(records)
         self.write_json("pareto.json", front)
         top = best_record(records)

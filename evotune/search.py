@@ -128,6 +128,7 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
     admitted = space.admitted_configs(context)
     admitted_total = len(admitted)
     admitted_seen = {r["digest"] for r in records if r.get("counted")}
+    best = best_record(records)
     queue: deque[_Pending] = deque()        # asked, not yet recorded, in ask order
     queued: dict[str, _Pending] = {}        # digest -> first queued occurrence of a config with no record
     sampler = make_sampler(options.sampler, options.population, options.seed, space=space, admitted=admitted,
@@ -216,7 +217,11 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
                 by_digest[digest] = record
                 queued.pop(digest, None)
             queue.popleft()
-            best = run.update_summary()
+            if prior is None:
+                # Only a first record can change the front or the best (duplicates repeat a result),
+                # and the loop already holds every first record: no re-read of trials.jsonl, whose
+                # growth made each proposal slower (seen on the H100: 2216 duplicates in 2906 records).
+                best = run.update_summary(list(by_digest.values()))
             if on_trial is not None:
                 on_trial(record, best)
     finally:

@@ -535,3 +535,25 @@ def test_repeats_in_flight_wait_for_their_first(attention, reduced, mission, mon
     assert first6[1]["result"]["status"] == R.PRUNED and first6[1]["result"]["message"].startswith("constraint: ")
     assert ev.digests()[:2] == [a.digest(), b.digest()] and summary["evaluated"] == 3 == len(ev.calls)
     assert len(submitted) == len(set(submitted)) == 3, "one compile per new config, none for repeats"
+
+
+def test_summary_written_once_per_distinct_config(attention, tiny, mission, monkeypatch):
+    """Duplicates do not rewrite pareto/best, and the summary equals one computed from trials.jsonl."""
+    from evotune.runs import best_record, pareto_front
+
+    calls = []
+    original = Run.update_summary
+
+    def counting(self, records=None):
+        calls.append(records is not None)
+        return original(self, records)
+
+    monkeypatch.setattr(Run, "update_summary", counting)
+    run = Run.create("summary-once", {})
+    search(attention, tiny, mission, run, FakeEvaluator(tiny, attention.context(mission)), trials=4,
+           sampler="random", max_proposals_factor=3)
+    records = run.trials()
+    firsts = [r for r in records if r.get("duplicate_of") is None]
+    assert len(calls) == len(firsts) and all(calls)
+    assert json.loads((run.path / "best.json").read_text()) == json.loads(json.dumps(best_record(records)))
+    assert json.loads((run.path / "pareto.json").read_text()) == json.loads(json.dumps(pareto_front(records)))
