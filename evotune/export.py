@@ -49,8 +49,9 @@ def export_source(problem, shape, config, record: dict | None = None, meta: dict
                      f"{ver.get('gate_ratio', nan):.3g} (atol {ver.get('atol')}, rtol {ver.get('rtol')}), seeds {ver.get('seeds')}")
     if meta:
         dev = meta.get("device") or {}
+        torch_version = dev.get("torch") or meta.get("versions", {}).get("torch", "?")  # recorded by the GPU worker
         lines.append(f"device       {dev.get('name', 'unknown')} (driver {dev.get('driver', '?')}), "
-                     f"torch {meta.get('versions', {}).get('torch', '?')}, NVRTC {meta.get('versions', {}).get('nvrtc', '?')}")
+                     f"torch {torch_version}, NVRTC {meta.get('versions', {}).get('nvrtc', '?')}")
         lines.append(f"run          {meta.get('run_id', '?')}  git {meta.get('git_sha', '?')}  evotune {meta.get('versions', {}).get('evotune', '?')}")
     header = "\n".join(("// " + line).rstrip() for line in lines) + "\n\n"
     return header + src.code

@@ -11,7 +11,7 @@
 // resources    168 registers, 0 B spill stores, 0 B stack frame (ptxas -v, sm_90a)
 // measured     6.02 us median (p10 6.02, p90 6.07; cuda-graph, 16 launches x 40 replays)
 // error        max abs 0.000162 vs fp32 reference, gate ratio 0.311 (atol 0.001, rtol 0.004), seeds [1, 2, 3]
-// device       NVIDIA H100 80GB HBM3 (driver 580.159.04), torch ?, NVRTC 13.0
+// device       NVIDIA H100 80GB HBM3 (driver 580.159.04), torch 2.11.0+cu130, NVRTC 13.0
 // run          mission-h100-tpe-300  git 11c2a7f36bbb  evotune 0.1.0
 
 // evotune: fused attention forward (FlashAttention-2 style) on tensor cores.
