@@ -53,6 +53,10 @@ def export_source(problem, shape, config, record: dict | None = None, meta: dict
         lines.append(f"device       {dev.get('name', 'unknown')} (driver {dev.get('driver', '?')}), "
                      f"torch {torch_version}, NVRTC {meta.get('versions', {}).get('nvrtc', '?')}")
         lines.append(f"run          {meta.get('run_id', '?')}  git {meta.get('git_sha', '?')}  evotune {meta.get('versions', {}).get('evotune', '?')}")
+    recorded_digest = record.get("source_digest")
+    if recorded_digest and recorded_digest != src.digest:
+        lines.append(f"NOTE         the kernel template changed since this trial was measured (source {recorded_digest} "
+                     f"then, {src.digest} now): the figures above are for the earlier code")
     header = "\n".join(("// " + line).rstrip() for line in lines) + "\n\n"
     return header + src.code
 

@@ -92,3 +92,15 @@ def test_export_compiles_with_nvcc_alone(attention, space, mission, tmp_path):
     assert proc.returncode == 0, proc.stderr
     obj = (work / "attention_mission.o").read_bytes()
     assert obj[:4] == b"\x7fELF" and b"evotune_attention" in obj
+
+
+def test_export_says_when_the_template_changed(attention, space, mission):
+    """A record measured on other kernel source gets a NOTE line; one measured on this source does not."""
+    from evotune.template import instantiate
+
+    cfg = space.default_config()
+    current = instantiate(attention, cfg, mission).digest
+    stale = export_source(attention, mission, cfg, {"source_digest": "0" * 16, "result": {}})
+    fresh = export_source(attention, mission, cfg, {"source_digest": current, "result": {}})
+    assert "// NOTE         the kernel template changed" in stale
+    assert "template changed" not in fresh

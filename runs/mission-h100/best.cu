@@ -3,15 +3,14 @@
 // shape        1,8,512,64:fp16  (B=1 H=8 Sq=512 Sk=512 D=64)
 // config       {"block_m": 32, "block_n": 128, "compute_warps": 2, "producer_warps": 2, "q_in_regs": false, "smem_layout": "swizzle", "stages": 1}
 // entry        evotune_attention
-// signature    evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count)  // strides in elements; scale_log2 = scale*log2(e); workspace only for kv_splits > 1
+// signature    evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, int seq_q, int seq_k, float scale_log2)  // strides in elements; scale_log2 = scale*log2(e)
 // grid         (16, 8, 1)   block (128, 1, 1)   dynamic shared memory 36864 B
-// workspace    none (kv_splits = 1): pass null for ws_o, ws_lse, ws_count
 // NVRTC flags  --gpu-architecture=sm_90a -std=c++17 --ptxas-options=-v -lineinfo
 // build        nvcc -arch=sm_90a -c THIS_FILE.cu
 // resources    233 registers, 0 B spill stores, 0 B stack frame (ptxas -v, sm_90a)
 // measured     7.97 us median (p10 7.97, p90 7.98; cuda-graph, 19 launches x 40 replays)
 // error        max abs 0.000162 vs fp32 reference, gate ratio 0.0793 (atol 0.001, rtol 0.004), seeds [1, 2, 3]
-// device       NVIDIA H100 80GB HBM3 (driver 580.159.04), torch 2.11.0+cu130, NVRTC 13.0
+// device       NVIDIA H100 80GB HBM3 (driver 580.159.04), torch ?, NVRTC 13.0
 // run          mission-h100  git 47befbc43d86  evotune 0.1.0
 
 // evotune: fused attention forward (FlashAttention-2 style) on tensor cores.
@@ -35,12 +34,6 @@
 //                  load their own tiles, one __syncthreads per tile)
 //   STAGES         K/V tiles resident in shared memory
 //   SMEM_LAYOUT    0 plain rows, 1 rows padded by 16 B, 2 XOR-swizzled 16 B chunks
-//   KV_SPLITS      CTAs that share one query tile, each walking 1/KV_SPLITS of the
-//                  K/V tiles (split-KV, for small problems that leave SMs idle); the
-//                  last CTA of a tile to finish merges the partial results (fused combine)
-//   WARP_KEY_GROUPS  compute warps that share the same query rows, each taking 1/WARP_KEY_GROUPS
-//                  of every K/V tile's keys; their partial (max, sum, O) are merged through
-//                  shared memory at the end (split-K inside the CTA: shorter serial chains per warp)
 //   Q_IN_REGS      keep the Q fragments in registers for the whole K/V loop (true)
 //                  or re-read them from shared memory at every k-step (false; frees
 //                  HEAD_DIM/4 registers per 16 rows, which d128 tiles need)
@@ -63,8 +56,7 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 enum SmemLayout { kPlain = 0, kPadded = 1, kSwizzled = 2 };
 
 template <int BLOCK_M_, int BLOCK_N_, int COMPUTE_WARPS_, int PRODUCER_WARPS_, int STAGES_,
-          int SMEM_LAYOUT_, bool Q_IN_REGS_, int KV_SPLITS_, int WARP_KEY_GROUPS_, int HEAD_DIM_, bool IS_BF16_,
-          bool IS_CAUSAL_>
+          int SMEM_LAYOUT_, bool Q_IN_REGS_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct AttnTraits {
     static constexpr int kBlockM = BLOCK_M_;
     static constexpr int kBlockN = BLOCK_N_;
@@ -73,8 +65,6 @@ struct AttnTraits {
     static constexpr int kStages = STAGES_;
     static constexpr int kSmemLayout = SMEM_LAYOUT_;
     static constexpr bool kQInRegs = Q_IN_REGS_;
-    static constexpr int kKVSplits = KV_SPLITS_;
-    static constexpr int kKeyGroups = WARP_KEY_GROUPS_;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -84,15 +74,13 @@ struct AttnTraits {
     static constexpr int kThreads = kComputeThreads + kProducerThreads;
     static constexpr bool kHasProducers = kProducerWarps > 0;
 
-    static constexpr int kRowGroups = kComputeWarps / kKeyGroups;
-    static constexpr int kRowsPerWarp = kBlockM / kRowGroups;
-    static constexpr int kWarpKeys = kBlockN / kKeyGroups;  // keys of each tile one warp handles
+    static constexpr int kRowsPerWarp = kBlockM / kComputeWarps;
     static constexpr int kMFrags = kRowsPerWarp / 16;      // 16-row mma tiles per warp
-    static constexpr int kNFrags = kWarpKeys / 8;          // 8-key column blocks of this warp's S
+    static constexpr int kNFrags = kBlockN / 8;            // 8-key column blocks of S
     static constexpr int kDFrags = kHeadDim / 8;           // 8-wide column blocks of O
     static constexpr int kQKSteps = kHeadDim / 16;         // k-steps of Q K^T
     static constexpr int kQRegSteps = kQInRegs ? kQKSteps : 1;  // k-steps of Q held in registers
-    static constexpr int kPVSteps = kWarpKeys / 16;        // k-steps of P V
+    static constexpr int kPVSteps = kBlockN / 16;          // k-steps of P V
     static constexpr int kChunksPerRow = kHeadDim / 8;     // 16-byte chunks per row
 
     // Shared-memory row pitch in elements: padding shifts each row by one
@@ -100,18 +88,9 @@ struct AttnTraits {
     static constexpr int kRowPitch = kHeadDim + (kSmemLayout == kPadded ? 8 : 0);
     static constexpr int kQElems = kBlockM * kRowPitch;
     static constexpr int kKVElems = kBlockN * kRowPitch;
-    // Key-group merge: every warp but the first of a row group leaves its O (fp32), max and sum.
-    static constexpr int kMergeSlotFloats = kBlockM * (kHeadDim + 2);
-    static constexpr int kMergeBytes = kKeyGroups > 1 ? 4 * (kKeyGroups - 1) * kMergeSlotFloats : 0;
-    static constexpr int kSmemBytes = 2 * (kQElems + 2 * kStages * kKVElems) + kMergeBytes;
-    // Rows can meet a tile in which all of their keys are masked before any unmasked one:
-    // their running max stays -inf and must not turn exp2 into NaN.
-    static constexpr bool kGuardEmptyRows = (kIsCausal && kKVSplits > 1) || kKeyGroups > 1;
+    static constexpr int kSmemBytes = 2 * (kQElems + 2 * kStages * kKVElems);
 
-    static_assert(kComputeWarps % kKeyGroups == 0, "compute warps must split evenly into key groups");
-    static_assert(kBlockM % (16 * kRowGroups) == 0, "each row group must own a whole number of 16-row mma tiles");
-    static_assert(kWarpKeys % 16 == 0, "each warp's share of a K/V tile must be a multiple of 16 keys");
-    static_assert(kKeyGroups == 1 || kKVSplits == 1, "key groups and KV splits are not combined");
+    static_assert(kBlockM % (16 * kComputeWarps) == 0, "each compute warp must own a whole number of 16-row mma tiles");
     static_assert(kMFrags >= 1 && kMFrags <= 4, "1 to 4 mma row tiles per warp");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "BLOCK_N must be a multiple of 16 (ldmatrix.x4 covers 16 keys)");
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
@@ -119,10 +98,7 @@ struct AttnTraits {
     static_assert(kProducerWarps >= 0 && kProducerWarps <= 4, "0 to 4 producer warps");
     static_assert(kThreads <= 1024, "at most 1024 threads per CTA");
     static_assert(kSmemLayout != kSwizzled || kChunksPerRow >= 8, "the XOR swizzle needs 8 chunks per row");
-    static_assert(!kHasProducers || 2 + 2 * kStages <= 16, "named barriers: 2 + 2*STAGES must fit the 16 per CTA");
-    static_assert(kKVSplits >= 1 && kKVSplits <= 16, "1 to 16 KV splits");
-    // With producer warps, the compute warps alone synchronise on this named barrier.
-    static constexpr int kComputeBarrier = 1 + 2 * kStages;
+    static_assert(!kHasProducers || 1 + 2 * kStages <= 16, "named barriers: 1 + 2*STAGES must fit the 16 per CTA");
     static_assert(kSmemBytes <= 227 * 1024, "Q tile + STAGES*(K,V) tiles exceed the 227 KB per-CTA shared memory");
 };
 
@@ -220,11 +196,12 @@ __device__ __forceinline__ void load_tile_async(unsigned short* tile, const unsi
     }
 }
 
-// K and V tile `t` (keys t*BLOCK_N ...) into pipeline slot `slot`, by NTHREADS loader threads.
+// K and V tile `t` into pipeline slot t % STAGES, by NTHREADS loader threads.
 template <class T, int NTHREADS>
 __device__ __forceinline__ void load_kv_tile(unsigned short* sK, unsigned short* sV, const unsigned short* gK,
-                                             const unsigned short* gV, long long k_ss, long long v_ss, int slot, int t,
-                                             int seq_k, int loader_tid) {
+                                             const unsigned short* gV, long long k_ss, long long v_ss, int t, int seq_k,
+                                             int loader_tid) {
+    const int slot = t % T::kStages;
     load_tile_async<T, T::kBlockN, NTHREADS>(sK + slot * T::kKVElems, gK, k_ss, t * T::kBlockN, seq_k, loader_tid);
     load_tile_async<T, T::kBlockN, NTHREADS>(sV + slot * T::kKVElems, gV, v_ss, t * T::kBlockN, seq_k, loader_tid);
 }
@@ -313,12 +290,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[T::kMFrags][T::kNFrags
             for (int nf = 0; nf < T::kNFrags; ++nf) mx = fmaxf(mx, fmaxf(s[mf][nf][2 * r], s[mf][nf][2 * r + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // A row whose keys so far are all masked (causal KV split, or a key group whose
-            // share of the first tile is masked) keeps m = -inf; scaling by 0 then keeps p = 0
-            // and alpha finite. Elsewhere every row sees a key in its first tile, so the guard
-            // is compiled only where needed (T::kGuardEmptyRows).
-            float m_scaled = mx * scale_log2;
-            if constexpr (T::kGuardEmptyRows) m_scaled = mx == neg_inf() ? 0.f : m_scaled;
+            // Every row sees at least one unmasked key in its first tile, so mx is finite here.
+            const float m_scaled = mx * scale_log2;
             const float alpha = fast_exp2(m[mf][r] * scale_log2 - m_scaled);  // 0 on the first tile (m = -inf)
             m[mf][r] = mx;
             float row_sum = 0.f;
@@ -367,29 +340,20 @@ __device__ __forceinline__ void pv_tile(float (&o)[T::kMFrags][T::kDFrags][4], c
     }
 }
 
-// Row sums reduced across the quad; 0 for a row that saw no unmasked key.
-template <class T>
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    x += __shfl_xor_sync(0xffffffffu, x, 2);
-    return x;
-}
-
 // Normalise O by the row sums, stage this warp's rows in its own slice of the
 // Q tile (only this warp ever reads that slice, and it is done with Q), then
 // write them to global memory with 16-byte stores.
-template <class T, bool L_REDUCED = false>
+template <class T>
 __device__ __forceinline__ void store_o(float (&o)[T::kMFrags][T::kDFrags][4], float (&l)[T::kMFrags][2], unsigned short* sO,
                                         unsigned short* gO, long long row_stride, int q_row0, int warp_row0, int seq_q, int lane) {
-    // Other lanes of this warp may still be reading these rows as Q (ldmatrix); under
-    // independent thread scheduling only a warp barrier orders that before our writes
-    // (racecheck reported the hazard on causal shapes without it).
-    __syncwarp();
 #pragma unroll
     for (int mf = 0; mf < T::kMFrags; ++mf)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float inv = 1.f / (L_REDUCED ? l[mf][r] : quad_sum<T>(l[mf][r]));
+            float sum = l[mf][r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float inv = 1.f / sum;
             const int row = warp_row0 + mf * 16 + (lane >> 2) + 8 * r;
 #pragma unroll
             for (int df = 0; df < T::kDFrags; ++df) {
@@ -415,144 +379,15 @@ __device__ __forceinline__ void store_o(float (&o)[T::kMFrags][T::kDFrags][4], f
     }
 }
 
-// Split-KV: write this CTA's normalised partial O (fp32) and per-row log2-sum-exp
-// to its workspace slice. A row with no unmasked key in this split gets lse = -inf.
-template <class T>
-__device__ __forceinline__ void store_partial(float (&o)[T::kMFrags][T::kDFrags][4], float (&m)[T::kMFrags][2],
-                                              float (&l)[T::kMFrags][2], float* wo, float* wlse, int warp_row0,
-                                              float scale_log2, int lane) {
-#pragma unroll
-    for (int mf = 0; mf < T::kMFrags; ++mf)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float sum = quad_sum<T>(l[mf][r]);
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            const int row = warp_row0 + mf * 16 + (lane >> 2) + 8 * r;
-            if ((lane & 3) == 0) wlse[row] = sum > 0.f ? m[mf][r] * scale_log2 + __log2f(sum) : neg_inf();
-#pragma unroll
-            for (int df = 0; df < T::kDFrags; ++df) {
-                const int col = df * 8 + 2 * (lane & 3);
-                *reinterpret_cast<float2*>(wo + row * T::kHeadDim + col) =
-                    make_float2(o[mf][df][2 * r] * inv, o[mf][df][2 * r + 1] * inv);
-            }
-        }
-}
-
-// Split-KV: merge the KV_SPLITS partials of one query tile, weighting each by
-// 2^(lse_s - max lse), and write O. Run by the compute threads of the last CTA.
-template <class T>
-__device__ __forceinline__ void combine_partials(const float* wo, const float* wlse, unsigned short* gO,
-                                                 long long row_stride, int q_row0, int seq_q, int tid) {
-    constexpr int kSliceO = T::kBlockM * T::kHeadDim;
-    constexpr int kQuads = T::kHeadDim / 4;
-    for (int idx = tid; idx < T::kBlockM * kQuads; idx += T::kComputeThreads) {
-        const int row = idx / kQuads;
-        const int col = (idx % kQuads) * 4;
-        if (q_row0 + row >= seq_q) continue;
-        float lse_max = neg_inf();
-#pragma unroll
-        for (int s = 0; s < T::kKVSplits; ++s) lse_max = fmaxf(lse_max, __ldcg(wlse + s * T::kBlockM + row));
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        float wsum = 0.f;
-#pragma unroll
-        for (int s = 0; s < T::kKVSplits; ++s) {
-            const float w = fast_exp2(__ldcg(wlse + s * T::kBlockM + row) - lse_max);  // 0 for an empty split
-            const float4 p = __ldcg(reinterpret_cast<const float4*>(wo + s * kSliceO + row * T::kHeadDim + col));
-            acc.x += w * p.x; acc.y += w * p.y; acc.z += w * p.z; acc.w += w * p.w;
-            wsum += w;
-        }
-        const float inv = 1.f / wsum;
-        uint2 packed;
-        packed.x = pack2<T::kIsBf16>(acc.x * inv, acc.y * inv);
-        packed.y = pack2<T::kIsBf16>(acc.z * inv, acc.w * inv);
-        *reinterpret_cast<uint2*>(gO + (long long)(q_row0 + row) * row_stride + col) = packed;
-    }
-}
-
-// Key groups: a warp other than its row group's first writes its unnormalised O, running
-// max and quad-reduced sum to its merge slot.
-template <class T>
-__device__ __forceinline__ void write_key_group_partial(const float (&o)[T::kMFrags][T::kDFrags][4], const float (&m)[T::kMFrags][2],
-                                                        const float (&l)[T::kMFrags][2], float* slot, int warp_row0, int lane) {
-#pragma unroll
-    for (int mf = 0; mf < T::kMFrags; ++mf)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = warp_row0 + mf * 16 + (lane >> 2) + 8 * r;
-            const float sum = quad_sum<T>(l[mf][r]);
-            if ((lane & 3) == 0) {
-                slot[T::kBlockM * T::kHeadDim + row] = m[mf][r];
-                slot[T::kBlockM * (T::kHeadDim + 1) + row] = sum;
-            }
-#pragma unroll
-            for (int df = 0; df < T::kDFrags; ++df) {
-                const int col = df * 8 + 2 * (lane & 3);
-                *reinterpret_cast<float2*>(slot + row * T::kHeadDim + col) = make_float2(o[mf][df][2 * r], o[mf][df][2 * r + 1]);
-            }
-        }
-}
-
-// Key groups: the row group's first warp folds the other warps' partials into its own
-// accumulators; afterwards `l` holds the full (quad-reduced) row sums.
-template <class T>
-__device__ __forceinline__ void merge_key_groups(float (&o)[T::kMFrags][T::kDFrags][4], const float (&m)[T::kMFrags][2],
-                                                 float (&l)[T::kMFrags][2], const float* slots, int warp_row0,
-                                                 float scale_log2, int lane) {
-#pragma unroll
-    for (int mf = 0; mf < T::kMFrags; ++mf)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = warp_row0 + mf * 16 + (lane >> 2) + 8 * r;
-            // Row max over all groups; the first group always holds key 0, so it is finite.
-            float mx = m[mf][r];
-#pragma unroll
-            for (int g = 1; g < T::kKeyGroups; ++g)
-                mx = fmaxf(mx, slots[(g - 1) * T::kMergeSlotFloats + T::kBlockM * T::kHeadDim + row]);
-            const float w0 = fast_exp2((m[mf][r] - mx) * scale_log2);
-            float sum = quad_sum<T>(l[mf][r]) * w0;
-#pragma unroll
-            for (int df = 0; df < T::kDFrags; ++df) {
-                o[mf][df][2 * r] *= w0;
-                o[mf][df][2 * r + 1] *= w0;
-            }
-#pragma unroll
-            for (int g = 1; g < T::kKeyGroups; ++g) {
-                const float* slot = slots + (g - 1) * T::kMergeSlotFloats;
-                const float w = fast_exp2((slot[T::kBlockM * T::kHeadDim + row] - mx) * scale_log2);  // 0 if that group saw no key
-                sum += w * slot[T::kBlockM * (T::kHeadDim + 1) + row];
-#pragma unroll
-                for (int df = 0; df < T::kDFrags; ++df) {
-                    const int col = df * 8 + 2 * (lane & 3);
-                    const float2 p = *reinterpret_cast<const float2*>(slot + row * T::kHeadDim + col);
-                    o[mf][df][2 * r] += w * p.x;
-                    o[mf][df][2 * r + 1] += w * p.y;
-                }
-            }
-            l[mf][r] = sum;
-        }
-}
-
-// Synchronise the compute warps only (producer warps may have exited).
-template <class T>
-__device__ __forceinline__ void compute_sync() {
-    if constexpr (T::kHasProducers) named_bar_sync(T::kComputeBarrier, T::kComputeThreads);
-    else __syncthreads();
-}
-
 // ------------------------------------------------------------------ kernel
 
 // Strides are in elements: *_sb batch, *_sh head, *_ss sequence (the head-dim stride is 1).
-// Split-KV workspace (KV_SPLITS > 1 only; null otherwise), per (batch, head, query tile):
-//   ws_o   [KV_SPLITS][BLOCK_M][HEAD_DIM] fp32 partial outputs
-//   ws_lse [KV_SPLITS][BLOCK_M]           fp32 log2-sum-exp of the scaled scores
-//   ws_count                              int, zero before a launch; the kernel leaves it zero
 template <class T>
 __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                                               const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
                                               long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh,
                                               long long k_ss, long long v_sb, long long v_sh, long long v_ss, long long o_sb,
-                                              long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
-                                              float* __restrict__ ws_o, float* __restrict__ ws_lse, int* __restrict__ ws_count) {
+                                              long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
     unsigned short* sK = sQ + T::kQElems;
@@ -561,11 +396,9 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
     const int lane = tid & 31;
-    const int m_tile = blockIdx.x;
-    const int q_row0 = m_tile * T::kBlockM;
+    const int q_row0 = blockIdx.x * T::kBlockM;
     const int head = blockIdx.y;
-    const int batch = blockIdx.z / T::kKVSplits;
-    const int split = blockIdx.z % T::kKVSplits;
+    const int batch = blockIdx.z;
     const unsigned short* gQ = q + batch * q_sb + head * q_sh;
     const unsigned short* gK = k + batch * k_sb + head * k_sh;
     const unsigned short* gV = v + batch * v_sb + head * v_sh;
@@ -574,40 +407,29 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     // Causal: tiles wholly after this CTA's last query row contribute nothing; skip them.
     int kv_end = seq_k;
     if constexpr (T::kIsCausal) kv_end = min(seq_k, q_row0 + T::kBlockM);
-    const int n_tiles_all = (kv_end + T::kBlockN - 1) / T::kBlockN;
-    // This CTA's share of the K/V tiles: [t_begin, t_begin + n_tiles); may be empty in a split.
-    // Without splits both are written plainly: with t_begin = min(0, ...) the compiler could
-    // no longer split off the masked last tile, and the mission winner lost 27% on the H100.
-    int t_begin = 0, n_tiles = n_tiles_all;
-    if constexpr (T::kKVSplits > 1) {
-        const int per_split = (n_tiles_all + T::kKVSplits - 1) / T::kKVSplits;
-        t_begin = min(split * per_split, n_tiles_all);
-        n_tiles = min(n_tiles_all - t_begin, per_split);
-    }
+    const int n_tiles = (kv_end + T::kBlockN - 1) / T::kBlockN;
 
     if constexpr (T::kHasProducers) {
         // Named barrier ids: FULL[s] = 1 + s (producers arrive, consumers wait),
-        // EMPTY[s] = 1 + STAGES + s (consumers arrive, producers wait). Pipeline
-        // step i holds tile t_begin + i in slot i % STAGES.
+        // EMPTY[s] = 1 + STAGES + s (consumers arrive, producers wait).
         if (warp >= T::kComputeWarps) {
             const int ptid = tid - T::kComputeThreads;
             load_tile_async<T, T::kBlockM, T::kProducerThreads>(sQ, gQ, q_ss, q_row0, seq_q, ptid);
 #pragma unroll
             for (int s = 0; s < T::kStages - 1; ++s) {
-                if (s < n_tiles) load_kv_tile<T, T::kProducerThreads>(sK, sV, gK, gV, k_ss, v_ss, s, t_begin + s, seq_k, ptid);
+                if (s < n_tiles) load_kv_tile<T, T::kProducerThreads>(sK, sV, gK, gV, k_ss, v_ss, s, seq_k, ptid);
                 cp_async_commit();  // Q joins tile 0's group
             }
-            for (int i = 0; i < n_tiles; ++i) {
-                const int next = i + T::kStages - 1;
+            for (int t = 0; t < n_tiles; ++t) {
+                const int next = t + T::kStages - 1;
                 if (next < n_tiles) {
-                    // Slot of `next` last held step i-1: wait until the consumers released it.
-                    if (i >= 1) named_bar_sync(1 + T::kStages + (i - 1) % T::kStages, T::kThreads);
-                    load_kv_tile<T, T::kProducerThreads>(sK, sV, gK, gV, k_ss, v_ss, next % T::kStages, t_begin + next,
-                                                         seq_k, ptid);
+                    // Slot of `next` last held tile t-1: wait until the consumers released it.
+                    if (t >= 1) named_bar_sync(1 + T::kStages + (t - 1) % T::kStages, T::kThreads);
+                    load_kv_tile<T, T::kProducerThreads>(sK, sV, gK, gV, k_ss, v_ss, next, seq_k, ptid);
                 }
                 cp_async_commit();  // empty groups keep the wait count uniform
                 cp_async_wait<T::kStages - 1>();
-                named_bar_arrive(1 + i % T::kStages, T::kThreads);
+                named_bar_arrive(1 + t % T::kStages, T::kThreads);
             }
             return;
         }
@@ -616,15 +438,13 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         cp_async_commit();
 #pragma unroll
         for (int s = 0; s < T::kStages - 1; ++s) {
-            if (s < n_tiles) load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, s, t_begin + s, seq_k, tid);
+            if (s < n_tiles) load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, s, seq_k, tid);
             cp_async_commit();
         }
     }
 
     // ---- compute warps
-    const int key_group = warp % T::kKeyGroups;
-    const int warp_row0 = (warp / T::kKeyGroups) * T::kRowsPerWarp;
-    const int warp_key0 = key_group * T::kWarpKeys;  // this warp's keys within each tile
+    const int warp_row0 = warp * T::kRowsPerWarp;
     u32 qf[T::kMFrags][T::kQRegSteps][4];
     float o_acc[T::kMFrags][T::kDFrags][4];
     float s_acc[T::kMFrags][T::kNFrags][4];
@@ -639,76 +459,42 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
             for (int i = 0; i < 4; ++i) o_acc[mf][df][i] = 0.f;
     }
 
-    for (int i = 0; i < n_tiles; ++i) {
-        const int slot = i % T::kStages;
-        // ---- wait for step i (and, at i = 0, for Q)
+    for (int t = 0; t < n_tiles; ++t) {
+        // ---- wait for tile t (and, at t = 0, for Q)
         if constexpr (T::kHasProducers) {
-            named_bar_sync(1 + slot, T::kThreads);
+            named_bar_sync(1 + t % T::kStages, T::kThreads);
         } else if constexpr (T::kStages == 1) {
-            // One slot: everyone must be done with step i-1 before it is overwritten.
-            if (i > 0) __syncthreads();
-            load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, 0, t_begin + i, seq_k, tid);
+            // One slot: everyone must be done with tile t-1 before it is overwritten.
+            if (t > 0) __syncthreads();
+            load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, t, seq_k, tid);
             cp_async_commit();
             cp_async_wait<0>();
             __syncthreads();
         } else {
             cp_async_wait<T::kStages - 2>();
-            // After this barrier step i is visible to all, and every warp has
-            // finished step i-1, so its slot can take step i + STAGES - 1.
+            // After this barrier tile t is visible to all, and every warp has
+            // finished tile t-1, so its slot can take tile t + STAGES - 1.
             __syncthreads();
-            const int next = i + T::kStages - 1;
-            if (next < n_tiles)
-                load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, next % T::kStages, t_begin + next, seq_k, tid);
+            const int next = t + T::kStages - 1;
+            if (next < n_tiles) load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, next, seq_k, tid);
             cp_async_commit();
         }
-        if (T::kQInRegs && i == 0) load_q_frags<T>(qf, sQ, warp_row0, lane);
+        if (T::kQInRegs && t == 0) load_q_frags<T>(qf, sQ, warp_row0, lane);
 
-        // Key groups read their rows of the tile through an offset base: warp_key0 is a
-        // multiple of 16, so the swizzle (row & 7) is the same relative to either base.
-        const int kv0 = (t_begin + i) * T::kBlockN + warp_key0;
-        qk_tile<T>(s_acc, qf, sQ, warp_row0, sK + slot * T::kKVElems + warp_key0 * T::kRowPitch, lane);
-        bool need_mask = kv0 + T::kWarpKeys > seq_k;
-        if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kWarpKeys - 1 > q_row0 + warp_row0;
+        const int slot = t % T::kStages;
+        const int kv0 = t * T::kBlockN;
+        qk_tile<T>(s_acc, qf, sQ, warp_row0, sK + slot * T::kKVElems, lane);
+        bool need_mask = kv0 + T::kBlockN > seq_k;
+        if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kBlockN - 1 > q_row0 + warp_row0;
         if (need_mask) mask_tile<T>(s_acc, q_row0 + warp_row0, kv0, seq_k, lane);
         online_softmax<T>(s_acc, o_acc, m_run, l_run, scale_log2);
-        pv_tile<T>(o_acc, s_acc, sV + slot * T::kKVElems + warp_key0 * T::kRowPitch, lane);
+        pv_tile<T>(o_acc, s_acc, sV + slot * T::kKVElems, lane);
 
         if constexpr (T::kHasProducers) {
-            if (i + T::kStages < n_tiles) named_bar_arrive(1 + T::kStages + slot, T::kThreads);
+            if (t + T::kStages < n_tiles) named_bar_arrive(1 + T::kStages + slot, T::kThreads);
         }
     }
-
-    if constexpr (T::kKeyGroups > 1) {
-        float* slots = reinterpret_cast<float*>(sV + T::kStages * T::kKVElems);
-        if (key_group > 0)
-            write_key_group_partial<T>(o_acc, m_run, l_run, slots + (key_group - 1) * T::kMergeSlotFloats, warp_row0, lane);
-        compute_sync<T>();
-        if (key_group > 0) return;
-        merge_key_groups<T>(o_acc, m_run, l_run, slots, warp_row0, scale_log2, lane);
-        store_o<T, true>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
-    } else if constexpr (T::kKVSplits == 1) {
-        store_o<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
-    } else {
-        const long long tile_index = ((long long)(batch * gridDim.y + head)) * gridDim.x + m_tile;
-        float* wo = ws_o + tile_index * (T::kKVSplits * T::kBlockM * T::kHeadDim);
-        float* wlse = ws_lse + tile_index * (T::kKVSplits * T::kBlockM);
-        store_partial<T>(o_acc, m_run, l_run, wo + split * (T::kBlockM * T::kHeadDim), wlse + split * T::kBlockM,
-                         warp_row0, scale_log2, lane);
-        // Publish the partial, then count arrivals: the CTA that brings the count to
-        // KV_SPLITS sees every other partial (threadfence-reduction pattern).
-        __threadfence();
-        compute_sync<T>();
-        __shared__ int is_last;
-        if (tid == 0) {
-            const int arrived = atomicAdd(ws_count + tile_index, 1);
-            is_last = arrived == T::kKVSplits - 1;
-            if (is_last) ws_count[tile_index] = 0;  // ready for the next launch
-        }
-        compute_sync<T>();
-        if (!is_last) return;
-        __threadfence();
-        combine_partials<T>(wo, wlse, gO, o_ss, q_row0, seq_q, tid);
-    }
+    store_o<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
 }
 
 }  // namespace evotune
@@ -722,23 +508,19 @@ using EvotuneTraits = evotune::AttnTraits<
     /* STAGES = */ 1,
     /* SMEM_LAYOUT = */ 2,
     /* Q_IN_REGS = */ false,
-    /* KV_SPLITS = */ 1,
-    /* WARP_KEY_GROUPS = */ 1,
     /* HEAD_DIM = */ 64,
     /* IS_BF16 = */ false,
     /* IS_CAUSAL = */ false>;
 
-// Launch: grid (ceil(seq_q / BLOCK_M), heads, batch * KV_SPLITS), block (EvotuneTraits::kThreads),
+// Launch: grid (ceil(seq_q / BLOCK_M), heads, batch), block (EvotuneTraits::kThreads),
 // dynamic shared memory EvotuneTraits::kSmemBytes. Pointers are fp16/bf16 bit patterns;
 // strides are in elements (b = batch, h = head, s = sequence; the head-dim stride is 1).
-// With KV_SPLITS > 1 the fp32 workspace ws_o / ws_lse and the int counters ws_count
-// (zeroed once; the kernel leaves them zero) hold one slice per (batch, head, query tile).
 extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 evotune_attention(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                   const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
                   long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
                   long long v_sb, long long v_sh, long long v_ss, long long o_sb, long long o_sh, long long o_ss,
-                  int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count) {
+                  int seq_q, int seq_k, float scale_log2) {
     evotune::attention_fwd<EvotuneTraits>(q, k, v, o, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
-                                          o_sb, o_sh, o_ss, seq_q, seq_k, scale_log2, ws_o, ws_lse, ws_count);
+                                          o_sb, o_sh, o_ss, seq_q, seq_k, scale_log2);
 }
