@@ -313,13 +313,11 @@ def replay(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Recompile a recorded config, re-verify on fresh inputs, re-time beside SDPA, report drift."""
-    from .compile import compile_source
     from .problems import get_problem
     from .runs import Run
     from .search import worker_evaluator
     from .shapes import Shape
     from .space import Config
-    from .template import instantiate
     from .workers import GPUWorker
 
     rn = Run.open(run)
@@ -331,8 +329,7 @@ def replay(
     shp = Shape.from_dict(meta["shape"])
     config = Config.from_dict(rec["config"])
     _require_gpu("replay")
-    src = instantiate(problem, config, shp)
-    compiled = compile_source(src.code, src.entry)
+    src, compiled = _compile_candidate(problem, shp, config)
     with GPUWorker() as worker:
         res = worker_evaluator(worker, problem, shp, seeds=REPLAY_SEEDS)(config, compiled)
         base = worker.call({"kind": "baselines", "family": problem.family, "shape": shp.as_dict()}, timeout_s=600) if baselines else {}
@@ -414,7 +411,7 @@ def _compile_candidate(problem, shp, config):
     from .template import instantiate
 
     src = instantiate(problem, config, shp)
-    return compile_source(src.code, src.entry)
+    return src, compile_source(src.code, src.entry)
 
 
 @app.command("verify")
@@ -432,7 +429,7 @@ def verify_cmd(
 
     problem, shp, cfg = _resolve_candidate(which, run, config, shape, space)
     _require_gpu("verify")
-    compiled = _compile_candidate(problem, shp, cfg)
+    _, compiled = _compile_candidate(problem, shp, cfg)
     with GPUWorker(timeout_s=600) as worker:
         rep = worker.call({"kind": "verify", "family": problem.family, "shape": shp.as_dict(),
                            "config": cfg.as_dict(), "compiled": compiled_to_dict(compiled), "launches": launches,
@@ -480,7 +477,7 @@ def sanitize(
     if shape is None:
         shp = _sanitize_shape(shp)
     _require_gpu("sanitize")
-    compiled = _compile_candidate(problem, shp, cfg)
+    _, compiled = _compile_candidate(problem, shp, cfg)
     job = {"family": problem.family, "shape": shp.as_dict(), "config": cfg.as_dict(),
            "compiled": compiled_to_dict(compiled)}
     reports = [run_tool(t, job) for t in tool]

@@ -257,7 +257,7 @@ def measure_baselines(problem, shape, names=None, seeds=DEFAULT_SEEDS, reps: int
             continue
 
         def run_into(inputs, out, name=name):
-            out.copy_(problem.baseline_launcher(name, shape, inputs)())
+            out.copy_(problem.baseline_launcher(name, shape, inputs, probe=False)())
 
         check = verify(problem, shape, run_into, seeds)
         timing = time_gpu(probe, reps=reps)

@@ -275,8 +275,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
     def baselines(self) -> list[str]:
         return ["flash", "cudnn", "efficient", "math"]
 
-    def baseline_launcher(self, name: str, shape: Shape, inputs: dict):
-        """A callable running SDPA with one backend forced, returning its output; None if unavailable."""
+    def baseline_launcher(self, name: str, shape: Shape, inputs: dict, probe: bool = True):
+        """A callable running SDPA with one backend forced, returning its output; with `probe`, None
+        if the backend refuses these inputs (found by running it once)."""
         import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -289,11 +290,12 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, scale=inputs["scale"])
 
-        try:
-            run()
-            torch.cuda.synchronize()
-        except RuntimeError:
-            return None
+        if probe:
+            try:
+                run()
+                torch.cuda.synchronize()
+            except RuntimeError:
+                return None
         return run
 
 
