@@ -70,14 +70,13 @@ def _target(job_path: str) -> None:
     import torch
 
     from .problems import get_problem
-    from .shapes import Shape
     from .space import Config
     from .workers import _compiled_from_dict
     from .compile import load_kernel
 
     job = json.load(open(job_path))
     problem = get_problem(job["family"])
-    shape = Shape.from_dict(job["shape"])
+    shape = problem.shape_from_dict(job["shape"])
     config = Config.from_dict(job["config"])
     compiled = _compiled_from_dict(job["compiled"])
     kernel = load_kernel(compiled, problem.geometry(config, shape).dynamic_smem)

@@ -1,6 +1,6 @@
 """Search spaces: the tunable knobs of a kernel family, read from a YAML file.
 
-A space file names the parameters (each a short list of allowed values),
+A space file names its kernel family and the parameters (each a short list of allowed values),
 derived quantities computed from them, and constraints that rule out
 configurations the kernel cannot run (too much shared memory, a tile that
 does not split across warps, ...). Derived and constraint expressions are
@@ -8,7 +8,9 @@ written in a small subset of Python and evaluated by `safe_eval`, which walks
 the syntax tree itself: nothing from the file is ever handed to eval/exec.
 
 Every validation error is one line, `<path>:<line>: <message>`, pointing at
-the YAML node at fault.
+the YAML node at fault. Expressions may read the parameters, the derived values,
+and the context: the names the family's Problem declares (`context_names`, its
+shape) plus the device limits below.
 """
 
 from __future__ import annotations
@@ -24,22 +26,44 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import yaml
 
 from .errors import UsageError
-from .shapes import Shape
-
-# Names every expression may use besides the parameters: the problem shape and device limits.
-CONTEXT_NAMES = (
-    "batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "dtype_bytes", "causal",
-    "smem_limit", "max_threads",
-)
 
 # Opt-in dynamic shared memory per block on H100 (227 KB), and threads per block.
 SMEM_LIMIT = 232448
 MAX_THREADS = 1024
+# Context names of every family: the device limits. A family adds its shape's names.
+DEVICE_CONTEXT_NAMES = ("smem_limit", "max_threads")
+
+
+def device_context() -> dict:
+    """The DEVICE_CONTEXT_NAMES on an H100."""
+    return {"smem_limit": SMEM_LIMIT, "max_threads": MAX_THREADS}
+
+
+def family_context_names(family: str) -> tuple[str, ...] | None:
+    """The context names a space of `family` may read when its loader is not told them: a built-in
+    family's own; for a plugin family (`package.module:ATTR`, not imported here) None, meaning any
+    name, checked when evaluated; for any other family every built-in family's names."""
+    from .problems import FAMILIES, get_problem
+
+    if family in FAMILIES:
+        return tuple(get_problem(family).context_names)
+    if ":" in family:
+        return None
+    return tuple(dict.fromkeys(n for f in FAMILIES for n in get_problem(f).context_names))
+
+
+def __getattr__(name: str):
+    # The attention family's CONTEXT_NAMES and shape_context() lived here before families owned their shapes.
+    if name in ("CONTEXT_NAMES", "shape_context"):
+        from .problems import attention
+
+        return getattr(attention, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 TOP_KEYS = ("family", "description", "params", "derived", "constraints")
 PARAM_KEYS = ("values", "default", "doc")
@@ -355,15 +379,6 @@ class SearchSpace:
             raise UsageError(f"{self.path}:{line}: {what}: {expr}: {exc}") from None
 
 
-def shape_context(shape: Shape) -> dict:
-    """The names CONTEXT_NAMES for `shape` on an H100."""
-    return {
-        "batch": shape.batch, "heads": shape.heads, "seq_q": shape.seq_q, "seq_k": shape.seq_k,
-        "head_dim": shape.head_dim, "dtype": shape.dtype, "dtype_bytes": shape.dtype_bytes,
-        "causal": shape.causal, "smem_limit": SMEM_LIMIT, "max_threads": MAX_THREADS,
-    }
-
-
 def check_nonempty(space: SearchSpace, context: Mapping[str, object]) -> None:
     """Raise UsageError when no configuration of `space` is admitted under `context`, naming the commonest reason."""
     reasons: Counter[str] = Counter()
@@ -383,8 +398,10 @@ def check_nonempty(space: SearchSpace, context: Mapping[str, object]) -> None:
 class _Reader:
     """Builds a SearchSpace from the composed YAML node tree, so each error can name its node's line."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, context_names: Iterable[str] | None = None):
         self.path = path
+        self.context_names = None if context_names is None else tuple(context_names)
+        self.any_context = False  # set by space(): True where the context names are not known
         self.constructor = yaml.constructor.SafeConstructor()
 
     def fail(self, node: yaml.Node, message: str):
@@ -427,7 +444,7 @@ class _Reader:
             unknown = sorted(expression_names(expr) - known)
         except ExpressionError as exc:
             self.fail(node, f"{what}: {exc}")
-        if unknown:
+        if unknown and not self.any_context:  # with any context, an unknown name fails when evaluated
             self.fail(node, f"{what}: unknown name {unknown[0]!r} in {expr!r}")
         return expr
 
@@ -438,7 +455,8 @@ class _Reader:
         if name in taken:
             self.fail(node, f"{what} {name!r} shadows {taken[name]}")
 
-    def space(self, root: yaml.Node | None) -> SearchSpace:
+    def top(self, root: yaml.Node | None) -> dict:
+        """The top-level mapping's value nodes by key, with the required keys present."""
         if root is None:
             raise UsageError(f"{self.path}:1: empty file; expected a mapping with {_fmt(TOP_KEYS)}")
         if not isinstance(root, yaml.MappingNode):
@@ -447,14 +465,20 @@ class _Reader:
         for required in ("family", "params"):
             if required not in top:
                 self.fail(root, f"missing top-level key {required!r}")
+        return top
 
+    def space(self, root: yaml.Node | None) -> SearchSpace:
+        top = self.top(root)
         family = self.string(top["family"], "family")
         description = self.string(top["description"], "description") if "description" in top else ""
 
+        names = self.context_names if self.context_names is not None else family_context_names(family)
+        self.any_context = names is None
+        context = tuple(DEVICE_CONTEXT_NAMES) + tuple(names or ())
         # `taken`: names a parameter or derived value may not reuse, and why; `known`: names expressions may read.
-        taken = {name: "a context name" for name in CONTEXT_NAMES}
+        taken = {name: "a context name" for name in context}
         taken.update({name: "a function" for name in _FUNCTIONS})
-        known = set(CONTEXT_NAMES)
+        known = set(context)
 
         params = self.params(top["params"], taken)
         taken.update({p.name: "a parameter" for p in params})
@@ -533,8 +557,21 @@ def _is_empty(node: yaml.Node | None) -> bool:
     return not node.value
 
 
-def load_space(path: str | os.PathLike) -> SearchSpace:
-    """Read and validate a search-space YAML file; raises UsageError `<path>:<line>: <message>` on any problem."""
+def load_space(path: str | os.PathLike, context_names: Iterable[str] | None = None) -> SearchSpace:
+    """Read and validate a search-space YAML file; raises UsageError `<path>:<line>: <message>` on any problem.
+
+    Expressions may read `context_names` (the family Problem's context, without the device
+    limits, which are always there); by default those `family_context_names` gives the file's family.
+    """
+    return _read(path, lambda reader, root: reader.space(root), context_names)
+
+
+def space_family(path: str | os.PathLike) -> str:
+    """The family a search-space file names (read before its Problem, which knows the context names, is loaded)."""
+    return _read(path, lambda reader, root: reader.string(reader.top(root)["family"], "family"))
+
+
+def _read(path, parse, context_names=None):
     path = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -542,10 +579,10 @@ def load_space(path: str | os.PathLike) -> SearchSpace:
         raise UsageError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path}: cannot read: {exc}") from None
-    reader = _Reader(path)
+    reader = _Reader(path, context_names)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
-        return reader.space(root)
+        return parse(reader, root)
     except yaml.MarkedYAMLError as exc:  # syntax errors, and unsupported tags met while constructing values
         mark = exc.problem_mark or exc.context_mark
         message = " ".join(str(exc.problem or exc.context).split())
@@ -566,9 +603,9 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in spaces_dir().glob("*.yaml"))
 
 
-def load_builtin(name: str) -> SearchSpace:
+def load_builtin(name: str, context_names: Iterable[str] | None = None) -> SearchSpace:
     """Load `<spaces_dir()>/<name>.yaml`; raises UsageError listing the available names when there is none."""
     path = spaces_dir() / f"{name}.yaml"
     if not path.is_file():
         raise UsageError(f"unknown search space {name!r}; available: {_fmt(builtin_names()) or 'none'} (in {spaces_dir()})")
-    return load_space(path)
+    return load_space(path, context_names)

@@ -59,3 +59,55 @@ def slow_start_worker(conn, device: int) -> None:
 def fatal_worker(conn, device: int) -> None:
     """Reports that it cannot use the GPU, as the real worker does on a machine without one."""
     conn.send(("fatal", f"GPU worker could not start on device {device}: RuntimeError: no CUDA GPUs are available"))
+
+
+# The reason the real worker gives for the planted out-of-bounds store (torch's wording).
+ILLEGAL_ADDRESS = "AcceleratorError: CUDA error: an illegal memory access was encountered"
+
+
+def fault_worker(conn, device: int) -> None:
+    """Answers `evaluate` jobs of the planted-fault family (tests/fault_family.py) as the real worker
+    does on the GPU: hangs on `hang`, answers an illegal address and exits on `oob_write`, fails the
+    gate on `wrong_values` and `unwritten`, passes on `none`. The fault named by the environment
+    variable EVOTUNE_FAKE_CRASH_ON kills the process instead (a driver segfault). Every answer
+    carries the answering process id in `extra`, so a test can tell a fresh worker from the old one."""
+    from evotune.result import Result
+
+    conn.send(("ready", None))
+    crash_on = os.environ.get("EVOTUNE_FAKE_CRASH_ON")
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        if job["kind"] == "pid":
+            conn.send(("ok", {"pid": os.getpid()}))
+            continue
+        config = job["config"]
+        fault = config.get("fault", "none")
+        extra = {"pid": os.getpid()}
+        if fault == crash_on:
+            os._exit(3)
+        if fault == "hang":
+            while True:
+                time.sleep(60)
+        if fault == "oob_write":
+            conn.send(("error", {"message": ILLEGAL_ADDRESS, "traceback": "Traceback (most recent call last): ..."}))
+            return  # a sticky CUDA error: the real worker exits after answering
+        if fault == "none":
+            t = 10.0 + config["block_m"] / 100 + config.get("warp_key_groups", 1) / 10
+            res = Result(status="ok", time_us=t, max_abs=1e-4, extra=extra,
+                         timing={"median_us": t, "p10_us": t, "p90_us": t, "reps": 5, "launches_per_rep": 10,
+                                 "method": "fake"})
+        elif fault == "wrong_values":  # faster than any that passes, and wrong
+            res = Result(status="wrong", message="error 215x the gate in seed 1 normal", time_us=1.0, max_abs=0.4,
+                         extra=extra)
+        elif fault == "unwritten":
+            res = Result(status="wrong", message="4096 non-finite outputs (NaN poison left or computed) in seed 1 normal",
+                         max_abs=float("inf"), extra=extra)
+        else:
+            conn.send(("error", {"message": f"fault {fault!r} should never reach a worker", "traceback": ""}))
+            return
+        conn.send(("ok", res.as_dict()))

@@ -9,6 +9,7 @@ the test of the real worker on this GPU-less machine.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import time
 
@@ -224,3 +225,32 @@ def test_close_is_idempotent_and_stops_the_worker(worker_with):
         w2.call({"kind": "pid"})
         proc2 = w2._proc
     assert not proc2.is_alive() and w2._proc is None
+
+
+# ------------------------------------------------------------------ Ctrl-C
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process `pid` ignores SIGINT, from the SigIgn mask in /proc/<pid>/status."""
+    import signal
+
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+    raise AssertionError("no SigIgn line")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads signal masks from /proc")
+def test_worker_ignores_sigint(worker_with):
+    """A worker ignores SIGINT (Ctrl-C reaches the whole process group; the search process handles it) and keeps answering."""
+    import signal
+
+    w = worker_with(fake.error_worker)
+    pid = w.call({"kind": "pid"})["pid"]
+    assert _ignores_sigint(pid)
+    os.kill(pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert w._proc.is_alive() and w.call({"kind": "pid"})["pid"] == pid
+    assert w.restarts == 0
+    w.close()
+    assert w._proc is None

@@ -10,10 +10,23 @@ import math
 import warnings
 
 from ..errors import UsageError
-from ..shapes import Shape
-from . import LaunchGeometry
+from ..shapes import PRESETS, Shape, parse_shape
+from ..space import DEVICE_CONTEXT_NAMES, device_context
+from . import LaunchGeometry, Problem
 
 SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
+
+# Names the search space's expressions may read: the shape, then the device limits.
+CONTEXT_NAMES = ("batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "dtype_bytes", "causal") + DEVICE_CONTEXT_NAMES
+
+
+def shape_context(shape: Shape) -> dict:
+    """The names CONTEXT_NAMES for `shape` on an H100."""
+    return {
+        "batch": shape.batch, "heads": shape.heads, "seq_q": shape.seq_q, "seq_k": shape.seq_k,
+        "head_dim": shape.head_dim, "dtype": shape.dtype, "dtype_bytes": shape.dtype_bytes,
+        "causal": shape.causal, **device_context(),
+    }
 
 # The value a knob takes when a (reduced) search space does not list it.
 KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
@@ -37,11 +50,43 @@ def knob(config, name: str):
 TOLERANCE = {"fp16": (1e-3, 4e-3), "bf16": (8e-3, 3e-2)}  # (atol, rtol)
 
 
-class AttentionProblem:
+class AttentionProblem(Problem):
     family = "attention"
     kernel_file = "attention.cu"
     entry_name = "evotune_attention"
     default_space = "attention"
+    default_shape = "mission"
+    title = "attention forward kernel"
+    context_names = CONTEXT_NAMES
+    perturbed = "key"
+    baseline_kind = "SDPA"
+    rate_unit = "TFLOP/s"
+
+    # ------------------------------------------------------------ shapes
+    def parse_shape(self, text: str) -> Shape:
+        return parse_shape(text)
+
+    def shape_from_dict(self, d: dict) -> Shape:
+        return Shape.from_dict(d)
+
+    def presets(self) -> dict:
+        return dict(PRESETS)
+
+    def shape_columns(self, shape: Shape) -> dict:
+        return {"B": str(shape.batch), "H": str(shape.heads), "Sq": str(shape.seq_q), "Sk": str(shape.seq_k),
+                "D": str(shape.head_dim), "dtype": shape.dtype, "causal": "yes" if shape.causal else "no"}
+
+    def describe_shape(self, shape: Shape) -> str:
+        return f"B={shape.batch} H={shape.heads} Sq={shape.seq_q} Sk={shape.seq_k} D={shape.head_dim}"
+
+    def sanitize_shape(self, shape: Shape) -> Shape:
+        """A small ragged shape of the same class (head dim, dtype, mask, layout)."""
+        from dataclasses import replace
+
+        return replace(shape, batch=1, heads=2, seq_q=197, seq_k=300 if not shape.causal else 197)
+
+    def rate(self, shape: Shape, time_us: float) -> float:
+        return shape.flops() / time_us / 1e6  # TFLOP/s
 
     # ------------------------------------------------------------ CPU side
     def check_shape(self, shape: Shape) -> None:
@@ -53,8 +98,6 @@ class AttentionProblem:
 
     def context(self, shape: Shape) -> dict:
         """Names the search space's expressions may use for this shape."""
-        from ..space import shape_context
-
         return shape_context(shape)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
@@ -274,6 +317,11 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def baselines(self) -> list[str]:
         return ["flash", "cudnn", "efficient", "math"]
+
+    def baseline_skip_reason(self, name: str, shape: Shape) -> str | None:
+        if name == "math" and shape.seq_q * shape.seq_k * shape.batch * shape.heads > (1 << 28):
+            return "skipped: the math backend's S matrix is too large"
+        return None
 
     def baseline_launcher(self, name: str, shape: Shape, inputs: dict, probe: bool = True):
         """A callable running SDPA with one backend forced, returning its output; with `probe`, None

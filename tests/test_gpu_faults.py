@@ -1,0 +1,155 @@
+"""Planted faults on the GPU (`python -m pytest -m gpu tests/test_gpu_faults.py`): the real search, real
+GPU workers and the real watchdog against kernels that write out of bounds, hang, compute wrong values,
+leave output unwritten, or fail to compile (tests/fault_family.py; the CPU side is tests/test_faults.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from evotune import result as R
+from evotune.compile import compile_source
+from evotune.problems import get_problem
+from evotune.runs import Run
+from evotune.search import worker_evaluator
+from evotune.space import load_space
+from evotune.template import REPO_ROOT, instantiate
+from evotune.workers import GPUWorker
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+FAMILY = "tests.fault_family:PROBLEM"
+FAULT_SPACE = REPO_ROOT / "tests" / "data" / "attention-faults.yaml"
+# The watchdog: a candidate gets this long on the GPU. A healthy one takes ~1-3 s on the mission
+# shape (a fresh worker's first job included); the planted hang gives up only after 30 s.
+TIMEOUT_S = 12
+KILLS_THE_WORKER = ("oob_write", "hang")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def repo_on_path():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(REPO_ROOT))
+        yield
+
+
+@pytest.fixture(scope="module")
+def faults():
+    return get_problem(FAMILY)
+
+
+@pytest.fixture(scope="module")
+def fault_space():
+    return load_space(FAULT_SPACE)
+
+
+def _compiled(faults, fault_space, shape, **knobs):
+    config = fault_space.config(knobs)
+    src = instantiate(faults, config, shape)
+    return config, compile_source(src.code, src.entry)
+
+
+def test_search_records_every_planted_fault(faults, fault_space, mission, tmp_path, cache_dir):
+    """`evotune search` over the fault space, exhaustively on the H100, records every fault with its status and reason,
+    kills the hung kernel at the timeout, measures the configs after each killed worker in a fresh one, completes,
+    and never picks a fault as best or for the Pareto front."""
+    env = {**os.environ, "EVOTUNE_RUNS": str(tmp_path / "runs"), "EVOTUNE_CACHE": str(cache_dir)}
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "evotune", "search", "--space", str(FAULT_SPACE), "--shape", "mission",
+         "--sampler", "exhaustive", "--trials", "100", "--timeout", str(TIMEOUT_S), "--run", "faults", "--json"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=560)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout)
+    run = Run(Path(summary["path"]))
+    records = run.trials()
+    n_admitted = len(fault_space.admitted_configs(faults.context(mission)))
+    assert summary["evaluated"] == n_admitted == len(records) and summary["abandoned"] == 0
+    assert all(r.get("duplicate_of") is None for r in records)
+    assert run.meta()["family"] == FAMILY
+
+    for r in records:
+        fault, res = r["config"]["fault"], r["result"]
+        status, message = res["status"], res["message"] or ""
+        where = f"{fault}: {res}"
+        if fault == "none":
+            assert status == R.OK and res["time_us"] > 0, where
+            assert res["verification"]["passed"], where
+        elif fault == "oob_write":
+            assert status == R.LAUNCH_ERROR, where
+            assert "illegal" in message.lower() or "launch failure" in message.lower(), where
+        elif fault == "hang":
+            assert status == R.TIMEOUT, where
+            assert f"no answer within {TIMEOUT_S} s" in message and "killed" in message, where
+        elif fault == "wrong_values":
+            assert status == R.WRONG and "x the gate" in message, where
+            assert res["verification"]["nonfinite"] == 0 and res["verification"]["gate_ratio"] > 1, where
+        elif fault == "unwritten":
+            assert status == R.WRONG and "non-finite" in message and "NaN poison" in message, where
+            assert res["verification"]["nonfinite"] > 0, where
+        elif fault == "compile_error":
+            assert status == R.COMPILE_ERROR and message.startswith("NVRTC: "), where
+            assert "evotune_planted_compile_error" in message, where
+        else:
+            raise AssertionError(where)
+
+    # After each fault that took its worker down, a later candidate was measured (a fresh worker answered).
+    for i, r in enumerate(records):
+        if r["config"]["fault"] in KILLS_THE_WORKER:
+            later = [x for x in records[i + 1:] if x["config"]["fault"] in ("none", "wrong_values", "unwritten")]
+            if later:
+                assert later[0]["result"]["verification"] is not None, later[0]
+
+    best = summary["best"]
+    assert best is not None and best["config"]["fault"] == "none"
+    front = json.loads((run.path / "pareto.json").read_text())
+    assert front and all(r["config"]["fault"] == "none" for r in front)
+    # Three hangs killed at 12 s each, six fresh workers, eighteen compiles: minutes, never the 30 s hang bound each.
+    assert elapsed < 420
+
+
+def test_watchdog_kills_a_hung_kernel_and_the_next_worker_measures(faults, fault_space, mission):
+    """A kernel that spins is a TIMEOUT at the worker's timeout; the worker process is gone, and the next candidate is
+    measured in a fresh worker at its usual speed (nothing left spinning on the GPU)."""
+    good_cfg, good = _compiled(faults, fault_space, mission, block_m=64, warp_key_groups=1, fault="none")
+    hang_cfg, hang = _compiled(faults, fault_space, mission, block_m=64, warp_key_groups=1, fault="hang")
+    with GPUWorker(timeout_s=TIMEOUT_S) as worker:
+        evaluate = worker_evaluator(worker, faults, mission)
+        first = evaluate(good_cfg, good)
+        assert first.status == R.OK, first
+        hung_proc = worker._proc
+        start = time.monotonic()
+        res = evaluate(hang_cfg, hang)
+        waited = time.monotonic() - start
+        assert res.status == R.TIMEOUT, res
+        assert TIMEOUT_S <= waited < TIMEOUT_S + 15
+        assert not hung_proc.is_alive() and worker._proc is None and worker.restarts == 1
+        again = evaluate(good_cfg, good)
+        assert again.status == R.OK, again
+        assert worker.restarts == 1 and worker._proc.pid != hung_proc.pid
+    # A hung kernel still holding an SM (or the GPU, time-sliced) would show here.
+    assert again.time_us < 2 * first.time_us, (first.time_us, again.time_us)
+
+
+def test_hang_is_bounded_even_if_never_killed(faults, fault_space, mission, monkeypatch):
+    """With the bound set to 2 s and a watchdog far longer, the planted hang ends by itself (every later launch of the
+    module at once: the deadline is shared), and the candidate still fails the gate on its unwritten tile."""
+    module = sys.modules[type(faults).__module__]
+    monkeypatch.setattr(module, "HANG_BOUND_S", 2)
+    cfg, hang = _compiled(faults, fault_space, mission, block_m=64, warp_key_groups=1, fault="hang")
+    with GPUWorker(timeout_s=60) as worker:
+        evaluate = worker_evaluator(worker, faults, mission)
+        worker.call({"kind": "info"})  # start the worker before the clock starts
+        start = time.monotonic()
+        res = evaluate(cfg, hang)
+        took = time.monotonic() - start
+    assert res.status == R.WRONG and "NaN poison" in res.message, res
+    assert 2 <= took < 30, took
