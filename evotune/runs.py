@@ -3,17 +3,31 @@ trial, flushed as it happens), the Optuna study (SQLite), pareto.json and best.j
 
 Records are append-only: a killed run loses at most the trial in flight, and
 `--resume` continues from what trials.jsonl and the study hold.
+
+Several search agents (processes, one per GPU) may share a run: each appends its own lines to
+trials.jsonl under an exclusive flock, one write() per line, so lines never interleave; readers
+skip a torn line (a writer killed mid-write). pareto.json and best.json are replaced atomically
+(a uniquely named temporary file, then os.replace). The study may live in the run's SQLite file
+(the default: one host) or in an RDB server named by URL (several hosts; meta.json records the
+URL with its password hidden).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: appends are not locked (one agent per run there)
+    fcntl = None
 
 from . import __version__
 from .errors import EvotuneError, UsageError
@@ -46,17 +60,111 @@ def new_run_id(shape_spec: str) -> str:
     return f"{stamp}-{re.sub(r'[^A-Za-z0-9]+', '-', shape_spec).strip('-')}"
 
 
+# The default study storage: the run folder's SQLite file. Several processes on one host can share
+# it: SQLite's locks are the kernel's, released when a process dies (a kill -9 stalls nobody and a
+# hot journal is rolled back), and writers wait for each other up to this many seconds.
+SQLITE_TIMEOUT_S = 60
+DEFAULT_STUDY = "evotune"  # the study's name in a run's own SQLite file
+
+
+def redact_url(url: str) -> str:
+    """A storage URL as meta.json and messages show it: the password replaced by ***."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def _sqlite_wal(storage) -> None:
+    """Put the run's SQLite study in WAL mode with synchronous=NORMAL on every connection.
+
+    Every ask and tell is several commits; with SQLite's default rollback journal each one
+    fsyncs. In WAL mode with NORMAL, a commit survives a killed process (kill -9 included)
+    and only a power loss can take the last ones, which the run's trials.jsonl and --resume
+    tolerate. Measured: 112 -> 51 ms per TPE ask+tell at 300 trials on the CPU machine.
+    """
+    from sqlalchemy import event
+
+    def on_connect(dbapi_connection, _record):
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    storage.engine.dispose()  # connections opened while Optuna set up the schema predate the listener
+    event.listen(storage.engine, "connect", on_connect)
+
+
+def _with_driver(url: str) -> str:
+    """A postgresql:// URL with the driver that is installed: SQLAlchemy 2.0 defaults to psycopg2 and 2.1 to
+    psycopg (3); the `postgres` extra installs psycopg2."""
+    if not url.startswith("postgresql://"):
+        return url
+    import importlib.util
+
+    for module, scheme in (("psycopg2", "postgresql+psycopg2://"), ("psycopg", "postgresql+psycopg://")):
+        if importlib.util.find_spec(module) is not None:
+            return scheme + url[len("postgresql://"):]
+    return url
+
+
 class Run:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, storage: str | None = None):
         self.path = Path(path)
+        self._storage = storage  # an RDB URL with its password, given on the command line (None: meta.json's)
 
     @property
     def run_id(self) -> str:
         return self.path.name
 
+    def use_storage(self, url: str | None) -> "Run":
+        """Use this study storage URL (as typed, password included) instead of what meta.json records."""
+        self._storage = url
+        return self
+
     @property
     def storage_url(self) -> str:
-        return f"sqlite:///{self.path / 'study.db'}"
+        """The Optuna storage URL of the run's study: the run's SQLite file unless meta.json names another."""
+        if self._storage:
+            return self._storage
+        recorded = self._meta_field("storage")
+        return recorded if recorded else f"sqlite:///{self.path / 'study.db'}"
+
+    @property
+    def study_name(self) -> str:
+        """The study's name in its storage: "evotune" in the run's own file; the run id in a shared RDB,
+        so that one database holds many runs."""
+        return self._meta_field("study_name") or DEFAULT_STUDY
+
+    def storage(self):
+        """The Optuna storage object for the run's study (SQLite waits for other writers instead of failing)."""
+        import optuna
+
+        url = self.storage_url
+        if "***" in url:
+            raise UsageError(f"run {self.run_id!r} keeps its study in {url}: give the password with --storage URL "
+                             f"(or in ~/.pgpass or PGPASSWORD, and a URL without it)")
+        kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}} if url.startswith("sqlite") else {}
+        try:
+            storage = optuna.storages.RDBStorage(_with_driver(url), engine_kwargs=kwargs)
+            if url.startswith("sqlite"):
+                _sqlite_wal(storage)
+            return storage
+        except ImportError as e:
+            raise UsageError(f"storage {redact_url(url)}: {e} (for PostgreSQL: pip install 'evotune[postgres]')") from None
+        except Exception as e:  # SQLAlchemy's OperationalError and kin: no server, refused, no such database
+            if type(e).__module__.split(".")[0] not in ("sqlalchemy", "psycopg2", "psycopg", "sqlite3"):
+                raise
+            why = str(getattr(e, "orig", None) or e).strip().splitlines()
+            raise EvotuneError(f"storage {redact_url(url)}: cannot open it: {why[0] if why else type(e).__name__}") from None
+
+    def _meta_field(self, key: str):
+        try:
+            return json.loads((self.path / "meta.json").read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            return None
 
     @property
     def trials_path(self) -> Path:
@@ -68,11 +176,67 @@ class Run:
         if name is None:
             name = new_run_id(meta.get("shape_spec", "run"))
         path = cls.check_new_name(name)
+        if meta.get("storage") and not meta.get("study_name"):
+            meta = {**meta, "study_name": name}  # a shared database holds many runs' studies: name it after the run
         path.mkdir(parents=True)
         run = cls(path)
-        run.write_json("meta.json", {**meta, "run_id": name, "created": dt.datetime.now().isoformat(timespec="seconds")})
+        run.write_json("meta.json", {**meta, "run_id": name, "created": dt.datetime.now().isoformat(timespec="seconds"),
+                                     "log_id": uuid.uuid4().hex[:12]})
         run.trials_path.touch()
         return run
+
+    @property
+    def log_id(self) -> str:
+        """Names this folder's trials.jsonl among the folders that share a study (one per host): the agents
+        writing to it tag their trials with it, so each agent knows which records its own log holds."""
+        recorded = self._meta_field("log_id")
+        if recorded:
+            return recorded
+        import hashlib
+        import socket
+
+        return hashlib.sha1(f"{socket.gethostname()}:{self.path.resolve()}".encode()).hexdigest()[:12]
+
+    def share_meta(self) -> None:
+        """Create the run's study and keep meta.json in it, so that agents on other hosts can join the run
+        (`Run.join`) from the storage alone."""
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(study_name=self.study_name, storage=self.storage(), load_if_exists=True,
+                                    directions=["minimize", "minimize"])
+        study.set_user_attr("meta", self.meta())
+
+    @classmethod
+    def join(cls, name: str, storage: str, extra: dict | None = None) -> "Run":
+        """This host's folder for run `name` whose study another host created in `storage` (an RDB URL):
+        meta.json comes from the study, and trials.jsonl fills with the run's records as the search goes."""
+        import optuna
+
+        path = cls.check_new_name(name)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        store = Run(path, storage).storage()
+        if name not in optuna.study.get_all_study_names(storage=store):
+            raise UsageError(f"no run {name!r} in {runs_dir()}, and no study {name!r} in {redact_url(storage)} to join")
+        meta = optuna.load_study(study_name=name, storage=store).user_attrs.get("meta")
+        if not isinstance(meta, dict):
+            raise UsageError(f"study {name!r} in {redact_url(storage)} was not made by `evotune search`: nothing to join")
+        path.mkdir(parents=True)
+        run = cls(path, storage)
+        run.write_json("meta.json", {**meta, **(extra or {}), "log_id": uuid.uuid4().hex[:12]})
+        run.trials_path.touch()
+        return run
+
+    @staticmethod
+    def check_study_free(name: str, storage: str) -> None:
+        """UsageError if `storage` already holds a study named `name` (a new run would mix with it)."""
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        store = Run(runs_dir() / name, storage).storage()
+        if name in optuna.study.get_all_study_names(storage=store):
+            raise UsageError(f"{redact_url(storage)} already has a study {name!r}: join it with "
+                             f"`--run {name} --resume`, or pick another --run")
 
     @staticmethod
     def check_new_name(name: str) -> Path:
@@ -106,9 +270,13 @@ class Run:
         return self.read_json("meta.json")
 
     def write_json(self, filename: str, obj) -> None:
-        tmp = self.path / f".{filename}.tmp"
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, self.path / filename)  # never a half-written file
+        # A temporary name of its own: agents sharing the run may write the same file at once.
+        tmp = self.path / f".{filename}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, self.path / filename)  # never a half-written file
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def read_json(self, filename: str):
         try:
@@ -119,17 +287,41 @@ class Run:
             raise EvotuneError(f"{self.path / filename}: not valid JSON ({e})") from None
 
     def append_trial(self, record: dict) -> None:
-        line = json.dumps(record, sort_keys=True) + "\n"
-        with open(self.trials_path, "ab+") as f:
-            # A run killed mid-write leaves a torn last line: start on a fresh line
-            # so this record is not glued to it and lost with it.
-            if f.seek(0, os.SEEK_END) > 0:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    line = "\n" + line
-            f.write(line.encode())
-            f.flush()
-            os.fsync(f.fileno())
+        with self._log_locked() as f:
+            _append_line(f, record)
+
+    @contextlib.contextmanager
+    def _log_locked(self):
+        """trials.jsonl opened for appending, under an exclusive lock that other agents' appends respect."""
+        with open(self.trials_path, "ab+", buffering=0) as f:
+            if fcntl is not None:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # released when the file closes, or the process dies
+            yield f
+
+    def tail(self) -> "TrialTail":
+        """A reader of the records appended since it last read (by this process or any other)."""
+        return TrialTail(self.trials_path)
+
+    def append_missing(self, records: list[dict], tail: "TrialTail", known: set[int]) -> list[dict]:
+        """Under the log's lock, read what was appended since `tail` last read, then append those of `records`
+        whose trial number is neither in `known` nor among the lines just read. Returns both: the lines read,
+        then the ones appended. (How an agent copies other hosts' records into this host's log exactly once.)"""
+        with self._log_locked() as f:
+            new = tail.read()
+            have = set(known) | {r.get("number") for r in new}
+            added = [r for r in records if r.get("number") not in have]
+            for r in added:
+                _append_line(f, r)
+                have.add(r.get("number"))
+        return new + added
+
+    @contextlib.contextmanager
+    def lock(self, name: str = "ask"):
+        """An exclusive lock shared by the agents of this run on this host (a flock on .NAME.lock in the folder)."""
+        with open(self.path / f".{name}.lock", "a+b") as f:
+            if fcntl is not None:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            yield
 
     def trials(self) -> list[dict]:
         """Every recorded trial; a torn last line (killed mid-write) is skipped."""
@@ -167,6 +359,54 @@ class Run:
             if rec.get("number") == number:
                 return rec
         raise UsageError(f"run {self.run_id!r} has no trial number {number}")
+
+
+def _append_line(f, record: dict) -> None:
+    """Append one record to the open, locked log as a single write()."""
+    line = json.dumps(record, sort_keys=True) + "\n"
+    # A run killed mid-write leaves a torn last line: start on a fresh line
+    # so this record is not glued to it and lost with it.
+    end = f.seek(0, os.SEEK_END)
+    if end > 0:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            line = "\n" + line
+    data = line.encode()
+    while data:  # a regular file takes it in one write(); loop only for a short write
+        data = data[os.write(f.fileno(), data):]
+    os.fsync(f.fileno())
+
+
+class TrialTail:
+    """Reads trials.jsonl incrementally: each read() returns the records completed since the last one.
+    A line still being written waits for the next read; a torn line is skipped. (A last line with no
+    newline is taken when it is a whole JSON object: no prefix of one is.)"""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.offset = 0
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        out = []
+        lines = data.split(b"\n")
+        for i, line in enumerate(lines):
+            last = i == len(lines) - 1
+            try:
+                rec = json.loads(line) if line.strip() else None
+            except ValueError:
+                rec = None
+                if last:
+                    break  # still being written (or torn: the next record starts on a new line)
+            if isinstance(rec, dict):
+                out.append(rec)
+            self.offset += len(line) + (0 if last else 1)
+        return out
 
 
 def ok_records(records: list[dict]) -> list[dict]:

@@ -76,3 +76,23 @@ def space():
 @pytest.fixture(scope="session")
 def mission():
     return parse_shape("mission")
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """The URL of a PostgreSQL database on a server started for the session on loopback (tests/_postgres.py).
+    Skipped where PostgreSQL is not installed, unless EVOTUNE_REQUIRE_POSTGRES=1 (CI), where that fails."""
+    import os
+
+    import _postgres
+
+    why = _postgres.missing()
+    if why is not None:
+        if os.environ.get("EVOTUNE_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"EVOTUNE_REQUIRE_POSTGRES=1 but {why}")
+        pytest.skip(why)
+    server = _postgres.PostgresServer().start()
+    try:
+        yield server.url
+    finally:
+        server.stop()

@@ -304,3 +304,51 @@ def test_replay_without_gpu(main_in_process, runs_root, mission, space):
     """`replay` of a passing trial without a GPU exits 1 with the no-GPU message."""
     make_run("good", mission, [passing_record(space)])
     assert_one_line_error(main_in_process("replay", "--run", "good"), 1, "no CUDA GPU")
+
+
+# ------------------------------------------------------------------ search --gpus / --storage
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--gpus", "0,x"], "--gpus '0,x': give device indices separated by commas"),
+        (["--gpus", "0,,1"], "--gpus '0,,1'"),
+        (["--gpus", "-1"], "--gpus '-1'"),
+        (["--gpus", "0,1", "--gpu", "1"], "give --gpus or --gpu, not both"),
+        (["--storage", "not a url"], "--storage 'not a url': not a database URL"),
+    ],
+    ids=["letter", "empty-entry", "negative", "with-gpu", "bad-storage"],
+)
+def test_search_gpus_and_storage_usage_errors(main_in_process, runs_root, args, fragment):
+    """A malformed --gpus list (or --gpus with --gpu, or a --storage that is not a URL) exits 2 with one line,
+    before anything looks for a GPU, and creates no run."""
+    assert_one_line_error(main_in_process("search", "--run", "g", *args), 2, fragment)
+    assert not runs_root.exists() or list(runs_root.iterdir()) == []
+
+
+def test_search_gpus_beyond_visible_devices(main_in_process, runs_root, monkeypatch):
+    """--gpus naming a device index at or past the number of visible GPUs exits 2 saying how many are visible."""
+    monkeypatch.setattr(cli_module, "_gpu_count", lambda: 2)
+    line = assert_one_line_error(main_in_process("search", "--run", "g", "--gpus", "0,2,1,3"), 2,
+                                 "--gpus names GPU 2, 3", "2 CUDA devices visible (indices 0-1)")
+    assert "CUDA_VISIBLE_DEVICES" in line
+    monkeypatch.setattr(cli_module, "_gpu_count", lambda: 1)
+    assert_one_line_error(main_in_process("search", "--run", "g", "--gpus", "0,0,1"), 2,
+                          "--gpus names GPU 1", "there is 1 CUDA device visible (indices 0-0)")
+    assert not runs_root.exists() or list(runs_root.iterdir()) == []
+
+
+def test_search_gpus_without_gpu(cli, runs_root):
+    """A well-formed --gpus list on a machine with no GPU exits 1 with the no-GPU line, like a plain search."""
+    assert_one_line_error(cli("search", "--run", "g", "--gpus", "0,0"), 1, "no CUDA GPU")
+    assert not runs_root.exists() or list(runs_root.iterdir()) == []
+
+
+def test_resume_with_other_storage_is_usage_error(main_in_process, runs_root, mission, space):
+    """Resuming a run with a --storage other than the one holding its study exits 2 naming both (password hidden)."""
+    make_run("local", mission, [passing_record(space)])
+    line = assert_one_line_error(
+        main_in_process("search", "--run", "local", "--resume", "--storage", "sqlite:////tmp/elsewhere.db"), 2,
+        "keeps its study in sqlite:///", "not sqlite:////tmp/elsewhere.db")
+    assert "study.db" in line
