@@ -4,7 +4,9 @@ trial: pruned by the space's constraints, failed to compile, pruned by the stati
 resource gate, faulted, hung, wrong, or measured. Nothing a candidate does ends the search.
 
 Strategies: every name in SAMPLERS is an Optuna sampler behind the same ask/tell loop;
-"exhaustive" is evotune's own (strategies.py): each admitted config once, in the space's order.
+evotune's own (strategies.py) are "exhaustive" (each admitted config once, in the space's order)
+and, unless options.steer is off, "nsga2": NSGA-II breeding from the elites of every completed
+trial, inside the constraints, never repeating a config. options.warm_start configs are asked first.
 
 Compile ahead: while the GPU measures one candidate, the loop keeps up to `lookahead` more
 proposals asked and compiles the new ones in a process pool. Results are still told and
@@ -26,10 +28,12 @@ from .compile import CompileError, compile_pool, compile_source, static_violatio
 from .errors import UsageError
 from .result import Result
 from .runs import Run, best_record
+from .shared import SharedStudy
 from .space import Config
 from .template import KernelSource, instantiate
 
 SAMPLERS = ("nsga2", "tpe", "random", "exhaustive")
+WAIT_S = 0.25  # poll period while other agents finish the configs this one waits for
 
 
 class Evaluator(Protocol):
@@ -46,13 +50,25 @@ class SearchOptions:
     compile_workers: int | None = None  # compile processes; None: os.cpu_count()
     lookahead: int | None = None        # proposals asked ahead of the one being evaluated; None: 2 x compile_workers;
                                         # 0: serial (ask, compile in this process, evaluate, tell), no pool
+    mutation_prob: float | None = None  # NSGA-II: chance each knob of a child is redrawn; None: 1 / number of knobs
+    crossover_prob: float = 0.9         # NSGA-II: chance a child mixes two parents (else it copies one)
+    steer: bool = True                  # nsga2: breed children inside the constraints and away from taken configs
+                                        # (strategies.SteeredNSGAIISampler); False: Optuna's NSGA-II as it is
+    warm_start: tuple = ()              # config dicts asked first on a fresh study (earlier runs' best); see warmstart.py
 
     def __post_init__(self):
+        if self.mutation_prob is not None and not 0.0 <= self.mutation_prob <= 1.0:
+            raise UsageError(f"mutation probability must be within [0, 1], not {self.mutation_prob}")
+        if not 0.0 <= self.crossover_prob <= 1.0:
+            raise UsageError(f"crossover probability must be within [0, 1], not {self.crossover_prob}")
+        if self.population < 2:
+            raise UsageError(f"population must be at least 2, not {self.population}")
+        object.__setattr__(self, "warm_start", tuple(dict(c) for c in self.warm_start))
         workers = self.compile_workers if self.compile_workers is not None else (os.cpu_count() or 1)
         lookahead = self.lookahead if self.lookahead is not None else 2 * workers
         if self.lookahead is None and self.sampler == "nsga2":
-            # NSGA-II breeds a generation only from completed trials: proposals asked further
-            # ahead than one population are all drawn from the previous (or the random first) one.
+            # NSGA-II breeds only from completed trials: a proposal asked further ahead than one
+            # population is bred from elites that have not seen the last population's results.
             lookahead = min(lookahead, self.population)
         if workers < 1:
             raise UsageError(f"compile workers must be at least 1, not {workers}")
@@ -63,13 +79,28 @@ class SearchOptions:
 
 
 def make_sampler(name: str, population: int, seed: int, *, space=None, admitted: list[Config] | None = None,
-                 taken: Callable[[str], bool] | None = None):
+                 taken: Callable[[str], bool] | None = None, recorded: Callable[[str], bool] | None = None,
+                 context=None, steer: bool = False, mutation_prob: float | None = None,
+                 crossover_prob: float = 0.9):
     """The Optuna sampler for a SAMPLERS name; "exhaustive" needs the space, its admitted configs (in the
-    order to visit them) and `taken(digest)`, true for configs already recorded or in flight."""
+    order to visit them) and `taken(digest)`, true for configs already recorded or in flight.
+
+    "nsga2" with `steer` (and the space and shape context) breeds its children inside the constraints
+    and away from taken configs (strategies.SteeredNSGAIISampler); without, it is Optuna's NSGA-II as is."""
     import optuna
 
     if name == "nsga2":
-        return optuna.samplers.NSGAIISampler(population_size=population, seed=seed)
+        nsga = dict(population_size=population, seed=seed, mutation_prob=mutation_prob, crossover_prob=crossover_prob)
+        if not steer:
+            return optuna.samplers.NSGAIISampler(**nsga)
+        from .strategies import SteeredNSGAIISampler
+
+        if space is None or context is None:
+            raise ValueError("the steered NSGA-II sampler needs the space and the shape's context")
+        is_taken = taken if taken is not None else (lambda digest: False)
+        return SteeredNSGAIISampler(distributions=distributions(space),
+                                    admissible=lambda params: space.admitted(space.config(params), context),
+                                    taken=lambda params: is_taken(space.config(params).digest()), **nsga)
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True)
     if name == "random":
@@ -79,7 +110,8 @@ def make_sampler(name: str, population: int, seed: int, *, space=None, admitted:
 
         if space is None or admitted is None:
             raise ValueError("the exhaustive sampler needs the space and its admitted configs")
-        return ExhaustiveSampler(admitted, distributions(space), taken if taken is not None else (lambda digest: False))
+        return ExhaustiveSampler(admitted, distributions(space), taken if taken is not None else (lambda digest: False),
+                                 recorded)
     raise UsageError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
 
 
@@ -100,11 +132,14 @@ class _Pending:
     source: KernelSource | None = None  # set on the first queued occurrence of a config with no record
     future: Future | None = None        # its compile in the pool (None: compile when its turn comes)
     told: bool = False
+    claim: bool = False                 # this agent will measure it (the trial's tag tells other agents)
 
 
 def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: SearchOptions,
                on_trial: Callable[[dict, dict | None], None] | None = None,
-               should_stop: Callable[[], bool] | None = None) -> dict:
+               should_stop: Callable[[], bool] | None = None,
+               compiler: Callable[[Config, KernelSource], object] | None = None,
+               agent: str | None = None) -> dict:
     """Run (or continue) the search recorded in `run`; return a summary dict.
 
     Proposals are told and recorded strictly in ask order; "proposals" in the summary counts
@@ -115,41 +150,72 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
     run_search on the run closes them as FAIL. Having no record, their configs are not taken:
     a resume may propose them again. The compile pool is shut down on every way out (queued
     compiles cancelled, running ones finished: their cubins land in the cache for the resume).
+
+    `compiler(config, source)` replaces NVRTC (returning a compile.Compiled or raising CompileError)
+    for replays of recorded runs (tools/efficiency_report.py); it runs in this process, with no pool.
+
+    Several agents (processes, hosts) may run this on one run and one study at once (shared.py says
+    how they share it); `agent` names this one in its records. The trials budget, the de-duplication
+    and "space exhausted" are then the run's, not the agent's: options.trials counted candidates in
+    all, no config measured twice. A config another agent is measuring waits for that agent's record
+    (or is measured here if that agent dies); these are the only records not written in ask order.
+    "evaluated" in the summary is the run's total, "measured" this agent's part.
     """
     import optuna
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     context = problem.context(shape)
-    records = run.trials()
-    by_digest = {r["digest"]: r for r in records if r.get("duplicate_of") is None}
-    evaluated = sum(1 for r in records if r.get("counted"))
+    # The run as this agent knows it: every record (its own, its host's other agents', other hosts'),
+    # and the configs other agents are measuring now. refresh() brings it up to date.
+    view = SharedStudy(run, label=agent)
+    by_digest = view.firsts                 # digest -> first record of the config
     # Once every admitted config has a record there is nothing left to learn.
     admitted = space.admitted_configs(context)
     admitted_total = len(admitted)
-    admitted_seen = {r["digest"] for r in records if r.get("counted")}
-    best = best_record(records)
+    best = best_record(list(view.records.values()))
     queue: deque[_Pending] = deque()        # asked, not yet recorded, in ask order
     queued: dict[str, _Pending] = {}        # digest -> first queued occurrence of a config with no record
+    waiting: list[_Pending] = []            # asked configs another agent is measuring: recorded from its record
     sampler = make_sampler(options.sampler, options.population, options.seed, space=space, admitted=admitted,
-                           taken=lambda digest: digest in by_digest or digest in queued)
-    study = optuna.create_study(study_name="evotune", storage=run.storage_url, load_if_exists=True,
+                           taken=lambda digest: digest in by_digest or digest in queued
+                           or view.claimed_elsewhere(digest) is not None,
+                           recorded=lambda digest: digest in by_digest, context=context, steer=options.steer,
+                           mutation_prob=options.mutation_prob, crossover_prob=options.crossover_prob)
+    with run.lock():  # agents starting at once on a new SQLite file would race to create its tables
+        storage = run.storage()
+    study = optuna.create_study(study_name=run.study_name, storage=storage, load_if_exists=True,
                                 directions=["minimize", "minimize"], sampler=sampler)
-    # Trials left RUNNING by a killed process are lost work: close them as failed.
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study.tell(t.number, state=TrialState.FAIL)
+    # Trials left RUNNING by a killed process (this one's earlier self, or a dead agent) are lost work:
+    # close them as failed. Other live agents' trials stay open.
+    view.start(study)
+    if options.warm_start:
+        with run.lock():
+            if not study.get_trials(deepcopy=False) and not view.records:
+                # A fresh study (never on resume): earlier runs' best are its first proposals, in order.
+                from .warmstart import admitted as warm_admitted
+
+                for config in warm_admitted(space, context, options.warm_start)[0]:
+                    study.enqueue_trial(config.as_dict())
 
     dists = distributions(space)
-    asked = recorded = abandoned = 0
-    new_in_flight = 0   # queued configs with no record: each will be a counted trial
+    asked = recorded = abandoned = measured = 0
     pool = None
     started = time.time()
+    max_asks = options.trials * options.max_proposals_factor
+
+    def in_flight() -> int:
+        # Configs being measured that have no record yet, by this agent or others: each will be counted.
+        return sum(1 for it in queue if it.claim) + view.other_claims()
 
     def may_ask() -> bool:
         # One proposal being evaluated plus `lookahead` ahead; never more than the trials still wanted.
-        return (len(queue) <= options.lookahead and evaluated + new_in_flight < options.trials
-                and len(admitted_seen) + new_in_flight < admitted_total
-                and asked < options.trials * options.max_proposals_factor)
+        flying = in_flight()
+        return (len(queue) <= options.lookahead and view.evaluated + flying < options.trials
+                and len(view.admitted_seen) + flying < admitted_total and asked < max_asks)
+
+    def done() -> bool:
+        return view.evaluated >= options.trials or len(view.admitted_seen) >= admitted_total or asked >= max_asks
 
     def submit(src: KernelSource) -> Future | None:
         nonlocal pool
@@ -167,29 +233,76 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
         while True:
             if should_stop is not None and should_stop():
                 break
-            while may_ask():
-                asked += 1
-                trial = study.ask(dists)
-                config = space.config(trial.params)
-                item = _Pending(trial=trial, config=config, asked=time.time(), why=space.violations(config, context))
-                digest = config.digest()
-                if not item.why and digest not in by_digest and digest not in queued:
-                    # A repeat of a queued config waits for its record instead of compiling again.
+            while True:
+                # Ask and tag as one step for this host's agents: none claims a config another just claimed.
+                with run.lock():
+                    view.refresh()
+                    if not may_ask():
+                        break
+                    asked += 1
+                    trial = study.ask(dists)
+                    config = space.config(trial.params)
+                    item = _Pending(trial=trial, config=config, asked=time.time(),
+                                    why=space.violations(config, context))
+                    digest = config.digest()
+                    # A repeat of a queued config, or of one another agent is measuring, waits for its record
+                    # instead of compiling again.
+                    item.claim = (not item.why and digest not in by_digest and digest not in queued
+                                  and view.claimed_elsewhere(digest) is None)
+                    view.tag(trial, digest, item.claim)
+                if item.claim:
                     item.source = instantiate(problem, config, shape)
                     queued[digest] = item
-                    new_in_flight += 1
-                    if options.lookahead > 0:
+                    if options.lookahead > 0 and compiler is None:
                         item.future = submit(item.source)
                 queue.append(item)
+            # Proposals another agent was measuring: answered once its record is in, measured here if it died.
+            back = [it for it in waiting if it.config.digest() in by_digest
+                    or view.claimed_elsewhere(it.config.digest(), below=it.trial.number) is None]
+            for it in back:
+                waiting.remove(it)
+            queue.extendleft(reversed(back))
             if not queue:
+                if waiting or (not done() and view.other_claims()):
+                    time.sleep(WAIT_S)  # other agents' records will end the wait (or their deaths)
+                    continue
                 break
 
             item = queue[0]
             digest = item.config.digest()
+            number = item.trial.number
             # "started" is when it was asked: with compile-ahead it may have waited in the queue since.
-            record = {"number": item.trial.number, "config": item.config.as_dict(), "digest": digest,
-                      "started": item.asked}
+            record = {"number": number, "config": item.config.as_dict(), "digest": digest,
+                      "started": item.asked, "agent": view.me.label}
             prior = by_digest.get(digest)
+            if prior is None and not item.why:
+                if (view.claimed_elsewhere(digest, below=number) is not None
+                        or any(w.config.digest() == digest for w in waiting)):
+                    # Another agent asked it first and is measuring it: wait for its record, off the queue.
+                    queue.popleft()
+                    if item.claim:  # both asked it in the same instant; the lower trial number measures
+                        item.claim = False
+                        view.tag(item.trial, digest, False)
+                        if queued.get(digest) is item:
+                            del queued[digest]
+                    waiting.append(item)
+                    continue
+                if view.evaluated + view.other_claims(below=number) >= options.trials:
+                    # Other agents' earlier claims already make up the trials asked for.
+                    queue.popleft()
+                    if queued.get(digest) is item:
+                        del queued[digest]
+                    study.tell(item.trial, state=TrialState.FAIL, skip_if_finished=True)
+                    item.told = True
+                    view.told(number)
+                    abandoned += 1
+                    continue
+                if not item.claim:  # the agent that claimed it died: measure it here
+                    item.claim = True
+                    view.tag(item.trial, digest, True)
+                    queued.setdefault(digest, item)
+                if item.source is None:
+                    item.source = instantiate(problem, item.config, shape)
             if prior is not None:
                 # A repeated proposal is answered from the record, never measured twice.
                 res = Result.from_dict(prior["result"])
@@ -198,26 +311,36 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
                 res = Result(status=R.PRUNED, message="constraint: " + "; ".join(item.why))
                 record.update(counted=False, source_digest=None)
             else:
-                res = _compile_and_evaluate(problem, shape, item, evaluate)
+                res = _compile_and_evaluate(problem, shape, item, evaluate, compiler)
+                measured += 1
+                view.refresh(judge=False)
+                clash = view.conflict(digest, number)
                 # Whatever it came to, it spent compile or GPU time.
-                record.update(counted=True, source_digest=item.source.digest)
-                evaluated += 1
-                new_in_flight -= 1
-                admitted_seen.add(digest)
-            if res.ok:
-                study.tell(item.trial, [res.time_us, res.max_abs])
-            else:
-                study.tell(item.trial, state=TrialState.PRUNED if res.status == R.PRUNED else TrialState.FAIL)
-            item.told = True
+                record.update(counted=clash is None, source_digest=item.source.digest)
+                if clash is not None:
+                    # Another agent asked the same config in the same instant (before this one's tag was
+                    # visible to it) and has the lower trial number: its result is the one that counts.
+                    record.update(duplicate_of=clash, note=f"measured while trial {clash} of another agent had it")
             record["result"] = res.as_dict()
             record["finished"] = time.time()
+            # The record goes on the trial (for other hosts), into the log, and then the study is told:
+            # a kill between these leaves a RUNNING trial that the next search closes, never a lost record.
+            view.add(record)
+            view.store(item.trial, record)
             run.append_trial(record)
+            try:
+                _tell(study, item.trial, res)
+            except (ValueError, RuntimeError):
+                if not _finished(study, number):
+                    raise
+                # Another agent took this one for dead and closed the trial; the record stands.
+            item.told = True
+            view.told(number)
             recorded += 1
-            if prior is None:
-                by_digest[digest] = record
-                queued.pop(digest, None)
+            if prior is None and queued.get(digest) is item:
+                del queued[digest]
             queue.popleft()
-            if prior is None:
+            if prior is None and record.get("duplicate_of") is None:
                 # Only a first record can change the front or the best (duplicates repeat a result),
                 # and the loop already holds every first record: no re-read of trials.jsonl, whose
                 # growth made each proposal slower (seen on the H100: 2216 duplicates in 2906 records).
@@ -226,7 +349,7 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
                 on_trial(record, best)
     finally:
         try:
-            for item in queue:
+            for item in list(queue) + waiting:
                 if not item.told:
                     try:
                         study.tell(item.trial, state=TrialState.FAIL)
@@ -234,21 +357,56 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
                     except Exception:  # best effort: the next run_search closes what is left RUNNING
                         pass
         finally:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+            try:
+                view.close()
+            finally:
+                if pool is not None:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                engine = getattr(storage, "engine", None)
+                if engine is not None:
+                    engine.dispose()  # closes SQLite's connections: the last one folds the WAL into study.db
 
+    if view.from_others:
+        # Other agents wrote records too: the last word on the front and the best is the whole log's.
+        run.update_summary()
     records = run.trials()
     best = best_record(records)
     counts: dict[str, int] = {}
     for r in records:
         if r.get("duplicate_of") is None:
             counts[r["result"]["status"]] = counts.get(r["result"]["status"], 0) + 1
-    return {"run_id": run.run_id, "evaluated": evaluated, "proposals": recorded, "abandoned": abandoned,
-            "statuses": counts, "seconds": time.time() - started, "best": best}
+    return {"run_id": run.run_id, "evaluated": view.evaluated, "measured": measured, "proposals": recorded,
+            "abandoned": abandoned, "statuses": counts, "seconds": time.time() - started, "best": best,
+            "agent": view.me.label}
 
 
-def _compiled(item: _Pending):
+def _finished(study, number: int) -> bool:
+    try:
+        return study.get_trials(deepcopy=False)[number].state.is_finished()
+    except Exception:
+        return False
+
+
+def _tell(study, trial, res: Result) -> None:
+    """Tell the study a result: passing ones with their objectives, the rest PRUNED (constraints, static
+    gate) or FAIL. Optuna's NSGA-II reads only COMPLETE trials; TPE reads PRUNED ones as bad
+    observations. Telling the failures as COMPLETE trials with an Optuna constraint violation was
+    tried (Trial.set_constraint) and changed nothing: TPE proposed exactly the same configs on
+    attention-small (3 seeds), and NSGA-II ranks infeasible trials below every feasible one, so they
+    never breed while a population of feasible ones exists. What steers is checking each child
+    before it is proposed (strategies.SteeredNSGAIISampler)."""
+    from optuna.trial import TrialState
+
+    if res.ok:
+        study.tell(trial, [res.time_us, res.max_abs])
+    else:
+        study.tell(trial, state=TrialState.PRUNED if res.status == R.PRUNED else TrialState.FAIL)
+
+
+def _compiled(item: _Pending, compiler=None):
     """The compiled kernel of a queued config: from its pool job, or compiled here."""
+    if compiler is not None:
+        return compiler(item.config, item.source)
     if item.future is not None:
         try:
             return item.future.result()
@@ -259,11 +417,11 @@ def _compiled(item: _Pending):
     return compile_source(item.source.code, item.source.entry)
 
 
-def _compile_and_evaluate(problem, shape, item: _Pending, evaluate: Evaluator) -> Result:
+def _compile_and_evaluate(problem, shape, item: _Pending, evaluate: Evaluator, compiler=None) -> Result:
     """The result of a new, admitted configuration: compile error, static prune, or the evaluator's answer."""
     config = item.config
     try:
-        compiled = _compiled(item)
+        compiled = _compiled(item, compiler)
     except CompileError as e:
         return Result(status=R.COMPILE_ERROR, message=str(e))
     geo = problem.geometry(config, shape)

@@ -1,0 +1,124 @@
+"""Warm start: the best configurations of earlier runs, asked first by a new search.
+
+`evotune search --warm-start RUN[,RUN...]` names the runs; `--warm-start auto` takes every recorded
+run of the same family whose shape is the same or similar (`similar`). From each run come its
+Pareto front and its `per_run` fastest passing configs; those admitted on the new shape are
+enqueued once, when the study is created (search.run_search), ahead of anything the sampler
+proposes. For NSGA-II they make up the first generation, from which the elites of the next are
+chosen; TPE and random search take them as their first observations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import EvotuneError, UsageError
+from .runs import Run, ok_records, pareto_front, runs_dir
+
+PER_RUN = 8  # fastest passing configs taken from each run, besides its Pareto front
+# Shape fields a tiling does not depend on much: the amount of work, not its form. Two shapes that
+# differ only in these are "similar"; head_dim, dtype, the mask and the layout must match.
+SIZE_FIELDS = frozenset({"batch", "heads", "seq_q", "seq_k", "rows"})
+
+
+@dataclass(frozen=True)
+class Source:
+    run: Run
+    same_shape: bool   # else similar
+    best_us: float
+
+
+def similar(problem, a: dict, b: dict) -> bool:
+    """Whether configs tuned on shape `a` are worth trying first on `b` (shape dicts): the problem's
+    `similar_shapes(a, b)` if it has one, else equal in every field but SIZE_FIELDS."""
+    hook = getattr(problem, "similar_shapes", None)
+    if hook is not None:
+        return bool(hook(a, b))
+    keys = (set(a) | set(b)) - SIZE_FIELDS
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def pick_runs(spec: str, problem, shape, exclude: str | None = None) -> list[Source]:
+    """The runs `--warm-start` names: "auto", or comma-separated run names (a run with no passing
+    trial is an error when named, skipped by auto). Same-shape runs first, then similar ones, each
+    fastest first."""
+    want = shape.as_dict()
+    if spec.strip() == "auto":
+        root = runs_dir()
+        runs = [Run(p.parent) for p in sorted(root.glob("*/meta.json"))] if root.exists() else []
+        named = False
+    else:
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+        if not names:
+            raise UsageError("--warm-start takes 'auto' or run names separated by commas")
+        runs = [Run.open(n) for n in names]
+        named = True
+    out = []
+    for run in runs:
+        if run.run_id == exclude:
+            continue
+        try:
+            meta = run.meta()
+            records = run.trials()
+        except EvotuneError:
+            if named:
+                raise
+            continue
+        if meta.get("family", "attention") != problem.family:
+            if named:
+                raise UsageError(f"--warm-start: run {run.run_id!r} is of family {meta.get('family')!r}, "
+                                 f"not {problem.family!r}")
+            continue
+        theirs = meta.get("shape") or {}
+        same = theirs == want
+        if not named and not (same or similar(problem, theirs, want)):
+            continue
+        ok = ok_records(records)
+        if not ok:
+            if named:
+                raise UsageError(f"--warm-start: run {run.run_id!r} has no trial that passed the gate")
+            continue
+        out.append(Source(run, same, min(r["result"]["time_us"] for r in ok)))
+    if named:
+        return out
+    return sorted(out, key=lambda s: (not s.same_shape, s.best_us))
+
+
+def configs_from(sources: list[Source], per_run: int = PER_RUN, limit: int | None = None) -> list[dict]:
+    """Config dicts from the runs, in order: each run's Pareto front and `per_run` fastest passing
+    configs, fastest first; each config once; at most `limit`."""
+    seen, out = set(), []
+    for src in sources:
+        records = src.run.trials()
+        ok = sorted(ok_records(records), key=lambda r: (r["result"]["time_us"], r["number"]))
+        picked = {r["digest"]: r for r in pareto_front(records) + ok[:per_run]}
+        for r in sorted(picked.values(), key=lambda r: (r["result"]["time_us"], r["number"])):
+            if r["digest"] not in seen:
+                seen.add(r["digest"])
+                out.append(dict(r["config"]))
+    return out[:limit] if limit is not None else out
+
+
+def admitted(space, context, dicts) -> tuple[list, list[str]]:
+    """The configs among `dicts` that `space` admits under `context` (each once, in order), and a note
+    for each one dropped: a knob or value the space lacks, or a violated constraint."""
+    keep, notes, seen = [], [], set()
+    for d in dicts:
+        try:
+            config = space.config(d)
+        except UsageError as e:
+            notes.append(f"{_short(d)}: not in this space ({e})")
+            continue
+        if config.digest() in seen:
+            continue
+        seen.add(config.digest())
+        why = space.violations(config, context)
+        if why:
+            notes.append(f"{_short(d)}: not admitted here ({'; '.join(why)})")
+            continue
+        keep.append(config)
+    return keep, notes
+
+
+def _short(d: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(d.items()))
