@@ -31,6 +31,9 @@ err_console = Console(stderr=True)
 _state = {"debug": False}
 
 REPLAY_SEEDS = (101, 102, 103)  # not the search's seeds: replay checks on inputs the search never saw
+_FAMILY_HELP = ("Kernel family: attention, softmax or package.module:ATTR "
+                "(default: the one the --space file names, else attention).")
+_SHAPE_HELP = "Preset name (`evotune shapes --family F`) or the family's spelling (default: the family's)."
 
 
 @app.callback()
@@ -42,19 +45,39 @@ def _emit_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-def _load(shape_text: str, space_path: Optional[str], family: str = "attention"):
+def _load(shape_text: Optional[str], space_path: Optional[str], family: Optional[str] = None):
+    """(problem, shape, space): the family is --family, else the one the --space file names, else attention;
+    the shape is parsed by that family (its default shape when none is given)."""
     from .problems import get_problem
-    from .shapes import parse_shape
-    from .space import check_nonempty, load_builtin, load_space
+    from .space import check_nonempty, load_builtin, load_space, space_family
 
-    problem = get_problem(family)
-    shape = parse_shape(shape_text)
+    # A space file names its family, so `--space` alone picks it (a plugin `package.module:ATTR` too).
+    declared = space_family(space_path) if space_path else None
+    problem = get_problem(family or declared or "attention")
+    if declared is not None and declared != problem.family:
+        raise UsageError(f"{space_path}: space is for family {declared!r}, not {problem.family!r}")
+    shape = problem.parse_shape(shape_text if shape_text is not None else problem.default_shape)
     problem.check_shape(shape)
-    space = load_space(space_path) if space_path else load_builtin(problem.default_space)
+    # The space's expressions may read exactly the names the family's context gives.
+    names = tuple(problem.context(shape))
+    space = load_space(space_path, names) if space_path else load_builtin(problem.default_space, names)
     if space.family != problem.family:
         raise UsageError(f"{space.path}: space is for family {space.family!r}, not {problem.family!r}")
     check_nonempty(space, problem.context(shape))
     return problem, shape, space
+
+
+def _resumed_family(run: Optional[str], resume: bool) -> Optional[str]:
+    """The family of the run a `search --resume` continues; None when not resuming or there is no such run
+    (the resume itself then says so)."""
+    if not (resume and run):
+        return None
+    from .runs import Run
+
+    try:
+        return Run.open(run).meta().get("family")
+    except EvotuneError:
+        return None
 
 
 def _repo_relative(path: str) -> str:
@@ -83,7 +106,8 @@ def _require_gpu(command: str) -> None:
 
 def _cfg_short(cfg: dict) -> str:
     abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
-              "smem_layout": "", "q_in_regs": "qreg", "kv_splits": "kv"}
+              "smem_layout": "", "q_in_regs": "qreg", "kv_splits": "kv",
+              "threads_per_row": "tpr", "rows_per_cta": "rows", "strategy": "", "unroll": "u"}
     parts = []
     for k, v in cfg.items():
         if k == "q_in_regs":
@@ -110,19 +134,25 @@ def _best_table(best: Optional[dict], recent: list[dict]) -> Table:
 
 # ---------------------------------------------------------------- shapes
 @app.command()
-def shapes(json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
-    """List shape presets (`--shape` also takes B,H,S,D or B,H,Sq,Sk,D with :bf16, :causal, :bshd)."""
-    from .shapes import PRESETS
+def shapes(
+    family: str = typer.Option("attention", "--family", help="Kernel family whose presets to list."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
+):
+    """List a family's shape presets (attention's `--shape` also takes B,H,S,D or B,H,Sq,Sk,D with :bf16,
+    :causal, :bshd; softmax's ROWS,COLS with :bf16)."""
+    from .problems import get_problem
 
+    problem = get_problem(family)
+    presets = problem.presets()
     if json_out:
-        _emit_json({name: {**s.as_dict(), "spec": s.spec, "about": about} for name, (s, about) in PRESETS.items()})
+        _emit_json({name: {**s.as_dict(), "spec": s.spec, "about": about} for name, (s, about) in presets.items()})
         return
-    table = Table(title="shape presets")
-    for col in ("name", "B", "H", "Sq", "Sk", "D", "dtype", "causal", "about"):
+    table = Table(title=f"{problem.family} shape presets")
+    columns = list(problem.shape_columns(next(iter(presets.values()))[0])) if presets else ["spec"]
+    for col in ("name", *columns, "about"):
         table.add_column(col)
-    for name, (s, about) in PRESETS.items():
-        table.add_row(name, str(s.batch), str(s.heads), str(s.seq_q), str(s.seq_k), str(s.head_dim), s.dtype,
-                      "yes" if s.causal else "no", about)
+    for name, (s, about) in presets.items():
+        table.add_row(name, *problem.shape_columns(s).values(), about)
     console.print(table)
 
 
@@ -131,13 +161,12 @@ def _check_one(args):
     family, shape_dict, space_path, cfg_dict = args
     from .compile import CompileError, compile_source, static_violations
     from .problems import get_problem
-    from .shapes import Shape
     from .space import load_space
     from .template import instantiate
 
     problem = get_problem(family)
-    shape = Shape.from_dict(shape_dict)
-    space = load_space(space_path)
+    shape = problem.shape_from_dict(shape_dict)
+    space = load_space(space_path, tuple(problem.context(shape)))
     cfg = space.config(cfg_dict)
     geo = problem.geometry(cfg, shape)
     src = instantiate(problem, cfg, shape)
@@ -153,15 +182,16 @@ def _check_one(args):
 
 @app.command()
 def check(
-    shape: str = typer.Option("mission", "--shape", help="Preset name or B,H,S,D[:flags]."),
+    shape: Optional[str] = typer.Option(None, "--shape", help=_SHAPE_HELP),
     space: Optional[str] = typer.Option(None, "--space", help="YAML search space (default: the family's)."),
+    family: Optional[str] = typer.Option(None, "--family", help=_FAMILY_HELP),
     sample: int = typer.Option(24, "--sample", help="Compile this many admitted configs, sampled (0 = all)."),
     seed: int = typer.Option(0, "--seed"),
     jobs: int = typer.Option(0, "--jobs", help="Parallel compiles (default: CPU cores)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Static check of a space without a GPU: constraints, real NVRTC compiles, registers, spills, shared memory."""
-    problem, shp, spc = _load(shape, space)
+    problem, shp, spc = _load(shape, space, family)
     ctx = problem.context(shp)
     all_cfgs = list(spc.all_configs())
     admitted = [c for c in all_cfgs if spc.admitted(c, ctx)]
@@ -203,19 +233,209 @@ def check(
 
 
 # ---------------------------------------------------------------- search
+def _parse_gpus(gpus: Optional[str], gpu: int) -> list[int]:
+    """--gpus as a list of device indices, one search agent each (a repeated index: several agents on one GPU)."""
+    if gpus is None:
+        return [gpu]
+    if gpu != 0:
+        raise UsageError("give --gpus or --gpu, not both")
+    parts = [p.strip() for p in gpus.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise UsageError(f"--gpus {gpus!r}: give device indices separated by commas, e.g. 0,1 "
+                         f"(0,0: two agents on GPU 0)")
+    return [int(p) for p in parts]
+
+
+def _check_devices(devices: list[int]) -> None:
+    count = _gpu_count()
+    missing = sorted({d for d in devices if d >= count})
+    if missing:
+        seen = f"{count} CUDA device{'s' if count != 1 else ''} visible (indices 0-{count - 1})"
+        raise UsageError(f"--gpus names GPU {', '.join(map(str, missing))}, but there {'are' if count != 1 else 'is'} "
+                         f"{seen}; CUDA_VISIBLE_DEVICES renumbers them")
+
+
+def _check_storage(storage: Optional[str]) -> Optional[str]:
+    if storage is None:
+        return None
+    try:
+        from sqlalchemy.engine import make_url
+
+        url = make_url(storage)
+    except Exception:
+        raise UsageError(f"--storage {storage!r}: not a database URL (e.g. postgresql://user@host:5432/evotune)") from None
+    if not url.drivername:
+        raise UsageError(f"--storage {storage!r}: not a database URL (e.g. postgresql://user@host:5432/evotune)")
+    return storage
+
+
+def _remote_meta(run: Optional[str], resume: bool, storage: Optional[str]) -> Optional[dict]:
+    """The meta of a run to join: resuming with --storage a run that has no folder on this host."""
+    from .runs import Run, runs_dir
+
+    if not (resume and run and storage) or (runs_dir() / run / "meta.json").exists():
+        return None
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    store = Run(runs_dir() / run, storage).storage()
+    if run not in optuna.study.get_all_study_names(storage=store):
+        return None  # Run.open then says there is no such run
+    meta = optuna.load_study(study_name=run, storage=store).user_attrs.get("meta")
+    return meta if isinstance(meta, dict) else None
+
+
+def _open_for_search(run: str, storage: Optional[str], remote: Optional[dict]):
+    """The run a `search --resume` continues: this host's folder, or one made from the study to join."""
+    import datetime as dt
+    import socket
+
+    from .runs import Run, redact_url
+
+    if remote is not None:  # another host created the run: join its study
+        return Run.join(run, storage, {"joined": {"host": socket.gethostname(),
+                                                  "at": dt.datetime.now().isoformat(timespec="seconds")}})
+    rn = Run.open(run)
+    if storage is not None and redact_url(storage) != redact_url(rn.storage_url):
+        raise UsageError(f"run {run!r} keeps its study in {redact_url(rn.storage_url)}, not {redact_url(storage)}")
+    rn.use_storage(storage)
+    if "***" in rn.storage_url:
+        raise UsageError(f"run {run!r} keeps its study in {rn.storage_url}: give it with --storage URL, password "
+                         f"included (or keep the password in ~/.pgpass)")
+    return rn
+
+
+def _storage_meta(storage: Optional[str], devices: list[int]) -> dict:
+    from .runs import redact_url
+
+    meta = {"gpus": devices}
+    if storage is not None:
+        meta["storage"] = redact_url(storage)  # the study's name is the run's (Run.create)
+    return meta
+
+
+def _new_run(name: Optional[str], meta: dict, storage: Optional[str]):
+    from .runs import Run
+
+    rn = Run.create(name, meta).use_storage(storage)
+    if storage is not None:
+        rn.share_meta()  # other hosts join from the study alone
+    return rn
+
+
+def _resume_hint(rn, shape_text: str, trials: int, gpus: Optional[str], storage: Optional[str]) -> str:
+    extra = (f" --gpus {gpus}" if gpus else "") + (" --storage URL" if storage else "")
+    return (f"`evotune search --shape {shape_text} --run {rn.run_id} --resume --trials {trials}{extra}`")
+
+
+def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, shp, spc, timeout, json_out,
+                   resume_hint) -> dict:
+    """`search --gpus` with several entries: one agent process per entry on one run and one study; this
+    process shows their progress from the run's records and passes Ctrl-C on."""
+    from .agents import Agents, specs_for
+    from .runs import best_record
+    from .workers import GPUWorker
+
+    if rn is None:
+        with GPUWorker(device=devices[0], timeout_s=timeout) as worker:  # the run records the device it ran on
+            info = worker.call({"kind": "info"})
+        rn = _new_run(run_name, new_meta(info), storage)
+    started = time.time()
+    tail = rn.tail()
+    before = tail.read()
+    best = best_record(before)
+    recent: list[dict] = []
+    progress = Progress(TextColumn("[bold]search[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=err_console)
+    task = progress.add_task(f"{rn.run_id} ({len(devices)} agents)", total=options.trials,
+                             completed=sum(1 for r in before if r.get("counted")))
+    live = (Live(Group(progress), console=err_console, refresh_per_second=4)
+            if err_console.is_terminal and not json_out else None)
+
+    def show(records: list[dict]) -> None:
+        nonlocal best
+        for record in records:
+            recent.append(record)
+            if record.get("counted"):
+                progress.advance(task)
+            best = best_record([r for r in (best, record) if r is not None])
+            if live is None and not json_out:
+                res = record["result"]
+                t = f"{res['time_us']:.2f} us" if res.get("time_us") else res["message"][:80]
+                err_console.print(f"trial {record['number']:4d} {record.get('agent', '')} {res['status']:<13} "
+                                  f"{t:<14} {_cfg_short(record['config'])}", markup=False, highlight=False)
+        if live is not None:
+            live.update(Group(progress, _best_table(best, recent)))
+
+    agents = Agents(specs_for(devices, run_path=str(rn.path), storage=storage, problem=problem, shape=shp,
+                              space=spc, options=options, timeout_s=timeout))
+    try:
+        with live if live is not None else _nullcontext():
+            agents.start()
+            while not agents.wait(0.5):
+                show(tail.read())
+            show(tail.read())
+    except KeyboardInterrupt:
+        agents.interrupt()
+        err_console.print("stopping: each agent finishes and records the candidate it is measuring "
+                          "(Ctrl-C again to stop at once)")
+        try:
+            agents.wait()
+        except KeyboardInterrupt:
+            agents.interrupt()  # the second SIGINT: the agents drop what is in flight and close its trials
+            if not agents.wait(60):
+                agents.kill()
+        rn.update_summary()
+        err_console.print(f"interrupted: finished trials are recorded in {rn.path}; continue with {resume_hint(rn)}")
+        raise typer.Exit(130)
+    finally:
+        if agents.alive():
+            agents.kill()
+    failures = agents.failures()
+    for label, why in failures.items():
+        err_console.print(f"agent {label}: {why}", highlight=False, soft_wrap=True)
+    if len(failures) == len(devices):
+        raise EvotuneError(f"every agent failed; agent {next(iter(failures))}: {next(iter(failures.values()))}")
+    records = rn.trials()
+    statuses: dict[str, int] = {}
+    for r in records:
+        if r.get("duplicate_of") is None:
+            statuses[r["result"]["status"]] = statuses.get(r["result"]["status"], 0) + 1
+    return {"run_id": rn.run_id, "evaluated": sum(1 for r in records if r.get("counted")), "proposals": len(records),
+            "statuses": statuses, "seconds": time.time() - started, "best": best_record(records), "_run": rn,
+            "agents": {label: (status if status != "done" else {k: payload[k] for k in ("measured", "proposals")})
+                       for label, (status, payload) in agents.outcomes.items()}}
+
+
 @app.command()
 def search(
-    shape: str = typer.Option("mission", "--shape", help="Preset name or B,H,S,D[:flags]."),
+    shape: Optional[str] = typer.Option(None, "--shape", help=_SHAPE_HELP),
     trials: int = typer.Option(60, "--trials", min=1, help="Candidates to compile and evaluate."),
     run: Optional[str] = typer.Option(None, "--run", help="Run name (default: timestamp + shape)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the named run."),
     sampler: str = typer.Option("nsga2", "--sampler", help=f"Search strategy: {', '.join(_SAMPLERS)} "
                                 "(nsga2: evolutionary; exhaustive: every admitted config once, in order)."),
-    population: int = typer.Option(16, "--population", min=2, help="NSGA-II population size."),
+    population: int = typer.Option(16, "--population", min=2,
+                                   help="NSGA-II population: parents kept per generation (elites of parents + children)."),
+    mutation_prob: Optional[float] = typer.Option(None, "--mutation-prob", min=0.0, max=1.0,
+                                                  help="NSGA-II: chance each knob of a child is redrawn (default: 1 / knobs)."),
+    crossover_prob: float = typer.Option(0.9, "--crossover-prob", min=0.0, max=1.0,
+                                         help="NSGA-II: chance a child mixes two parents' knobs (else copies one)."),
+    steer: bool = typer.Option(True, "--steer/--no-steer", help="NSGA-II: breed children inside the space's "
+                               "constraints and away from configs already tried (--no-steer: Optuna's NSGA-II as is)."),
+    warm_start: Optional[str] = typer.Option(None, "--warm-start", help="Ask these runs' best configs first "
+                                             "(RUN[,RUN...], or 'auto': runs of the same family on the same or a "
+                                             "similar shape). New runs only."),
     seed: int = typer.Option(0, "--seed"),
     space: Optional[str] = typer.Option(None, "--space", help="YAML search space (default: the family's)."),
+    family: Optional[str] = typer.Option(None, "--family", help=_FAMILY_HELP + " A resumed run keeps its own."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds a candidate may take on the GPU before it is killed."),
     gpu: int = typer.Option(0, "--gpu", help="GPU index for the worker."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="GPUs to search on, one agent each, all on one run "
+                                       "and one study: e.g. 0,1 (0,0: two agents on GPU 0). Default: --gpu."),
+    storage: Optional[str] = typer.Option(None, "--storage", help="Keep the study in this database (e.g. "
+                                          "postgresql://user@host:5432/evotune) so that agents on several hosts "
+                                          "share it; default: the run's SQLite file."),
     compile_workers: Optional[int] = typer.Option(None, "--compile-workers", min=1,
                                                   help="Processes compiling candidates ahead (default: CPU count)."),
     lookahead: Optional[int] = typer.Option(None, "--lookahead", min=0,
@@ -223,17 +443,23 @@ def search(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Search the space on the GPU; record every trial, the Pareto front and the best in runs/<run>."""
+    from .agents import agent_label
     from .runs import Run, base_meta
     from .search import SAMPLERS, SearchOptions, run_search, worker_evaluator
     from .workers import GPUWorker
 
     if sampler not in SAMPLERS:
         raise UsageError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
-    problem, shp, spc = _load(shape, space)
+    devices = _parse_gpus(gpus, gpu)
+    storage = _check_storage(storage)
+    remote = _remote_meta(run, resume, storage)  # a run another host started in --storage: joined below
+    problem, shp, spc = _load(shape, space, family or _resumed_family(run, resume) or (remote or {}).get("family"))
     if resume:
         if not run:
             raise UsageError("--resume needs --run NAME")
-        rn = Run.open(run)
+        if remote is not None and remote.get("shape_spec") != shp.spec:
+            raise UsageError(f"run {run!r} searched {remote.get('shape_spec')}, not {shp.spec}")
+        rn = _open_for_search(run, storage, remote)
         meta = rn.meta()
         if meta.get("shape_spec") != shp.spec:
             raise UsageError(f"run {run!r} searched {meta.get('shape_spec')}, not {shp.spec}")
@@ -241,15 +467,32 @@ def search(
         rn = None
         if run is not None:
             Run.check_new_name(run)  # before the slow worker start
+            if storage is not None:
+                Run.check_study_free(run, storage)
+    warm, warm_meta = _warm_start(warm_start, resume, run, problem, shp, spc, population, json_out)
     _require_gpu("search")
+    _check_devices(devices)
     options = SearchOptions(trials=trials, sampler=sampler, population=population, seed=seed,
-                            compile_workers=compile_workers, lookahead=lookahead)
-    with GPUWorker(device=gpu, timeout_s=timeout) as worker:
+                            compile_workers=compile_workers, lookahead=lookahead, mutation_prob=mutation_prob,
+                            crossover_prob=crossover_prob, steer=steer, warm_start=warm)
+
+    def new_meta(info: dict) -> dict:
+        return {**base_meta(), "family": problem.family, "shape": shp.as_dict(), "shape_spec": shp.spec,
+                "space": _repo_relative(spc.path), "options": options.__dict__, "device": info,
+                **_storage_meta(storage, devices), **warm_meta}
+
+    def resume_hint(rn) -> str:
+        return _resume_hint(rn, shape or shp.spec, trials, gpus, storage)
+
+    if len(devices) > 1:
+        summary = _search_agents(rn, new_meta, run, devices, storage, options, problem, shp, spc, timeout, json_out,
+                                 resume_hint)
+        rn = summary.pop("_run")
+        return _search_report(summary, rn, json_out)
+    with GPUWorker(device=devices[0], timeout_s=timeout) as worker:
         info = worker.call({"kind": "info"})
         if rn is None:
-            meta = {**base_meta(), "family": problem.family, "shape": shp.as_dict(), "shape_spec": shp.spec,
-                    "space": _repo_relative(spc.path), "options": options.__dict__, "device": info}
-            rn = Run.create(run, meta)
+            rn = _new_run(run, new_meta(info), storage)
         evaluate = worker_evaluator(worker, problem, shp)
         stop = {"flag": False}
         recent: list[dict] = []
@@ -275,12 +518,15 @@ def search(
         try:
             with live if live is not None else _nullcontext():
                 summary = run_search(problem, spc, shp, rn, evaluate, options, on_trial=on_trial,
-                                     should_stop=lambda: stop["flag"])
+                                     should_stop=lambda: stop["flag"], agent=agent_label(devices[0]))
         except KeyboardInterrupt:
             rn.update_summary()
-            err_console.print(f"interrupted: finished trials are recorded in {rn.path}; continue with "
-                              f"`evotune search --shape {shape} --run {rn.run_id} --resume --trials {trials}`")
+            err_console.print(f"interrupted: finished trials are recorded in {rn.path}; continue with {resume_hint(rn)}")
             raise typer.Exit(130)
+    _search_report(summary, rn, json_out)
+
+
+def _search_report(summary: dict, rn, json_out: bool) -> None:
     if json_out:
         _emit_json({**summary, "path": str(rn.path)})
         return
@@ -293,6 +539,34 @@ def search(
                       f"p90 {res['timing']['p90_us']:.2f}), max abs err {res['max_abs']:.2e}: {_cfg_short(best['config'])}")
     else:
         raise EvotuneError(f"run {rn.run_id}: no candidate passed the correctness gate")
+
+
+def _warm_start(spec: Optional[str], resume: bool, run: Optional[str], problem, shp, spc, population: int,
+                json_out: bool) -> tuple[tuple, dict]:
+    """The configs --warm-start asks first (admitted on this shape), and what meta.json records of it."""
+    if not spec:
+        return (), {}
+    if resume:
+        raise UsageError("--warm-start seeds a new run; a resumed run goes on from its own trials")
+    from .warmstart import admitted, configs_from, pick_runs
+
+    sources = pick_runs(spec, problem, shp, exclude=run)
+    # At most a population's worth: NSGA-II's first generation, from which the first elites are chosen.
+    configs, notes = admitted(spc, problem.context(shp), configs_from(sources, limit=None))
+    configs = configs[:population]
+    if not json_out:
+        if sources:
+            names = ", ".join(f"{s.run.run_id} ({'same shape' if s.same_shape else 'similar shape'})" for s in sources)
+            err_console.print(f"warm start: {len(configs)} configs from {names}", highlight=False)
+        else:
+            err_console.print(f"warm start: no earlier run of {problem.family} on a shape like {shp.spec}", highlight=False)
+        for note in notes[:5]:
+            err_console.print(f"  dropped {note}", highlight=False)
+        if len(notes) > 5:
+            err_console.print(f"  ... and {len(notes) - 5} more dropped", highlight=False)
+    meta = {"warm_start": {"spec": spec, "runs": [s.run.run_id for s in sources], "configs": len(configs),
+                           "dropped": notes}}
+    return tuple(c.as_dict() for c in configs), meta
 
 
 # ---------------------------------------------------------------- replay
@@ -309,14 +583,14 @@ def _select(rn, which: str) -> dict:
 def replay(
     which: str = typer.Argument("best", help="'best' or a trial number."),
     run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
-    baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="Time the SDPA backends beside it."),
+    baselines: bool = typer.Option(True, "--baselines/--no-baselines",
+                                   help="Time the family's baselines beside it (SDPA backends, torch.softmax)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Recompile a recorded config, re-verify on fresh inputs, re-time beside SDPA, report drift."""
+    """Recompile a recorded config, re-verify on fresh inputs, re-time beside the baselines, report drift."""
     from .problems import get_problem
     from .runs import Run
     from .search import worker_evaluator
-    from .shapes import Shape
     from .space import Config
     from .workers import GPUWorker
 
@@ -326,7 +600,7 @@ def replay(
     if (rec.get("result") or {}).get("status") != "ok":
         raise EvotuneError(f"trial {rec['number']} of run {rn.run_id} did not pass ({rec['result']['status']}); nothing to replay")
     problem = get_problem(meta["family"])
-    shp = Shape.from_dict(meta["shape"])
+    shp = problem.shape_from_dict(meta["shape"])
     config = Config.from_dict(rec["config"])
     _require_gpu("replay")
     src, compiled = _compile_candidate(problem, shp, config)
@@ -342,30 +616,33 @@ def replay(
     if json_out:
         _emit_json(out)
     else:
-        _print_comparison(out, shp)
+        _print_comparison(out, shp, problem)
     if res.status != "ok":
         raise EvotuneError(f"replay of trial {rec['number']} failed: {res.status}: {res.message}")
 
 
-def _print_comparison(out: dict, shp) -> None:
-    flops = shp.flops()
+def _print_comparison(out: dict, shp, problem) -> None:
+    def rate(time_us):
+        value = problem.rate(shp, time_us) if time_us else None
+        return f"{value:.1f}" if value is not None else "-"
+
+    kind = getattr(problem, "baseline_kind", "baseline")
     table = Table(title=f"{shp.spec}: run {out['run_id']} trial {out['trial']}")
-    for col in ("kernel", "median us", "p10-p90 us", "TFLOP/s", "max abs err", "vs ours"):
+    for col in ("kernel", "median us", "p10-p90 us", getattr(problem, "rate_unit", "rate"), "max abs err", "vs ours"):
         table.add_column(col)
     t = out["time_us"]
     tim = out.get("timing") or {}
     table.add_row("evotune (replay)", f"{t:.2f}" if t else "-",
-                  f"{tim.get('p10_us', 0):.2f}-{tim.get('p90_us', 0):.2f}" if tim else "-",
-                  f"{flops / t / 1e6:.1f}" if t else "-",
+                  f"{tim.get('p10_us', 0):.2f}-{tim.get('p90_us', 0):.2f}" if tim else "-", rate(t),
                   f"{out['max_abs']:.2e}" if out.get("max_abs") is not None else "-", "1.00x")
     table.add_row("evotune (recorded)", f"{out['recorded_time_us']:.2f}", "", "", "", "")
     for name, b in (out.get("baselines") or {}).items():
         if not b.get("available"):
-            table.add_row(f"SDPA {name}", "n/a", b.get("reason", ""), "", "", "")
+            table.add_row(f"{kind} {name}", "n/a", b.get("reason", ""), "", "", "")
             continue
         bt = b["timing"]
-        table.add_row(f"SDPA {name}", f"{b['time_us']:.2f}", f"{bt['p10_us']:.2f}-{bt['p90_us']:.2f}",
-                      f"{flops / b['time_us'] / 1e6:.1f}", f"{b['verification']['max_abs']:.2e}",
+        table.add_row(f"{kind} {name}", f"{b['time_us']:.2f}", f"{bt['p10_us']:.2f}-{bt['p90_us']:.2f}",
+                      rate(b["time_us"]), f"{b['verification']['max_abs']:.2e}",
                       f"{b['time_us'] / t:.2f}x" if t else "-")
     console.print(table)
     if out.get("drift_pct") is not None:
@@ -376,14 +653,14 @@ def _print_comparison(out: dict, shp) -> None:
 
 # ---------------------------------------------------------------- verify / sanitize
 def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str], shape_text: Optional[str],
-                       space_path: Optional[str]):
-    """(problem, shape, config) from a run record, or from --config JSON on --shape; --shape overrides a run's."""
+                       space_path: Optional[str], family: Optional[str] = None):
+    """(problem, shape, config) from a run record (of the run's family), or from --config JSON on --shape
+    (of --family, else the --space file's, else attention); --shape overrides a run's."""
     from .problems import get_problem
     from .runs import Run
-    from .shapes import Shape, parse_shape
 
     if config_json is not None:
-        problem, shp, spc = _load(shape_text or "mission", space_path)
+        problem, shp, spc = _load(shape_text, space_path, family)
         try:
             cfg_dict = json.loads(config_json)
         except json.JSONDecodeError as e:
@@ -401,7 +678,9 @@ def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str
     meta = rn.meta()
     rec = _select(rn, which)
     problem = get_problem(meta["family"])
-    shp = parse_shape(shape_text) if shape_text else Shape.from_dict(meta["shape"])
+    if family is not None and family != problem.family:
+        raise UsageError(f"run {rn.run_id!r} is of family {problem.family!r}, not {family!r}")
+    shp = problem.parse_shape(shape_text) if shape_text else problem.shape_from_dict(meta["shape"])
     problem.check_shape(shp)
     return problem, shp, Config.from_dict(rec["config"])
 
@@ -414,6 +693,96 @@ def _compile_candidate(problem, shp, config):
     return src, compile_source(src.code, src.entry)
 
 
+@app.command()
+def bench(
+    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
+    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Shape to bench on (default: the run's)."),
+    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    reps: int = typer.Option(100, "--reps", min=5, help="Timed CUDA-graph replays per kernel (median, p10, p90)."),
+    baselines: Optional[str] = typer.Option(None, "--baselines", help="Comma list of baselines (default: all of the family's)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Also write the full JSON record to this file."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """The tuned kernel beside every SDPA backend on one shape: same inputs, same gate, same timing."""
+    from .bench import _flops_and_bytes, header, summarize
+    from .workers import GPUWorker, compiled_to_dict
+
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space)
+    names = [n.strip() for n in baselines.split(",") if n.strip()] if baselines else None
+    if names:
+        unknown = sorted(set(names) - set(problem.baselines()))
+        if unknown:
+            raise UsageError(f"unknown baseline(s) {', '.join(unknown)}; {problem.family} has {', '.join(problem.baselines())}")
+    if out:
+        _check_writable(out)
+    _require_gpu("bench")
+    src, compiled = _compile_candidate(problem, shp, cfg)
+    with GPUWorker(timeout_s=900) as worker:
+        raw = worker.call({"kind": "bench", "family": problem.family, "shape": shp.as_dict(), "config": cfg.as_dict(),
+                           "compiled": compiled_to_dict(compiled), "reps": reps, "seeds": list(REPLAY_SEEDS),
+                           "names": names})
+    flops, nbytes = _flops_and_bytes(problem, shp)
+    summary = summarize(raw, flops, nbytes)
+    from .runs import base_meta
+
+    meta = base_meta()
+    record = {**header(raw["device"], meta["command_line"], meta.get("git_sha")), "versions": meta["versions"],
+              "family": problem.family, "shape": shp.spec, "shape_dict": shp.as_dict(), "config": cfg.as_dict(),
+              "source_digest": src.digest, "flops": flops, "min_bytes": nbytes, "reps": reps,
+              "source": {"run": run, "trial": which} if config is None else {"config": config},
+              **summary, "raw": raw}
+    if out:
+        with open(out, "w") as f:
+            json.dump(record, f, indent=1, default=str)
+    if json_out:
+        _emit_json(record)
+    else:
+        _print_bench(record)
+    if record["rows"][0]["time_us"] is None:
+        raise EvotuneError(f"the kernel did not pass on {shp.spec}: {record['rows'][0]['reason']}")
+
+
+def _check_writable(path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"--out: folder {parent} does not exist")
+
+
+def _print_bench(rec: dict) -> None:
+    dev = rec["device"]
+    clocks = dev.get("clocks") or {}
+    console.print(f"{rec['date']}  {dev.get('name')}  SM clock {clocks.get('sm', '?')} (max {clocks.get('max_sm', '?')}), "
+                  f"mem {clocks.get('mem', '?')}  driver {dev.get('driver')}  torch {dev.get('torch')} "
+                  f"(CUDA {dev.get('torch_cuda')}, cuDNN {dev.get('cudnn')})  cupy {dev.get('cupy')}  "
+                  f"evotune {rec.get('git_sha') or '?'}")
+    console.print(f"config: {_cfg_short(rec['config'])}")
+    table = Table(title=f"{rec['shape']}  ({rec['reps']} CUDA-graph replays each, median)")
+    for col in ("kernel", "median us", "p10-p90 us", "TFLOP/s", "GB/s", "gate ratio", "ours faster by"):
+        table.add_column(col, justify="right" if col != "kernel" else "left")
+
+    def f(x, fmt):
+        return format(x, fmt) if x is not None else "-"
+
+    for r in rec["rows"]:
+        if not r["available"]:
+            table.add_row(r["name"], "n/a", r["reason"][:60], "", "", "", "")
+            continue
+        table.add_row(r["name"], f(r["time_us"], ".2f"), f"{f(r['p10_us'], '.2f')}-{f(r['p90_us'], '.2f')}",
+                      f(r["tflop_s"], ".1f"), f(r["gb_s"], ".0f"), f(r["gate_ratio"], ".3f"),
+                      f"{r['ours_speedup']:.2f}x" if r["ours_speedup"] else "-")
+    console.print(table)
+    fl, ce = rec["floor"], rec["ceilings"]
+    console.print(f"ceilings (same process): copy {ce['copy']['gb_s']:.0f} GB/s, {ce['matmul']['dtype']} matmul "
+                  f"{ce['matmul']['n']}^3 {ce['matmul']['tflop_s']:.0f} TFLOP/s, empty kernel {ce['empty_kernel']['time_us']:.2f} us")
+    console.print(f"floor: memory {f(fl['memory_us'], '.2f')} us, compute {f(fl['compute_us'], '.2f')} us "
+                  f"({fl['bound'] or '?'}-bound), launch {fl['launch_us']:.2f} us; "
+                  f"ours is {f(rec['rows'][0]['vs_floor'], '.2f')}x its floor")
+    if rec.get("ours_over_best_baseline"):
+        console.print(f"ours / best baseline ({rec['best_baseline']}): {rec['ours_over_best_baseline']:.3f} of its time")
+
+
 @app.command("verify")
 def verify_cmd(
     which: str = typer.Argument("best", help="'best' or a trial number of --run."),
@@ -421,13 +790,14 @@ def verify_cmd(
     config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
     shape: Optional[str] = typer.Option(None, "--shape", help="Shape to check on (default: the run's)."),
     space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    family: Optional[str] = typer.Option(None, "--family", help=_FAMILY_HELP + " A run's is its own."),
     launches: int = typer.Option(100, "--launches", min=2, help="Launches for the bitwise determinism check."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Deep check of one config: the gate (seeds + stress inputs + dependency) and bitwise determinism."""
     from .workers import GPUWorker, compiled_to_dict
 
-    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space)
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family)
     _require_gpu("verify")
     _, compiled = _compile_candidate(problem, shp, cfg)
     with GPUWorker(timeout_s=600) as worker:
@@ -449,13 +819,6 @@ def verify_cmd(
         raise EvotuneError(f"{_cfg_short(cfg.as_dict())} failed the deep check on {shp.spec}")
 
 
-def _sanitize_shape(shp):
-    """A small ragged shape of the same class (head dim, dtype, mask, layout): sanitizers run ~100x slower."""
-    from dataclasses import replace
-
-    return replace(shp, batch=1, heads=2, seq_q=197, seq_k=300 if not shp.causal else 197)
-
-
 @app.command()
 def sanitize(
     which: str = typer.Argument("best", help="'best' or a trial number of --run."),
@@ -463,6 +826,7 @@ def sanitize(
     config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
     shape: Optional[str] = typer.Option(None, "--shape", help="Shape (default: a small ragged one of the run's class)."),
     space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    family: Optional[str] = typer.Option(None, "--family", help=_FAMILY_HELP + " A run's is its own."),
     tool: list[str] = typer.Option(["memcheck", "racecheck", "synccheck"], "--tool", help="Sanitizer tool(s)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
@@ -473,9 +837,9 @@ def sanitize(
     for t in tool:
         if t not in TOOLS:
             raise UsageError(f"unknown sanitizer tool {t!r}; tools: {', '.join(TOOLS)}")
-    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space)
-    if shape is None:
-        shp = _sanitize_shape(shp)
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family)
+    if shape is None:  # sanitizers run ~100x slower: a small shape of the same class
+        shp = problem.sanitize_shape(shp)
     _require_gpu("sanitize")
     _, compiled = _compile_candidate(problem, shp, cfg)
     job = {"family": problem.family, "shape": shp.as_dict(), "config": cfg.as_dict(),
@@ -505,14 +869,13 @@ def export(
     from .export import export_source, write_export
     from .problems import get_problem
     from .runs import Run
-    from .shapes import Shape
     from .space import Config
 
     rn = Run.open(run)
     meta = rn.meta()
     rec = _select(rn, which)
     problem = get_problem(meta["family"])
-    text = export_source(problem, Shape.from_dict(meta["shape"]), Config.from_dict(rec["config"]), rec, meta)
+    text = export_source(problem, problem.shape_from_dict(meta["shape"]), Config.from_dict(rec["config"]), rec, meta)
     path = write_export(output, text)
     console.print(f"wrote {path} (run {rn.run_id}, trial {rec['number']})")
 
@@ -551,7 +914,9 @@ def list_runs(json_out: bool = typer.Option(False, "--json")):
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:  # without standalone mode click returns a typer.Exit's code
+            sys.exit(code)
     except EvotuneError as e:
         if _state["debug"]:
             raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 from . import result as R
 from .compile import Compiled, load_kernel, static_violations
@@ -125,7 +126,9 @@ def _run_poisoned(problem, run_into, inputs):
 
 
 def check_dependency(problem, shape, run_into, seed: int = 11) -> tuple[bool, str]:
-    """Perturb one key/value row: the rows that must see it change, every other row stays bitwise equal.
+    """Perturb one input (problem.perturb picks it: one key/value row, one element of a row, ...):
+    the output rows that must see it change, every other row stays bitwise equal. A row is the
+    output's last dimension; the problem's mask covers all the others.
 
     A row counts as "must change" where the fp32 reference moves by more than the gate's
     tolerance, so a legitimately tiny influence is not demanded of the kernel.
@@ -141,11 +144,16 @@ def check_dependency(problem, shape, run_into, seed: int = 11) -> tuple[bool, st
     clearly = ((ref2 - ref1).abs() > atol + rtol * ref1.abs()).any(dim=-1) & may_change
     stray = int((moved & ~may_change).sum().item())
     missed = int((clearly & ~moved).sum().item())
+    what = getattr(problem, "perturbed", "input")
+    if not bool(may_change.any()):  # no output can see it on this shape (a softmax row of one element): none may move
+        if stray:
+            return False, f"{stray} rows changed though no output can see the perturbed {what}"
+        return True, f"no output can see the perturbed {what} on this shape; all rows bitwise unchanged"
     if not bool(clearly.any()):
         return False, "the perturbation moved no reference row beyond the tolerance (test is too weak)"
     if stray or missed:
-        return False, f"{stray} rows changed that cannot see the perturbed key; {missed} rows that see it did not change"
-    return True, f"{int(clearly.sum().item())} rows followed the perturbed key; all others bitwise unchanged"
+        return False, f"{stray} rows changed that cannot see the perturbed {what}; {missed} rows that see it did not change"
+    return True, f"{int(clearly.sum().item())} rows followed the perturbed {what}; all others bitwise unchanged"
 
 
 def check_determinism(problem, shape, run_into, launches: int = 100, seed: int = 12) -> tuple[bool, str]:
@@ -171,7 +179,7 @@ def verify(problem, shape, run_into, seeds=DEFAULT_SEEDS, dependency: bool = Tru
 
     Every case draws fresh inputs and fills `out` with NaN first, so an element left
     unwritten shows up as non-finite; errors are against the fp32 reference. Then, with
-    `dependency`, one key/value row is perturbed and the right rows must move.
+    `dependency`, one input is perturbed and the right rows must move (check_dependency).
     """
     atol, rtol = problem.tolerance(shape)
     max_abs = max_rel = ratio = 0.0
@@ -218,8 +226,19 @@ def evaluate_compiled(problem, shape, config, compiled: Compiled, seeds=DEFAULT_
     if why:
         return Result(status=R.PRUNED, message="; ".join(why), resources=resources,
                       compile_seconds=compiled.compile_seconds)
+    # Where a candidate's GPU-side seconds go (the search's throughput depends on it): recorded in extra.
+    clock = [time.perf_counter()]
+    phases: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = round(now - clock[0], 4)
+        clock[0] = now
+
     kernel = load_kernel(compiled, geo.dynamic_smem)
+    lap("load")
     check = verify(problem, shape, kernel_runner(problem, shape, config, kernel), seeds)
+    lap("verify")
     if not check.passed:
         if check.nonfinite:
             msg = f"{check.nonfinite} non-finite outputs (NaN poison left or computed) in {check.worst_case}"
@@ -229,27 +248,29 @@ def evaluate_compiled(problem, shape, config, compiled: Compiled, seeds=DEFAULT_
         else:
             msg = f"dependency check {check.dependency}"
         return Result(status=R.WRONG, message=msg, max_abs=check.max_abs, verification=check.as_dict(),
-                      resources=resources, compile_seconds=compiled.compile_seconds)
+                      resources=resources, compile_seconds=compiled.compile_seconds, extra={"eval_seconds": phases})
     timing = None
     if time_it:
         inputs = problem.make_inputs(shape, TIMING_SEED)
         out = problem.new_output(inputs)
         timing = time_gpu(problem.launcher(kernel, config, shape, inputs, out), reps=reps)
+        lap("time")
     return Result(status=R.OK, time_us=timing.median_us if timing else None, max_abs=check.max_abs,
                   timing=timing.as_dict() if timing else None, verification=check.as_dict(), resources=resources,
-                  compile_seconds=compiled.compile_seconds)
+                  compile_seconds=compiled.compile_seconds, extra={"eval_seconds": phases})
 
 
 def measure_baselines(problem, shape, names=None, seeds=DEFAULT_SEEDS, reps: int = DEFAULT_REPS) -> dict:
-    """Error and time of each reference implementation (SDPA backends), measured like a candidate."""
+    """Error and time of each of the problem's baselines (SDPA backends, torch.softmax), measured like a candidate."""
     import torch
 
     names = names or problem.baselines()
     report = {}
     timing_inputs = problem.make_inputs(shape, TIMING_SEED)
     for name in names:
-        if name == "math" and shape.seq_q * shape.seq_k * shape.batch * shape.heads > (1 << 28):
-            report[name] = {"available": False, "reason": "skipped: the math backend's S matrix is too large"}
+        skip = problem.baseline_skip_reason(name, shape) if hasattr(problem, "baseline_skip_reason") else None
+        if skip:
+            report[name] = {"available": False, "reason": skip}
             continue
         probe = problem.baseline_launcher(name, shape, timing_inputs)
         if probe is None:

@@ -52,6 +52,21 @@ def device_info() -> dict:
     }
 
 
+def gpu_clocks() -> dict:
+    """SM and memory clocks now and at most, and the power limit, as nvidia-smi reports them
+    (read, never set: evotune leaves the GPU's clocks alone)."""
+    fields = ("clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem", "power.limit")
+    try:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        values = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
+        return {"clocks": dict(zip(("sm", "max_sm", "mem", "max_mem", "power_limit"), values))}
+    except Exception:
+        return {"clocks": None}
+
+
 def _driver_string() -> str:
     try:
         import subprocess
@@ -65,14 +80,13 @@ def _driver_string() -> str:
 
 def _handle(job: dict) -> dict:
     from .problems import get_problem
-    from .shapes import Shape
     from .space import Config
 
     kind = job["kind"]
     if kind == "info":
         return device_info()
     problem = get_problem(job["family"])
-    shape = Shape.from_dict(job["shape"])
+    shape = problem.shape_from_dict(job["shape"])
     if kind == "evaluate":
         from .evaluate import evaluate_compiled
 
@@ -96,14 +110,34 @@ def _handle(job: dict) -> dict:
         from .evaluate import measure_baselines
 
         return measure_baselines(problem, shape, names=job.get("names"), reps=job.get("reps", 40))
+    if kind == "bench":
+        from .bench import bench_candidate
+
+        raw = bench_candidate(problem, shape, Config.from_dict(job["config"]), _compiled_from_dict(job["compiled"]),
+                              reps=job.get("reps", 100), seeds=tuple(job.get("seeds") or (1, 2, 3)),
+                              baselines=job.get("names"))
+        return {**raw, "device": {**device_info(), **gpu_clocks()}}
     raise ValueError(f"unknown job kind {kind!r}")
+
+
+def _worker_process(main, conn, device: int) -> None:
+    """A worker process's entry point: ignore SIGINT, then run `main` (normally _worker_main).
+
+    Ctrl-C in a terminal signals the whole foreground process group. The search process
+    handles it (records what finished, closes its workers); a worker that died of it instead
+    would lose the answer in flight and leave a KeyboardInterrupt traceback in the output.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    main(conn, device)
 
 
 def _worker_main(conn, device: int) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     import warnings
 
-    warnings.filterwarnings("ignore")  # SDPA's "kernel not used because" chatter
+    warnings.filterwarnings("ignore")  # baselines' chatter (SDPA's "kernel not used because")
     try:
         import cupy
         import torch
@@ -149,7 +183,8 @@ class GPUWorker:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker_main, args=(child, self.device), daemon=True)
+        # _worker_main is looked up now, not at import: the CPU tests swap in stand-ins.
+        proc = ctx.Process(target=_worker_process, args=(_worker_main, child, self.device), daemon=True)
         proc.start()
         child.close()
         if not parent.poll(STARTUP_GRACE_S):
@@ -172,6 +207,9 @@ class GPUWorker:
         if kill:
             self._proc.kill()
         self._proc.join(10)
+        if not kill and self._proc.is_alive():  # busy (a kernel that never ends) though asked to exit: kill it
+            self._proc.kill()
+            self._proc.join(10)
         if self._conn is not None:
             self._conn.close()
         self._proc, self._conn = None, None
