@@ -91,12 +91,35 @@ struct AttnTraits {
     // Rows can meet a tile in which all of their keys are masked before any unmasked one:
     // their running max stays -inf and must not turn exp2 into NaN.
     static constexpr bool kGuardEmptyRows = (kIsCausal && kKVSplits > 1) || kKeyGroups > 1;
+    // fp32 accumulator registers per thread, O and S (the search space's acc_regs).
+    static constexpr int kAccRegs = 4 * kMFrags * (kDFrags + kNFrags);
+    // Register-tight tiles: more than 160 accumulator registers, i.e. 32 rows per warp
+    // with head_dim + keys = 192 (FA2's d128 128x64 and d64 128x128 tiles). Left to
+    // itself, ptxas runs P V of the first 16-row tile under the softmax of the second and
+    // keeps the next k-steps' Q/K fragments in flight across Q K^T, then spills loop
+    // invariants and row sums (d128 128x64: 56 B; FA2's own sm80 build of that tile spills
+    // 172 B, flash-attention issue 1630). Three code-shape changes, same arithmetic, keep
+    // these tiles spill-free (d128 128x64: 254 registers, Q from shared memory):
+    //  - kLazyRescale: O is rescaled after the softmax and only when some row max of the
+    //    warp moved (otherwise alpha == 1 exactly and o * alpha == o). This genuine,
+    //    warp-uniform branch closes the softmax's basic block, so P V no longer overlaps it.
+    //  - kQKUnroll: Q K^T runs in trips of 4 k-steps, bounding the fragments in flight
+    //    (Q re-read from shared memory only: Q in registers needs every k-step unrolled).
+    //  - kPackEarly: P is packed to 16 bits as each probability is computed, not per
+    //    k-step of P V. On tiles that fit this lets ptxas overlap more and costs registers
+    //    (d64 128x32, Q in registers: 173 instead of 167, past the 168 of 3 CTAs per SM).
+    // Tiles that fit keep the fully unrolled, always-rescaling, pack-per-k-step code.
+    static constexpr bool kRegTight = kAccRegs > 160;
+    static constexpr bool kLazyRescale = kRegTight;
+    static constexpr bool kPackEarly = kRegTight;
+    static constexpr int kQKUnroll = (kRegTight && !kQInRegs) ? 4 : kQKSteps;
 
     static_assert(kComputeWarps % kKeyGroups == 0, "compute warps must split evenly into key groups");
     static_assert(kBlockM % (16 * kRowGroups) == 0, "each row group must own a whole number of 16-row mma tiles");
     static_assert(kWarpKeys % 16 == 0, "each warp's share of a K/V tile must be a multiple of 16 keys");
     static_assert(kKeyGroups == 1 || kKVSplits == 1, "key groups and KV splits are not combined");
     static_assert(kMFrags >= 1 && kMFrags <= 4, "1 to 4 mma row tiles per warp");
+    static_assert(kQKSteps % kQKUnroll == 0, "Q K^T trips must cover the head dim evenly");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "BLOCK_N must be a multiple of 16 (ldmatrix.x4 covers 16 keys)");
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
     static_assert(kStages >= 1 && kStages <= 4, "1 to 4 pipeline stages");
@@ -155,6 +178,21 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The thread and lane index (threadIdx.x, threadIdx.x % 32 in these 1-D blocks), read
+// through volatile asm: the compiler may not hoist them, or the per-thread addresses
+// computed from them, out of the K/V loop. Loop-invariant addresses are what it kept
+// live across the whole loop and then spilled first (see the loop).
+__device__ __forceinline__ int thread_id() {
+    u32 tid;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+    return static_cast<int>(tid);
+}
+__device__ __forceinline__ int lane_id() {
+    u32 lane;
+    asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+    return static_cast<int>(lane);
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -184,23 +222,61 @@ __device__ __forceinline__ int tile_offset(int row, int chunk) {
     }
 }
 
+// ldmatrix addressing. Each lane hands ldmatrix the address of one 16-byte chunk; the
+// fragments of the other mma steps are the same lane's chunk moved by whole 8-row
+// groups and by an even number of chunks. The swizzle XOR uses only (row & 7) and the
+// chunk's low 3 bits, and a lane's own chunk bit (bit 0) never meets the even step, so
+// a moved chunk is the lane's byte offset XOR-ed with a constant plus a constant: one
+// register per operand and per lane, and at most one LOP3 per ldmatrix. Computing the
+// row/chunk/XOR per fragment instead let the compiler keep every k-step's partial
+// address live across Q K^T (7 registers at the d128 peak).
+template <class T>
+__device__ __forceinline__ u32 lane_offset(int row, int chunk) {
+    return 2 * tile_offset<T>(row, chunk);
+}
+template <class T>
+__device__ __forceinline__ u32 step_offset(u32 lane_off, int rows, int chunks) {
+    // rows: a multiple of 8 (keeps row & 7); chunks: even (keeps the lane's chunk bit).
+    const u32 row_bytes = 2 * rows * T::kRowPitch;
+    if constexpr (T::kSmemLayout == kSwizzled) {
+        return (lane_off ^ ((chunks & 7) << 4)) + ((chunks & ~7) << 4) + row_bytes;
+    } else {
+        return lane_off + (chunks << 4) + row_bytes;
+    }
+}
+
 // Copy `ROWS` rows (starting at global row `row0`) of a [seq, HEAD_DIM] slab
 // into a shared tile with 16-byte cp.async; rows at or past `seq_len` are zero-filled.
+// Each thread keeps one chunk column and walks down the rows NTHREADS/kChunksPerRow at
+// a time: the global source is a pointer bumped by a constant stride and the shared
+// destination is one base plus compile-time offsets. Per-copy addresses computed from
+// (tid + i*NTHREADS) are loop-invariant in the K/V loop and the compiler kept every one
+// of them (64-bit sources included) in registers across it: one producer warp copying
+// d128 64-key tiles (32 copies per thread per tensor) spilled 852 B at its 168-register cap.
 template <class T, int ROWS, int NTHREADS>
 __device__ __forceinline__ void load_tile_async(unsigned short* tile, const unsigned short* gbase, long long row_stride,
                                                 int row0, int seq_len, int tid) {
-    constexpr int kChunks = ROWS * T::kChunksPerRow;
+    static_assert(NTHREADS % T::kChunksPerRow == 0, "loader threads must cover whole rows");
+    constexpr int kRowsPerPass = NTHREADS / T::kChunksPerRow;
+    constexpr int kPasses = (ROWS + kRowsPerPass - 1) / kRowsPerPass;
+    // The swizzle pattern (row & 7) repeats every 8 rows, so when a pass advances by a
+    // multiple of 8 rows the destination is the first pass's plus a constant.
+    constexpr bool kConstStep = T::kSmemLayout != kSwizzled || kRowsPerPass % 8 == 0;
+    const int chunk = tid % T::kChunksPerRow;
+    const int row = tid / T::kChunksPerRow;
+    const int rows_left = seq_len - row0 - row;  // pass i is in range iff i*kRowsPerPass < rows_left
+    const u32 dst = smem_addr(tile + tile_offset<T>(row, chunk));
+    const unsigned short* src = gbase + (long long)(row0 + row) * row_stride + chunk * 8;
 #pragma unroll
-    for (int i = 0; i < (kChunks + NTHREADS - 1) / NTHREADS; ++i) {
-        const int c = tid + i * NTHREADS;
-        if (kChunks % NTHREADS == 0 || c < kChunks) {
-            const int row = c / T::kChunksPerRow;
-            const int chunk = c % T::kChunksPerRow;
-            const bool valid = row0 + row < seq_len;
+    for (int i = 0; i < kPasses; ++i) {
+        if (ROWS % kRowsPerPass == 0 || row + i * kRowsPerPass < ROWS) {
+            const bool valid = i * kRowsPerPass < rows_left;
+            const u32 dst_i = kConstStep ? dst + 2 * i * kRowsPerPass * T::kRowPitch
+                                         : smem_addr(tile + tile_offset<T>(row + i * kRowsPerPass, chunk));
             // Clamp the source of a zero-filled copy to a valid address.
-            const unsigned short* src = gbase + (valid ? (long long)(row0 + row) * row_stride : 0) + chunk * 8;
-            cp_async_16(smem_addr(tile + tile_offset<T>(row, chunk)), src, valid);
+            cp_async_16(dst_i, valid ? src : gbase, valid);
         }
+        src += kRowsPerPass * row_stride;
     }
 }
 
@@ -209,56 +285,79 @@ template <class T, int NTHREADS>
 __device__ __forceinline__ void load_kv_tile(unsigned short* sK, unsigned short* sV, const unsigned short* gK,
                                              const unsigned short* gV, long long k_ss, long long v_ss, int slot, int t,
                                              int seq_k, int loader_tid) {
-    load_tile_async<T, T::kBlockN, NTHREADS>(sK + slot * T::kKVElems, gK, k_ss, t * T::kBlockN, seq_k, loader_tid);
-    load_tile_async<T, T::kBlockN, NTHREADS>(sV + slot * T::kKVElems, gV, v_ss, t * T::kBlockN, seq_k, loader_tid);
+    // Opaque to the compiler: otherwise it strength-reduces row0 * stride into 64-bit
+    // pointers stepped by BLOCK_N * stride, and those and their steps (8 registers for K
+    // and V) live across the whole K/V loop; a few integer ops per tile are cheaper.
+    int row0 = t * T::kBlockN;
+    asm volatile("" : "+r"(row0));
+    load_tile_async<T, T::kBlockN, NTHREADS>(sK + slot * T::kKVElems, gK, k_ss, row0, seq_k, loader_tid);
+    load_tile_async<T, T::kBlockN, NTHREADS>(sV + slot * T::kKVElems, gV, v_ss, row0, seq_k, loader_tid);
 }
 
 // --------------------------------------------------------- warp-level math
 
-// Q fragments (A operand, 16x16) of this warp's rows for k-step kk, via ldmatrix.x4.
+// Lane byte offsets of the three ldmatrix.x4 patterns; `row0` is a multiple of 16.
+// Q (A operand, 16x16): matrices rows 0-7 / 8-15 of chunk 0, then of chunk 1.
 template <class T>
-__device__ __forceinline__ void load_q_step(u32 (&qa)[4], const unsigned short* sQ, int row0, int kk, int lane) {
-    const int row = row0 + (lane & 15);
-    const int chunk = kk * 2 + (lane >> 4);
-    ldmatrix_x4(qa, smem_addr(sQ + tile_offset<T>(row, chunk)));
+__device__ __forceinline__ u32 q_lane_offset(int row0, int lane) {
+    return lane_offset<T>(row0 + (lane & 15), lane >> 4);
+}
+// K (B operands of two 8-key blocks): keys 0-7 chunk 0, keys 0-7 chunk 1, keys 8-15 chunk 0, 1.
+template <class T>
+__device__ __forceinline__ u32 k_lane_offset(int key0, int lane) {
+    return lane_offset<T>(key0 + (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+}
+// V (B operands of two 8-column blocks, transposed): keys 0-7 / 8-15 of chunk 0, then of chunk 1.
+template <class T>
+__device__ __forceinline__ u32 v_lane_offset(int key0, int lane) {
+    return lane_offset<T>(key0 + (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+}
+
+// Q fragments of 16-row tile mf for k-step kk (16 head-dim columns).
+template <class T>
+__device__ __forceinline__ void load_q_step(u32 (&qa)[4], u32 sQ, u32 q_lane, int mf, int kk) {
+    ldmatrix_x4(qa, sQ + step_offset<T>(q_lane, mf * 16, kk * 2));
 }
 
 template <class T>
-__device__ __forceinline__ void load_q_frags(u32 (&qf)[T::kMFrags][T::kQRegSteps][4], const unsigned short* sQ,
-                                             int warp_row0, int lane) {
+__device__ __forceinline__ void load_q_frags(u32 (&qf)[T::kMFrags][T::kQRegSteps][4], u32 sQ, u32 q_lane) {
 #pragma unroll
     for (int mf = 0; mf < T::kMFrags; ++mf)
 #pragma unroll
-        for (int kk = 0; kk < T::kQRegSteps; ++kk) load_q_step<T>(qf[mf][kk], sQ, warp_row0 + mf * 16, kk, lane);
+        for (int kk = 0; kk < T::kQRegSteps; ++kk) load_q_step<T>(qf[mf][kk], sQ, q_lane, mf, kk);
 }
 
 // S = Q K^T for one K tile: each ldmatrix.x4 gives the B fragments of two 8-key blocks.
 template <class T>
 __device__ __forceinline__ void qk_tile(float (&s)[T::kMFrags][T::kNFrags][4], u32 (&qf)[T::kMFrags][T::kQRegSteps][4],
-                                        const unsigned short* sQ, int warp_row0, const unsigned short* sK, int lane) {
+                                        u32 sQ, u32 q_lane, u32 sK, u32 k_lane) {
 #pragma unroll
     for (int mf = 0; mf < T::kMFrags; ++mf)
 #pragma unroll
         for (int nf = 0; nf < T::kNFrags; ++nf)
 #pragma unroll
             for (int i = 0; i < 4; ++i) s[mf][nf][i] = 0.f;
+    // One trip unless register-tight (T::kQKUnroll); k0 is a multiple of kQKUnroll, so
+    // the swizzle XOR of every unrolled step stays a compile-time constant.
+#pragma unroll 1
+    for (int k0 = 0; k0 < T::kQKSteps; k0 += T::kQKUnroll) {
 #pragma unroll
-    for (int kk = 0; kk < T::kQKSteps; ++kk) {
-        if constexpr (!T::kQInRegs) {
+        for (int j = 0; j < T::kQKUnroll; ++j) {
+            const int kk = k0 + j;
+            if constexpr (!T::kQInRegs) {
 #pragma unroll
-            for (int mf = 0; mf < T::kMFrags; ++mf) load_q_step<T>(qf[mf][0], sQ, warp_row0 + mf * 16, kk, lane);
-        }
-        const int qs = T::kQInRegs ? kk : 0;
+                for (int mf = 0; mf < T::kMFrags; ++mf) load_q_step<T>(qf[mf][0], sQ, q_lane, mf, kk);
+            }
+            const int qs = T::kQInRegs ? kk : 0;
 #pragma unroll
-        for (int np = 0; np < T::kNFrags / 2; ++np) {
-            u32 b[4];
-            const int key = np * 16 + (lane & 7) + ((lane >> 4) << 3);
-            const int chunk = kk * 2 + ((lane >> 3) & 1);
-            ldmatrix_x4(b, smem_addr(sK + tile_offset<T>(key, chunk)));
+            for (int np = 0; np < T::kNFrags / 2; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, sK + step_offset<T>(k_lane, np * 16, kk * 2));
 #pragma unroll
-            for (int mf = 0; mf < T::kMFrags; ++mf) {
-                mma_16816<T::kIsBf16>(s[mf][2 * np], qf[mf][qs], b[0], b[1]);
-                mma_16816<T::kIsBf16>(s[mf][2 * np + 1], qf[mf][qs], b[2], b[3]);
+                for (int mf = 0; mf < T::kMFrags; ++mf) {
+                    mma_16816<T::kIsBf16>(s[mf][2 * np], qf[mf][qs], b[0], b[1]);
+                    mma_16816<T::kIsBf16>(s[mf][2 * np + 1], qf[mf][qs], b[2], b[3]);
+                }
             }
         }
     }
@@ -282,12 +381,18 @@ __device__ __forceinline__ void mask_tile(float (&s)[T::kMFrags][T::kNFrags][4],
             }
 }
 
-// Online softmax on one tile of scores: update running max m and partial
-// sums l (per thread, reduced across the quad only at the end), rescale O,
-// and overwrite s with P = exp2(s*scale_log2 - m*scale_log2).
+// Online softmax on one tile of scores: update running max m and partial sums l
+// (per thread, reduced across the quad only at the end), rescale O by
+// alpha = exp2((m_old - m_new) * scale_log2) (register-tight tiles return alpha to
+// rescale_o_lazy instead), and turn the scores into P = exp2(s*scale_log2 - m*scale_log2):
+// in place in s, or, on register-tight tiles, straight into the packed A operands of
+// P V (FA2's convert_type), so the fp32 P needs no register beyond the pack and the
+// row sum. Either way the row sum adds the unrounded fp32 values in the same order.
 template <class T>
 __device__ __forceinline__ void online_softmax(float (&s)[T::kMFrags][T::kNFrags][4], float (&o)[T::kMFrags][T::kDFrags][4],
-                                               float (&m)[T::kMFrags][2], float (&l)[T::kMFrags][2], float scale_log2) {
+                                               float (&m)[T::kMFrags][2], float (&l)[T::kMFrags][2],
+                                               float (&alpha)[T::kMFrags][2], u32 (&pa)[T::kMFrags][T::kPVSteps][4],
+                                               float scale_log2) {
 #pragma unroll
     for (int mf = 0; mf < T::kMFrags; ++mf)
 #pragma unroll
@@ -303,45 +408,77 @@ __device__ __forceinline__ void online_softmax(float (&s)[T::kMFrags][T::kNFrags
             // is compiled only where needed (T::kGuardEmptyRows).
             float m_scaled = mx * scale_log2;
             if constexpr (T::kGuardEmptyRows) m_scaled = mx == neg_inf() ? 0.f : m_scaled;
-            const float alpha = fast_exp2(m[mf][r] * scale_log2 - m_scaled);  // 0 on the first tile (m = -inf)
+            alpha[mf][r] = fast_exp2(m[mf][r] * scale_log2 - m_scaled);  // 0 on the first tile (m = -inf)
             m[mf][r] = mx;
             float row_sum = 0.f;
 #pragma unroll
             for (int nf = 0; nf < T::kNFrags; ++nf) {
-                s[mf][nf][2 * r] = fast_exp2(fmaf(s[mf][nf][2 * r], scale_log2, -m_scaled));
-                s[mf][nf][2 * r + 1] = fast_exp2(fmaf(s[mf][nf][2 * r + 1], scale_log2, -m_scaled));
-                row_sum += s[mf][nf][2 * r] + s[mf][nf][2 * r + 1];
+                const float p0 = fast_exp2(fmaf(s[mf][nf][2 * r], scale_log2, -m_scaled));
+                const float p1 = fast_exp2(fmaf(s[mf][nf][2 * r + 1], scale_log2, -m_scaled));
+                row_sum += p0 + p1;
+                if constexpr (T::kPackEarly) {
+                    // Row r of 8-key block nf: A-operand register r of k-step nf/2, +2 for the odd block.
+                    pa[mf][nf / 2][(nf & 1) * 2 + r] = pack2<T::kIsBf16>(p0, p1);
+                } else {
+                    s[mf][nf][2 * r] = p0;
+                    s[mf][nf][2 * r + 1] = p1;
+                }
             }
-            l[mf][r] = l[mf][r] * alpha + row_sum;
+            l[mf][r] = l[mf][r] * alpha[mf][r] + row_sum;
+            if constexpr (!T::kLazyRescale) {
 #pragma unroll
-            for (int df = 0; df < T::kDFrags; ++df) {
-                o[mf][df][2 * r] *= alpha;
-                o[mf][df][2 * r + 1] *= alpha;
+                for (int df = 0; df < T::kDFrags; ++df) {
+                    o[mf][df][2 * r] *= alpha[mf][r];
+                    o[mf][df][2 * r + 1] *= alpha[mf][r];
+                }
             }
         }
 }
 
-// O += P V: P's accumulator layout of two adjacent 8-key blocks is exactly the
-// A-operand layout of one 16-key k-step, so P never leaves registers.
+// Register-tight tiles: O *= alpha after the softmax, skipped when no row max of the
+// warp moved: alpha is then exactly 1 (ex2 of 0) for every row and each product would
+// be o itself. The warp-uniform branch also closes the softmax's basic block, which
+// keeps ptxas from overlapping P V with it (see AttnTraits::kRegTight).
+template <class T>
+__device__ __forceinline__ void rescale_o_lazy(float (&o)[T::kMFrags][T::kDFrags][4], const float (&alpha)[T::kMFrags][2]) {
+    bool moved = false;
+#pragma unroll
+    for (int mf = 0; mf < T::kMFrags; ++mf) moved = moved || alpha[mf][0] != 1.f || alpha[mf][1] != 1.f;
+    if (!__any_sync(0xffffffffu, moved)) return;
+#pragma unroll
+    for (int mf = 0; mf < T::kMFrags; ++mf)
+#pragma unroll
+        for (int df = 0; df < T::kDFrags; ++df)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[mf][df][i] *= alpha[mf][i >> 1];
+}
+
+// O += P V, with V's B fragments from ldmatrix.trans. P's accumulator layout of two
+// adjacent 8-key blocks is exactly the A-operand layout of one 16-key k-step, so P
+// never leaves registers: packed here per k-step from p, or already packed in pa
+// (T::kPackEarly; p is then unused).
 template <class T>
 __device__ __forceinline__ void pv_tile(float (&o)[T::kMFrags][T::kDFrags][4], const float (&p)[T::kMFrags][T::kNFrags][4],
-                                        const unsigned short* sV, int lane) {
+                                        const u32 (&pa)[T::kMFrags][T::kPVSteps][4], u32 sV, u32 v_lane) {
 #pragma unroll
     for (int kk = 0; kk < T::kPVSteps; ++kk) {
         u32 a[T::kMFrags][4];
 #pragma unroll
         for (int mf = 0; mf < T::kMFrags; ++mf) {
-            a[mf][0] = pack2<T::kIsBf16>(p[mf][2 * kk][0], p[mf][2 * kk][1]);
-            a[mf][1] = pack2<T::kIsBf16>(p[mf][2 * kk][2], p[mf][2 * kk][3]);
-            a[mf][2] = pack2<T::kIsBf16>(p[mf][2 * kk + 1][0], p[mf][2 * kk + 1][1]);
-            a[mf][3] = pack2<T::kIsBf16>(p[mf][2 * kk + 1][2], p[mf][2 * kk + 1][3]);
+            if constexpr (T::kPackEarly) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) a[mf][i] = pa[mf][kk][i];
+            } else {
+                a[mf][0] = pack2<T::kIsBf16>(p[mf][2 * kk][0], p[mf][2 * kk][1]);
+                a[mf][1] = pack2<T::kIsBf16>(p[mf][2 * kk][2], p[mf][2 * kk][3]);
+                a[mf][2] = pack2<T::kIsBf16>(p[mf][2 * kk + 1][0], p[mf][2 * kk + 1][1]);
+                a[mf][3] = pack2<T::kIsBf16>(p[mf][2 * kk + 1][2], p[mf][2 * kk + 1][3]);
+            }
         }
 #pragma unroll
         for (int dp = 0; dp < T::kDFrags / 2; ++dp) {
             u32 b[4];
-            const int key = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-            const int chunk = dp * 2 + (lane >> 4);
-            ldmatrix_x4_trans(b, smem_addr(sV + tile_offset<T>(key, chunk)));
+            ldmatrix_x4_trans(b, sV + step_offset<T>(v_lane, kk * 16, dp * 2));
 #pragma unroll
             for (int mf = 0; mf < T::kMFrags; ++mf) {
                 mma_16816<T::kIsBf16>(o[mf][2 * dp], a[mf], b[0], b[1]);
@@ -587,7 +724,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
                     // Slot of `next` last held step i-1: wait until the consumers released it.
                     if (i >= 1) named_bar_sync(1 + T::kStages + (i - 1) % T::kStages, T::kThreads);
                     load_kv_tile<T, T::kProducerThreads>(sK, sV, gK, gV, k_ss, v_ss, next % T::kStages, t_begin + next,
-                                                         seq_k, ptid);
+                                                         seq_k, thread_id() - T::kComputeThreads);
                 }
                 cp_async_commit();  // empty groups keep the wait count uniform
                 cp_async_wait<T::kStages - 1>();
@@ -609,6 +746,8 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     const int key_group = warp % T::kKeyGroups;
     const int warp_row0 = (warp / T::kKeyGroups) * T::kRowsPerWarp;
     const int warp_key0 = key_group * T::kWarpKeys;  // this warp's keys within each tile
+    const u32 sQ_addr = smem_addr(sQ);
+    const u32 sK_addr = smem_addr(sK);  // V slots follow the STAGES K slots
     u32 qf[T::kMFrags][T::kQRegSteps][4];
     float o_acc[T::kMFrags][T::kDFrags][4];
     float s_acc[T::kMFrags][T::kNFrags][4];
@@ -631,7 +770,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         } else if constexpr (T::kStages == 1) {
             // One slot: everyone must be done with step i-1 before it is overwritten.
             if (i > 0) __syncthreads();
-            load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, 0, t_begin + i, seq_k, tid);
+            load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, 0, t_begin + i, seq_k, thread_id());
             cp_async_commit();
             cp_async_wait<0>();
             __syncthreads();
@@ -642,20 +781,33 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
             __syncthreads();
             const int next = i + T::kStages - 1;
             if (next < n_tiles)
-                load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, next % T::kStages, t_begin + next, seq_k, tid);
+                load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, next % T::kStages, t_begin + next, seq_k,
+                                                    thread_id());
             cp_async_commit();
         }
-        if (T::kQInRegs && i == 0) load_q_frags<T>(qf, sQ, warp_row0, lane);
+        // This lane's ldmatrix offsets, from a lane id re-read every tile (as the loaders
+        // re-read the thread id above): a few integer ops per tile instead of registers held
+        // across the loop. Held, they (up to ten XOR variants of them) and the loader offsets
+        // were what ptxas spilled when it squeezed a tile to the next occupancy step, e.g.
+        // mission 32x128 key groups: 128 registers and 8 B of spill; re-read: 128 and none.
+        // Key groups read their keys of a tile through these offsets: warp_key0 is a
+        // multiple of 16, so the swizzle (row & 7) is unchanged.
+        const int lane_t = lane_id();
+        const u32 q_lane = q_lane_offset<T>(warp_row0, lane_t);
+        const u32 k_lane = k_lane_offset<T>(warp_key0, lane_t);
+        const u32 v_lane = v_lane_offset<T>(warp_key0, lane_t);
+        if (T::kQInRegs && i == 0) load_q_frags<T>(qf, sQ_addr, q_lane);
 
-        // Key groups read their rows of the tile through an offset base: warp_key0 is a
-        // multiple of 16, so the swizzle (row & 7) is the same relative to either base.
         const int kv0 = (t_begin + i) * T::kBlockN + warp_key0;
-        qk_tile<T>(s_acc, qf, sQ, warp_row0, sK + slot * T::kKVElems + warp_key0 * T::kRowPitch, lane);
+        qk_tile<T>(s_acc, qf, sQ_addr, q_lane, sK_addr + slot * (2 * T::kKVElems), k_lane);
         bool need_mask = kv0 + T::kWarpKeys > seq_k;
         if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kWarpKeys - 1 > q_row0 + warp_row0;
         if (need_mask) mask_tile<T>(s_acc, q_row0 + warp_row0, kv0, seq_k, lane);
-        online_softmax<T>(s_acc, o_acc, m_run, l_run, scale_log2);
-        pv_tile<T>(o_acc, s_acc, sV + slot * T::kKVElems + warp_key0 * T::kRowPitch, lane);
+        u32 p_a[T::kMFrags][T::kPVSteps][4];
+        float alpha[T::kMFrags][2];
+        online_softmax<T>(s_acc, o_acc, m_run, l_run, alpha, p_a, scale_log2);
+        if constexpr (T::kLazyRescale) rescale_o_lazy<T>(o_acc, alpha);
+        pv_tile<T>(o_acc, s_acc, p_a, sK_addr + (T::kStages + slot) * (2 * T::kKVElems), v_lane);
 
         if constexpr (T::kHasProducers) {
             if (i + T::kStages < n_tiles) named_bar_arrive(1 + T::kStages + slot, T::kThreads);
