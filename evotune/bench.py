@@ -32,10 +32,9 @@ def _torch_dtype(name: str):
 
 def ceilings(dtype: str = "fp16", reps: int = 20) -> dict:
     """Measured roofs of this GPU (runs on the GPU): copy bandwidth, matmul tensor rate, empty-kernel time."""
-    import cupy
     import torch
 
-    from .compile import compile_source, load_kernel
+    from .compile import compile_source, load_kernel, torch_stream_launcher
 
     out: dict = {}
     src = torch.randn(COPY_BYTES // 2, dtype=torch.float16, device="cuda")
@@ -53,23 +52,17 @@ def ceilings(dtype: str = "fp16", reps: int = 20) -> dict:
     del a, b, c
 
     kernel = load_kernel(compile_source(EMPTY_KERNEL, "evotune_empty_kernel"))
-    streams: dict = {}
-
-    def launch_empty():
-        handle = torch.cuda.current_stream().cuda_stream
-        if handle not in streams:
-            streams[handle] = cupy.cuda.ExternalStream(handle)
-        kernel((1, 1, 1), (32, 1, 1), (), stream=streams[handle])
-
+    launch_empty = torch_stream_launcher(kernel, (1, 1, 1), (32, 1, 1), ())
     t = time_gpu(launch_empty, reps=reps)
     out["empty_kernel"] = {"time_us": t.median_us, "timing": t.as_dict()}
     return out
 
 
-def _flops_and_bytes(problem, shape) -> tuple[float | None, float | None]:
-    flops = problem.flops(shape) if hasattr(problem, "flops") else getattr(shape, "flops", lambda: None)()
-    nbytes = problem.min_bytes(shape) if hasattr(problem, "min_bytes") else getattr(shape, "min_bytes", lambda: None)()
-    return flops, nbytes
+def flops_and_bytes(shape) -> tuple[float | None, float | None]:
+    """The shape's FLOPs and compulsory bytes, where its family defines them (None otherwise)."""
+    flops = getattr(shape, "flops", None)
+    nbytes = getattr(shape, "min_bytes", None)
+    return (flops() if flops else None), (nbytes() if nbytes else None)
 
 
 def floor_analysis(flops: float | None, nbytes: float | None, ceil: dict) -> dict:

@@ -700,16 +700,17 @@ def bench(
     config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
     shape: Optional[str] = typer.Option(None, "--shape", help="Shape to bench on (default: the run's)."),
     space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    family: Optional[str] = typer.Option(None, "--family", help=_FAMILY_HELP + " A run's is its own."),
     reps: int = typer.Option(100, "--reps", min=5, help="Timed CUDA-graph replays per kernel (median, p10, p90)."),
     baselines: Optional[str] = typer.Option(None, "--baselines", help="Comma list of baselines (default: all of the family's)."),
     out: Optional[str] = typer.Option(None, "--out", help="Also write the full JSON record to this file."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """The tuned kernel beside every SDPA backend on one shape: same inputs, same gate, same timing."""
-    from .bench import _flops_and_bytes, header, summarize
+    from .bench import flops_and_bytes, header, summarize
     from .workers import GPUWorker, compiled_to_dict
 
-    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space)
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family)
     names = [n.strip() for n in baselines.split(",") if n.strip()] if baselines else None
     if names:
         unknown = sorted(set(names) - set(problem.baselines()))
@@ -723,7 +724,7 @@ def bench(
         raw = worker.call({"kind": "bench", "family": problem.family, "shape": shp.as_dict(), "config": cfg.as_dict(),
                            "compiled": compiled_to_dict(compiled), "reps": reps, "seeds": list(REPLAY_SEEDS),
                            "names": names})
-    flops, nbytes = _flops_and_bytes(problem, shp)
+    flops, nbytes = flops_and_bytes(shp)
     summary = summarize(raw, flops, nbytes)
     from .runs import base_meta
 

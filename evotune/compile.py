@@ -245,3 +245,28 @@ def load_kernel(compiled: Compiled, dynamic_smem: int = 0):
         # (seen on the H100: CUDA_ERROR_INVALID_VALUE). Opting in is harmless below the cap.
         kernel.max_dynamic_shared_size_bytes = dynamic_smem
     return kernel
+
+
+def torch_stream_launcher(kernel, grid, block, args: tuple, shared_mem: int = 0, keep=()):
+    """A zero-argument callable that launches `kernel` on torch's current stream.
+
+    The CuPy view of each torch stream is made once per handle: graph capture runs on a
+    side stream, so the handle can change between calls. `keep` (e.g. a workspace the
+    arguments point into) lives as long as the callable, as its first default argument.
+    """
+    import warnings
+
+    import cupy
+    import torch
+
+    streams = {}
+
+    def launch(_keep=keep):
+        handle = torch.cuda.current_stream().cuda_stream
+        if handle not in streams:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 prefers Stream.from_external
+                streams[handle] = cupy.cuda.ExternalStream(handle)
+        kernel(grid, block, args, shared_mem=shared_mem, stream=streams[handle])
+
+    return launch

@@ -5,8 +5,12 @@ The `gpu` and `slow` markers are registered in pyproject.toml.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+from evotune import cli
 from evotune.problems import get_problem
 from evotune.shapes import parse_shape
 from evotune.space import load_builtin
@@ -96,3 +100,31 @@ def postgres_url():
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture
+def runs_root(tmp_path, monkeypatch):
+    """EVOTUNE_RUNS points at a temporary folder for the test (spawned processes inherit it)."""
+    root = tmp_path / "runs"
+    monkeypatch.setenv("EVOTUNE_RUNS", str(root))
+    return root
+
+
+@pytest.fixture
+def main_in_process(runs_root, monkeypatch, capsys):
+    """Run `evotune.cli.main()` (what the console script calls) in this process: (exit code, stdout, stderr).
+
+    Quicker than a subprocess, for the error paths beyond the ones checked through the real script."""
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        monkeypatch.setattr(sys, "argv", ["evotune", *args])
+        capsys.readouterr()
+        try:
+            cli.main()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["evotune", *args], code, out, err)
+
+    return run

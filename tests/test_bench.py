@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -57,29 +56,17 @@ def test_summary_of_a_failed_kernel_has_no_speedups():
     assert s["ours_over_best_baseline"] is None
 
 
-def _main(monkeypatch, capsys, *args):
-    """Run the console entry point in this process: (exit code, stderr)."""
-    from evotune import cli as cli_module
-
-    monkeypatch.setattr(sys, "argv", ["evotune", *args])
-    capsys.readouterr()
-    try:
-        cli_module.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
-
-
-def test_bench_unknown_baseline_is_a_usage_error(monkeypatch, capsys):
-    code, err = _main(monkeypatch, capsys, "bench", "--config", "{}", "--shape", "mission", "--baselines", "flash,nope")
+def test_bench_unknown_baseline_is_a_usage_error(main_in_process):
+    proc = main_in_process("bench", "--config", "{}", "--shape", "mission", "--baselines", "flash,nope")
+    code, err = proc.returncode, proc.stderr
     assert code == 2
     assert "unknown baseline(s) nope" in err and len(err.strip().splitlines()) == 1
 
 
-def test_bench_out_into_a_missing_folder_is_a_usage_error(monkeypatch, capsys, tmp_path):
-    code, err = _main(monkeypatch, capsys, "bench", "--config", "{}", "--shape", "mission",
-                      "--out", str(tmp_path / "no" / "x.json"))
+def test_bench_out_into_a_missing_folder_is_a_usage_error(main_in_process, tmp_path):
+    proc = main_in_process("bench", "--config", "{}", "--shape", "mission",
+                           "--out", str(tmp_path / "no" / "x.json"))
+    code, err = proc.returncode, proc.stderr
     assert code == 2
     assert "does not exist" in err
 

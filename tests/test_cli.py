@@ -24,13 +24,6 @@ MEASURED_US = 23.456
 
 
 @pytest.fixture
-def runs_root(tmp_path, monkeypatch):
-    root = tmp_path / "runs"
-    monkeypatch.setenv("EVOTUNE_RUNS", str(root))
-    return root
-
-
-@pytest.fixture
 def cli(runs_root, cache_dir, tmp_path):
     """Run `python -m evotune ARGS` with EVOTUNE_RUNS and EVOTUNE_CACHE pointing at temporary folders."""
     env = {**os.environ, "EVOTUNE_RUNS": str(runs_root), "EVOTUNE_CACHE": str(cache_dir), "COLUMNS": "80"}
@@ -39,26 +32,6 @@ def cli(runs_root, cache_dir, tmp_path):
     def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "evotune", *args], capture_output=True, text=True, env=env,
                               cwd=tmp_path, timeout=timeout)
-
-    return run
-
-
-@pytest.fixture
-def main_in_process(runs_root, monkeypatch, capsys):
-    """Run `evotune.cli.main()` (what the console script calls) in this process: (exit code, stdout, stderr).
-
-    Quicker than a subprocess, for the error paths beyond the ones checked through the real script."""
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        monkeypatch.setattr(sys, "argv", ["evotune", *args])
-        capsys.readouterr()
-        try:
-            cli_module.main()
-            code = 0
-        except SystemExit as e:
-            code = e.code
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["evotune", *args], code, out, err)
 
     return run
 

@@ -54,12 +54,8 @@ def fault_space():
     return load_space(FAULT_SPACE)
 
 
-@pytest.fixture(autouse=True)
-def runs_root(tmp_path, monkeypatch):
-    root = tmp_path / "runs"
-    monkeypatch.setenv("EVOTUNE_RUNS", str(root))
-    return root
-
+# Every test here writes runs into a temporary EVOTUNE_RUNS (conftest.runs_root).
+pytestmark = pytest.mark.usefixtures("runs_root")
 
 def base_of(config) -> dict:
     """The healthy twin of a config: its knobs without `fault`."""

@@ -13,13 +13,6 @@ from evotune.errors import EvotuneError, UsageError
 from evotune.runs import Run, best_record, ok_records, pareto_front
 
 
-@pytest.fixture
-def runs_root(tmp_path, monkeypatch):
-    root = tmp_path / "runs"
-    monkeypatch.setenv("EVOTUNE_RUNS", str(root))
-    return root
-
-
 def rec(number, status="ok", time_us=None, max_abs=None, **extra) -> dict:
     """A hand-made trial record; OK ones get a time and an error."""
     result = {"status": status, "message": "", "time_us": time_us, "max_abs": max_abs}

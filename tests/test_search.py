@@ -85,12 +85,8 @@ def tiny(tmp_path_factory):
     return load_space(path)
 
 
-@pytest.fixture(autouse=True)
-def runs_root(tmp_path, monkeypatch):
-    root = tmp_path / "runs"
-    monkeypatch.setenv("EVOTUNE_RUNS", str(root))
-    return root
-
+# Every test here writes runs into a temporary EVOTUNE_RUNS (conftest.runs_root).
+pytestmark = pytest.mark.usefixtures("runs_root")
 
 def fake_time(config: Config, registers: int) -> float:
     """A deterministic stand-in for the measured time of a config."""

@@ -38,12 +38,8 @@ def space_path(tmp_path):
     return path
 
 
-@pytest.fixture(autouse=True)
-def runs_root(tmp_path, monkeypatch):
-    root = tmp_path / "runs"
-    monkeypatch.setenv("EVOTUNE_RUNS", str(root))  # the spawned agents inherit it
-    return root
-
+# Every test here writes runs into a temporary EVOTUNE_RUNS (conftest.runs_root).
+pytestmark = pytest.mark.usefixtures("runs_root")
 
 def new_run(name: str, mission, storage: str | None = None) -> Run:
     meta = {"shape_spec": mission.spec}

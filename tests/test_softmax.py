@@ -42,13 +42,6 @@ def sspace():
     return load_builtin("softmax")
 
 
-@pytest.fixture
-def runs_root(tmp_path, monkeypatch):
-    root = tmp_path / "runs"
-    monkeypatch.setenv("EVOTUNE_RUNS", str(root))
-    return root
-
-
 def without_banner(code: str) -> str:
     return "\n".join(line for line in code.splitlines() if not line.startswith(BANNER))
 

@@ -44,10 +44,8 @@ def small(tmp_path_factory):
     return load_space(path)
 
 
-@pytest.fixture(autouse=True)
-def runs_root(tmp_path, monkeypatch):
-    monkeypatch.setenv("EVOTUNE_RUNS", str(tmp_path / "runs"))
-
+# Every test here writes runs into a temporary EVOTUNE_RUNS (conftest.runs_root).
+pytestmark = pytest.mark.usefixtures("runs_root")
 
 def exhaustive(problem, space, shape, run, evaluator, trials, lookahead=0):
     options = SearchOptions(trials=trials, sampler="exhaustive", compile_workers=2, lookahead=lookahead)

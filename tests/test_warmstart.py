@@ -20,10 +20,8 @@ from evotune.warmstart import admitted, configs_from, pick_runs, similar
 from test_strategies import MemoryRun, fake_compiler, model_evaluate
 
 
-@pytest.fixture(autouse=True)
-def runs_root(tmp_path, monkeypatch):
-    monkeypatch.setenv("EVOTUNE_RUNS", str(tmp_path / "runs"))
-
+# Every test here writes runs into a temporary EVOTUNE_RUNS (conftest.runs_root).
+pytestmark = pytest.mark.usefixtures("runs_root")
 
 @pytest.fixture(scope="module")
 def attention_small():

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from evotune.cli import _cfg_short as cfg_short  # noqa: E402  (the CLI's own config abbreviation)
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -52,7 +56,7 @@ def render(records: list[dict]) -> str:
 
         src = r.get("source") or {}
         origin = f"{src.get('run') or 'latest'} #{src.get('trial')}" if "run" in src else "--config"
-        lines.append(f"| {r['shape']} | {_cfg(r['config'])} ({origin}) | {t('evotune')} | {t('flash')} | {t('cudnn')} | "
+        lines.append(f"| {r['shape']} | {cfg_short(r['config'])} ({origin}) | {t('evotune')} | {t('flash')} | {t('cudnn')} | "
                      f"{t('efficient')} | {t('math')} | {_f(ours['tflop_s'], '.1f')} | {sp('flash')} | {sp('cudnn')} | "
                      f"{_f(r.get('ours_over_best_baseline'), '.2f')} |")
     lines += ["", "Floors, from ceilings measured in the same process (device copy bandwidth, a "
@@ -75,16 +79,6 @@ def render(records: list[dict]) -> str:
     lines += [r["command"] for r in records]
     lines += ["```", ""]
     return "\n".join(lines)
-
-
-def _cfg(c: dict) -> str:
-    short = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
-             "smem_layout": "", "q_in_regs": "qreg", "kv_splits": "split", "warp_key_groups": "kg"}
-    parts = []
-    for k, v in c.items():
-        tag = short.get(k, k)
-        parts.append(f"{tag}{v}" if tag else str(v))
-    return " ".join(parts)
 
 
 def main() -> None:

@@ -7,7 +7,6 @@ geometry. GPU side (torch + CuPy): inputs, the launch, the fp32 reference, and S
 from __future__ import annotations
 
 import math
-import warnings
 
 from ..errors import UsageError
 from ..shapes import PRESETS, Shape, parse_shape
@@ -258,9 +257,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def launcher(self, kernel, config, shape: Shape, inputs: dict, out):
         """A zero-argument callable that launches the kernel on torch's current stream."""
-        import cupy
         import numpy as np
         import torch
+
+        from ..compile import torch_stream_launcher
 
         geo = self.geometry(config, shape)
         for name, t in (("q", inputs["q"]), ("k", inputs["k"]), ("v", inputs["v"]), ("o", out)):
@@ -271,24 +271,13 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
             args += [np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))]
         args += [np.int32(shape.seq_q), np.int32(shape.seq_k), np.float32(inputs["scale"] * math.log2(math.e))]
         n_o, n_lse, n_count = self.workspace_elems(config, shape)
-        # Kept alive by the closure below; counters start at zero and the kernel re-zeroes them.
+        # Counters start at zero and the kernel re-zeroes them.
         workspace = (torch.empty(n_o, dtype=torch.float32, device=out.device),
                      torch.empty(n_lse, dtype=torch.float32, device=out.device),
                      torch.zeros(n_count, dtype=torch.int32, device=out.device)) if n_count else ()
         args += [np.uint64(t.data_ptr()) for t in workspace] if workspace else [np.uint64(0)] * 3
-        args = tuple(args)
-
-        streams = {}  # torch stream handle -> CuPy view of it, made once (graph capture uses a side stream)
-
-        def launch(_keep=workspace):
-            handle = torch.cuda.current_stream().cuda_stream
-            if handle not in streams:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 prefers Stream.from_external
-                    streams[handle] = cupy.cuda.ExternalStream(handle)
-            kernel(geo.grid, geo.block, args, shared_mem=geo.dynamic_smem, stream=streams[handle])
-
-        return launch
+        # The workspace is kept alive by the launcher (its first default argument).
+        return torch_stream_launcher(kernel, geo.grid, geo.block, tuple(args), geo.dynamic_smem, keep=workspace)
 
     def reference(self, shape: Shape, inputs: dict):
         """softmax(scale·QKᵀ + mask)·V in fp32 (no TF32), one (batch, head-chunk) at a time to bound memory."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from dataclasses import dataclass
 
 from ..errors import UsageError
@@ -269,9 +268,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 
     def launcher(self, kernel, config, shape: SoftmaxShape, inputs: dict, out):
         """A zero-argument callable that launches the kernel on torch's current stream."""
-        import cupy
         import numpy as np
-        import torch
+
+        from ..compile import torch_stream_launcher
 
         x = inputs["x"]
         geo = self.geometry(config, shape)
@@ -282,17 +281,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
             raise UsageError("softmax: x and y must have the same row stride")
         args = (np.uint64(x.data_ptr()), np.uint64(out.data_ptr()), np.int32(shape.rows), np.int32(shape.cols),
                 np.int64(x.stride(0)))
-        streams = {}  # torch stream handle -> CuPy view of it, made once (graph capture uses a side stream)
-
-        def launch():
-            handle = torch.cuda.current_stream().cuda_stream
-            if handle not in streams:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 prefers Stream.from_external
-                    streams[handle] = cupy.cuda.ExternalStream(handle)
-            kernel(geo.grid, geo.block, args, shared_mem=geo.dynamic_smem, stream=streams[handle])
-
-        return launch
+        return torch_stream_launcher(kernel, geo.grid, geo.block, args, geo.dynamic_smem)
 
     def reference(self, shape: SoftmaxShape, inputs: dict):
         """softmax over the last dim in fp32."""
