@@ -29,7 +29,7 @@ def export_source(problem, shape, config, record: dict | None = None, meta: dict
         f"shape        {shape.spec}  ({problem.describe_shape(shape)})",
         f"config       {json.dumps(config.as_dict(), sort_keys=True)}",
         f"entry        {src.entry}",
-        f"signature    {problem.signature()}",
+        f"signature    {problem.signature(config)}",
         f"grid         {geo.grid}   block {geo.block}   dynamic shared memory {geo.dynamic_smem} B"
         + ("  (above 48 KB: set cudaFuncAttributeMaxDynamicSharedMemorySize first)" if geo.dynamic_smem > 48 * 1024 else ""),
         *problem.launch_notes(config, shape),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +35,28 @@ class KernelSource:
         return hashlib.sha256(self.code.encode()).hexdigest()[:16]
 
 
-def read_template(filename: str) -> tuple[Path, str]:
+# A local header: `#include "name"` on a line of its own, resolved in the kernels folder.
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
+
+
+def read_template(filename: str, _seen: tuple[str, ...] = ()) -> tuple[Path, str]:
+    """The template text with its local `#include "..."` headers inlined (recursively), so the
+    source NVRTC compiles, the cache key and an exported .cu are one self-contained text."""
     path = kernels_dir() / filename
+    if filename in _seen:
+        raise UsageError(f"{path}: #include cycle through {' -> '.join(_seen + (filename,))}")
     try:
-        return path, path.read_text()
+        text = path.read_text()
     except FileNotFoundError:
-        raise UsageError(f"{path}: kernel template not found") from None
+        where = f" (included from {_seen[-1]})" if _seen else ""
+        raise UsageError(f"{path}: kernel template not found{where}") from None
+
+    def inline(match: re.Match) -> str:
+        name = match.group(1)
+        _, body = read_template(name, _seen + (filename,))
+        return f"// ---- begin {name}\n{body.rstrip()}\n// ---- end {name}"
+
+    return path, _LOCAL_INCLUDE.sub(inline, text)
 
 
 def instantiate(problem, config, shape) -> KernelSource:

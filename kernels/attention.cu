@@ -40,6 +40,7 @@
 namespace evotune {
 
 typedef unsigned int u32;
+typedef unsigned long long u64;
 
 // -inf without <math.h>'s INFINITY, which NVRTC does not provide.
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -846,5 +847,8 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         combine_partials<T>(wo, wlse, gO, o_ss, q_row0, seq_q, tid);
     }
 }
+
+// The Hopper variant (mma = wgmma): sm_90a only, instantiated only by configs that ask for it.
+#include "attention_hopper.cuh"
 
 }  // namespace evotune

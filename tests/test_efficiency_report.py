@@ -125,14 +125,27 @@ def test_incomplete_exhaustive_run_is_refused(exhaustive_run, tmp_path):
 
 
 def test_attention_small_is_a_subset_of_attention(attention, mission):
-    """search_spaces/attention-small.yaml keeps attention.yaml's derived values and constraints, takes a subset of
-    each knob's values, and admits the 456 configs its header and the README promise on the mission shape."""
+    """search_spaces/attention-small.yaml is a slice of attention.yaml: each knob's values a subset, the knobs it
+    omits at their defaults (mma = sync), and on every one of its configs the same derived values and the same
+    admit/reject decision as the full space, on the mission shape and a causal d128 bf16 one; it admits the 456
+    configs its header and the README promise on the mission shape."""
+    from evotune.problems.attention import KNOB_DEFAULTS
+    from evotune.shapes import parse_shape
     from evotune.space import load_builtin
 
     full, small = load_builtin("attention"), load_builtin("attention-small")
-    assert [(n, e) for n, e, _ in small.derived] == [(n, e) for n, e, _ in full.derived]
-    assert [(c.expr, c.why) for c in small.constraints] == [(c.expr, c.why) for c in full.constraints]
     domains = {p.name: set(p.values) for p in full.params}
-    assert {p.name for p in small.params} == set(domains)
+    assert {p.name for p in small.params} <= set(domains)
     assert all(set(p.values) <= domains[p.name] for p in small.params)
+    omitted = set(domains) - {p.name for p in small.params}
+    assert omitted == {"mma", "pingpong"}
+    pinned = {name: KNOB_DEFAULTS[name] for name in omitted}
+    assert pinned == {"mma": "sync", "pingpong": False}
+    for shape in (mission, parse_shape("2,4,300,300,128:bf16:causal")):
+        ctx = attention.context(shape)
+        for cfg in small.all_configs():
+            as_full = full.config({**cfg.as_dict(), **pinned})
+            assert bool(small.violations(cfg, ctx)) == bool(full.violations(as_full, ctx)), cfg.as_dict()
+            assert small.derive(cfg, ctx) == {k: v for k, v in full.derive(as_full, ctx).items()
+                                                      if k in small.derive(cfg, ctx)}
     assert small.size() == 972 and len(small.admitted_configs(attention.context(mission))) == 456

@@ -33,6 +33,22 @@ CONFIGS = [
          warp_key_groups=2),
 ]
 
+# The Hopper variant (mma = wgmma): one and two consumer warpgroups, with and without the producer
+# warpgroup (and its setmaxnreg), one to four stages, Q from registers or shared memory, ping-pong.
+_W = dict(mma="wgmma", smem_layout="swizzle")
+HOPPER_CONFIGS = [
+    dict(_W, block_m=64, block_n=64, compute_warps=4, producer_warps=0, stages=2, q_in_regs=False),
+    dict(_W, block_m=64, block_n=32, compute_warps=4, producer_warps=4, stages=1, q_in_regs=True),
+    dict(_W, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=2, q_in_regs=False),
+    dict(_W, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=3, q_in_regs=True, pingpong=True),
+    dict(_W, block_m=128, block_n=64, compute_warps=8, producer_warps=0, stages=4, q_in_regs=True, pingpong=True),
+]
+
+
+def _hopper_id(c: dict) -> str:
+    return (f"wgmma-M{c['block_m']}N{c['block_n']}pw{c['producer_warps']}st{c['stages']}"
+            f"q{int(c['q_in_regs'])}pp{int(c.get('pingpong', False))}")
+
 
 def _evaluate(problem, space, shape, cfg_dict, **kw):
     from evotune.evaluate import evaluate_compiled
@@ -43,8 +59,10 @@ def _evaluate(problem, space, shape, cfg_dict, **kw):
 
 
 @pytest.mark.parametrize("shape_text", SHAPES)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: (f"M{c['block_m']}N{c['block_n']}pw{c['producer_warps']}st{c['stages']}"
-                                      f"kv{c.get('kv_splits', 1)}kg{c.get('warp_key_groups', 1)}"))
+@pytest.mark.parametrize("cfg", CONFIGS + HOPPER_CONFIGS,
+                         ids=lambda c: _hopper_id(c) if c.get("mma") == "wgmma" else (
+                             f"M{c['block_m']}N{c['block_n']}pw{c['producer_warps']}st{c['stages']}"
+                             f"kv{c.get('kv_splits', 1)}kg{c.get('warp_key_groups', 1)}"))
 def test_kernel_matches_reference(attention, space, shape_text, cfg):
     """Every sampled config passes the gate on ragged, causal, bf16, d128 and BSHD shapes."""
     shape = parse_shape(shape_text)
@@ -77,8 +95,9 @@ RAGGED = _random_shapes(16)
 
 
 @pytest.mark.parametrize("shape_text", RAGGED)
-@pytest.mark.parametrize("cfg", CONFIGS[:2] + CONFIGS[4:6] + CONFIGS[7:9],
-                         ids=lambda c: f"M{c['block_m']}N{c['block_n']}kv{c.get('kv_splits', 1)}kg{c.get('warp_key_groups', 1)}")
+@pytest.mark.parametrize("cfg", CONFIGS[:2] + CONFIGS[4:6] + CONFIGS[7:9] + HOPPER_CONFIGS[1:3] + HOPPER_CONFIGS[4:],
+                         ids=lambda c: _hopper_id(c) if c.get("mma") == "wgmma" else
+                         f"M{c['block_m']}N{c['block_n']}kv{c.get('kv_splits', 1)}kg{c.get('warp_key_groups', 1)}")
 def test_ragged_matrix(attention, space, shape_text, cfg):
     """A seeded matrix of ragged shapes (S=1, Sq != Sk, both masks, dtypes, head dims, layouts) passes the full gate."""
     shape = parse_shape(shape_text)
@@ -89,8 +108,8 @@ def test_ragged_matrix(attention, space, shape_text, cfg):
     assert res.status in (R.OK, R.PRUNED), res.message
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[7]],
-                         ids=["M64N64", "M64N32pw1", "M32N64kv4", "M16N64kg4"])
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[7], HOPPER_CONFIGS[0], HOPPER_CONFIGS[3]],
+                         ids=["M64N64", "M64N32pw1", "M32N64kv4", "M16N64kg4", "wgmma-pw0", "wgmma-pingpong"])
 @pytest.mark.parametrize("shape_text", ["mission", "2,3,333,257,128:bf16:causal"])
 def test_bitwise_deterministic(attention, space, shape_text, cfg):
     """100 launches on the same inputs give bitwise identical outputs (split-KV merges in a fixed order)."""
@@ -251,3 +270,15 @@ def test_sanitizer_reports_a_planted_out_of_bounds_write(attention, space):
 
     report = run_tool("memcheck", _sanitize_job(attention, space, parse_shape("1,2,197,300,64"), plant))
     assert not report["clean"] and report["errors"], report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "synccheck", "racecheck"])
+@pytest.mark.parametrize("cfg", [HOPPER_CONFIGS[3], HOPPER_CONFIGS[4]], ids=["wgmma-producer-pingpong", "wgmma-pw0-pingpong"])
+def test_sanitizer_clean_on_hopper_configs(attention, space, tool, cfg):
+    """memcheck, synccheck and racecheck find nothing in the Hopper variant (TMA on mbarriers, setmaxnreg,
+    ping-pong named barriers) on a ragged causal bf16 d128 shape."""
+    from evotune.sanitize import run_tool
+
+    report = run_tool(tool, _sanitize_job(attention, space, parse_shape("1,2,197,300,128:bf16:causal"), cfg_dict=cfg))
+    assert report["clean"], report

@@ -2,12 +2,12 @@
 # Issue 5 on the GPU machine: default-strategy searches on the large shapes, each bounded by
 # a timeout (a killed search is resumable: nothing recorded is lost). Runs and logs go to
 # $OUT (tarred); the best of each is printed last.
-# Usage: SHAPES="gpt2 llama-4k" TRIALS=48 PER_SEARCH_S=130 bash tools/large_searches.sh
+# Usage: SHAPES="gpt2 llama-4k" TRIALS=48 PER_SEARCH_S=130 [RUN_SUFFIX=-hopper] [EXTRA="--space ..."] bash tools/large_searches.sh
 set -u
 export EVOTUNE_RUNS=${EVOTUNE_RUNS:-/tmp/runs} EVOTUNE_CACHE=${EVOTUNE_CACHE:-/tmp/cache}
 mkdir -p "$EVOTUNE_RUNS" /tmp/logs
 for s in ${SHAPES:-gpt2 llama-4k llama-4k-causal long-8k}; do
-  name="${s//:/-}-h100"
+  name="${s//:/-}-h100${RUN_SUFFIX:-}"
   timeout "${PER_SEARCH_S:-130}" python3 -m evotune search --shape "$s" --trials "${TRIALS:-48}" --run "$name" \
     ${EXTRA:-} > "/tmp/logs/search_$name.txt" 2>&1
   echo "$s exit $?" >> /tmp/logs/exits.txt

@@ -90,7 +90,7 @@ class Problem:
     def geometry(self, config, shape) -> LaunchGeometry:
         raise NotImplementedError
 
-    def signature(self) -> str:
+    def signature(self, config=None) -> str:
         """The entry point's parameters in words, for an export header."""
         raise NotImplementedError
 

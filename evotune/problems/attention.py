@@ -29,12 +29,18 @@ def shape_context(shape: Shape) -> dict:
 
 # The value a knob takes when a (reduced) search space does not list it.
 KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
-                 "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1}
+                 "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
+                 "mma": "sync", "pingpong": False}
 
 
 def knob(config, name: str):
     value = config.get(name)
     return KNOB_DEFAULTS[name] if value is None else value
+
+
+def is_wgmma(config) -> bool:
+    """The Hopper variant (kernels/attention_hopper.cuh: wgmma, TMA, mbarriers) rather than mma.sync."""
+    return knob(config, "mma") == "wgmma"
 
 # Correctness gate, elementwise against an fp32 reference: |out - ref| <= ATOL*rms(V) + RTOL*|ref|.
 # The relative term is needed because |O| grows where a row attends few keys (causal
@@ -100,6 +106,22 @@ class AttentionProblem(Problem):
         return shape_context(shape)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
+        """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
+        hopper::HopperTraits for wgmma (whose BLOCK_M is 64 rows per consumer warpgroup)."""
+        problem_args = [
+            ("HEAD_DIM", shape.head_dim),
+            ("IS_BF16", "true" if shape.dtype == "bf16" else "false"),
+            ("IS_CAUSAL", "true" if shape.causal else "false"),
+        ]
+        if is_wgmma(config):
+            return [
+                ("BLOCK_N", int(knob(config, "block_n"))),
+                ("CONSUMER_WGS", int(knob(config, "compute_warps")) // 4),
+                ("PRODUCER_WARPS", int(knob(config, "producer_warps"))),
+                ("STAGES", int(knob(config, "stages"))),
+                ("Q_IN_REGS", "true" if knob(config, "q_in_regs") else "false"),
+                ("PINGPONG", "true" if knob(config, "pingpong") else "false"),
+            ] + problem_args
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
             ("BLOCK_N", int(knob(config, "block_n"))),
@@ -110,14 +132,25 @@ class AttentionProblem(Problem):
             ("Q_IN_REGS", "true" if knob(config, "q_in_regs") else "false"),
             ("KV_SPLITS", int(knob(config, "kv_splits"))),
             ("WARP_KEY_GROUPS", int(knob(config, "warp_key_groups"))),
-            ("HEAD_DIM", shape.head_dim),
-            ("IS_BF16", "true" if shape.dtype == "bf16" else "false"),
-            ("IS_CAUSAL", "true" if shape.causal else "false"),
-        ]
+        ] + problem_args
 
     def instantiation(self, config, shape: Shape) -> str:
         args = self.template_args(config, shape)
         targs = ",\n    ".join(f"/* {name} = */ {value}" for name, value in args)
+        if is_wgmma(config):
+            return f"""using EvotuneTraits = evotune::hopper::HopperTraits<
+    {targs}>;
+
+// Launch: grid (ceil(seq_q / kBlockM), heads, batch), block (EvotuneTraits::kThreads), dynamic shared
+// memory EvotuneTraits::kSmemBytes. tmaps: three 128-byte CUtensorMaps (Q, K, V; 4-D: head_dim, seq,
+// head, batch; 128-byte swizzle; boxes of 64 columns x kBlockM or BLOCK_N rows) in device memory.
+// o: fp16/bf16 bit patterns; strides in elements (b = batch, h = head, s = sequence).
+extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
+{self.entry_name}(const char* __restrict__ tmaps, unsigned short* __restrict__ o,
+                  long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2) {{
+    evotune::hopper::attention_fwd_wgmma<EvotuneTraits>(tmaps, o, o_sb, o_sh, o_ss, seq_q, seq_k, scale_log2);
+}}
+"""
         return f"""using EvotuneTraits = evotune::AttnTraits<
     {targs}>;
 
@@ -139,6 +172,14 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def geometry(self, config, shape: Shape) -> LaunchGeometry:
         block_m, block_n = int(knob(config, "block_m")), int(knob(config, "block_n"))
+        if is_wgmma(config):
+            # HopperTraits: 64 rows per consumer warpgroup; Q + STAGES (K, V) tiles + 1024 B to align them.
+            consumer_wgs = int(knob(config, "compute_warps")) // 4
+            block_m = 64 * consumer_wgs
+            smem = 2 * shape.head_dim * (block_m + 2 * int(knob(config, "stages")) * block_n) + 1024
+            threads = 128 * consumer_wgs + 32 * int(knob(config, "producer_warps"))
+            return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads, shape.batch),
+                                  block=(threads, 1, 1), dynamic_smem=smem)
         threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
         pitch = shape.head_dim + (8 if knob(config, "smem_layout") == "pad" else 0)
         smem = 2 * pitch * (block_m + 2 * int(knob(config, "stages")) * block_n)
@@ -158,7 +199,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         """(atol, rtol) of the elementwise gate for this shape's dtype."""
         return TOLERANCE[shape.dtype]
 
-    def signature(self) -> str:
+    def signature(self, config=None) -> str:
+        if config is not None and is_wgmma(config):
+            return ("evotune_attention(const char* tmaps  /* CUtensorMap Q, K, V: 3 x 128 B in device memory */, "
+                    "unsigned short* o, int64 o_sb, o_sh, o_ss, int seq_q, int seq_k, float scale_log2)")
         return ("evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, "
                 "int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, "
                 "int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count)"
@@ -166,6 +210,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def launch_notes(self, config, shape: Shape) -> list[str]:
         """Extra launch requirements for an export header."""
+        if is_wgmma(config):
+            block_m = 16 * int(knob(config, "compute_warps"))
+            return [f"tensor maps  cuTensorMapEncodeTiled, rank 4 (head_dim, seq, head, batch), strides in bytes, "
+                    f"SWIZZLE_128B, OOB fill zero; boxes 64 x {block_m} (Q), 64 x {int(knob(config, 'block_n'))} (K, V)"]
         n_o, n_lse, n_count = self.workspace_elems(config, shape)
         if not n_count:
             return ["workspace    none (kv_splits = 1): pass null for ws_o, ws_lse, ws_count"]
@@ -175,7 +223,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
     def workspace_elems(self, config, shape: Shape) -> tuple[int, int, int]:
         """(ws_o floats, ws_lse floats, ws_count ints) a launch needs; zeros when kv_splits == 1."""
         splits = int(knob(config, "kv_splits"))
-        if splits == 1:
+        if splits == 1 or is_wgmma(config):
             return 0, 0, 0
         tiles = math.ceil(shape.seq_q / int(knob(config, "block_m"))) * shape.heads * shape.batch
         rows = tiles * splits * int(knob(config, "block_m"))
@@ -266,10 +314,16 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         for name, t in (("q", inputs["q"]), ("k", inputs["k"]), ("v", inputs["v"]), ("o", out)):
             if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
                 raise UsageError(f"attention: {name} must have unit head-dim stride and 16-byte aligned rows")
+        scale_log2 = np.float32(inputs["scale"] * math.log2(math.e))
+        if is_wgmma(config):
+            maps = self.tensor_maps(config, shape, inputs)  # kept alive by the launcher
+            args = (np.uint64(maps.data_ptr()), np.uint64(out.data_ptr()), np.int64(out.stride(0)), np.int64(out.stride(1)),
+                    np.int64(out.stride(2)), np.int32(shape.seq_q), np.int32(shape.seq_k), scale_log2)
+            return torch_stream_launcher(kernel, geo.grid, geo.block, args, geo.dynamic_smem, keep=(maps,))
         args = [np.uint64(t.data_ptr()) for t in (inputs["q"], inputs["k"], inputs["v"], out)]
         for t in (inputs["q"], inputs["k"], inputs["v"], out):
             args += [np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))]
-        args += [np.int32(shape.seq_q), np.int32(shape.seq_k), np.float32(inputs["scale"] * math.log2(math.e))]
+        args += [np.int32(shape.seq_q), np.int32(shape.seq_k), scale_log2]
         n_o, n_lse, n_count = self.workspace_elems(config, shape)
         # Counters start at zero and the kernel re-zeroes them.
         workspace = (torch.empty(n_o, dtype=torch.float32, device=out.device),
@@ -278,6 +332,29 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         args += [np.uint64(t.data_ptr()) for t in workspace] if workspace else [np.uint64(0)] * 3
         # The workspace is kept alive by the launcher (its first default argument).
         return torch_stream_launcher(kernel, geo.grid, geo.block, tuple(args), geo.dynamic_smem, keep=workspace)
+
+    def tensor_map_args(self, config, shape: Shape, strides: dict) -> dict:
+        """name -> TiledMapArgs of the Q, K and V maps a wgmma launch needs; `strides` maps each name
+        to its tensor's (B, H, S, D) element strides. Pure: checked on the CPU."""
+        from ..tma import tiled_map_args
+
+        block_m = 16 * int(knob(config, "compute_warps"))
+        block_n = int(knob(config, "block_n"))
+        return {name: tiled_map_args(shape.dtype, (shape.batch, shape.heads, seq, shape.head_dim), strides[name], rows)
+                for name, seq, rows in (("q", shape.seq_q, block_m), ("k", shape.seq_k, block_n),
+                                        ("v", shape.seq_k, block_n))}
+
+    def tensor_maps(self, config, shape: Shape, inputs: dict):
+        """The Q, K, V tensor maps, 3 x 128 bytes, in a device buffer (the kernel's `tmaps`)."""
+        import torch
+
+        from ..tma import encode_tiled
+
+        strides = {n: tuple(inputs[n].stride()) for n in ("q", "k", "v")}
+        args = self.tensor_map_args(config, shape, strides)
+        blob = b"".join(encode_tiled(inputs[n].data_ptr(), args[n]) for n in ("q", "k", "v"))
+        host = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        return host.to(inputs["q"].device)
 
     def reference(self, shape: Shape, inputs: dict):
         """softmax(scale·QKᵀ + mask)·V in fp32 (no TF32), one (batch, head-chunk) at a time to bound memory."""

@@ -202,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
         most = self.cache_vecs(config, shape) * int(knob(config, "threads_per_row")) * int(knob(config, "vec"))
         return [f"cols         at most {most}: the row is cached in registers sized for cols {shape.cols}"]
 
-    def signature(self) -> str:
+    def signature(self, config=None) -> str:
         return ("evotune_softmax(const unsigned short* x, unsigned short* y  /* fp16 or bf16 bit patterns */, "
                 "int rows, int cols, int64 row_stride)  // row_stride in elements, the same for x and y")
 

@@ -1,0 +1,470 @@
+// evotune: the Hopper (sm_90a) variant of the fused attention forward (knob mma = wgmma).
+//
+// Same math and masking as attention_fwd (kernels/attention.cu); different machinery:
+//   - Q, K and V tiles arrive by TMA (cp.async.bulk.tensor with a tensor map per tensor,
+//     128-byte swizzle), each load completing on an mbarrier (transaction bytes);
+//   - S = Q K^T and O += P V run on wgmma.mma_async (m64nNk16, fp32 accumulators): each
+//     consumer warpgroup owns 64 query rows; K is read K-major and V N-major (transposed)
+//     straight from the swizzled tiles through matrix descriptors; P goes from the S
+//     accumulators to registers as the A operand of P V (never through shared memory);
+//     Q is read from shared memory by each Q K^T (Q_IN_REGS = false) or loaded once into
+//     registers with ldmatrix (true);
+//   - PRODUCER_WARPS = 4: a producer warpgroup streams K/V through STAGES slots (full and
+//     empty mbarriers per slot) and, with two consumer warpgroups, gives registers to them
+//     with setmaxnreg; PRODUCER_WARPS = 0: one consumer thread issues the TMA loads;
+//   - PINGPONG (two consumer warpgroups): named barriers take turns between the
+//     warpgroups issuing their matrix products, so one warpgroup's softmax runs under the
+//     other's wgmma (FlashAttention-3's inter-warpgroup schedule).
+//
+// Tile layout in shared memory (what TMA writes with SWIZZLE_128B and wgmma reads with
+// the 128-byte swizzle mode): a tile of R rows x HEAD_DIM columns is HEAD_DIM/64 regions,
+// each R rows of 128 bytes (64 columns); 16-byte chunk c of row r sits at chunk c ^ (r & 7).
+// Every tile starts on a 1024-byte boundary (the swizzle atom: 8 rows x 128 bytes).
+
+#include "wgmma.cuh"
+
+namespace hopper {
+
+template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
+          int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+struct HopperTraits {
+    static constexpr int kBlockN = BLOCK_N_;
+    static constexpr int kConsumerWGs = CONSUMER_WGS_;
+    static constexpr int kProducerWarps = PRODUCER_WARPS_;
+    static constexpr int kStages = STAGES_;
+    static constexpr bool kQInRegs = Q_IN_REGS_;
+    static constexpr bool kPingPong = PINGPONG_;
+    static constexpr int kHeadDim = HEAD_DIM_;
+    static constexpr bool kIsBf16 = IS_BF16_;
+    static constexpr bool kIsCausal = IS_CAUSAL_;
+
+    static constexpr int kBlockM = 64 * kConsumerWGs;  // wgmma's M is 64 per warpgroup
+    static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+    static constexpr bool kHasProducer = kProducerWarps > 0;
+    static constexpr int kThreads = kConsumerThreads + 32 * kProducerWarps;
+    static constexpr int kRegions = kHeadDim / 64;  // 128-byte column regions of a tile
+    static constexpr int kQKSteps = kHeadDim / 16;
+    static constexpr int kQRegSteps = kQInRegs ? kQKSteps : 1;  // Q k-steps held in registers
+    static constexpr int kPVSteps = kBlockN / 16;
+    static constexpr int kSAcc = kBlockN / 2;    // S accumulators per thread (64 rows x BLOCK_N / 128)
+    static constexpr int kOAcc = kHeadDim / 2;   // O accumulators per thread
+    static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+    static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+    // Tiles plus the slack to align the dynamic shared memory to the 1024-byte swizzle atom.
+    static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;
+    // setmaxnreg: with a producer warpgroup and two consumer warpgroups (384 threads,
+    // launch bound 168 registers each) the producer keeps 24 and the consumers take 240:
+    // 128*24 + 256*240 = 64512 of the 65536. One consumer warpgroup already has 255.
+    static constexpr bool kSetMaxNReg = kHasProducer && kConsumerWGs == 2;
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+    // Named barrier ids (0 is __syncthreads): the ping-pong turn of warpgroup w is 1 + w.
+    static constexpr int kTurnBarrier = 1;
+
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
+    static_assert(kBlockN == 16 || kBlockN == 32 || kBlockN == 64 || kBlockN == 128, "BLOCK_N: a wgmma N of 16 to 128");
+    static_assert(kConsumerWGs == 1 || kConsumerWGs == 2, "one or two consumer warpgroups");
+    static_assert(kProducerWarps == 0 || kProducerWarps == 4, "the producer is a whole warpgroup (setmaxnreg is per warpgroup)");
+    static_assert(!kPingPong || kConsumerWGs == 2, "ping-pong needs two consumer warpgroups");
+    static_assert(kStages >= 1 && kStages <= 4, "1 to 4 pipeline stages");
+    static_assert(kHasProducer || kStages >= 2,
+                  "without a producer the loader refills a slot mid-tile: one stage would wait on itself");
+    static_assert(kKVBytes % 1024 == 0, "K/V tiles must keep the 1024-byte swizzle alignment");
+    static_assert(kSmemBytes <= 227 * 1024, "Q tile + STAGES*(K,V) tiles exceed the 227 KB per-CTA shared memory");
+};
+
+// ---------------------------------------------------------------- PTX wrappers
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Arm a barrier for `bytes` of TMA transactions (counts as the one expected arrival).
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait until the phase with parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// One TMA box of a 4-D tensor map (head_dim, seq, head, batch) into shared memory.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const void* tmap, u32 bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+        ::"r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_map(const void* tmap) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(tmap) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Pin accumulators at this point of the program: the wgmma asm writes them "now" in the
+// compiler's view, but the values exist only after wgmma_wait; without this fence the
+// compiler may move their readers (the softmax) above the wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+
+// Matrix descriptor of a 128-byte-swizzled operand at shared address `addr`: LBO and SBO
+// in bytes (K-major: SBO = 1024 between 8-row groups, LBO unused; N-major: LBO = offset
+// between 64-column regions, SBO = 1024 between 8-row groups of K).
+__device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
+    return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(lbo >> 4) << 16) |
+           (static_cast<u64>(sbo >> 4) << 32) | (1ull << 62);
+}
+
+// ------------------------------------------------------------------ the math
+
+// S = Q K^T for one K tile (64 rows of this warpgroup x BLOCK_N keys), issued and committed.
+template <class T>
+__device__ __forceinline__ void issue_qk(float (&s)[T::kSAcc], const u32 (&qr)[T::kQRegSteps][4], u32 sQ_wg, u32 sK) {
+#pragma unroll
+    for (int kk = 0; kk < T::kQKSteps; ++kk) {
+        // k-step kk: region kk/4 of the tile, 32 bytes (16 columns) per step inside it.
+        const u32 k_off = (kk / 4) * (T::kBlockN * 128) + (kk % 4) * 32;
+        const u64 desc_k = smem_desc(sK + k_off, 16, 1024);
+        if constexpr (T::kQInRegs) {
+            wgmma_rs<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, qr[T::kQInRegs ? kk : 0], desc_k, kk > 0);
+        } else {
+            const u32 q_off = (kk / 4) * (T::kBlockM * 128) + (kk % 4) * 32;
+            wgmma_ss<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, smem_desc(sQ_wg + q_off, 16, 1024), desc_k, kk > 0);
+        }
+    }
+    wgmma_commit();
+}
+
+// O += P V for one V tile; P (this warpgroup's 64 x BLOCK_N probabilities) from registers.
+template <class T>
+__device__ __forceinline__ void issue_pv(float (&o)[T::kOAcc], const u32 (&p)[T::kPVSteps][4], u32 sV) {
+#pragma unroll
+    for (int kk = 0; kk < T::kPVSteps; ++kk)  // 16 keys (2 swizzle atoms of 8 rows) per step
+        wgmma_rs<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, p[kk], smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
+    wgmma_commit();
+}
+
+// Q's A fragments for all k-steps from the swizzled tile (Q_IN_REGS): ldmatrix.x4 per 16x16 block.
+template <class T>
+__device__ __forceinline__ void load_q_regs(u32 (&qr)[T::kQRegSteps][4], u32 sQ_wg, int warp_in_wg, int lane) {
+    const int row = 16 * warp_in_wg + (lane & 15);
+#pragma unroll
+    for (int kk = 0; kk < T::kQKSteps; ++kk) {
+        const int chunk = 2 * (kk % 4) + (lane >> 4);  // 16-byte chunk inside the 128-byte row
+        ldmatrix_x4(qr[kk], sQ_wg + (kk / 4) * (T::kBlockM * 128) + row * 128 + ((chunk ^ (row & 7)) << 4));
+    }
+}
+
+// Accumulator layout (both products): register 4j+e of a thread holds row
+// 16*warp + lane/4 + 8*(e/2), column 8j + 2*(lane%4) + e%2.
+template <class T>
+__device__ __forceinline__ void mask_scores(float (&s)[T::kSAcc], int q_row, int kv0, int seq_k, int lane) {
+#pragma unroll
+    for (int j = 0; j < T::kBlockN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = kv0 + 8 * j + 2 * (lane & 3) + (e & 1);
+            bool masked = key >= seq_k;
+            if constexpr (T::kIsCausal) masked = masked || key > q_row + 8 * (e >> 1);
+            if (masked) s[4 * j + e] = neg_inf();
+        }
+}
+
+// Online softmax, first half: running max m and per-thread partial sums l of the thread's two
+// rows; the scores become exp2(s*scale_log2 - m*scale_log2) in place, and alpha is the factor
+// exp2((m_old - m_new)*scale_log2) that O needs. O is not touched here: the previous tile's
+// P V may still be accumulating into it.
+template <class T>
+__device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                               float scale_log2) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = m[r];
+#pragma unroll
+        for (int j = 0; j < T::kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // Every row sees key 0 in its first tile, so mx is finite from the first tile on.
+        alpha[r] = fast_exp2((m[r] - mx) * scale_log2);
+        m[r] = mx;
+        const float shift = mx * scale_log2;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < T::kBlockN / 8; ++j) {
+            s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], scale_log2, -shift));
+            s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], scale_log2, -shift));
+            sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+        }
+        l[r] = l[r] * alpha[r] + sum;
+    }
+}
+
+// Online softmax, second half (after the previous P V completed): rescale O by alpha and pack
+// P as P V's A operand. A fragment of k-step kk: keys 16kk..16kk+15 = accumulator column
+// blocks 2kk and 2kk+1, the same register order as mma.sync's m16n8k16.
+template <class T>
+__device__ __forceinline__ void rescale_and_pack(float (&o)[T::kOAcc], const float (&s)[T::kSAcc], const float (&alpha)[2],
+                                                 u32 (&p)[T::kPVSteps][4]) {
+#pragma unroll
+    for (int j = 0; j < T::kHeadDim / 8; ++j) {
+        o[4 * j + 0] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < T::kPVSteps; ++kk) {
+        p[kk][0] = pack2<T::kIsBf16>(s[8 * kk + 0], s[8 * kk + 1]);
+        p[kk][1] = pack2<T::kIsBf16>(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = pack2<T::kIsBf16>(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = pack2<T::kIsBf16>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+// Mask (where the tile needs it) and run the first half of the softmax on tile kv0's scores.
+// wg_row0: the warpgroup's first query row; q_row: the thread's first row.
+template <class T>
+__device__ __forceinline__ void scores_to_probs(float (&s)[T::kSAcc], float (&m)[2], float (&l)[2], float (&alpha)[2], int kv0,
+                                                int wg_row0, int q_row, int seq_k, int lane, float scale_log2) {
+    bool need_mask = kv0 + T::kBlockN > seq_k;
+    if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kBlockN - 1 > wg_row0;
+    if (need_mask) mask_scores<T>(s, q_row, kv0, seq_k, lane);
+    softmax_scores<T>(s, m, l, alpha, scale_log2);
+}
+
+// Keep the A operand of an in-flight register-sourced wgmma alive (and its registers
+// unreused) until this point: the hardware reads them until the wgmma completes.
+template <int N>
+__device__ __forceinline__ void fence_a_regs(u32 (&a)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+
+// O / l to the output rows of this thread (rows at or past seq_q are not written).
+template <class T>
+__device__ __forceinline__ void store_out(const float (&o)[T::kOAcc], const float (&l)[2], unsigned short* gO, long long o_ss,
+                                          int q_row, int seq_q, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = 1.f / sum;
+        const int row = q_row + 8 * r;
+        if (row >= seq_q) continue;
+        unsigned short* dst = gO + (long long)row * o_ss + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < T::kHeadDim / 8; ++j)
+            *reinterpret_cast<u32*>(dst + 8 * j) = pack2<T::kIsBf16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+}
+
+// Shared-memory bookkeeping of one CTA.
+struct Barriers {
+    unsigned long long q_full;
+    unsigned long long k_full[4];
+    unsigned long long v_full[4];
+    unsigned long long k_empty[4];  // every consumer warp is done reading K of the slot
+    unsigned long long v_empty[4];  // ... V of the slot
+};
+
+// Issue the TMA loads of K (WHICH = 0) or V (1) tile `t` into slot `slot` (one thread).
+template <class T, int WHICH>
+__device__ __forceinline__ void load_kv(const char* tmaps, u32 sKV, Barriers* bars, int slot, int t, int head, int batch) {
+    const u32 bar = smem_addr(WHICH == 0 ? &bars->k_full[slot] : &bars->v_full[slot]);
+    mbar_expect_tx(bar, T::kKVBytes);
+#pragma unroll
+    for (int r = 0; r < T::kRegions; ++r)
+        tma_load_4d(sKV + slot * T::kKVBytes + r * (T::kBlockN * 128), tmaps + 128 * (1 + WHICH), bar, 64 * r,
+                    t * T::kBlockN, head, batch);
+}
+
+// Load tile t + STAGES into tile t's slot: K once every consumer warp released tile t's K,
+// V once they released its V. K and V are released at different points of the consumer
+// loop (K after S, V after the next tile's S), so they are refilled separately: waiting
+// for both before loading K would deadlock a one-stage pipeline.
+template <class T>
+__device__ __forceinline__ void refill(const char* tmaps, u32 sK, u32 sV, Barriers* bars, int t, int head, int batch) {
+    const int slot = t % T::kStages;
+    const u32 parity = (t / T::kStages) & 1;
+    mbar_wait(smem_addr(&bars->k_empty[slot]), parity);
+    load_kv<T, 0>(tmaps, sK, bars, slot, t + T::kStages, head, batch);
+    mbar_wait(smem_addr(&bars->v_empty[slot]), parity);
+    load_kv<T, 1>(tmaps, sV, bars, slot, t + T::kStages, head, batch);
+}
+
+// tmaps: three 128-byte CUtensorMaps (Q, K, V) in global memory, each over the 4-D view
+// (head_dim, seq, head, batch) with boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows.
+//
+// Consumer loop, per warpgroup (FlashAttention-3's intra-warpgroup pipelining): iteration t
+// issues S(t) = Q K(t)^T and then O += P(t-1) V(t-1), waits for S(t) only, runs the softmax
+// of tile t while P V runs on the tensor cores, then waits for P V, rescales O and packs
+// P(t). K(t)'s slot is released as soon as S(t) is done, V(t-1)'s after P V.
+template <class T>
+__device__ __forceinline__ void attention_fwd_wgmma(const char* __restrict__ tmaps, unsigned short* __restrict__ o,
+                                                    long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k,
+                                                    float scale_log2) {
+    // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
+    // shared memory to 1024 bytes as well.
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ Barriers bars;
+    const u32 smem_base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const u32 sQ = smem_base;
+    const u32 sK = sQ + T::kQBytes;
+    const u32 sV = sK + T::kStages * T::kKVBytes;
+
+    const int tid = threadIdx.x;
+    const int q_row0 = blockIdx.x * T::kBlockM;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    int kv_end = seq_k;
+    if constexpr (T::kIsCausal) kv_end = min(seq_k, q_row0 + T::kBlockM);
+    const int n_tiles = (kv_end + T::kBlockN - 1) / T::kBlockN;
+    // The thread that issues TMA: the producer warpgroup's first, or the first consumer's.
+    const int loader = T::kHasProducer ? T::kConsumerThreads : 0;
+
+    if (tid == loader) {
+        mbar_init(smem_addr(&bars.q_full), 1);
+#pragma unroll
+        for (int s = 0; s < T::kStages; ++s) {
+            mbar_init(smem_addr(&bars.k_full[s]), 1);
+            mbar_init(smem_addr(&bars.v_full[s]), 1);
+            mbar_init(smem_addr(&bars.k_empty[s]), T::kConsumerThreads / 32);  // one arrival per consumer warp
+            mbar_init(smem_addr(&bars.v_empty[s]), T::kConsumerThreads / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        tma_prefetch_map(tmaps);
+        tma_prefetch_map(tmaps + 128);
+        tma_prefetch_map(tmaps + 256);
+    }
+    __syncthreads();
+    if (tid == loader) {
+        const u32 qb = smem_addr(&bars.q_full);
+        mbar_expect_tx(qb, T::kQBytes);
+#pragma unroll
+        for (int r = 0; r < T::kRegions; ++r) tma_load_4d(sQ + r * (T::kBlockM * 128), tmaps, qb, 64 * r, q_row0, head, batch);
+        for (int t = 0; t < min(n_tiles, T::kStages); ++t) {
+            load_kv<T, 0>(tmaps, sK, &bars, t, t, head, batch);
+            load_kv<T, 1>(tmaps, sV, &bars, t, t, head, batch);
+        }
+    }
+    __syncwarp();  // the warp reconverges before the .aligned instructions below
+
+    if constexpr (T::kHasProducer) {
+        if (tid >= T::kConsumerThreads) {
+            if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
+            if (tid == loader)
+                for (int t = 0; t + T::kStages < n_tiles; ++t) refill<T>(tmaps, sK, sV, &bars, t, head, batch);
+            return;
+        }
+        if constexpr (T::kSetMaxNReg) setmaxnreg_inc<T::kConsumerRegs>();
+    }
+
+    // ---- consumer warpgroups
+    const int wg = tid / 128;
+    const int warp_in_wg = (tid % 128) / 32;
+    const int lane = tid & 31;
+    const u32 sQ_wg = sQ + wg * (64 * 128);  // this warpgroup's 64 rows inside each region
+    const int q_row = q_row0 + 64 * wg + 16 * warp_in_wg + (lane >> 2);  // the first of the thread's two rows
+
+    float o_acc[T::kOAcc];
+    float s_acc[T::kSAcc];
+    u32 p[T::kPVSteps][4];
+    u32 qr[T::kQRegSteps][4];
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < T::kOAcc; ++i) o_acc[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < T::kSAcc; ++i) s_acc[i] = 0.f;
+
+    mbar_wait(smem_addr(&bars.q_full), 0);
+    if constexpr (T::kQInRegs) load_q_regs<T>(qr, sQ_wg, warp_in_wg, lane);
+    if constexpr (T::kPingPong) {
+        if (wg == 1) named_bar_arrive(T::kTurnBarrier + 0, 256);  // warpgroup 0 takes the first turn
+    }
+    float alpha[2];
+
+    // Tile 0: S only (no P V before it). Peeled so the loop below issues both products
+    // unconditionally: a conditional wgmma let the compiler sink P's packing into the
+    // branch, after wgmma.fence, and ptxas then serialised every wgmma (C7514).
+    mbar_wait(smem_addr(&bars.k_full[0]), 0);
+    if constexpr (T::kPingPong) named_bar_sync(T::kTurnBarrier + wg, 256);
+    fence_regs(s_acc);
+    wgmma_fence();
+    issue_qk<T>(s_acc, qr, sQ_wg, sK);
+    if constexpr (T::kPingPong) named_bar_arrive(T::kTurnBarrier + (1 - wg), 256);
+    wgmma_wait<0>();
+    fence_regs(s_acc);
+    if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[0]));
+    scores_to_probs<T>(s_acc, m_run, l_run, alpha, 0, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
+    rescale_and_pack<T>(o_acc, s_acc, alpha, p);
+
+    for (int t = 1; t < n_tiles; ++t) {
+        const int slot = t % T::kStages;
+        const int prev = (t - 1) % T::kStages;  // tile t-1's slot
+        mbar_wait(smem_addr(&bars.k_full[slot]), (t / T::kStages) & 1);
+        // V(t-1) left with K(t-1), so it is normally here already. Waiting for it before the
+        // fence keeps the spin loop out of the fence-to-wgmma stretch, where ptxas would
+        // insert a second fence of its own (C7519).
+        mbar_wait(smem_addr(&bars.v_full[prev]), ((t - 1) / T::kStages) & 1);
+        if constexpr (T::kPingPong) named_bar_sync(T::kTurnBarrier + wg, 256);
+        // Everything the two products read from registers is final before the fence.
+        fence_regs(s_acc);
+        fence_regs(o_acc);
+        fence_a_regs(p);
+        wgmma_fence();
+        issue_qk<T>(s_acc, qr, sQ_wg, sK + slot * T::kKVBytes);
+        issue_pv<T>(o_acc, p, sV + prev * T::kKVBytes);
+        if constexpr (T::kPingPong) {
+            // Hand the tensor cores to the other warpgroup; warpgroup 1 owes none after its last tile.
+            if (wg == 0 || t + 1 < n_tiles) named_bar_arrive(T::kTurnBarrier + (1 - wg), 256);
+        }
+        wgmma_wait<1>();  // S(t) is done; P(t-1) V(t-1) may still run
+        fence_regs(s_acc);
+        if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[slot]));
+        scores_to_probs<T>(s_acc, m_run, l_run, alpha, t * T::kBlockN, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
+        wgmma_wait<0>();
+        fence_regs(o_acc);
+        fence_a_regs(p);
+        if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[prev]));
+        if constexpr (!T::kHasProducer) {
+            if (tid == loader && t - 1 + T::kStages < n_tiles) refill<T>(tmaps, sK, sV, &bars, t - 1, head, batch);
+            __syncwarp();
+        }
+        rescale_and_pack<T>(o_acc, s_acc, alpha, p);
+    }
+    // P V of the last tile.
+    const int last = (n_tiles - 1) % T::kStages;
+    mbar_wait(smem_addr(&bars.v_full[last]), ((n_tiles - 1) / T::kStages) & 1);
+    fence_regs(o_acc);
+    fence_a_regs(p);
+    wgmma_fence();
+    issue_pv<T>(o_acc, p, sV + last * T::kKVBytes);
+    wgmma_wait<0>();
+    fence_regs(o_acc);
+    fence_a_regs(p);
+
+    unsigned short* gO = o + batch * o_sb + head * o_sh;
+    store_out<T>(o_acc, l_run, gO, o_ss, q_row, seq_q, lane);
+}
+
+}  // namespace hopper
