@@ -859,6 +859,46 @@ def sanitize(
         raise EvotuneError(f"compute-sanitizer reported findings ({', '.join(bad)}) for {_cfg_short(cfg.as_dict())} on {shp.spec}")
 
 
+# ---------------------------------------------------------------- sass
+@app.command()
+def sass(
+    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
+    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Shape (default: the run's)."),
+    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    family: Optional[str] = typer.Option(None, "--family", help=_FAMILY_HELP),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="Also write the whole SASS listing here."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Disassemble one config's kernel (no GPU): tensor-core instructions (HGMMA/HMMA), TMA and cp.async loads,
+    local memory, with ptxas's registers and spills."""
+    from .sass import CLASSES, disassemble, summary
+
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family)
+    if output:
+        _check_writable(output)
+    _, compiled = _compile_candidate(problem, shp, cfg)
+    text = disassemble(compiled.cubin_path)
+    info = summary(text)
+    res = compiled.resources
+    info.update({"shape": shp.spec, "config": cfg.as_dict(), "registers": res.registers,
+                 "spill_bytes": res.spill_stores + res.spill_loads, "stack_frame": res.stack_frame, "arch": compiled.arch})
+    if output:
+        with open(output, "w") as fh:
+            fh.write(text)
+    if json_out:
+        _emit_json(info)
+        return
+    console.print(f"{shp.spec}  {_cfg_short(cfg.as_dict())}  ({compiled.arch}, {info['instructions']} instructions)")
+    for op, what in CLASSES.items():
+        console.print(f"  {op:<8} {info['classes'][op]:>5}  {what}")
+    console.print(f"tensor cores: {info['tensor_core']}; local memory instructions: {info['local_memory']}; "
+                  f"{res.registers} registers, {info['spill_bytes']} B spilled, {res.stack_frame} B stack frame")
+    if output:
+        console.print(f"wrote {output}")
+
+
 # ---------------------------------------------------------------- export
 @app.command()
 def export(

@@ -133,6 +133,23 @@ def _first_error(log: str) -> str:
     return log.strip().splitlines()[0] if log.strip() else "NVRTC failed with an empty log"
 
 
+def complete_elf(cubin: bytes) -> bytes:
+    """`cubin` padded with zero bytes to the size its ELF header declares.
+
+    CuPy's getCUBIN returns one byte short (it strips a trailing NUL as it does for PTX; a cubin
+    has none). The driver loads such a file, but cuobjdump calls it "no device code". The byte
+    dropped is the last of the program-header table: the top byte of the last header's 64-bit
+    p_align, which is zero."""
+    import struct
+
+    if len(cubin) < 64 or cubin[:4] != b"\x7fELF":
+        return cubin
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    declared = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + b"\x00" * (declared - len(cubin)) if declared > len(cubin) else cubin
+
+
 def _nvrtc_compile(code: str, name: str, options: tuple[str, ...]) -> tuple[str, bytes]:
     from cupy.cuda import nvrtc
 
@@ -143,7 +160,7 @@ def _nvrtc_compile(code: str, name: str, options: tuple[str, ...]) -> tuple[str,
         except nvrtc.NVRTCError:
             log = nvrtc.getProgramLog(prog).rstrip("\x00")
             raise CompileError(f"NVRTC: {_first_error(log)}", log) from None
-        return nvrtc.getProgramLog(prog).rstrip("\x00"), nvrtc.getCUBIN(prog)
+        return nvrtc.getProgramLog(prog).rstrip("\x00"), complete_elf(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
 

@@ -100,7 +100,8 @@ def make_sampler(name: str, population: int, seed: int, *, space=None, admitted:
         is_taken = taken if taken is not None else (lambda digest: False)
         return SteeredNSGAIISampler(distributions=distributions(space),
                                     admissible=lambda params: space.admitted(space.config(params), context),
-                                    taken=lambda params: is_taken(space.config(params).digest()), **nsga)
+                                    taken=lambda params: is_taken(space.config(params).digest()),
+                                    variant=space.variant, **nsga)
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True)
     if name == "random":

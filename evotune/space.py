@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Optional, Iterable, Iterator, Mapping
 
 import yaml
 
@@ -65,7 +65,7 @@ def __getattr__(name: str):
         return getattr(attention, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-TOP_KEYS = ("family", "description", "params", "derived", "constraints")
+TOP_KEYS = ("family", "description", "params", "derived", "constraints", "variant")
 PARAM_KEYS = ("values", "default", "doc")
 CONSTRAINT_KEYS = ("expr", "why")
 
@@ -321,6 +321,10 @@ class SearchSpace:
     params: tuple[Param, ...]
     derived: tuple[tuple[str, str, int], ...]
     constraints: tuple[Constraint, ...]
+    # The knob that selects a kernel variant (e.g. attention's mma), or None. The steered sampler draws
+    # its value uniformly before the other knobs, so a variant that the constraints leave few admitted
+    # configs is proposed as often as one with many.
+    variant: Optional[str] = None
 
     def param_names(self) -> list[str]:
         return [p.name for p in self.params]
@@ -494,7 +498,12 @@ class _Reader:
                 known.add(name)
 
         constraints = [] if _is_empty(top.get("constraints")) else self.constraints(top["constraints"], known)
-        return SearchSpace(family, self.path, description, tuple(params), tuple(derived), tuple(constraints))
+        variant = None
+        if "variant" in top:
+            variant = self.string(top["variant"], "variant")
+            if variant not in {p.name for p in params}:
+                self.fail(top["variant"], f"variant {variant!r} is not a parameter")
+        return SearchSpace(family, self.path, description, tuple(params), tuple(derived), tuple(constraints), variant)
 
     def params(self, node: yaml.Node, taken: Mapping[str, str]) -> list[Param]:
         if _is_empty(node):

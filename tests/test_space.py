@@ -47,21 +47,79 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its nine parameters, six derived values and nine constraints."""
+    """The shipped attention.yaml loads with its eleven parameters (the variant knob mma first), six derived values
+    and sixteen constraints, each with its reason."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
-    assert space.param_names() == ["block_m", "block_n", "compute_warps", "producer_warps", "stages", "smem_layout",
-                                  "q_in_regs", "kv_splits", "warp_key_groups"]
+    assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
+                                   "smem_layout", "q_in_regs", "kv_splits", "warp_key_groups", "pingpong"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 9
+    assert len(space.constraints) == 16
     assert all(c.why for c in space.constraints)
-    block_m = space.params[0]
-    assert block_m.values == (16, 32, 64, 128) and block_m.default == 64 and block_m.line == 5
-    assert space.params[-4].values == ("pad", "swizzle", "plain")
-    assert space.params[-3].values == (True, False)
-    assert space.params[-2].values == (1, 2, 4, 8)
-    assert space.params[-1].values == (1, 2, 4)
+    assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
+    block_m = space.params[1]
+    assert block_m.values == (16, 32, 64, 128) and block_m.default == 64 and block_m.line == 12
+    assert space.params[-5].values == ("pad", "swizzle", "plain")
+    assert space.params[-4].values == (True, False)
+    assert space.params[-3].values == (1, 2, 4, 8)
+    assert space.params[-2].values == (1, 2, 4)
+    assert space.params[-1].values == (False, True)
+
+
+def test_wgmma_pins_the_knobs_it_does_not_read(space, attention):
+    """Admitted wgmma configs have 64 rows per consumer warpgroup and a whole producer warpgroup or none; moving a
+    knob the Hopper variant does not read (smem_layout, kv_splits, warp_key_groups) off its pinned value is refused,
+    so no two admitted configs compile to the same code; and the mma.sync slice keeps its old producer values."""
+    import itertools
+
+    from evotune.shapes import parse_shape
+    from evotune.template import instantiate
+
+    shape = parse_shape("4,32,4096,128")
+    ctx = attention.context(shape)
+    values = {p.name: p.values for p in space.params}
+    read = ("block_m", "block_n", "compute_warps", "producer_warps", "stages", "q_in_regs", "pingpong")
+    admitted = []
+    for combo in itertools.product(*(values[n] for n in read)):
+        cfg = space.config({"mma": "wgmma", **dict(zip(read, combo))})
+        if space.violations(cfg, ctx):
+            continue
+        admitted.append(cfg)
+        assert cfg["block_m"] == 16 * cfg["compute_warps"] and cfg["producer_warps"] in (0, 4)
+        assert not cfg["pingpong"] or cfg["compute_warps"] == 8
+        for name in ("smem_layout", "kv_splits", "warp_key_groups"):
+            for other in values[name]:
+                if other != cfg[name]:
+                    assert space.violations(space.config({**cfg.as_dict(), name: other}), ctx), (name, other)
+    # attention-hopper.yaml leaves out block_n 16: 114 is what `evotune check --space` compiles for it
+    assert len([c for c in admitted if c["block_n"] != 16]) == 114
+    assert len({instantiate(attention, c, shape).code for c in admitted}) == len(admitted)
+    for pw, pp in ((4, False), (1, True)):
+        assert space.violations(space.config({"mma": "sync", "producer_warps": pw, "pingpong": pp}), ctx)
+
+
+def test_hopper_space_is_the_wgmma_slice(space, attention):
+    """search_spaces/attention-hopper.yaml admits exactly the wgmma configs attention.yaml admits (less block_n 16,
+    which it leaves out), with the same shared-memory figure, on a d128 and a d64 shape."""
+    import itertools
+
+    from evotune.shapes import parse_shape
+
+    hopper = load_builtin("attention-hopper")
+    for text in ("4,32,4096,128", "16,12,1024,64:bf16:causal"):
+        ctx = attention.context(parse_shape(text))
+        mine = {c.key() for c in hopper.admitted_configs(ctx)}
+        values = {p.name: p.values for p in space.params}
+        names = [p.name for p in hopper.params if p.name != "mma"]
+        theirs = set()
+        for combo in itertools.product(*(values[n] for n in names)):
+            cfg = space.config({"mma": "wgmma", **dict(zip(names, combo))})
+            if not space.violations(cfg, ctx) and cfg["block_n"] != 16:
+                theirs.add(hopper.config({"mma": "wgmma", **dict(zip(names, combo))}).key())
+                assert hopper.derive(hopper.config({"mma": "wgmma", **dict(zip(names, combo))}), ctx)["smem_bytes"] \
+                    == space.derive(cfg, ctx)["smem_bytes"]
+        assert mine == theirs and len(mine) > 100
 
 
 def test_load_builtin_finds_attention(space):
@@ -85,8 +143,8 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 
 def test_size(space):
-    """size() is the product of the value counts: 4*4*4*3*4*3*2*4*3."""
-    assert space.size() == 55296
+    """size() is the product of the value counts: 2*4*4*4*4*4*3*2*4*3*2."""
+    assert space.size() == 294912
 
 
 def test_all_configs_is_the_full_product_in_order(space):
@@ -94,10 +152,12 @@ def test_all_configs_is_the_full_product_in_order(space):
     configs = list(space.all_configs())
     assert len(configs) == space.size() == len(set(configs))
     assert configs == list(space.all_configs())
-    assert [c["warp_key_groups"] for c in configs[:3]] == [1, 2, 4]
-    assert [c["kv_splits"] for c in configs[0:12:3]] == [1, 2, 4, 8]
-    assert [c["q_in_regs"] for c in configs[0:24:12]] == [True, False]
-    assert [c["smem_layout"] for c in configs[0:72:24]] == ["pad", "swizzle", "plain"]
+    assert [c["pingpong"] for c in configs[:2]] == [False, True]
+    assert [c["warp_key_groups"] for c in configs[0:6:2]] == [1, 2, 4]
+    assert [c["kv_splits"] for c in configs[0:24:6]] == [1, 2, 4, 8]
+    assert [c["q_in_regs"] for c in configs[0:48:24]] == [True, False]
+    assert [c["smem_layout"] for c in configs[0:144:48]] == ["pad", "swizzle", "plain"]
+    assert [c["mma"] for c in (configs[0], configs[-1])] == ["sync", "wgmma"]
 
 
 def test_shape_context_has_every_context_name(mission):
@@ -170,7 +230,7 @@ def test_config_fills_defaults(space):
 
 def test_config_rejects_unknown_name(space):
     """config() names an unknown parameter and lists the real ones."""
-    with pytest.raises(UsageError, match=r"unknown parameter 'block_k'; parameters: block_m, block_n"):
+    with pytest.raises(UsageError, match=r"unknown parameter 'block_k'; parameters: mma, block_m, block_n"):
         space.config({"block_k": 64})
 
 
@@ -198,8 +258,8 @@ def test_config_hash_equality_and_keys(space):
     c = Config.from_dict(dict(reversed(list(a.as_dict().items()))))
     assert a == b == c and hash(a) == hash(b) == hash(c)
     assert len({a, b, c, space.default_config()}) == 2
-    assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,kv_splits=1,producer_warps=0,q_in_regs=True,"
-                                  "smem_layout=swizzle,stages=3,warp_key_groups=1")
+    assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,kv_splits=1,mma=sync,pingpong=False,"
+                                  "producer_warps=0,q_in_regs=True,smem_layout=swizzle,stages=3,warp_key_groups=1")
     assert a.digest() == c.digest() and len(a.digest()) == 12 and int(a.digest(), 16) >= 0
     assert a.digest() != space.default_config().digest()
 

@@ -20,9 +20,9 @@ def without_banner(code: str) -> str:
     return "\n".join(line for line in code.splitlines() if not line.startswith(BANNER))
 
 
-def first_admitted_change(space, name, shape):
-    """The default config with `name` moved to the first other value that the space admits on `shape`."""
-    default = space.default_config()
+def first_admitted_change(space, name, shape, base=None):
+    """`base` (the default config) with `name` moved to the first other value that the space admits on `shape`."""
+    default = base if base is not None else space.default_config()
     ctx = shape_context(shape)
     param = next(p for p in space.params if p.name == name)
     for value in param.values:
@@ -35,8 +35,13 @@ def first_admitted_change(space, name, shape):
 
 
 def test_default_instantiation(attention, space, mission):
-    """The default mission source is the template text, a banner, and one extern "C" entry with the args in order."""
-    template = (REPO_ROOT / "kernels" / "attention.cu").read_text()
+    """The default mission source is the template text (local headers inlined), a banner, and one extern "C" entry
+    with the args in order."""
+    from evotune.template import read_template
+
+    _, template = read_template("attention.cu")
+    assert '#include "attention_hopper.cuh"' in (REPO_ROOT / "kernels" / "attention.cu").read_text()
+    assert '#include "' not in template
     src = instantiate(attention, space.default_config(), mission)
     assert src.family == "attention" and src.entry == "evotune_attention"
     assert src.template_path == str(kernels_dir() / "attention.cu")
@@ -69,13 +74,16 @@ def test_template_args_match_traits_parameters(attention, space, mission):
 # Every knob the shipped space declares, read from the YAML, so a new knob is covered automatically.
 @pytest.mark.parametrize("name", load_builtin("attention").param_names())
 def test_every_knob_changes_the_code(attention, space, mission, name):
-    """Changing one knob from its default to another admitted value changes the generated code beyond the banner."""
+    """Changing one knob to another admitted value changes the generated code beyond the banner: from the default,
+    or, for a knob only the Hopper variant reads (pingpong), from a two-warpgroup wgmma config."""
     assert name in space.param_names()
-    cfg = first_admitted_change(space, name, mission)
-    assert cfg is not None, f"no admitted value of {name} other than the default on the mission shape"
-    base = instantiate(attention, space.default_config(), mission).code
-    changed = instantiate(attention, cfg, mission).code
-    assert without_banner(changed) != without_banner(base)
+    hopper = space.config({"mma": "wgmma", "block_m": 128, "compute_warps": 8, "producer_warps": 4})
+    for base in (space.default_config(), hopper):
+        cfg = first_admitted_change(space, name, mission, base)
+        if cfg is not None:
+            break
+    assert cfg is not None, f"no admitted value of {name} other than the base's on the mission shape"
+    assert without_banner(instantiate(attention, cfg, mission).code) != without_banner(instantiate(attention, base, mission).code)
 
 
 @pytest.mark.parametrize("other", ["1,8,4096,64", "1,8,512,2048,64", "16,32,512,64", "mission:bshd"])

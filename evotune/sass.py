@@ -1,0 +1,85 @@
+"""Read a compiled kernel's SASS (cuobjdump -sass on the cubin): which tensor-core instructions it
+runs, whether it touches local memory, how it loads. No GPU needed: the cubin comes from NVRTC.
+
+cuobjdump comes from a CUDA toolkit on PATH or from the `nvidia-cuda-cuobjdump` wheel
+(`pip install 'evotune[sass]'`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from .errors import EvotuneError
+
+# SASS opcode (the mnemonic before the first '.') -> what the summary calls it.
+CLASSES = {
+    "HGMMA": "wgmma (Hopper warpgroup MMA)",
+    "HMMA": "mma.sync (warp MMA)",
+    "UTMALDG": "TMA tensor loads",
+    "LDGSTS": "cp.async loads",
+    "LDSM": "ldmatrix",
+    "SYNCS": "mbarrier operations",
+    "LDL": "local-memory loads",
+    "STL": "local-memory stores",
+}
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def cuobjdump_path() -> str:
+    """cuobjdump from PATH, CUDA_HOME/CUDA_PATH, /usr/local/cuda, or the nvidia-cuda-cuobjdump wheel."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    candidates = [Path(os.environ[e], "bin", "cuobjdump") for e in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(e)]
+    candidates.append(Path("/usr/local/cuda/bin/cuobjdump"))
+    try:
+        import nvidia.cu13  # type: ignore
+
+        candidates += [Path(root, "bin", "cuobjdump") for root in nvidia.cu13.__path__]
+    except ImportError:
+        pass
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    raise EvotuneError("cuobjdump not found: install a CUDA toolkit or `pip install 'evotune[sass]'`")
+
+
+def disassemble(cubin_path: str) -> str:
+    """The SASS text of a cubin (one cached before compile.complete_elf existed is completed in a copy)."""
+    import tempfile
+
+    from .compile import complete_elf
+
+    tool = cuobjdump_path()
+    data = Path(cubin_path).read_bytes()
+    whole = complete_elf(data)
+    with tempfile.TemporaryDirectory() as tmp:
+        if whole != data:
+            cubin_path = os.path.join(tmp, "kernel.cubin")
+            Path(cubin_path).write_bytes(whole)
+        proc = subprocess.run([tool, "-sass", cubin_path], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EvotuneError(f"cuobjdump -sass failed: {(proc.stderr or proc.stdout).strip().splitlines()[:1]}")
+    return proc.stdout
+
+
+def opcode_counts(sass: str) -> dict[str, int]:
+    """Static count of each opcode (without its .modifiers) in the SASS text."""
+    counts: dict[str, int] = {}
+    for match in _INSTRUCTION.finditer(sass):
+        op = match.group(1)
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def summary(sass: str) -> dict:
+    """The opcode classes of CLASSES with their static counts, and the verdicts the docs quote."""
+    counts = opcode_counts(sass)
+    classes = {op: counts.get(op, 0) for op in CLASSES}
+    return {"instructions": sum(counts.values()), "classes": classes,
+            "tensor_core": "wgmma" if classes["HGMMA"] else ("mma.sync" if classes["HMMA"] else "none"),
+            "local_memory": classes["LDL"] + classes["STL"]}

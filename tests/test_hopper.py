@@ -1,0 +1,189 @@
+"""CPU tests of the Hopper attention variant (mma = wgmma): template inlining, real NVRTC compiles for sm_90a
+with ptxas's verdicts, the SASS it turns into, TMA tensor-map arguments, launch geometry and export."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from evotune.compile import compile_source, complete_elf, static_violations
+from evotune.errors import EvotuneError, UsageError
+from evotune.shapes import parse_shape
+from evotune.template import REPO_ROOT, instantiate
+
+W = dict(mma="wgmma", smem_layout="swizzle")
+# The committed llama-4k winner (runs/llama-4k-h100-hopper) and a spread of the variant's code paths.
+WINNER = dict(W, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=3, q_in_regs=False)
+SPREAD = [
+    ("4,32,4096,128", WINNER),
+    ("4,32,4096,128:bf16:causal", dict(W, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=3,
+                                       q_in_regs=True, pingpong=True)),
+    ("16,12,1024,64", dict(W, block_m=64, block_n=128, compute_warps=4, producer_warps=0, stages=2, q_in_regs=False)),
+    ("2,16,8192,64:bf16", dict(W, block_m=128, block_n=64, compute_warps=8, producer_warps=0, stages=4,
+                               q_in_regs=True, pingpong=True)),
+    ("1,2,197,300,64:causal:bshd", dict(W, block_m=64, block_n=32, compute_warps=4, producer_warps=4, stages=1,
+                                        q_in_regs=True)),
+]
+# ptxas's notes when it cannot keep wgmma asynchronous: C7514/C7515 serialise every wgmma (a 25% loss on
+# llama-4k before the loop was restructured), C7519 inserts a fence of its own.
+SERIALISED = ("C7514", "C7515", "C7519")
+
+
+def _compile(attention, space, shape_text, cfg):
+    shape = parse_shape(shape_text)
+    config = space.config(cfg)
+    assert not space.violations(config, attention.context(shape))
+    src = instantiate(attention, config, shape)
+    return shape, config, src, compile_source(src.code, src.entry)
+
+
+def test_template_inlines_its_local_headers(attention, space):
+    """The instantiated source is self-contained: attention_hopper.cuh and wgmma.cuh are inlined, no local include is left."""
+    src = instantiate(attention, space.config(WINNER), parse_shape("llama-4k"))
+    assert "// ---- begin attention_hopper.cuh" in src.code and "// ---- begin wgmma.cuh" in src.code
+    assert '#include "' not in src.code
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in src.code
+
+
+def test_include_errors_are_one_line(tmp_path, monkeypatch, attention, space, mission):
+    """A missing local header or an include cycle is a UsageError naming the files."""
+    monkeypatch.setenv("EVOTUNE_KERNELS", str(tmp_path))
+    (tmp_path / "attention.cu").write_text('#include "nowhere.cuh"\n')
+    with pytest.raises(UsageError, match=r"nowhere.cuh: kernel template not found \(included from attention.cu\)"):
+        instantiate(attention, space.default_config(), mission)
+    (tmp_path / "attention.cu").write_text('#include "a.cuh"\n')
+    (tmp_path / "a.cuh").write_text('#include "attention.cu"\n')
+    with pytest.raises(UsageError, match="#include cycle through attention.cu -> a.cuh -> attention.cu"):
+        instantiate(attention, space.default_config(), mission)
+
+
+def test_generated_wgmma_header_is_current():
+    """kernels/wgmma.cuh is what tools/gen_wgmma.py writes today."""
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    try:
+        import gen_wgmma
+    finally:
+        sys.path.pop(0)
+    assert (REPO_ROOT / "kernels" / "wgmma.cuh").read_text() == gen_wgmma.render()
+
+
+@pytest.mark.parametrize("shape_text,cfg", SPREAD, ids=[s for s, _ in SPREAD])
+def test_hopper_configs_compile_async_and_clean(attention, space, shape_text, cfg):
+    """Each path of the variant compiles for sm_90a without spills or local memory, and ptxas keeps its wgmma
+    asynchronous (no serialisation note); with a producer warpgroup and two consumers the kernel is built at the
+    launch bound, 168 registers, which setmaxnreg then splits 24/240."""
+    shape, config, _, compiled = _compile(attention, space, shape_text, cfg)
+    res = compiled.resources
+    geo = attention.geometry(config, shape)
+    assert static_violations(res, geo.threads, geo.dynamic_smem) == []
+    notes = [line for line in compiled.log.splitlines() if any(code in line for code in SERIALISED)]
+    assert notes == []
+    if cfg["producer_warps"] == 4 and cfg["compute_warps"] == 8:
+        assert geo.threads == 384 and res.registers == 168
+
+
+def test_geometry_matches_the_space(attention, space):
+    """Launch geometry of a wgmma config: 64 rows per consumer warpgroup, the producer warpgroup's threads, and the
+    shared memory the space's smem_bytes derives."""
+    shape = parse_shape("2,5,1000,128:bf16")
+    config = space.config(dict(WINNER, stages=2))
+    geo = attention.geometry(config, shape)
+    assert geo.grid == (8, 5, 2) and geo.block == (384, 1, 1)
+    assert geo.dynamic_smem == space.derive(config, attention.context(shape))["smem_bytes"] == 2 * 128 * (128 + 512) + 1024
+    assert attention.workspace_elems(config, shape) == (0, 0, 0)
+
+
+def test_tensor_map_arguments_for_both_layouts(attention, space):
+    """The Q/K/V maps are rank 4 (head_dim, seq, head, batch) with byte strides from the tensor's own strides
+    (BHSD or BSHD), boxes of 64 columns by block_m (Q) or block_n (K, V) rows."""
+    config = space.config(WINNER)
+    shape = parse_shape("2,3,100,200,128:bf16:bshd")
+    strides = {"q": (100 * 3 * 128, 128, 3 * 128, 1), "k": (200 * 3 * 128, 128, 3 * 128, 1), "v": (200 * 3 * 128, 128, 3 * 128, 1)}
+    maps = attention.tensor_map_args(config, shape, strides)
+    assert maps["q"].dims == (128, 100, 3, 2) and maps["k"].dims == (128, 200, 3, 2)
+    assert maps["q"].strides == (3 * 128 * 2, 128 * 2, 100 * 3 * 128 * 2)
+    assert maps["q"].box == (64, 128, 1, 1) and maps["v"].box == (64, 128, 1, 1) and maps["k"].dtype == "bf16"
+
+
+def test_tensor_map_rules_are_enforced():
+    """TMA's rules come back as one-line errors: contiguous head dim, 16-byte multiple strides, box limits."""
+    from evotune.tma import tiled_map_args
+
+    ok = tiled_map_args("fp16", (1, 2, 64, 64), (8192, 4096, 64, 1), 64)
+    assert ok.strides == (128, 8192, 16384)
+    with pytest.raises(EvotuneError, match="head dimension must be contiguous"):
+        tiled_map_args("fp16", (1, 2, 64, 64), (8192, 4096, 1, 64), 64)
+    with pytest.raises(EvotuneError, match="seq stride .* multiple of 16"):
+        tiled_map_args("fp16", (1, 2, 64, 60), (8192, 4096, 60, 1), 64)
+    with pytest.raises(EvotuneError, match="box 64x512"):
+        tiled_map_args("fp16", (1, 2, 64, 64), (8192, 4096, 64, 1), 512)
+
+
+def test_cupy_cubin_is_completed(attention, space, mission):
+    """compile_source writes the whole ELF (CuPy's getCUBIN returns it one byte short); complete_elf is idempotent
+    and leaves non-ELF bytes alone."""
+    import struct
+
+    src = instantiate(attention, space.default_config(), mission)
+    data = open(compile_source(src.code, src.entry).cubin_path, "rb").read()
+    phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+    assert len(data) >= max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    assert complete_elf(data) == data
+    assert complete_elf(data[:-1]) == data[:-1] + b"\x00" and data[-1] == 0
+    assert complete_elf(b"not an elf") == b"not an elf"
+
+
+def _require_cuobjdump():
+    from evotune.sass import cuobjdump_path
+
+    try:
+        return cuobjdump_path()
+    except EvotuneError:
+        if os.environ.get("EVOTUNE_REQUIRE_CUOBJDUMP") == "1":
+            raise
+        pytest.skip("cuobjdump not installed (pip install 'evotune[sass]')")
+
+
+def test_sass_shows_wgmma_tma_and_no_local_memory(attention, space):
+    """The Hopper winner's SASS runs HGMMA and TMA loads (UTMALDG) and no HMMA, cp.async or local memory;
+    an mma.sync config's runs HMMA, ldmatrix and cp.async and no HGMMA."""
+    from evotune.sass import disassemble, summary
+
+    _require_cuobjdump()
+    *_, compiled = _compile(attention, space, "llama-4k", WINNER)
+    hopper = summary(disassemble(compiled.cubin_path))
+    assert hopper["tensor_core"] == "wgmma" and hopper["local_memory"] == 0
+    c = hopper["classes"]
+    assert c["HGMMA"] >= 16 and c["UTMALDG"] > 0 and c["SYNCS"] > 0 and c["HMMA"] == c["LDGSTS"] == 0
+    *_, compiled = _compile(attention, space, "llama-4k", dict(block_m=128, block_n=32, compute_warps=4, q_in_regs=False))
+    sync = summary(disassemble(compiled.cubin_path))["classes"]
+    assert sync["HMMA"] > 0 and sync["LDSM"] > 0 and sync["LDGSTS"] > 0 and sync["HGMMA"] == sync["UTMALDG"] == 0
+
+
+def test_sass_command(main_in_process, tmp_path):
+    """`evotune sass --config ... --json` reports wgmma and no local memory and writes the listing; a config the
+    space refuses is a usage error (exit 2)."""
+    _require_cuobjdump()
+    listing = tmp_path / "winner.sass"
+    proc = main_in_process("sass", "--config", json.dumps(WINNER), "--shape", "llama-4k", "--json", "-o", str(listing))
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["tensor_core"] == "wgmma" and info["local_memory"] == 0 and info["spill_bytes"] == 0
+    assert "HGMMA" in listing.read_text()
+    proc = main_in_process("sass", "--config", json.dumps(dict(WINNER, block_m=64)), "--shape", "llama-4k")
+    assert proc.returncode == 2 and "not admitted" in proc.stderr
+
+
+def test_export_of_a_wgmma_config_says_how_to_launch_it(attention, space):
+    """An exported Hopper config names its own entry signature (tensor maps, output, strides) and the maps to build."""
+    from evotune.export import export_source
+
+    text = export_source(attention, parse_shape("llama-4k"), space.config(WINNER))
+    header = [line for line in text.splitlines() if line.startswith("// ")][:12]
+    assert any("signature    evotune_attention(const char* tmaps" in line for line in header)
+    assert any(line.startswith("// tensor maps  cuTensorMapEncodeTiled, rank 4") and "64 x 128 (Q)" in line for line in header)
+    assert "evotune::hopper::attention_fwd_wgmma<EvotuneTraits>" in text
