@@ -59,7 +59,7 @@ def test_attention_loads(space):
     assert all(c.why for c in space.constraints)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
-    assert block_m.values == (16, 32, 64, 128) and block_m.default == 64 and block_m.line == 12
+    assert block_m.values == (16, 32, 64, 128) and block_m.default == 64 and block_m.line == 15
     assert space.params[-5].values == ("pad", "swizzle", "plain")
     assert space.params[-4].values == (True, False)
     assert space.params[-3].values == (1, 2, 4, 8)
