@@ -1,8 +1,8 @@
 """Read a compiled kernel's SASS (cuobjdump -sass on the cubin): which tensor-core instructions it
 runs, whether it touches local memory, how it loads. No GPU needed: the cubin comes from NVRTC.
 
-cuobjdump comes from a CUDA toolkit on PATH or from the `nvidia-cuda-cuobjdump` wheel
-(`pip install 'evotune[sass]'`).
+cuobjdump (and the nvdisasm that recent ones call) comes from a CUDA toolkit on PATH or from the
+`nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels (`pip install 'evotune[sass]'`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def disassemble(cubin_path: str) -> str:
         if whole != data:
             cubin_path = os.path.join(tmp, "kernel.cubin")
             Path(cubin_path).write_bytes(whole)
-        proc = subprocess.run([tool, "-sass", cubin_path], capture_output=True, text=True)
+        # cuobjdump 13.3 and later leave SASS to nvdisasm: the one beside it (the wheels' bin folder) first.
+        env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", ""))
+        proc = subprocess.run([tool, "-sass", cubin_path], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise EvotuneError(f"cuobjdump -sass failed: {(proc.stderr or proc.stdout).strip().splitlines()[:1]}")
     return proc.stdout
