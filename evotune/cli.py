@@ -745,10 +745,10 @@ def bench(
         raise EvotuneError(f"the kernel did not pass on {shp.spec}: {record['rows'][0]['reason']}")
 
 
-def _check_writable(path: str) -> None:
+def _check_writable(path: str, option: str = "--out") -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise UsageError(f"--out: folder {parent} does not exist")
+        raise UsageError(f"{option}: folder {parent} does not exist")
 
 
 def _print_bench(rec: dict) -> None:
@@ -877,7 +877,7 @@ def sass(
 
     problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family)
     if output:
-        _check_writable(output)
+        _check_writable(output, "--output")
     _, compiled = _compile_candidate(problem, shp, cfg)
     text = disassemble(compiled.cubin_path)
     info = summary(text)

@@ -66,23 +66,24 @@ def cache_dir() -> Path:
     return path
 
 
-def cuda_include_dirs() -> list[str]:
-    """Headers for cuda_fp16.h and friends: the nvidia-cuda-runtime wheel first, then a system toolkit."""
-    dirs = []
+def cuda_roots() -> list[Path]:
+    """Folders that may hold CUDA's include/ and bin/: the nvidia cu13 wheels first (nvidia-cuda-runtime,
+    nvidia-cuda-cuobjdump, ...), then CUDA_PATH, CUDA_HOME and /usr/local/cuda."""
+    roots = []
     try:
         import nvidia.cu13  # type: ignore
 
-        for root in nvidia.cu13.__path__:
-            inc = Path(root) / "include"
-            if (inc / "cuda_fp16.h").exists():
-                dirs.append(str(inc))
+        roots += [Path(root) for root in nvidia.cu13.__path__]
     except ImportError:
         pass
-    for env in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(env):
-            dirs.append(os.path.join(os.environ[env], "include"))
-    dirs.append("/usr/local/cuda/include")
-    return [d for d in dict.fromkeys(dirs) if Path(d, "cuda_fp16.h").exists()]
+    roots += [Path(os.environ[env]) for env in ("CUDA_PATH", "CUDA_HOME") if os.environ.get(env)]
+    roots.append(Path("/usr/local/cuda"))
+    return list(dict.fromkeys(roots))
+
+
+def cuda_include_dirs() -> list[str]:
+    """Headers for cuda_fp16.h and friends: the nvidia-cuda-runtime wheel first, then a system toolkit."""
+    return [str(root / "include") for root in cuda_roots() if (root / "include" / "cuda_fp16.h").exists()]
 
 
 def toolchain() -> dict:

@@ -30,19 +30,14 @@ _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 
 
 def cuobjdump_path() -> str:
-    """cuobjdump from PATH, CUDA_HOME/CUDA_PATH, /usr/local/cuda, or the nvidia-cuda-cuobjdump wheel."""
+    """cuobjdump from PATH, else from a CUDA root (compile.cuda_roots: the wheel, CUDA_PATH/CUDA_HOME, /usr/local/cuda)."""
+    from .compile import cuda_roots
+
     found = shutil.which("cuobjdump")
     if found:
         return found
-    candidates = [Path(os.environ[e], "bin", "cuobjdump") for e in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(e)]
-    candidates.append(Path("/usr/local/cuda/bin/cuobjdump"))
-    try:
-        import nvidia.cu13  # type: ignore
-
-        candidates += [Path(root, "bin", "cuobjdump") for root in nvidia.cu13.__path__]
-    except ImportError:
-        pass
-    for path in candidates:
+    for root in cuda_roots():
+        path = root / "bin" / "cuobjdump"
         if path.is_file() and os.access(path, os.X_OK):
             return str(path)
     raise EvotuneError("cuobjdump not found: install a CUDA toolkit or `pip install 'evotune[sass]'`")

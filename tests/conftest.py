@@ -82,19 +82,35 @@ def mission():
     return parse_shape("mission")
 
 
+def require_or_skip(why, env: str) -> None:
+    """Skip the test for the reason `why` (None: nothing missing), unless `env`=1 (CI), where that fails."""
+    import os
+
+    if why is not None:
+        if os.environ.get(env) == "1":
+            pytest.fail(f"{env}=1 but {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def cuobjdump():
+    """The cuobjdump `evotune sass` uses; skipped where none is installed, unless EVOTUNE_REQUIRE_CUOBJDUMP=1 (CI)."""
+    from evotune.errors import EvotuneError
+    from evotune.sass import cuobjdump_path
+
+    try:
+        return cuobjdump_path()
+    except EvotuneError as e:
+        require_or_skip(str(e), "EVOTUNE_REQUIRE_CUOBJDUMP")
+
+
 @pytest.fixture(scope="session")
 def postgres_url():
     """The URL of a PostgreSQL database on a server started for the session on loopback (tests/_postgres.py).
     Skipped where PostgreSQL is not installed, unless EVOTUNE_REQUIRE_POSTGRES=1 (CI), where that fails."""
-    import os
-
     import _postgres
 
-    why = _postgres.missing()
-    if why is not None:
-        if os.environ.get("EVOTUNE_REQUIRE_POSTGRES") == "1":
-            pytest.fail(f"EVOTUNE_REQUIRE_POSTGRES=1 but {why}")
-        pytest.skip(why)
+    require_or_skip(_postgres.missing(), "EVOTUNE_REQUIRE_POSTGRES")
     server = _postgres.PostgresServer().start()
     try:
         yield server.url

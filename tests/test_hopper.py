@@ -4,7 +4,6 @@ with ptxas's verdicts, the SASS it turns into, TMA tensor-map arguments, launch 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
@@ -137,23 +136,11 @@ def test_cupy_cubin_is_completed(attention, space, mission):
     assert complete_elf(b"not an elf") == b"not an elf"
 
 
-def _require_cuobjdump():
-    from evotune.sass import cuobjdump_path
-
-    try:
-        return cuobjdump_path()
-    except EvotuneError:
-        if os.environ.get("EVOTUNE_REQUIRE_CUOBJDUMP") == "1":
-            raise
-        pytest.skip("cuobjdump not installed (pip install 'evotune[sass]')")
-
-
-def test_sass_shows_wgmma_tma_and_no_local_memory(attention, space):
+def test_sass_shows_wgmma_tma_and_no_local_memory(attention, space, cuobjdump):
     """The Hopper winner's SASS runs HGMMA and TMA loads (UTMALDG) and no HMMA, cp.async or local memory;
     an mma.sync config's runs HMMA, ldmatrix and cp.async and no HGMMA."""
     from evotune.sass import disassemble, summary
 
-    _require_cuobjdump()
     *_, compiled = _compile(attention, space, "llama-4k", WINNER)
     hopper = summary(disassemble(compiled.cubin_path))
     assert hopper["tensor_core"] == "wgmma" and hopper["local_memory"] == 0
@@ -164,10 +151,9 @@ def test_sass_shows_wgmma_tma_and_no_local_memory(attention, space):
     assert sync["HMMA"] > 0 and sync["LDSM"] > 0 and sync["LDGSTS"] > 0 and sync["HGMMA"] == sync["UTMALDG"] == 0
 
 
-def test_sass_command(main_in_process, tmp_path):
+def test_sass_command(main_in_process, tmp_path, cuobjdump):
     """`evotune sass --config ... --json` reports wgmma and no local memory and writes the listing; a config the
     space refuses is a usage error (exit 2)."""
-    _require_cuobjdump()
     listing = tmp_path / "winner.sass"
     proc = main_in_process("sass", "--config", json.dumps(WINNER), "--shape", "llama-4k", "--json", "-o", str(listing))
     assert proc.returncode == 0, proc.stderr

@@ -115,6 +115,20 @@ class Problem:
         """Why baseline `name` is not measured on `shape` (too large, ...), or None."""
         return None
 
+    @staticmethod
+    def probed(run, probe: bool):
+        """What baseline_launcher returns: `run`, or, with `probe`, None if running it once raises
+        RuntimeError (the backend refuses these inputs)."""
+        if probe:
+            import torch
+
+            try:
+                run()
+                torch.cuda.synchronize()
+            except RuntimeError:
+                return None
+        return run
+
 
 def get_problem(family: str):
     """The Problem object of a family name, or of a plugin path `package.module:ATTR` (a family

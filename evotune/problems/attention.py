@@ -42,6 +42,11 @@ def is_wgmma(config) -> bool:
     """The Hopper variant (kernels/attention_hopper.cuh: wgmma, TMA, mbarriers) rather than mma.sync."""
     return knob(config, "mma") == "wgmma"
 
+
+def wgmma_block_m(config) -> int:
+    """Query rows per CTA of the Hopper variant: 64 (wgmma's M) per consumer warpgroup of 4 compute warps."""
+    return 16 * int(knob(config, "compute_warps"))
+
 # Correctness gate, elementwise against an fp32 reference: |out - ref| <= ATOL*rms(V) + RTOL*|ref|.
 # The relative term is needed because |O| grows where a row attends few keys (causal
 # rows near the diagonal copy V almost verbatim), and one rounding of O to the output
@@ -173,11 +178,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
     def geometry(self, config, shape: Shape) -> LaunchGeometry:
         block_m, block_n = int(knob(config, "block_m")), int(knob(config, "block_n"))
         if is_wgmma(config):
-            # HopperTraits: 64 rows per consumer warpgroup; Q + STAGES (K, V) tiles + 1024 B to align them.
-            consumer_wgs = int(knob(config, "compute_warps")) // 4
-            block_m = 64 * consumer_wgs
+            # HopperTraits: Q + STAGES (K, V) tiles + 1024 B to align them; consumer and producer warps.
+            block_m = wgmma_block_m(config)
             smem = 2 * shape.head_dim * (block_m + 2 * int(knob(config, "stages")) * block_n) + 1024
-            threads = 128 * consumer_wgs + 32 * int(knob(config, "producer_warps"))
+            threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
             return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads, shape.batch),
                                   block=(threads, 1, 1), dynamic_smem=smem)
         threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
@@ -211,7 +215,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
     def launch_notes(self, config, shape: Shape) -> list[str]:
         """Extra launch requirements for an export header."""
         if is_wgmma(config):
-            block_m = 16 * int(knob(config, "compute_warps"))
+            block_m = wgmma_block_m(config)
             return [f"tensor maps  cuTensorMapEncodeTiled, rank 4 (head_dim, seq, head, batch), strides in bytes, "
                     f"SWIZZLE_128B, OOB fill zero; boxes 64 x {block_m} (Q), 64 x {int(knob(config, 'block_n'))} (K, V)"]
         n_o, n_lse, n_count = self.workspace_elems(config, shape)
@@ -338,8 +342,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         to its tensor's (B, H, S, D) element strides. Pure: checked on the CPU."""
         from ..tma import tiled_map_args
 
-        block_m = 16 * int(knob(config, "compute_warps"))
-        block_n = int(knob(config, "block_n"))
+        block_m, block_n = wgmma_block_m(config), int(knob(config, "block_n"))
         return {name: tiled_map_args(shape.dtype, (shape.batch, shape.heads, seq, shape.head_dim), strides[name], rows)
                 for name, seq, rows in (("q", shape.seq_q, block_m), ("k", shape.seq_k, block_n),
                                         ("v", shape.seq_k, block_n))}
@@ -392,7 +395,6 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
     def baseline_launcher(self, name: str, shape: Shape, inputs: dict, probe: bool = True):
         """A callable running SDPA with one backend forced, returning its output; with `probe`, None
         if the backend refuses these inputs (found by running it once)."""
-        import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -404,13 +406,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, scale=inputs["scale"])
 
-        if probe:
-            try:
-                run()
-                torch.cuda.synchronize()
-            except RuntimeError:
-                return None
-        return run
+        return self.probed(run, probe)
 
 
 PROBLEM = AttentionProblem()

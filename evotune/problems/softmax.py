@@ -303,13 +303,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
         def run():
             return torch.softmax(x, dim=-1)
 
-        if probe:
-            try:
-                run()
-                torch.cuda.synchronize()
-            except RuntimeError:
-                return None
-        return run
+        return self.probed(run, probe)
 
 
 PROBLEM = SoftmaxProblem()
