@@ -10,12 +10,17 @@ the syntax tree itself: nothing from the file is ever handed to eval/exec.
 Every validation error is one line, `<path>:<line>: <message>`, pointing at
 the YAML node at fault. Expressions may read the parameters, the derived values,
 and the context: the names the family's Problem declares (`context_names`, its
-shape) plus the device limits below.
+shape) plus the device limits below. Where the family declares its knobs
+(`Problem.knob_domains`), a parameter must be one of them and its values ones the
+template accepts. Every number an expression reads or computes stays within
+±2**64, and expressions are bounded in length and depth, so no file can stall or
+exhaust the tuner.
 """
 
 from __future__ import annotations
 
 import ast
+import difflib
 import hashlib
 import itertools
 import json
@@ -31,6 +36,7 @@ from typing import Optional, Iterable, Iterator, Mapping
 import yaml
 
 from .errors import UsageError
+from .paths import package_data_dir
 
 # Opt-in dynamic shared memory per block on H100 (227 KB), and threads per block.
 SMEM_LIMIT = 232448
@@ -48,6 +54,7 @@ def family_context_names(family: str) -> tuple[str, ...] | None:
     """The context names a space of `family` may read when its loader is not told them: a built-in
     family's own; for a plugin family (`package.module:ATTR`, not imported here) None, meaning any
     name, checked when evaluated; for any other family every built-in family's names."""
+    # The one import of the families from here: only for a loader that was not told the names.
     from .problems import FAMILIES, get_problem
 
     if family in FAMILIES:
@@ -55,6 +62,14 @@ def family_context_names(family: str) -> tuple[str, ...] | None:
     if ":" in family:
         return None
     return tuple(dict.fromkeys(n for f in FAMILIES for n in get_problem(f).context_names))
+
+
+def family_knob_domains(family: str) -> Mapping[str, tuple | range] | None:
+    """The knobs a space of `family` may have, with their allowed values, when its loader is not told them:
+    a built-in family's `knob_domains()`; None (not checked) for any other family, plugins included."""
+    from .problems import FAMILIES, get_problem
+
+    return get_problem(family).knob_domains() if family in FAMILIES else None
 
 
 def __getattr__(name: str):
@@ -71,6 +86,17 @@ CONSTRAINT_KEYS = ("expr", "why")
 
 # Bounds `**` so that an expression cannot stall the tuner computing a huge integer.
 _MAX_EXPONENT = 64
+# Every number a space's expressions read or compute lies within ±_MAX_MAGNITUDE: with bounded operands
+# each operation is quick, where nested powers of unbounded ones took minutes.
+_MAX_MAGNITUDE = 2**64
+# An expression's length and nesting: the shipped ones are at most 165 characters and 8 deep.
+_MAX_EXPRESSION_CHARS = 1000
+_MAX_EXPRESSION_DEPTH = 64
+# A space file's size and YAML nesting: the shipped ones are under 6 KB and 4 deep.
+_MAX_FILE_BYTES = 1 << 20
+_MAX_YAML_NESTING = 32
+# Explicit YAML tags a space file may carry: the plain types (no python/*, binary, set, ...).
+_PLAIN_TAGS = frozenset(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq"))
 
 
 # --------------------------------------------------------------------------- expressions
@@ -86,6 +112,18 @@ def _ceil_div(a, b):
 
 def _is_pow2(x) -> bool:
     return isinstance(x, int) and x > 0 and x & (x - 1) == 0
+
+
+def _short(text: str, most: int = 80) -> str:
+    """`text` cut to `most` characters, for messages quoting what a file says."""
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
+def _in_bounds(value) -> bool:
+    """False for a number beyond ±_MAX_MAGNITUDE or not real (complex, inf, nan); True for anything else."""
+    if isinstance(value, complex):
+        return False
+    return not isinstance(value, (int, float)) or -_MAX_MAGNITUDE <= value <= _MAX_MAGNITUDE
 
 
 # name -> (function, fewest arguments, most arguments or None for no limit)
@@ -110,6 +148,7 @@ _BINOPS = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: _pow,
 }
+_SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**"}
 _COMPARE = {
     ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
     ast.Gt: operator.gt, ast.GtE: operator.ge,
@@ -117,40 +156,45 @@ _COMPARE = {
 }
 
 
-def _check(node: ast.AST, names: set[str]) -> None:
+def _check(node: ast.AST, names: set[str], depth: int = 0) -> None:
     """Reject any construct outside the allowed subset; collect the variable names used into `names`."""
+    if depth > _MAX_EXPRESSION_DEPTH:
+        raise ExpressionError(f"nested more than {_MAX_EXPRESSION_DEPTH} deep")
+    depth += 1
     if isinstance(node, ast.Constant):
         if type(node.value) not in (int, float, str, bool):
-            raise ExpressionError(f"literal {node.value!r} is not allowed")
+            raise ExpressionError(f"literal {_short(repr(node.value))} is not allowed")
+        if not _in_bounds(node.value):
+            raise ExpressionError(f"literal {_short(repr(node.value))} is larger than 2**64 in magnitude")
     elif isinstance(node, ast.Name):
         names.add(node.id)
     elif isinstance(node, ast.BinOp):
         if type(node.op) not in _BINOPS:
             raise ExpressionError(f"operator {type(node.op).__name__} is not allowed")
-        _check(node.left, names)
-        _check(node.right, names)
+        _check(node.left, names, depth)
+        _check(node.right, names, depth)
     elif isinstance(node, ast.UnaryOp):
         if not isinstance(node.op, (ast.USub, ast.Not)):
             raise ExpressionError(f"operator {type(node.op).__name__} is not allowed")
-        _check(node.operand, names)
+        _check(node.operand, names, depth)
     elif isinstance(node, ast.BoolOp):
         for value in node.values:
-            _check(value, names)
+            _check(value, names, depth)
     elif isinstance(node, ast.Compare):
-        _check(node.left, names)
+        _check(node.left, names, depth)
         for op, right in zip(node.ops, node.comparators):
             if isinstance(op, (ast.In, ast.NotIn)):
                 if not isinstance(right, (ast.Tuple, ast.List)):
                     raise ExpressionError("the right side of `in` must be a tuple or list literal")
                 for element in right.elts:
-                    _check(element, names)
+                    _check(element, names, depth)
             elif type(op) in _COMPARE:
-                _check(right, names)
+                _check(right, names, depth)
             else:
                 raise ExpressionError(f"comparison {type(op).__name__} is not allowed")
     elif isinstance(node, ast.IfExp):
         for part in (node.test, node.body, node.orelse):
-            _check(part, names)
+            _check(part, names, depth)
     elif isinstance(node, ast.Call):
         if not isinstance(node.func, ast.Name) or node.func.id not in _FUNCTIONS:
             raise ExpressionError(f"only {', '.join(_FUNCTIONS)} may be called")
@@ -161,7 +205,7 @@ def _check(node: ast.AST, names: set[str]) -> None:
             wanted = str(fewest) if fewest == most else f"at least {fewest}"
             raise ExpressionError(f"{node.func.id}() takes {wanted} argument(s), got {len(node.args)}")
         for arg in node.args:
-            _check(arg, names)
+            _check(arg, names, depth)
     elif isinstance(node, (ast.Tuple, ast.List)):
         raise ExpressionError("tuples and lists are only allowed on the right side of `in`")
     else:
@@ -171,10 +215,14 @@ def _check(node: ast.AST, names: set[str]) -> None:
 @lru_cache(maxsize=None)
 def _parse(expr: str) -> tuple[ast.expr, frozenset[str]]:
     """Parse and vet `expr` once (cached: the tuner evaluates the same few expressions thousands of times)."""
+    if len(expr) > _MAX_EXPRESSION_CHARS:
+        raise ExpressionError(f"the expression is {len(expr)} characters long; at most {_MAX_EXPRESSION_CHARS}")
     try:
         tree = ast.parse(expr.strip(), mode="eval")
     except SyntaxError as exc:
-        raise ExpressionError(f"cannot parse {expr!r}: {exc.msg}") from None
+        raise ExpressionError(f"cannot parse {_short(expr)!r}: {exc.msg}") from None
+    except (RecursionError, MemoryError):  # the parser's own limits on nesting
+        raise ExpressionError(f"cannot parse {_short(expr)!r}: nested too deeply") from None
     names: set[str] = set()
     _check(tree.body, names)
     return tree.body, frozenset(names)
@@ -192,6 +240,16 @@ def _number(value):
     return value
 
 
+def _out_of_bounds(value, what: str) -> ValueError:
+    """The error for `value`, which `what` computed and which is beyond ±2**64 or not real."""
+    size = "not a real number" if isinstance(value, complex) else "larger than 2**64 in magnitude"
+    return ValueError(f"{what} is {size}")
+
+
+def _operand(value) -> str:
+    return f"({value!r})" if value < 0 else repr(value)
+
+
 def _eval(node: ast.expr, env: Mapping[str, object]):
     if isinstance(node, ast.Constant):
         return node.value
@@ -200,7 +258,11 @@ def _eval(node: ast.expr, env: Mapping[str, object]):
             raise ExpressionError(f"unknown name {node.id!r}")
         return env[node.id]
     if isinstance(node, ast.BinOp):
-        return _BINOPS[type(node.op)](_number(_eval(node.left, env)), _number(_eval(node.right, env)))
+        a, b = _number(_eval(node.left, env)), _number(_eval(node.right, env))
+        value = _BINOPS[type(node.op)](a, b)
+        if type(value) in (int, float) and -_MAX_MAGNITUDE <= value <= _MAX_MAGNITUDE:  # inline: the hot path
+            return value
+        raise _out_of_bounds(value, f"{_operand(a)} {_SYMBOLS[type(node.op)]} {_operand(b)}")
     if isinstance(node, ast.UnaryOp):
         value = _eval(node.operand, env)
         return not value if isinstance(node.op, ast.Not) else -_number(value)
@@ -226,7 +288,11 @@ def _eval(node: ast.expr, env: Mapping[str, object]):
     if isinstance(node, ast.IfExp):
         return _eval(node.body if _eval(node.test, env) else node.orelse, env)
     if isinstance(node, ast.Call):
-        return _FUNCTIONS[node.func.id][0](*(_eval(a, env) for a in node.args))
+        args = [_eval(a, env) for a in node.args]
+        value = _FUNCTIONS[node.func.id][0](*args)
+        if _in_bounds(value):
+            return value
+        raise _out_of_bounds(value, f"{node.func.id}({', '.join(_short(repr(a)) for a in args)})")
     raise AssertionError(f"unvetted node {type(node).__name__}")  # _check admits nothing else
 
 
@@ -380,7 +446,7 @@ class SearchSpace:
         try:
             return safe_eval(expr, env)
         except ExpressionError as exc:
-            raise UsageError(f"{self.path}:{line}: {what}: {expr}: {exc}") from None
+            raise UsageError(f"{self.path}:{line}: {what}: {_short(expr)}: {exc}") from None
 
 
 def check_nonempty(space: SearchSpace, context: Mapping[str, object]) -> None:
@@ -402,9 +468,11 @@ def check_nonempty(space: SearchSpace, context: Mapping[str, object]) -> None:
 class _Reader:
     """Builds a SearchSpace from the composed YAML node tree, so each error can name its node's line."""
 
-    def __init__(self, path: str, context_names: Iterable[str] | None = None):
+    def __init__(self, path: str, context_names: Iterable[str] | None = None,
+                 knob_domains: Mapping[str, tuple | range] | None = None):
         self.path = path
         self.context_names = None if context_names is None else tuple(context_names)
+        self.knob_domains = knob_domains
         self.any_context = False  # set by space(): True where the context names are not known
         self.constructor = yaml.constructor.SafeConstructor()
 
@@ -432,7 +500,10 @@ class _Reader:
     def scalar(self, node: yaml.Node, what: str):
         if not isinstance(node, yaml.ScalarNode):
             self.fail(node, f"{what} must be a single value")
-        return self.constructor.construct_object(node)
+        try:
+            return self.constructor.construct_object(node)
+        except (ValueError, OverflowError) as exc:  # an int of over 4300 digits, a date like 2024-13-45
+            self.fail(node, f"cannot read {what} {_short(node.value)!r}: {str(exc).split(';')[0]}")
 
     def string(self, node: yaml.Node, what: str) -> str:
         value = self.scalar(node, what)
@@ -449,7 +520,7 @@ class _Reader:
         except ExpressionError as exc:
             self.fail(node, f"{what}: {exc}")
         if unknown and not self.any_context:  # with any context, an unknown name fails when evaluated
-            self.fail(node, f"{what}: unknown name {unknown[0]!r} in {expr!r}")
+            self.fail(node, f"{what}: unknown name {unknown[0]!r} in {_short(expr)!r}")
         return expr
 
     def new_name(self, node: yaml.Node, name: str, what: str, taken: Mapping[str, str]) -> None:
@@ -484,7 +555,10 @@ class _Reader:
         taken.update({name: "a function" for name in _FUNCTIONS})
         known = set(context)
 
+        domains = self.knob_domains if self.knob_domains is not None else family_knob_domains(family)
         params = self.params(top["params"], taken)
+        if domains is not None:
+            self.check_knobs(top["params"], params, family, domains)
         taken.update({p.name: "a parameter" for p in params})
         known.update(p.name for p in params)
 
@@ -525,6 +599,22 @@ class _Reader:
             params.append(Param(name, values, doc, default, key_node.start_mark.line + 1))
         return params
 
+    def check_knobs(self, node: yaml.Node, params: list[Param], family: str, domains: Mapping) -> None:
+        """Each parameter is a knob the family's template reads, and each of its values one the template accepts."""
+        nodes = {name: value_node for name, _, value_node in self.mapping(node, "params")}
+        for param in params:
+            if param.name not in domains:
+                near = difflib.get_close_matches(param.name, list(domains), n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise UsageError(f"{self.path}:{param.line}: parameter {param.name!r} is not a knob of the {family} "
+                                 f"family (its knobs: {_fmt(domains)}){hint}")
+            domain = domains[param.name]
+            fields = {key: value for key, _, value in self.mapping(nodes[param.name], "parameter")}
+            for value, item in zip(param.values, fields["values"].value):
+                if not _in_domain(value, domain):
+                    self.fail(item, f"{value!r} is not a value of knob {param.name!r} that the {family} template "
+                                    f"accepts: {_describe(domain)}")
+
     def values(self, node: yaml.Node, what: str) -> tuple:
         if not isinstance(node, yaml.SequenceNode):
             self.fail(node, f"values of {what} must be a list")
@@ -535,6 +625,8 @@ class _Reader:
             value = self.scalar(item, f"a value of {what}")
             if type(value) not in (int, str, bool):
                 self.fail(item, f"values of {what} must be integers, strings or booleans, got {value!r}")
+            if type(value) is int and not _in_bounds(value):
+                self.fail(item, f"a value of {what} is larger than 2**64 in magnitude")
             if values and type(value) is not type(values[0]):
                 self.fail(item, f"values of {what} mix {type(values[0]).__name__} and {type(value).__name__}")
             if value in values:
@@ -557,6 +649,24 @@ class _Reader:
         return constraints
 
 
+def _in_domain(value, domain) -> bool:
+    """`value` is in `domain` (a tuple, or a range of ints), type-strictly: True is not 1."""
+    if isinstance(domain, range):
+        return type(value) is int and value in domain
+    return any(_same_value(value, v) for v in domain)
+
+
+def _describe(domain) -> str:
+    """A domain in words, e.g. `one of plain, pad, swizzle` or `an integer from 0 to 4`."""
+    if not isinstance(domain, range):  # in YAML's spelling: true and false
+        return "one of " + ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in domain)
+    last = domain[-1]
+    if domain.step == 1:
+        return f"an integer from {domain.start} to {last}"
+    return f"a multiple of {domain.step} from {domain.start} to {last}" if domain.start % domain.step == 0 else \
+        f"an integer from {domain.start} to {last} in steps of {domain.step}"
+
+
 def _is_empty(node: yaml.Node | None) -> bool:
     """True for an absent section, a bare `key:` (null) and an empty `{}` or `[]`."""
     if node is None:
@@ -566,13 +676,16 @@ def _is_empty(node: yaml.Node | None) -> bool:
     return not node.value
 
 
-def load_space(path: str | os.PathLike, context_names: Iterable[str] | None = None) -> SearchSpace:
+def load_space(path: str | os.PathLike, context_names: Iterable[str] | None = None,
+               knob_domains: Mapping[str, tuple | range] | None = None) -> SearchSpace:
     """Read and validate a search-space YAML file; raises UsageError `<path>:<line>: <message>` on any problem.
 
     Expressions may read `context_names` (the family Problem's context, without the device
     limits, which are always there); by default those `family_context_names` gives the file's family.
+    The parameters must be knobs of `knob_domains` (a Problem's `knob_domains()`) with values in
+    their domains; by default those `family_knob_domains` gives (a plugin's are not checked then).
     """
-    return _read(path, lambda reader, root: reader.space(root), context_names)
+    return _read(path, lambda reader, root: reader.space(root), context_names, knob_domains)
 
 
 def space_family(path: str | os.PathLike) -> str:
@@ -580,16 +693,20 @@ def space_family(path: str | os.PathLike) -> str:
     return _read(path, lambda reader, root: reader.string(reader.top(root)["family"], "family"))
 
 
-def _read(path, parse, context_names=None):
+def _read(path, parse, context_names=None, knob_domains=None):
     path = str(path)
     try:
+        size = Path(path).stat().st_size
+        if size > _MAX_FILE_BYTES:
+            raise UsageError(f"{path}: {size} bytes; a space file is at most {_MAX_FILE_BYTES} bytes")
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UsageError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path}: cannot read: {exc}") from None
-    reader = _Reader(path, context_names)
+    reader = _Reader(path, context_names, knob_domains)
     try:
+        _vet_yaml(path, text)
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         return parse(reader, root)
     except yaml.MarkedYAMLError as exc:  # syntax errors, and unsupported tags met while constructing values
@@ -601,10 +718,30 @@ def _read(path, parse, context_names=None):
         raise UsageError(f"{path}: YAML error: {' '.join(str(exc).split())}") from None
 
 
+def _vet_yaml(path: str, text: str) -> None:
+    """Refuse explicit tags other than the plain types, and nesting deeper than _MAX_YAML_NESTING, at their line.
+
+    Runs on the parser's events, before the (recursive) composer sees the file."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        line = event.start_mark.line + 1
+        tag = getattr(event, "tag", None)
+        if tag not in (None, "!") and tag not in _PLAIN_TAGS:
+            shown = tag.replace("tag:yaml.org,2002:", "!!", 1)
+            raise UsageError(f"{path}:{line}: YAML error: tag {_short(shown)!r} is not allowed in a space file "
+                             f"(plain values only)")
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > _MAX_YAML_NESTING:
+                raise UsageError(f"{path}:{line}: YAML error: nested more than {_MAX_YAML_NESTING} deep")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
 def spaces_dir() -> Path:
-    """The folder of built-in spaces: $EVOTUNE_SPACES, else `search_spaces/` at the repository root."""
+    """The folder of built-in spaces: $EVOTUNE_SPACES, else the packaged `search_spaces` folder."""
     override = os.environ.get("EVOTUNE_SPACES")
-    return Path(override) if override else Path(__file__).resolve().parents[1] / "search_spaces"
+    return Path(override) if override else package_data_dir("search_spaces")
 
 
 def builtin_names() -> list[str]:

@@ -5,6 +5,7 @@ The `gpu` and `slow` markers are registered in pyproject.toml.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,13 @@ from evotune import cli
 from evotune.problems import get_problem
 from evotune.shapes import parse_shape
 from evotune.space import load_builtin
+
+# evotune loads a plugin family only from a module EVOTUNE_PLUGINS allows. The suite allows the modules its
+# tests load families from (`tests` covers tests.fault_family), at import so that the CLI and worker
+# processes the tests start inherit it; tests of the refusal remove or replace the variable themselves.
+TEST_PLUGIN_MODULES = ("tests", "nosuchpackage_xyz", "evotune_brokenfam", "evotune_cwdfam")
+os.environ["EVOTUNE_PLUGINS"] = ",".join(
+    m for m in (os.environ.get("EVOTUNE_PLUGINS", ""), *TEST_PLUGIN_MODULES) if m)
 
 
 def _torch_sees_gpu() -> bool:

@@ -25,7 +25,8 @@ from evotune.result import Result
 from evotune.runs import Run
 from evotune.search import SearchOptions, run_search
 from evotune.space import load_builtin, load_space
-from evotune.template import REPO_ROOT, instantiate
+from evotune.template import instantiate
+from _paths import REPO_ROOT
 
 BANNER = "// ---- evotune instantiation:"
 # Ragged on purpose: cols not a multiple of any vector width, rows not a multiple of rows_per_cta.

@@ -16,7 +16,7 @@ import pytest
 
 from evotune.problems import get_problem
 from evotune.space import load_builtin
-from evotune.template import REPO_ROOT
+from _paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 

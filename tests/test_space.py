@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import re
@@ -55,7 +57,7 @@ def test_attention_loads(space):
                                    "smem_layout", "q_in_regs", "kv_splits", "warp_key_groups", "pingpong"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 16
+    assert len(space.constraints) == 17
     assert all(c.why for c in space.constraints)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
@@ -123,9 +125,10 @@ def test_hopper_space_is_the_wgmma_slice(space, attention):
 
 
 def test_load_builtin_finds_attention(space):
-    """load_builtin('attention') returns the same space as loading the file directly."""
+    """load_builtin('attention') returns the same space as loading the repository's file directly (from the
+    packaged copy after a wheel install, hence compared without its path)."""
     assert "attention" in builtin_names()
-    assert load_builtin("attention") == space
+    assert dataclasses.replace(load_builtin("attention"), path=space.path) == space
 
 
 def test_load_builtin_unknown_name_lists_available():
@@ -305,6 +308,8 @@ def test_digest_is_stable():
         ("is_pow2(x) and not is_pow2(x + 1)", {"x": 64}, True),
         ("int(7 / 2) + int(b)", {"b": True}, 4),
         ("bool(x)", {"x": 0}, False),
+        ("2 ** 64 - x", {"x": 0}, 2**64),  # the bound on every number is inclusive
+        ("-(2 ** 64)", {}, -(2**64)),
     ],
 )
 def test_safe_eval_allowed(expr, env, expected):
@@ -335,6 +340,9 @@ def test_safe_eval_allowed(expr, env, expected):
         ("None", "literal None is not allowed"),
         ("x +", "cannot parse"),
         ("x = 1", "cannot parse"),
+        ("x * 1e30", "literal 1e+30 is larger than 2**64"),
+        ("-" * 70 + "x", "nested more than 64 deep"),
+        ("x + " * 300 + "x", "1201 characters long; at most 1000"),
     ],
 )
 def test_safe_eval_rejects(expr, message):
@@ -351,11 +359,15 @@ def test_safe_eval_rejects(expr, message):
         ("2 ** x", {"x": 1000}, "exponent 1000 is larger than 64"),
         ("s * 100", {"s": "pad"}, "not a number"),
         ("int(s)", {"s": "pad"}, "invalid literal"),
+        ("2 ** 64 + x", {"x": 1}, "18446744073709551616 + 1 is larger than 2**64 in magnitude"),
+        ("x * 2.0 ** 64", {"x": 2}, "2 * 1.8446744073709552e+19 is larger than 2**64"),
+        ("int(s)", {"s": "9" * 30}, "int('999999999999999999999999999999') is larger than 2**64"),
+        ("max(x, 2) ** 64", {"x": 3}, "3 ** 64 is larger than 2**64"),
     ],
 )
 def test_safe_eval_runtime_errors(expr, env, message):
     """Failures while evaluating become ExpressionError, never a raw Python exception."""
-    with pytest.raises(ExpressionError, match=message):
+    with pytest.raises(ExpressionError, match=re.escape(message)):
         safe_eval(expr, env)
 
 
@@ -465,3 +477,144 @@ def test_missing_context_name_at_runtime(tmp_path):
     assert space.admitted(space.default_config(), {"head_dim": 64})
     with pytest.raises(UsageError, match=rf"^{path}:6: constraint: p <= head_dim: unknown name 'head_dim'$"):
         space.violations(space.default_config(), {})
+
+
+# --------------------------------------------------------------------------- knobs a family declares
+
+
+def attention_space(params: str) -> str:
+    return "family: attention\nparams:\n" + params
+
+
+def softmax_space(params: str) -> str:
+    return "family: softmax\nparams:\n" + params
+
+
+BAD_KNOBS = [
+    # (id, file text, line of the offending node, texts the message contains)
+    ("string-for-int", attention_space("  block_m:\n    values: ['64']\n"), 4,
+     ("'64' is not a value of knob 'block_m' that the attention template accepts", "a multiple of 16 from 16 to 2048")),
+    ("unknown-smem-layout", attention_space("  smem_layout:\n    values:\n      - swizzle\n      - banana\n"), 6,
+     ("'banana' is not a value of knob 'smem_layout'", "one of plain, pad, swizzle")),
+    ("bool-as-string", attention_space("  q_in_regs: {values: ['false']}\n"), 3, ("'false'", "one of true, false")),
+    ("zero-tile", attention_space("  block_m: {values: [64, 0]}\n"), 3, ("0 is not a value of knob 'block_m'",)),
+    ("too-many-stages", attention_space("  stages: {values: [5]}\n"), 3, ("an integer from 1 to 4",)),
+    ("unknown-knob", attention_space("  block_n: {values: [64]}\n  blok_m: {values: [64, 128]}\n"), 4,
+     ("parameter 'blok_m' is not a knob of the attention family", "did you mean 'block_m'?")),
+    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong)")),
+    ("softmax-vec", softmax_space("  vec: {values: [8, 3]}\n"), 3, ("3 is not a value of knob 'vec'", "one of 2, 4, 8")),
+    ("softmax-strategy", softmax_space("  strategy: {values: [fast]}\n"), 3, ("one of cached, online, three_pass",)),
+    ("softmax-typo", softmax_space("  thread_per_row: {values: [32]}\n"), 3, ("did you mean 'threads_per_row'?",)),
+]
+
+
+@pytest.mark.parametrize("text, line, fragments", [c[1:] for c in BAD_KNOBS], ids=[c[0] for c in BAD_KNOBS])
+def test_knob_the_template_does_not_know(tmp_path, text, line, fragments):
+    """A parameter the family's template does not read, or a value it does not accept, is one file:line UsageError (exit 2)."""
+    path = write(tmp_path, text)
+    with pytest.raises(UsageError) as info:
+        load_space(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:{line}: "), message
+    assert all(f in message for f in fragments), message
+    assert "\n" not in message and info.value.exit_code == 2
+
+
+@pytest.mark.parametrize("module_name", ["attention", "softmax"])
+def test_declared_knobs_are_the_template_knobs(module_name):
+    """A built-in family declares exactly the knobs it has defaults for and its full space lists, each default allowed."""
+    import importlib
+
+    module = importlib.import_module(f"evotune.problems.{module_name}")
+    domains = module.PROBLEM.knob_domains()
+    assert set(domains) == set(module.KNOB_DEFAULTS)
+    # test_template and test_softmax check that every knob of the full space changes the generated code.
+    assert set(domains) == set(load_builtin(module.PROBLEM.default_space).param_names())
+    for name, default in module.KNOB_DEFAULTS.items():
+        domain = domains[name]
+        if isinstance(domain, range):
+            assert type(default) is int and default in domain, name
+        else:
+            assert any(type(v) is type(default) and v == default for v in domain), name
+
+
+def test_knobs_checked_only_where_declared(tmp_path):
+    """A plugin space is checked against the knob domains its caller passes, and not at all without them."""
+    path = write(tmp_path, "family: mypkg.gemm:PROBLEM\nparams:\n  tile: {values: [64, 24]}\n  unroll: {values: [2]}\n")
+    assert load_space(path).param_names() == ["tile", "unroll"]
+    domains = {"tile": range(16, 257, 16), "unroll": (1, 2, 4)}
+    with pytest.raises(UsageError, match=rf"^{re.escape(str(path))}:3: 24 is not a value of knob 'tile' that the "
+                                         rf"mypkg\.gemm:PROBLEM template accepts: a multiple of 16 from 16 to 256$"):
+        load_space(path, (), domains)
+    assert load_space(path, (), {**domains, "tile": (64, 24)}).param_names() == ["tile", "unroll"]
+
+
+# --------------------------------------------------------------------------- hostile files
+
+
+HOSTILE = [
+    ("python-object", "family: attention\nparams: !!python/object:os.system {}\n", 2,
+     "YAML error: tag '!!python/object:os.system' is not allowed in a space file"),
+    ("python-apply-top", "!!python/object/apply:os.system ['echo hi']\n", 1, "tag '!!python/object/apply:os.system'"),
+    ("python-name-expr", HEAD + "constraints:\n  - expr: !!python/name:os.system p > 1\n    why: w\n", 6,
+     "tag '!!python/name:os.system'"),
+    ("python-tuple-values", "family: t\nparams:\n  p: {values: !!python/tuple [1]}\n", 3, "tag '!!python/tuple'"),
+    ("python-key", "family: t\nparams:\n  !!python/str p: {values: [1]}\n", 3, "tag '!!python/str'"),
+    ("binary", "family: t\nparams:\n  p: {values: [!!binary aGVsbG8=]}\n", 3, "tag '!!binary'"),
+    ("set", "family: t\nparams:\n  p: {values: !!set {a: null}}\n", 3, "tag '!!set'"),
+    ("local-tag", "family: t\nparams:\n  p: !include other.yaml\n", 3, "tag '!include'"),
+    ("deep-yaml", "family: t\nparams:\n  p: {values: " + "[" * 40 + "]" * 40 + "}\n", 3, "nested more than 32 deep"),
+    ("impossible-date", "family: t\nparams:\n  p:\n    values: [2024-13-45]\n", 4,
+     "cannot read a value of parameter 'p' '2024-13-45'"),
+    ("int-of-5000-digits", "family: t\nparams:\n  p:\n    values: [" + "9" * 5000 + "]\n", 4, "4300 digits"),
+    ("int-beyond-2-64", "family: t\nparams:\n  p:\n    values: [1, " + str(2**70) + "]\n", 4,
+     "a value of parameter 'p' is larger than 2**64 in magnitude"),
+    ("long-expression", HEAD + "derived:\n  x: " + "+".join(["p"] * 600) + "\n", 6,
+     "the expression is 1199 characters long; at most 1000"),
+    ("deep-expression", HEAD + "derived:\n  x: " + "-" * 100 + "p\n", 6, "nested more than 64 deep"),
+    ("deep-not", HEAD + "constraints:\n  - {expr: " + "not " * 200 + "p, why: w}\n", 6, "nested more than 64 deep"),
+    ("huge-literal", HEAD + "derived:\n  x: p * 100000000000000000000000\n", 6,
+     "literal 100000000000000000000000 is larger than 2**64"),
+    ("huge-float-literal", HEAD + "derived:\n  x: p * 1e300\n", 6, "literal 1e+300 is larger than 2**64"),
+]
+
+
+@pytest.mark.parametrize("text, line, fragment", [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
+def test_hostile_space_file(tmp_path, text, line, fragment):
+    """Python tags, deep nesting, oversized numbers and oversized expressions are one file:line UsageError at load."""
+    path = write(tmp_path, text)
+    with pytest.raises(UsageError) as info:
+        load_space(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:{line}: "), message
+    assert fragment in message and "\n" not in message and len(message) < 400
+    assert info.value.exit_code == 2
+
+
+def test_plain_yaml_tags_are_allowed(tmp_path):
+    """Explicit tags of the plain types (`!!int`, `!!str`) still load."""
+    space = load_space(write(tmp_path, "family: t\nparams:\n  p: {values: [!!int '16', 32]}\n  q: {values: [!!str 1]}\n"))
+    assert space.params[0].values == (16, 32) and space.params[1].values == ("1",)
+
+
+def test_oversized_file(tmp_path):
+    """A space file over 1 MiB is refused before it is parsed."""
+    path = write(tmp_path, HEAD + "#" * (1 << 20) + "\n")
+    with pytest.raises(UsageError, match=rf"^{re.escape(str(path))}: \d+ bytes; a space file is at most 1048576 bytes$"):
+        load_space(path)
+
+
+@pytest.mark.parametrize("expr, values, message", [
+    ("((p ** 64) ** 64) ** 64 > 1", "[9]", "9 ** 64 is larger than 2**64 in magnitude"),
+    ("p * p * p * p * p > 1", "[65536]", "18446744073709551616 * 65536 is larger than 2**64 in magnitude"),
+    ("(0 - p) ** 0.5 > 1", "[8]", "(-8) ** 0.5 is not a real number"),
+    ("p / 1e-10 > 1", "[" + str(2**60) + "]", "1152921504606846976 / 1e-10 is larger than 2**64 in magnitude"),
+])
+def test_every_arithmetic_result_is_bounded(tmp_path, expr, values, message):
+    """An expression whose value outgrows ±2**64 fails at its first such step, with the file, line and expression."""
+    path = write(tmp_path, f"family: t\nparams:\n  p:\n    values: {values}\nconstraints:\n  - expr: {expr}\n    why: w\n")
+    space = load_space(path)
+    with pytest.raises(UsageError) as info:
+        space.violations(space.default_config(), {})
+    assert str(info.value) == f"{path}:6: constraint: {expr}: {message}"
+    assert info.value.exit_code == 2

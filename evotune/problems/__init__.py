@@ -3,13 +3,26 @@ becomes template arguments and launch geometry, inputs, the launch, and the refe
 
 The compile/evaluate/search/runs code talks to a family only through this interface
 (`Problem` below); the shapes are the family's own, so nothing generic reads their fields.
+
+A family outside evotune (a plugin, named `package.module:ATTR`) is Python code that loading it
+runs, so it loads only where the person running evotune allowed its module: EVOTUNE_PLUGINS
+lists the allowed modules, comma-separated (a package allows its submodules). A space file or a
+run folder naming a plugin therefore never runs code on its own. Worker processes inherit the
+variable, so they load the family by the same name.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from dataclasses import dataclass
+from typing import Iterable, Mapping
 
 from ..errors import UsageError
+
+# The environment variable that lists the modules plugin families may be loaded from.
+PLUGINS_ENV = "EVOTUNE_PLUGINS"
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,10 @@ class Problem:
         """The names `context_names` for `shape`: what the space's expressions may read."""
         raise NotImplementedError
 
+    def knob_domains(self) -> Mapping[str, tuple | range] | None:
+        """Knob name -> the values the template accepts (a tuple, or a range of ints); None: undeclared, not checked."""
+        return None
+
     def rate(self, shape, time_us: float) -> float | None:
         """Throughput in `rate_unit` at `time_us` per call, or None."""
         return None
@@ -132,7 +149,8 @@ class Problem:
 
 def get_problem(family: str):
     """The Problem object of a family name, or of a plugin path `package.module:ATTR` (a family
-    defined outside evotune; worker processes load it by that same name)."""
+    defined outside evotune, loaded only where EVOTUNE_PLUGINS allows its module; worker processes
+    load it by that same name)."""
     if ":" in family:
         return load_plugin(family)
     if family == "attention":
@@ -153,22 +171,62 @@ FAMILIES = ("attention", "softmax")
 PROBLEM_ATTRIBUTES = ("family", "kernel_file", "entry_name", "check_shape", "context", "instantiation", "geometry")
 
 
+def allowed_plugin_modules() -> tuple[str, ...]:
+    """The modules EVOTUNE_PLUGINS allows plugin families to be loaded from (a package allows its submodules)."""
+    return tuple(m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip())
+
+
+def allow_plugins(modules: Iterable[str]) -> None:
+    """Allow plugin families from `modules` in this process and the workers it starts (what a `--plugin` flag calls)."""
+    modules = [m.strip() for m in modules]
+    for module in modules:
+        if not _is_module_name(module):
+            raise UsageError(f"plugin module {module!r}: write a module name, package.module")
+    os.environ[PLUGINS_ENV] = ",".join(dict.fromkeys(allowed_plugin_modules() + tuple(modules)))
+
+
+def plugin_allowed(module_name: str) -> bool:
+    """True when the person running evotune allowed `module_name`; evotune's own modules always are."""
+    return any(module_name == m or module_name.startswith(m + ".") for m in ("evotune", *allowed_plugin_modules()))
+
+
+def _is_module_name(name: str) -> bool:
+    return all(part.isidentifier() for part in name.split("."))
+
+
 def load_plugin(path: str):
     """The Problem object `ATTR` of module `package.module`, for `path` = "package.module:ATTR".
 
-    The module is imported as Python would import it; when it is not found there, the current
-    directory is tried too (the `evotune` console script does not put it on sys.path, `python -m`
-    does), so `evotune search --space my_space.yaml` finds a family module beside the space.
-    The object's `family` must be `path` itself: it is the name the run records and the name a
-    worker process, which starts with none of this process's imports, loads the family by.
+    The module must be allowed (`plugin_allowed`): otherwise a UsageError says how to allow it and
+    nothing is imported. It is imported as Python would import it; when it is not found there, the
+    current directory is tried too (the `evotune` console script does not put it on sys.path,
+    `python -m` does), so `evotune search --space my_space.yaml` finds an allowed family module
+    beside the space. The object's `family` must be `path` itself: it is the name the run records
+    and the name a worker process, which starts with none of this process's imports, loads the family by.
     """
-    import importlib
-    import os
-    import sys
-
     module_name, _, attr = path.partition(":")
-    if not all(part.isidentifier() for part in module_name.split(".")) or not attr.isidentifier():
+    if not _is_module_name(module_name) or not attr.isidentifier():
         raise UsageError(f"kernel family {path!r}: a family outside evotune is written package.module:ATTR")
+    if not plugin_allowed(module_name):
+        raise UsageError(f"kernel family {path!r} is a plugin: loading it runs the Python module {module_name!r}; "
+                         f"to allow that, set {PLUGINS_ENV}={module_name} (comma-separated for several)")
+    module = _import_plugin(module_name)
+    if module is None:
+        raise UsageError(f"kernel family {path!r}: no module {module_name!r} (is it on PYTHONPATH?)")
+    problem = getattr(module, attr, None)
+    if problem is None:
+        raise UsageError(f"kernel family {path!r}: module {module_name!r} has no {attr!r}")
+    missing = [name for name in PROBLEM_ATTRIBUTES if not hasattr(problem, name)]
+    if missing:
+        raise UsageError(f"kernel family {path!r}: {type(problem).__name__} is not a Problem (no {', '.join(missing)})")
+    if problem.family != path:
+        raise UsageError(f"kernel family {path!r}: its family attribute is {problem.family!r}; it must be {path!r}, "
+                         f"the name worker processes load it by")
+    return problem
+
+
+def _import_plugin(module_name: str):
+    """The allowed module `module_name`, from sys.path and then the current directory; None when neither has it."""
 
     def find():
         try:
@@ -183,15 +241,4 @@ def load_plugin(path: str):
     if module is None and os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
         module = find()
-    if module is None:
-        raise UsageError(f"kernel family {path!r}: no module {module_name!r} (is it on PYTHONPATH?)")
-    problem = getattr(module, attr, None)
-    if problem is None:
-        raise UsageError(f"kernel family {path!r}: module {module_name!r} has no {attr!r}")
-    missing = [name for name in PROBLEM_ATTRIBUTES if not hasattr(problem, name)]
-    if missing:
-        raise UsageError(f"kernel family {path!r}: {type(problem).__name__} is not a Problem (no {', '.join(missing)})")
-    if problem.family != path:
-        raise UsageError(f"kernel family {path!r}: its family attribute is {problem.family!r}; it must be {path!r}, "
-                         f"the name worker processes load it by")
-    return problem
+    return module

@@ -33,6 +33,23 @@ KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_war
                  "mma": "sync", "pingpong": False}
 
 
+# The values each knob may take: what the templates' traits (AttnTraits, hopper::HopperTraits) accept for
+# it alone, from their static_asserts; which combinations compile is the space's constraints' business.
+KNOB_DOMAINS = {
+    "mma": ("sync", "wgmma"),
+    "block_m": range(16, 2049, 16),      # whole 16-row mma tiles; at most 4 per warp of at most 32 warps
+    "block_n": range(16, 257, 16),       # whole 16-key ldmatrix steps, at most 256
+    "compute_warps": range(1, 33),       # at most 1024 threads per CTA
+    "producer_warps": range(0, 5),
+    "stages": range(1, 5),
+    "smem_layout": tuple(SMEM_LAYOUTS),
+    "q_in_regs": (True, False),
+    "kv_splits": range(1, 17),
+    "warp_key_groups": range(1, 17),     # each group takes a whole 16 keys of a tile of at most 256
+    "pingpong": (False, True),
+}
+
+
 def knob(config, name: str):
     value = config.get(name)
     return KNOB_DEFAULTS[name] if value is None else value
@@ -109,6 +126,9 @@ class AttentionProblem(Problem):
     def context(self, shape: Shape) -> dict:
         """Names the search space's expressions may use for this shape."""
         return shape_context(shape)
+
+    def knob_domains(self) -> dict:
+        return KNOB_DOMAINS
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,

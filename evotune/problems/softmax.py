@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..shapes import parse_dim, parse_flags
 from ..space import DEVICE_CONTEXT_NAMES, device_context
 from . import LaunchGeometry, Problem
 
@@ -23,6 +24,15 @@ STRATEGIES = {"cached": 0, "online": 1, "three_pass": 2}
 
 # The value a knob takes when a (reduced) search space does not list it (online: right for any cols).
 KNOB_DEFAULTS = {"threads_per_row": 128, "rows_per_cta": 1, "vec": 8, "strategy": "online", "unroll": 1}
+
+# The values each knob may take: what SoftmaxTraits' static_asserts accept for it alone.
+KNOB_DOMAINS = {
+    "threads_per_row": tuple(2**i for i in range(11)),  # powers of two up to 1024
+    "rows_per_cta": range(1, 1025),
+    "vec": (2, 4, 8),
+    "strategy": tuple(STRATEGIES),
+    "unroll": range(1, 9),
+}
 
 CONTEXT_NAMES = ("rows", "cols", "dtype", "dtype_bytes") + DEVICE_CONTEXT_NAMES
 
@@ -103,12 +113,11 @@ def parse_shape(text: str) -> SoftmaxShape:
             if re.match(r"^[A-Za-z][\w-]*$", name):
                 raise UsageError(f"shape: unknown preset {name!r}; presets: {', '.join(PRESETS)}")
             raise UsageError(f"shape: cannot read {text!r}; write ROWS,COLS with optional :fp16|:bf16")
-        rows, cols, dtype = int(match.group(1)), int(match.group(2)), "fp16"
-    for flag in (f.strip().lower() for f in flags):
-        if flag not in DTYPES:
-            raise UsageError(f"shape: unknown flag {flag!r} in {text!r}; flags: fp16, bf16")
-        dtype = flag
-    return SoftmaxShape(rows, cols, dtype)
+        int32 = "the kernel indexes rows and columns with 32-bit ints"
+        rows = parse_dim(match.group(1), "rows", 2**31 - 1, int32)
+        cols = parse_dim(match.group(2), "cols", 2**31 - 1, int32)
+        dtype = "fp16"
+    return SoftmaxShape(rows, cols, parse_flags(flags, {d: "dtype" for d in DTYPES}, text).get("dtype", dtype))
 
 
 class SoftmaxProblem(Problem):
@@ -150,6 +159,9 @@ class SoftmaxProblem(Problem):
     def context(self, shape: SoftmaxShape) -> dict:
         return {"rows": shape.rows, "cols": shape.cols, "dtype": shape.dtype, "dtype_bytes": shape.dtype_bytes,
                 **device_context()}
+
+    def knob_domains(self) -> dict:
+        return KNOB_DOMAINS
 
     def rate(self, shape: SoftmaxShape, time_us: float) -> float:
         return shape.min_bytes() / time_us / 1e3  # GB/s
