@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext as _nullcontext
 from typing import Optional
 
@@ -22,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .errors import EvotuneError, NoGPUError, UsageError
+from .outputs import check_output_path, write_output
 from .search import SAMPLERS as _SAMPLERS  # the one list --sampler takes (importing it does not import Optuna)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -30,15 +29,24 @@ console = Console()
 err_console = Console(stderr=True)
 _state = {"debug": False}
 
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+_INTERRUPTED = "evotune: interrupted"
 REPLAY_SEEDS = (101, 102, 103)  # not the search's seeds: replay checks on inputs the search never saw
-_FAMILY_HELP = ("Kernel family: attention, softmax or package.module:ATTR "
-                "(default: the one the --space file names, else attention).")
+_FAMILY_HELP = ("Kernel family: attention, softmax or package.module:ATTR (a plugin: allow its module with "
+                "--plugin or EVOTUNE_PLUGINS; default: the one the --space file names, else attention).")
 _SHAPE_HELP = "Preset name (`evotune shapes --family F`) or the family's spelling (default: the family's)."
 
 
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")):
+def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+          plugin: Optional[list[str]] = typer.Option(
+              None, "--plugin", help="Allow this module's kernel families (package.module; repeatable). "
+              "Plugin families are code: evotune imports none that you did not allow here or in EVOTUNE_PLUGINS.")):
     _state["debug"] = debug
+    if plugin:
+        from .problems import allow_plugins
+
+        allow_plugins(plugin)
 
 
 def _emit_json(obj) -> None:
@@ -60,24 +68,12 @@ def _load(shape_text: Optional[str], space_path: Optional[str], family: Optional
     problem.check_shape(shape)
     # The space's expressions may read exactly the names the family's context gives.
     names = tuple(problem.context(shape))
-    space = load_space(space_path, names) if space_path else load_builtin(problem.default_space, names)
+    space = (load_space(space_path, names, problem.knob_domains()) if space_path
+             else load_builtin(problem.default_space, names))
     if space.family != problem.family:
         raise UsageError(f"{space.path}: space is for family {space.family!r}, not {problem.family!r}")
     check_nonempty(space, problem.context(shape))
     return problem, shape, space
-
-
-def _resumed_family(run: Optional[str], resume: bool) -> Optional[str]:
-    """The family of the run a `search --resume` continues; None when not resuming or there is no such run
-    (the resume itself then says so)."""
-    if not (resume and run):
-        return None
-    from .runs import Run
-
-    try:
-        return Run.open(run).meta().get("family")
-    except EvotuneError:
-        return None
 
 
 def _repo_relative(path: str) -> str:
@@ -132,6 +128,43 @@ def _best_table(best: Optional[dict], recent: list[dict]) -> Table:
     return table
 
 
+def _trial_line(record: dict, agent: str = "") -> str:
+    """One trial as a line (where no live table is drawn)."""
+    res = record["result"]
+    t = f"{res['time_us']:.2f} us" if res.get("time_us") else res["message"][:80]
+    who = f" {agent}" if agent else ""
+    return f"trial {record['number']:4d}{who} {res['status']:<13} {t:<14} {_cfg_short(record['config'])}"
+
+
+_FOLD_MIN = 24  # narrowest a folded description stays readable
+
+
+def _print_fit_table(title: str, headers: list[str], rows: list[list[str]], drop_order: tuple[str, ...] = ()) -> None:
+    """Print `rows` as a table that fits this console. The first column holds the names a user types (a preset,
+    a run): it is never wrapped or cut. Columns of `drop_order` may fold down to _FOLD_MIN characters; where even
+    that does not fit they are left out, in that order. A name wider than the console gets plain lines instead."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    if widths[0] + 4 > console.width:
+        console.print(title, highlight=False)
+        for r in [headers, *rows]:
+            console.print("  ".join(r), highlight=False, markup=False, soft_wrap=True)
+        return
+    foldable = {headers.index(name) for name in drop_order}
+    shown = list(range(len(headers)))
+    for name in drop_order:
+        needed = sum(min(widths[i], _FOLD_MIN) if i in foldable else widths[i] for i in shown)
+        if needed + 3 * len(shown) + 1 <= console.width:
+            break
+        shown.remove(headers.index(name))
+    table = Table(title=title)
+    for i in shown:
+        first = i == 0
+        table.add_column(headers[i], no_wrap=first, min_width=widths[i] if first else None, overflow="fold")
+    for r in rows:
+        table.add_row(*(r[i] for i in shown))
+    console.print(table)
+
+
 # ---------------------------------------------------------------- shapes
 @app.command()
 def shapes(
@@ -147,37 +180,16 @@ def shapes(
     if json_out:
         _emit_json({name: {**s.as_dict(), "spec": s.spec, "about": about} for name, (s, about) in presets.items()})
         return
-    table = Table(title=f"{problem.family} shape presets")
     columns = list(problem.shape_columns(next(iter(presets.values()))[0])) if presets else ["spec"]
-    for col in ("name", *columns, "about"):
-        table.add_column(col)
-    for name, (s, about) in presets.items():
-        table.add_row(name, *problem.shape_columns(s).values(), about)
-    console.print(table)
+    rows = [[name, *problem.shape_columns(s).values(), about] for name, (s, about) in presets.items()]
+    _print_fit_table(f"{problem.family} shape presets", ["name", *columns, "about"], rows, ("about",))
 
 
 # ---------------------------------------------------------------- check
-def _check_one(args):
-    family, shape_dict, space_path, cfg_dict = args
-    from .compile import CompileError, compile_source, static_violations
-    from .problems import get_problem
-    from .space import load_space
-    from .template import instantiate
-
-    problem = get_problem(family)
-    shape = problem.shape_from_dict(shape_dict)
-    space = load_space(space_path, tuple(problem.context(shape)))
-    cfg = space.config(cfg_dict)
-    geo = problem.geometry(cfg, shape)
-    src = instantiate(problem, cfg, shape)
-    try:
-        c = compile_source(src.code, src.entry)
-    except CompileError as e:
-        return {"config": cfg_dict, "status": "compile_error", "message": str(e)}
-    why = static_violations(c.resources, geo.threads, geo.dynamic_smem)
-    return {"config": cfg_dict, "status": "pruned" if why else "ok", "message": "; ".join(why),
-            "resources": c.resources.as_dict(), "threads": geo.threads, "dynamic_smem": geo.dynamic_smem,
-            "compile_seconds": c.compile_seconds, "cached": c.cached}
+def _progress(what: str) -> Progress:
+    """A bar on stderr, gone when done; off where stderr is no terminal (rich would end it with a blank line)."""
+    return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=err_console, transient=True, disable=not err_console.is_terminal)
 
 
 @app.command()
@@ -185,51 +197,50 @@ def check(
     shape: Optional[str] = typer.Option(None, "--shape", help=_SHAPE_HELP),
     space: Optional[str] = typer.Option(None, "--space", help="YAML search space (default: the family's)."),
     family: Optional[str] = typer.Option(None, "--family", help=_FAMILY_HELP),
-    sample: int = typer.Option(24, "--sample", help="Compile this many admitted configs, sampled (0 = all)."),
+    sample: int = typer.Option(24, "--sample", min=0, help="Compile this many admitted configs, sampled (0 = all)."),
     seed: int = typer.Option(0, "--seed"),
-    jobs: int = typer.Option(0, "--jobs", help="Parallel compiles (default: CPU cores)."),
+    jobs: int = typer.Option(0, "--jobs", min=0, help="Parallel compiles (default: CPU cores)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Static check of a space without a GPU: constraints, real NVRTC compiles, registers, spills, shared memory."""
+    from .static_check import admitted_configs, compile_all, pick, summarize
+
     problem, shp, spc = _load(shape, space, family)
-    ctx = problem.context(shp)
-    all_cfgs = list(spc.all_configs())
-    admitted = [c for c in all_cfgs if spc.admitted(c, ctx)]
-    picked = admitted if sample <= 0 or sample >= len(admitted) else random.Random(seed).sample(admitted, sample)
-    work = [(problem.family, shp.as_dict(), spc.path, c.as_dict()) for c in picked]
+    with _progress("enumerating") as progress:
+        task = progress.add_task("enumerate", total=spc.size())
+        admitted, enumerated, enum_s = admitted_configs(spc, problem.context(shp),
+                                                         lambda done, _: progress.update(task, completed=done))
+    picked = pick(admitted, sample, seed)
     start = time.time()
-    rows = []
-    with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=err_console, disable=json_out, transient=True) as progress:
-        task = progress.add_task("compile", total=len(work))
-        with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-            for row in pool.map(_check_one, work):
-                rows.append(row)
-                progress.advance(task)
-    summary = {"space": spc.path, "shape": shp.spec, "space_size": len(all_cfgs), "admitted": len(admitted),
-               "compiled": len(rows), "ok": sum(r["status"] == "ok" for r in rows),
-               "pruned_static": sum(r["status"] == "pruned" for r in rows),
-               "compile_errors": sum(r["status"] == "compile_error" for r in rows),
-               "seconds": round(time.time() - start, 1)}
+    with _progress("compiling") as progress:
+        task = progress.add_task("compile", total=len(picked))
+        rows = compile_all(problem, shp, spc, picked, jobs or os.cpu_count() or 1,
+                           lambda done, _: progress.update(task, completed=done))
+    summary = summarize(spc, shp, enumerated, len(admitted), rows, enum_s, time.time() - start)
     if json_out:
         _emit_json({"summary": summary, "configs": rows})
     else:
-        table = Table(title=f"{spc.family} on {shp.spec}: {len(rows)} of {len(admitted)} admitted configs "
-                            f"(space {len(all_cfgs)})")
-        for col in ("config", "threads", "smem KB", "regs", "spill B", "stack B", "status"):
-            table.add_column(col)
-        for r in sorted(rows, key=lambda r: (r["status"] != "ok", (r.get("resources") or {}).get("registers", 0))):
-            res = r.get("resources") or {}
-            table.add_row(_cfg_short(r["config"]), str(r.get("threads", "-")),
-                          f"{r.get('dynamic_smem', 0) / 1024:.1f}", str(res.get("registers", "-")),
-                          str(res.get("spill_stores", "-")), str(res.get("stack_frame", "-")),
-                          r["status"] + (f": {r['message']}" if r["message"] else ""))
-        console.print(table)
-        console.print(f"ok {summary['ok']}, pruned by the static gate {summary['pruned_static']}, "
-                      f"compile errors {summary['compile_errors']} ({summary['seconds']} s)")
+        _print_check(summary, rows, spc.family)
     if summary["compile_errors"]:
         raise EvotuneError(f"{summary['compile_errors']} admitted configs failed to compile: the space admits code "
                            f"the template cannot build")
+
+
+def _print_check(summary: dict, rows: list[dict], family: str) -> None:
+    table = Table(title=f"{family} on {summary['shape']}: {len(rows)} of {summary['admitted']} admitted configs "
+                        f"(space {summary['space_size']})")
+    for col in ("config", "threads", "smem KB", "regs", "spill B", "stack B", "status"):
+        table.add_column(col)
+    for r in sorted(rows, key=lambda r: (r["status"] != "ok", (r.get("resources") or {}).get("registers", 0))):
+        res = r.get("resources") or {}
+        table.add_row(_cfg_short(r["config"]), str(r.get("threads", "-")),
+                      f"{r.get('dynamic_smem', 0) / 1024:.1f}", str(res.get("registers", "-")),
+                      str(res.get("spill_stores", "-")), str(res.get("stack_frame", "-")),
+                      r["status"] + (f": {r['message']}" if r["message"] else ""))
+    console.print(table)
+    console.print(f"ok {summary['ok']}, pruned by the static gate {summary['pruned_static']}, "
+                  f"compile errors {summary['compile_errors']} (enumerating {summary['enumerate_seconds']} s, "
+                  f"compiling {summary['seconds']} s)")
 
 
 # ---------------------------------------------------------------- search
@@ -255,77 +266,17 @@ def _check_devices(devices: list[int]) -> None:
                          f"{seen}; CUDA_VISIBLE_DEVICES renumbers them")
 
 
-def _check_storage(storage: Optional[str]) -> Optional[str]:
-    if storage is None:
-        return None
-    try:
-        from sqlalchemy.engine import make_url
-
-        url = make_url(storage)
-    except Exception:
-        raise UsageError(f"--storage {storage!r}: not a database URL (e.g. postgresql://user@host:5432/evotune)") from None
-    if not url.drivername:
-        raise UsageError(f"--storage {storage!r}: not a database URL (e.g. postgresql://user@host:5432/evotune)")
-    return storage
-
-
-def _remote_meta(run: Optional[str], resume: bool, storage: Optional[str]) -> Optional[dict]:
-    """The meta of a run to join: resuming with --storage a run that has no folder on this host."""
-    from .runs import Run, runs_dir
-
-    if not (resume and run and storage) or (runs_dir() / run / "meta.json").exists():
-        return None
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    store = Run(runs_dir() / run, storage).storage()
-    if run not in optuna.study.get_all_study_names(storage=store):
-        return None  # Run.open then says there is no such run
-    meta = optuna.load_study(study_name=run, storage=store).user_attrs.get("meta")
-    return meta if isinstance(meta, dict) else None
-
-
-def _open_for_search(run: str, storage: Optional[str], remote: Optional[dict]):
-    """The run a `search --resume` continues: this host's folder, or one made from the study to join."""
-    import datetime as dt
-    import socket
-
-    from .runs import Run, redact_url
-
-    if remote is not None:  # another host created the run: join its study
-        return Run.join(run, storage, {"joined": {"host": socket.gethostname(),
-                                                  "at": dt.datetime.now().isoformat(timespec="seconds")}})
-    rn = Run.open(run)
-    if storage is not None and redact_url(storage) != redact_url(rn.storage_url):
-        raise UsageError(f"run {run!r} keeps its study in {redact_url(rn.storage_url)}, not {redact_url(storage)}")
-    rn.use_storage(storage)
-    if "***" in rn.storage_url:
-        raise UsageError(f"run {run!r} keeps its study in {rn.storage_url}: give it with --storage URL, password "
-                         f"included (or keep the password in ~/.pgpass)")
-    return rn
-
-
-def _storage_meta(storage: Optional[str], devices: list[int]) -> dict:
-    from .runs import redact_url
-
-    meta = {"gpus": devices}
-    if storage is not None:
-        meta["storage"] = redact_url(storage)  # the study's name is the run's (Run.create)
-    return meta
-
-
-def _new_run(name: Optional[str], meta: dict, storage: Optional[str]):
-    from .runs import Run
-
-    rn = Run.create(name, meta).use_storage(storage)
-    if storage is not None:
-        rn.share_meta()  # other hosts join from the study alone
-    return rn
-
-
 def _resume_hint(rn, shape_text: str, trials: int, gpus: Optional[str], storage: Optional[str]) -> str:
     extra = (f" --gpus {gpus}" if gpus else "") + (" --storage URL" if storage else "")
     return (f"`evotune search --shape {shape_text} --run {rn.run_id} --resume --trials {trials}{extra}`")
+
+
+def _stopped(rn, resume_hint) -> None:
+    """After Ctrl-C: bring pareto.json and best.json up to date, say how to go on, exit 130."""
+    rn.update_summary()
+    err_console.print(f"{_INTERRUPTED}: finished trials are recorded in {rn.path}; continue with {resume_hint(rn)}",
+                      highlight=False, soft_wrap=True)
+    raise typer.Exit(INTERRUPTED_EXIT)
 
 
 def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, shp, spc, timeout, json_out,
@@ -333,39 +284,26 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
     """`search --gpus` with several entries: one agent process per entry on one run and one study; this
     process shows their progress from the run's records and passes Ctrl-C on."""
     from .agents import Agents, specs_for
-    from .runs import best_record
+    from .runs import best_record, new_run
     from .workers import GPUWorker
 
     if rn is None:
         with GPUWorker(device=devices[0], timeout_s=timeout) as worker:  # the run records the device it ran on
             info = worker.call({"kind": "info"})
-        rn = _new_run(run_name, new_meta(info), storage)
+        rn = new_run(run_name, new_meta(info), storage)
     started = time.time()
     tail = rn.tail()
     before = tail.read()
     best = best_record(before)
-    recent: list[dict] = []
-    progress = Progress(TextColumn("[bold]search[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=err_console)
-    task = progress.add_task(f"{rn.run_id} ({len(devices)} agents)", total=options.trials,
-                             completed=sum(1 for r in before if r.get("counted")))
-    live = (Live(Group(progress), console=err_console, refresh_per_second=4)
-            if err_console.is_terminal and not json_out else None)
+    display = _SearchDisplay(f"{rn.run_id} ({len(devices)} agents)", options.trials,
+                             sum(1 for r in before if r.get("counted")), json_out)
+    live = display.live
 
     def show(records: list[dict]) -> None:
         nonlocal best
         for record in records:
-            recent.append(record)
-            if record.get("counted"):
-                progress.advance(task)
             best = best_record([r for r in (best, record) if r is not None])
-            if live is None and not json_out:
-                res = record["result"]
-                t = f"{res['time_us']:.2f} us" if res.get("time_us") else res["message"][:80]
-                err_console.print(f"trial {record['number']:4d} {record.get('agent', '')} {res['status']:<13} "
-                                  f"{t:<14} {_cfg_short(record['config'])}", markup=False, highlight=False)
-        if live is not None:
-            live.update(Group(progress, _best_table(best, recent)))
+            display.show(record, best, record.get("agent", ""))
 
     agents = Agents(specs_for(devices, run_path=str(rn.path), storage=storage, problem=problem, shape=shp,
                               space=spc, options=options, timeout_s=timeout))
@@ -385,9 +323,7 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
             agents.interrupt()  # the second SIGINT: the agents drop what is in flight and close its trials
             if not agents.wait(60):
                 agents.kill()
-        rn.update_summary()
-        err_console.print(f"interrupted: finished trials are recorded in {rn.path}; continue with {resume_hint(rn)}")
-        raise typer.Exit(130)
+        _stopped(rn, resume_hint)
     finally:
         if agents.alive():
             agents.kill()
@@ -443,32 +379,16 @@ def search(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Search the space on the GPU; record every trial, the Pareto front and the best in runs/<run>."""
-    from .agents import agent_label
-    from .runs import Run, base_meta
-    from .search import SAMPLERS, SearchOptions, run_search, worker_evaluator
-    from .workers import GPUWorker
+    from .runs import base_meta, check_storage_url, remote_meta, resumed_family, run_to_continue, storage_meta
+    from .search import SAMPLERS, SearchOptions
 
     if sampler not in SAMPLERS:
         raise UsageError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
     devices = _parse_gpus(gpus, gpu)
-    storage = _check_storage(storage)
-    remote = _remote_meta(run, resume, storage)  # a run another host started in --storage: joined below
-    problem, shp, spc = _load(shape, space, family or _resumed_family(run, resume) or (remote or {}).get("family"))
-    if resume:
-        if not run:
-            raise UsageError("--resume needs --run NAME")
-        if remote is not None and remote.get("shape_spec") != shp.spec:
-            raise UsageError(f"run {run!r} searched {remote.get('shape_spec')}, not {shp.spec}")
-        rn = _open_for_search(run, storage, remote)
-        meta = rn.meta()
-        if meta.get("shape_spec") != shp.spec:
-            raise UsageError(f"run {run!r} searched {meta.get('shape_spec')}, not {shp.spec}")
-    else:
-        rn = None
-        if run is not None:
-            Run.check_new_name(run)  # before the slow worker start
-            if storage is not None:
-                Run.check_study_free(run, storage)
+    storage = check_storage_url(storage)
+    remote = remote_meta(run, resume, storage)  # a run another host started in --storage: joined below
+    problem, shp, spc = _load(shape, space, family or resumed_family(run, resume) or (remote or {}).get("family"))
+    rn = run_to_continue(run, resume, storage, remote, shp.spec)
     warm, warm_meta = _warm_start(warm_start, resume, run, problem, shp, spc, population, json_out)
     _require_gpu("search")
     _check_devices(devices)
@@ -479,7 +399,7 @@ def search(
     def new_meta(info: dict) -> dict:
         return {**base_meta(), "family": problem.family, "shape": shp.as_dict(), "shape_spec": shp.spec,
                 "space": _repo_relative(spc.path), "options": options.__dict__, "device": info,
-                **_storage_meta(storage, devices), **warm_meta}
+                **storage_meta(storage, devices), **warm_meta}
 
     def resume_hint(rn) -> str:
         return _resume_hint(rn, shape or shp.spec, trials, gpus, storage)
@@ -489,41 +409,55 @@ def search(
                                  resume_hint)
         rn = summary.pop("_run")
         return _search_report(summary, rn, json_out)
-    with GPUWorker(device=devices[0], timeout_s=timeout) as worker:
+    summary, rn = _search_one(rn, new_meta, run, devices[0], storage, options, problem, shp, spc, timeout, json_out,
+                              resume_hint)
+    _search_report(summary, rn, json_out)
+
+
+def _search_one(rn, new_meta, run_name, device, storage, options, problem, shp, spc, timeout, json_out,
+                resume_hint):
+    """`search` on one GPU in this process: (summary, run)."""
+    from .agents import agent_label
+    from .runs import new_run
+    from .search import run_search, worker_evaluator
+    from .workers import GPUWorker
+
+    with GPUWorker(device=device, timeout_s=timeout) as worker:
         info = worker.call({"kind": "info"})
         if rn is None:
-            rn = _new_run(run, new_meta(info), storage)
+            rn = new_run(run_name, new_meta(info), storage)
         evaluate = worker_evaluator(worker, problem, shp)
-        stop = {"flag": False}
-        recent: list[dict] = []
-        progress = Progress(TextColumn("[bold]search[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), TimeRemainingColumn(), console=err_console)
-        task = progress.add_task(rn.run_id, total=trials,
-                                 completed=sum(1 for r in rn.trials() if r.get("counted")))
-        # On a terminal: a live progress bar with ETA and the best-so-far table; elsewhere a line per trial.
-        live = (Live(Group(progress), console=err_console, refresh_per_second=4)
-                if err_console.is_terminal and not json_out else None)
-
-        def on_trial(record, best):
-            recent.append(record)
-            if record.get("counted"):
-                progress.advance(task)
-            if live is not None:
-                live.update(Group(progress, _best_table(best, recent)))
-            elif not json_out:
-                res = record["result"]
-                t = f"{res['time_us']:.2f} us" if res.get("time_us") else res["message"][:80]
-                err_console.print(f"trial {record['number']:4d} {res['status']:<13} {t:<14} {_cfg_short(record['config'])}")
-
+        display = _SearchDisplay(rn.run_id, options.trials, sum(1 for r in rn.trials() if r.get("counted")), json_out)
         try:
-            with live if live is not None else _nullcontext():
-                summary = run_search(problem, spc, shp, rn, evaluate, options, on_trial=on_trial,
-                                     should_stop=lambda: stop["flag"], agent=agent_label(devices[0]))
+            with display.live if display.live is not None else _nullcontext():
+                summary = run_search(problem, spc, shp, rn, evaluate, options, on_trial=display.show,
+                                     should_stop=lambda: False, agent=agent_label(device))
         except KeyboardInterrupt:
-            rn.update_summary()
-            err_console.print(f"interrupted: finished trials are recorded in {rn.path}; continue with {resume_hint(rn)}")
-            raise typer.Exit(130)
-    _search_report(summary, rn, json_out)
+            _stopped(rn, resume_hint)
+    return summary, rn
+
+
+class _SearchDisplay:
+    """A search's progress on stderr: on a terminal, a live bar with ETA over the best-so-far table;
+    elsewhere a line per trial (none with --json)."""
+
+    def __init__(self, label: str, total: int, completed: int, json_out: bool):
+        self.json_out = json_out
+        self.recent: list[dict] = []
+        self.progress = Progress(TextColumn("[bold]search[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), console=err_console)
+        self.task = self.progress.add_task(label, total=total, completed=completed)
+        self.live = (Live(Group(self.progress), console=err_console, refresh_per_second=4)
+                     if err_console.is_terminal and not json_out else None)
+
+    def show(self, record: dict, best: Optional[dict], agent: str = "") -> None:
+        self.recent.append(record)
+        if record.get("counted"):
+            self.progress.advance(self.task)
+        if self.live is not None:
+            self.live.update(Group(self.progress, _best_table(best, self.recent)))
+        elif not self.json_out:
+            err_console.print(_trial_line(record, agent), markup=False, highlight=False)
 
 
 def _search_report(summary: dict, rn, json_out: bool) -> None:
@@ -570,15 +504,6 @@ def _warm_start(spec: Optional[str], resume: bool, run: Optional[str], problem, 
 
 
 # ---------------------------------------------------------------- replay
-def _select(rn, which: str) -> dict:
-    if which == "best":
-        return rn.best()
-    try:
-        return rn.trial(int(which))
-    except ValueError:
-        raise UsageError(f"replay/export takes 'best' or a trial number, not {which!r}") from None
-
-
 @app.command()
 def replay(
     which: str = typer.Argument("best", help="'best' or a trial number."),
@@ -588,19 +513,14 @@ def replay(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Recompile a recorded config, re-verify on fresh inputs, re-time beside the baselines, report drift."""
-    from .problems import get_problem
     from .runs import Run
     from .search import worker_evaluator
     from .space import Config
     from .workers import GPUWorker
 
     rn = Run.open(run)
-    meta = rn.meta()
-    rec = _select(rn, which)
-    if (rec.get("result") or {}).get("status") != "ok":
-        raise EvotuneError(f"trial {rec['number']} of run {rn.run_id} did not pass ({rec['result']['status']}); nothing to replay")
-    problem = get_problem(meta["family"])
-    shp = problem.shape_from_dict(meta["shape"])
+    problem, shp = rn.problem_and_shape()
+    rec = rn.select(which, "replay")
     config = Config.from_dict(rec["config"])
     _require_gpu("replay")
     src, compiled = _compile_candidate(problem, shp, config)
@@ -653,10 +573,9 @@ def _print_comparison(out: dict, shp, problem) -> None:
 
 # ---------------------------------------------------------------- verify / sanitize
 def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str], shape_text: Optional[str],
-                       space_path: Optional[str], family: Optional[str] = None):
+                       space_path: Optional[str], family: Optional[str], purpose: str):
     """(problem, shape, config) from a run record (of the run's family), or from --config JSON on --shape
     (of --family, else the --space file's, else attention); --shape overrides a run's."""
-    from .problems import get_problem
     from .runs import Run
 
     if config_json is not None:
@@ -665,6 +584,8 @@ def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str
             cfg_dict = json.loads(config_json)
         except json.JSONDecodeError as e:
             raise UsageError(f"--config is not valid JSON: {e}") from None
+        except RecursionError:  # json gives up on deep nesting this way, not with a JSONDecodeError
+            raise UsageError("--config is nested too deeply: give one JSON object of knob values") from None
         if not isinstance(cfg_dict, dict):
             raise UsageError("--config must be a JSON object of knob values")
         config = spc.config(cfg_dict)
@@ -675,12 +596,11 @@ def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str
     from .space import Config
 
     rn = Run.open(run)
-    meta = rn.meta()
-    rec = _select(rn, which)
-    problem = get_problem(meta["family"])
+    problem, shp = rn.problem_and_shape()
+    rec = rn.select(which, purpose, require_pass=False)
     if family is not None and family != problem.family:
         raise UsageError(f"run {rn.run_id!r} is of family {problem.family!r}, not {family!r}")
-    shp = problem.parse_shape(shape_text) if shape_text else problem.shape_from_dict(meta["shape"])
+    shp = problem.parse_shape(shape_text) if shape_text else shp
     problem.check_shape(shp)
     return problem, shp, Config.from_dict(rec["config"])
 
@@ -710,14 +630,14 @@ def bench(
     from .bench import flops_and_bytes, header, summarize
     from .workers import GPUWorker, compiled_to_dict
 
-    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family)
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "bench")
     names = [n.strip() for n in baselines.split(",") if n.strip()] if baselines else None
     if names:
         unknown = sorted(set(names) - set(problem.baselines()))
         if unknown:
             raise UsageError(f"unknown baseline(s) {', '.join(unknown)}; {problem.family} has {', '.join(problem.baselines())}")
-    if out:
-        _check_writable(out)
+    if out is not None:
+        check_output_path(out, "--out")
     _require_gpu("bench")
     src, compiled = _compile_candidate(problem, shp, cfg)
     with GPUWorker(timeout_s=900) as worker:
@@ -734,21 +654,14 @@ def bench(
               "source_digest": src.digest, "flops": flops, "min_bytes": nbytes, "reps": reps,
               "source": {"run": run, "trial": which} if config is None else {"config": config},
               **summary, "raw": raw}
-    if out:
-        with open(out, "w") as f:
-            json.dump(record, f, indent=1, default=str)
+    if out is not None:
+        write_output(out, json.dumps(record, indent=1, default=str), "--out")
     if json_out:
         _emit_json(record)
     else:
         _print_bench(record)
     if record["rows"][0]["time_us"] is None:
         raise EvotuneError(f"the kernel did not pass on {shp.spec}: {record['rows'][0]['reason']}")
-
-
-def _check_writable(path: str, option: str = "--out") -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{option}: folder {parent} does not exist")
 
 
 def _print_bench(rec: dict) -> None:
@@ -798,7 +711,7 @@ def verify_cmd(
     """Deep check of one config: the gate (seeds + stress inputs + dependency) and bitwise determinism."""
     from .workers import GPUWorker, compiled_to_dict
 
-    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family)
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "verify")
     _require_gpu("verify")
     _, compiled = _compile_candidate(problem, shp, cfg)
     with GPUWorker(timeout_s=600) as worker:
@@ -815,7 +728,12 @@ def verify_cmd(
                       f"{ver['worst_case']}), max abs {ver['max_abs']:.3g}, non-finite {ver['nonfinite']}, "
                       f"patterns {', '.join(ver['patterns'])}")
         console.print(f"  dependency   {ver['dependency']}")
+        for label, key in (("guard bands", "guards"), ("inputs", "inputs_intact"), ("repeat", "repeat"),
+                           ("timed output", "timed_output")):
+            console.print(f"  {label:<12} {ver.get(key, 'not checked')}")
         console.print(f"  determinism  {'pass' if det['passed'] else 'FAIL'}: {det['detail']}")
+        if not ver["passed"] and rep.get("message"):
+            console.print(f"  failed: {rep['message']}")
     if not ok:
         raise EvotuneError(f"{_cfg_short(cfg.as_dict())} failed the deep check on {shp.spec}")
 
@@ -838,7 +756,7 @@ def sanitize(
     for t in tool:
         if t not in TOOLS:
             raise UsageError(f"unknown sanitizer tool {t!r}; tools: {', '.join(TOOLS)}")
-    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family)
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "sanitize")
     if shape is None:  # sanitizers run ~100x slower: a small shape of the same class
         shp = problem.sanitize_shape(shp)
     _require_gpu("sanitize")
@@ -875,18 +793,17 @@ def sass(
     local memory, with ptxas's registers and spills."""
     from .sass import CLASSES, disassemble, summary
 
-    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family)
-    if output:
-        _check_writable(output, "--output")
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "sass")
+    if output is not None:
+        check_output_path(output, "-o")
     _, compiled = _compile_candidate(problem, shp, cfg)
     text = disassemble(compiled.cubin_path)
     info = summary(text)
     res = compiled.resources
     info.update({"shape": shp.spec, "config": cfg.as_dict(), "registers": res.registers,
                  "spill_bytes": res.spill_stores + res.spill_loads, "stack_frame": res.stack_frame, "arch": compiled.arch})
-    if output:
-        with open(output, "w") as fh:
-            fh.write(text)
+    if output is not None:
+        write_output(output, text, "-o")
     if json_out:
         _emit_json(info)
         return
@@ -895,7 +812,7 @@ def sass(
         console.print(f"  {op:<8} {info['classes'][op]:>5}  {what}")
     console.print(f"tensor cores: {info['tensor_core']}; local memory instructions: {info['local_memory']}; "
                   f"{res.registers} registers, {info['spill_bytes']} B spilled, {res.stack_frame} B stack frame")
-    if output:
+    if output is not None:
         console.print(f"wrote {output}")
 
 
@@ -905,81 +822,88 @@ def export(
     which: str = typer.Argument("best", help="'best' or a trial number."),
     run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
     output: str = typer.Option(..., "-o", "--output", help="Path of the .cu file to write."),
+    force: bool = typer.Option(False, "--force", help="Export a trial that did not pass the gate (pruned, "
+                               "failed to compile, wrong): its header says so."),
 ):
     """Write a standalone .cu with the config baked in (builds with `nvcc -arch=sm_90a -c`)."""
     from .export import export_source, write_export
-    from .problems import get_problem
     from .runs import Run
     from .space import Config
 
+    check_output_path(output, "-o", create_parents=True)
     rn = Run.open(run)
-    meta = rn.meta()
-    rec = _select(rn, which)
-    problem = get_problem(meta["family"])
-    text = export_source(problem, problem.shape_from_dict(meta["shape"]), Config.from_dict(rec["config"]), rec, meta)
+    problem, shp = rn.problem_and_shape()
+    rec = rn.select(which, "export", require_pass=not force, hint=" (--force exports it anyway)")
+    text = export_source(problem, shp, Config.from_dict(rec["config"]), rec, rn.meta())
     path = write_export(output, text)
-    console.print(f"wrote {path} (run {rn.run_id}, trial {rec['number']})")
+    status = rec["result"]["status"]
+    note = f"; it did not pass ({status})" if status != "ok" else ""
+    console.print(f"wrote {path} (run {rn.run_id}, trial {rec['number']}{note})", highlight=False)
 
 
 # ---------------------------------------------------------------- runs
 @app.command("runs")
 def list_runs(json_out: bool = typer.Option(False, "--json")):
-    """List recorded runs with their best result."""
-    from .runs import Run, best_record, runs_dir
+    """List recorded runs with their best result; a damaged run is listed with what is wrong."""
+    from .runs import list_runs as rows_of, runs_dir
 
-    rows = []
-    root = runs_dir()
-    for meta_path in sorted(root.glob("*/meta.json")) if root.exists() else []:
-        rn = Run(meta_path.parent)
-        try:
-            meta = rn.meta()
-        except EvotuneError as e:  # one damaged run must not hide the others
-            rows.append({"run": rn.run_id, "shape": None, "device": None, "trials": 0, "best_us": None,
-                         "error": str(e)})
-            continue
-        recs = rn.trials()
-        best = best_record(recs)
-        rows.append({"run": rn.run_id, "shape": meta.get("shape_spec"), "device": (meta.get("device") or {}).get("name"),
-                     "trials": len(recs), "best_us": best["result"]["time_us"] if best else None})
+    rows = rows_of()
     if json_out:
         _emit_json(rows)
         return
-    table = Table(title=f"runs in {root}")
-    for col in ("run", "shape", "device", "trials", "best us"):
-        table.add_column(col)
+    cells = [[r["run"], str(r["shape"]) if r["shape"] else "-", str(r["trials"]) if r["trials"] is not None else "-",
+              f"{r['best_us']:.2f}" if r["best_us"] else ("DAMAGED" if r["damaged"] else "-"), str(r["device"] or "-")]
+             for r in rows]
+    _print_fit_table(f"runs in {runs_dir()}", ["run", "shape", "trials", "best us", "device"], cells,
+                     ("device", "shape"))
     for r in rows:
-        table.add_row(r["run"], str(r["shape"]), str(r["device"]), str(r["trials"]),
-                      f"{r['best_us']:.2f}" if r["best_us"] else "-")
-    console.print(table)
+        if r["damaged"]:  # whole, on its own line: a table cell would cut or fold it
+            console.print(f"damaged: {r['run']}: {r['damaged']}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _invoke(args: list[str]) -> None:
+    """Parse `args` and run the command, as click's main would but letting exceptions through: its main
+    turns Ctrl-C into an exit code (typer) or a bare newline (click) before main() below could say so."""
+    command = typer.main.get_command(app)
+    with command.make_context("evotune", args) as ctx:
+        command.invoke(ctx)
+
+
+def _parser_error(e: Exception) -> str:
+    """A parser usage error (no such option, a value out of range, ...) as one line."""
+    ctx = getattr(e, "ctx", None)
+    where = f"; see `{ctx.command_path} --help`" if ctx is not None else ""
+    return " ".join(e.format_message().split()).rstrip(".") + where
 
 
 def main() -> None:
     try:
-        code = app(standalone_mode=False)
-        if isinstance(code, int) and code:  # without standalone mode click returns a typer.Exit's code
-            sys.exit(code)
+        _invoke(sys.argv[1:])
     except EvotuneError as e:
         if _state["debug"]:
             raise
-        err_console.print(f"evotune: error: {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"evotune: error: {e}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        err_console.print("evotune: interrupted")
-        sys.exit(130)
-    except typer.Exit as e:
+        err_console.print(_INTERRUPTED, highlight=False)
+        sys.exit(INTERRUPTED_EXIT)
+    except typer.Exit as e:  # --help, or a command's own exit code (a search stopped by Ctrl-C)
         sys.exit(e.exit_code)
     except Exception as e:  # the parser's own usage errors, and anything unexpected
-        # Typer vendors click; its exceptions carry `show()` and an exit code (2 for usage).
-        if hasattr(e, "show") and isinstance(getattr(e, "exit_code", None), int):
-            e.show()
+        # Typer vendors click; its exceptions carry `format_message()` and an exit code (2 for usage).
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()  # `evotune` alone: the help text
             sys.exit(e.exit_code)
-        if type(e).__name__ == "Abort":
-            sys.exit(130)
+        if hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int):
+            err_console.print(f"evotune: error: {_parser_error(e)}", highlight=False, markup=False, soft_wrap=True)
+            sys.exit(e.exit_code)
         if _state["debug"]:
             raise
-        err_console.print(f"evotune: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
-                          highlight=False, soft_wrap=True)
+        err_console.print(f"evotune: internal error: {type(e).__name__}: {str(e)[:300]} "
+                          f"(rerun with --debug for the traceback)",
+                          highlight=False, markup=False, soft_wrap=True)
         sys.exit(1)
+
 
 if __name__ == "__main__":
     main()

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import EvotuneError
+from .errors import EvotuneError, UsageError
 
 DEFAULT_ARCH = "sm_90a"
 # Per-block opt-in shared memory and register file of an SM on sm_90.
@@ -62,7 +62,11 @@ class Compiled:
 def cache_dir() -> Path:
     root = os.environ.get("EVOTUNE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "evotune")
     path = Path(root) / "cubin"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"compile cache {path}: cannot create it ({e.strerror}); set EVOTUNE_CACHE to a "
+                         f"writable folder") from None
     return path
 
 
@@ -174,10 +178,9 @@ def compile_source(code: str, entry: str, arch: str = DEFAULT_ARCH, extra_option
     key_material = json.dumps({"code": code, "entry": entry, "arch": arch, "toolchain": toolchain(),
                                "options": [o for o in options if not o.startswith("-I")]}, sort_keys=True)
     key = hashlib.sha256(key_material.encode()).hexdigest()[:24]
-    cubin_path = cache_dir() / f"{key}.cubin"
-    meta_path = cache_dir() / f"{key}.json"
-    if cubin_path.exists() and meta_path.exists():
-        meta = json.loads(meta_path.read_text())
+    cached = _read_cache(key)
+    if cached is not None:
+        cubin_path, meta = cached
         return Compiled(key=key, entry=entry, arch=arch, cubin_path=str(cubin_path), options=options,
                         log=meta["log"], resources=Resources(**meta["resources"]),
                         compile_seconds=meta["compile_seconds"], cached=True)
@@ -194,15 +197,57 @@ def compile_source(code: str, entry: str, arch: str = DEFAULT_ARCH, extra_option
         log, cubin = _nvrtc_compile(code + nonce, name, options)
         resources = parse_resources(log, entry)
     seconds = time.perf_counter() - start
-    # Write-then-rename so a concurrent reader never sees half a cubin.
-    tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(cubin)
-    os.replace(tmp, cubin_path)
-    tmp = meta_path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"log": log, "resources": resources.as_dict(), "compile_seconds": seconds}))
-    os.replace(tmp, meta_path)
+    cubin_path = _write_cache(key, cubin, {"log": log, "resources": resources.as_dict(), "compile_seconds": seconds})
     return Compiled(key=key, entry=entry, arch=arch, cubin_path=str(cubin_path), options=options, log=log,
                     resources=resources, compile_seconds=seconds, cached=False)
+
+
+_RESOURCE_FIELDS = tuple(Resources.__dataclass_fields__)
+
+
+def _read_cache(key: str) -> tuple[Path, dict] | None:
+    """(cubin path, its meta) of a sound cache entry; None when there is none or it is damaged (cut short by
+    a full disk or a killed copy, or edited): the caller then compiles afresh and replaces it. A damaged
+    entry is overwritten rather than deleted first, so a process loading that path never finds it gone."""
+    cubin_path, meta_path = cache_dir() / f"{key}.cubin", cache_dir() / f"{key}.json"
+    if not (cubin_path.exists() and meta_path.exists()):
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        cubin = cubin_path.read_bytes()
+    except (OSError, ValueError):
+        meta, cubin = None, b""
+    return (cubin_path, meta) if _cache_entry_sound(meta, cubin) else None
+
+
+def _cache_entry_sound(meta, cubin: bytes) -> bool:
+    """Whether a cache entry's meta has every field compile_source reads and its cubin is whole: the
+    checksum recorded beside it, or (entries written before there was one) an ELF as long as its header says."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("log"), str):
+        return False
+    if not isinstance(meta.get("compile_seconds"), (int, float)):
+        return False
+    res = meta.get("resources")
+    if not isinstance(res, dict) or set(res) != set(_RESOURCE_FIELDS):
+        return False
+    if not all(isinstance(v, int) for v in res.values()):
+        return False
+    if "cubin_sha256" in meta:
+        return hashlib.sha256(cubin).hexdigest() == meta["cubin_sha256"]
+    return cubin[:4] == b"\x7fELF" and complete_elf(cubin) == cubin
+
+
+def _write_cache(key: str, cubin: bytes, meta: dict) -> Path:
+    """Store a cubin and its meta (with the cubin's checksum); returns the cubin's path."""
+    cubin_path, meta_path = cache_dir() / f"{key}.cubin", cache_dir() / f"{key}.json"
+    # Write-then-rename so a concurrent reader never sees half a file; the cubin first, so that a meta
+    # file (what a reader looks for) never names a cubin not yet in place.
+    meta_bytes = json.dumps({**meta, "cubin_sha256": hashlib.sha256(cubin).hexdigest()}).encode()
+    for path, data in ((cubin_path, cubin), (meta_path, meta_bytes)):
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return cubin_path
 
 
 def _pool_worker_init(parent_pid: int) -> None:

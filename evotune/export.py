@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from .compile import DEFAULT_ARCH, nvrtc_options
+from .outputs import write_output
 from .template import instantiate
 
 
@@ -36,6 +37,11 @@ def export_source(problem, shape, config, record: dict | None = None, meta: dict
         f"NVRTC flags  {flags}",
         f"build        nvcc -arch={arch} -c THIS_FILE.cu",
     ]
+    status = result.get("status")
+    if status not in (None, "ok"):  # exported with --force: say so where whoever builds it will look
+        why = " ".join(str(result.get("message") or "").split())[:200]
+        said = f"{status}: {why}" if why else status
+        lines.append(f"WARNING      this trial did not pass ({said}); exported with --force")
     if res:
         lines.append(f"resources    {res.get('registers')} registers, {res.get('spill_stores', 0)} B spill stores, "
                      f"{res.get('stack_frame', 0)} B stack frame (ptxas -v, {arch})")
@@ -61,8 +67,6 @@ def export_source(problem, shape, config, record: dict | None = None, meta: dict
     return header + src.code
 
 
-def write_export(path: str | Path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
+def write_export(path: str | Path, text: str, option: str = "-o") -> Path:
+    """Write the export whole at `path`, making missing folders; one UsageError line if it cannot."""
+    return write_output(path, text, option, create_parents=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import re
 import subprocess
@@ -36,8 +37,27 @@ from .template import REPO_ROOT
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
+class DamagedRun(UsageError):
+    """A run folder whose meta.json or trials.jsonl cannot be read as evotune writes them; the message
+    names the file (and line) and what is wrong. Reading never repairs it: the records are the user's."""
+
+
 def runs_dir() -> Path:
-    return Path(os.environ.get("EVOTUNE_RUNS", REPO_ROOT / "runs"))
+    """Where runs live: $EVOTUNE_RUNS, else ./runs in the current folder (never beside the installed package)."""
+    if os.environ.get("EVOTUNE_RUNS"):
+        return Path(os.environ["EVOTUNE_RUNS"])
+    try:
+        return Path.cwd() / "runs"
+    except OSError:  # the current folder was removed under us
+        raise UsageError("the current folder no longer exists: cd to a folder, or set EVOTUNE_RUNS") from None
+
+
+def check_name(name: str) -> None:
+    """UsageError unless `name` is a plain run name (it becomes a folder name and a study name)."""
+    if not _NAME_RE.match(name):
+        shown = repr(name) if len(name) <= 40 else f"{name[:40]!r}... ({len(name)} characters)"
+        raise UsageError(f"run name {shown}: use letters, digits, '.', '_' and '-' (at most 100, "
+                         f"starting with a letter or digit)")
 
 
 def git_sha() -> str:
@@ -241,8 +261,7 @@ class Run:
     @staticmethod
     def check_new_name(name: str) -> Path:
         """The folder a new run of this name would get; UsageError if the name is bad or taken."""
-        if not _NAME_RE.match(name):
-            raise UsageError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (at most 100)")
+        check_name(name)
         path = runs_dir() / name
         if path.exists():
             raise UsageError(f"run {name!r} already exists in {runs_dir()}; use --resume to continue it or pick another --run")
@@ -258,6 +277,7 @@ class Run:
                 raise UsageError(f"no runs in {root}; start one with `evotune search`")
             return cls(max(candidates, key=lambda p: (p.parent / "trials.jsonl").stat().st_mtime
                            if (p.parent / "trials.jsonl").exists() else p.stat().st_mtime).parent)
+        check_name(name)
         path = root / name
         if not (path / "meta.json").exists():
             known = sorted(p.parent.name for p in root.glob("*/meta.json")) if root.exists() else []
@@ -267,7 +287,27 @@ class Run:
 
     # ---------------------------------------------------------------- records
     def meta(self) -> dict:
-        return self.read_json("meta.json")
+        """meta.json as a dict; DamagedRun if it is not a JSON object."""
+        meta = self.read_json("meta.json")
+        if not isinstance(meta, dict):
+            raise DamagedRun(f"{self.path / 'meta.json'}: not a JSON object (a {_json_kind(meta)})")
+        return meta
+
+    def problem_and_shape(self):
+        """(problem, shape) the run searched, from meta.json; DamagedRun naming the field that is wrong."""
+        from .problems import get_problem
+
+        meta, where = self.meta(), self.path / "meta.json"
+        why = meta_fault(meta)
+        if why:
+            raise DamagedRun(f"{where}: {why}")
+        problem, shape = get_problem(meta["family"]), meta["shape"]
+        try:
+            return problem, problem.shape_from_dict(shape)
+        except KeyError as e:
+            raise DamagedRun(f"{where}: 'shape' has no {e.args[0]!r}") from None
+        except (TypeError, ValueError, UsageError) as e:  # a field of the wrong type or out of range
+            raise DamagedRun(f"{where}: 'shape': {e}") from None
 
     def write_json(self, filename: str, obj) -> None:
         # A temporary name of its own: agents sharing the run may write the same file at once.
@@ -279,12 +319,17 @@ class Run:
             tmp.unlink(missing_ok=True)
 
     def read_json(self, filename: str):
+        path = self.path / filename
         try:
-            return json.loads((self.path / filename).read_text())
+            return json.loads(path.read_text())
         except FileNotFoundError:
-            raise EvotuneError(f"{self.path / filename}: missing") from None
-        except json.JSONDecodeError as e:
-            raise EvotuneError(f"{self.path / filename}: not valid JSON ({e})") from None
+            raise DamagedRun(f"{path}: missing") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DamagedRun(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise DamagedRun(f"{path}: not valid JSON (nested too deeply)") from None
+        except OSError as e:
+            raise DamagedRun(f"{path}: cannot read it ({e.strerror})") from None
 
     def append_trial(self, record: dict) -> None:
         with self._log_locked() as f:
@@ -324,17 +369,29 @@ class Run:
             yield
 
     def trials(self) -> list[dict]:
-        """Every recorded trial; a torn last line (killed mid-write) is skipped."""
+        """Every recorded trial. A line that starts a JSON object but breaks off is a torn write (a writer
+        killed mid-line) and is skipped; any other line that is not a trial record is damage: DamagedRun
+        names its line."""
+        try:
+            data = self.trials_path.read_bytes()
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise DamagedRun(f"{self.trials_path}: cannot read it ({e.strerror})") from None
         out = []
-        if not self.trials_path.exists():
-            return out
-        for line in self.trials_path.read_text().splitlines():
+        for number, line in enumerate(data.split(b"\n"), start=1):
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+                rec = json.loads(line)
+            except (ValueError, RecursionError):
+                if line.lstrip().startswith(b"{"):  # torn: every record is written as one line starting with {
+                    continue
+                raise DamagedRun(f"{self.trials_path}:{number}: not JSON") from None
+            why = record_fault(rec)
+            if why:
+                raise DamagedRun(f"{self.trials_path}:{number}: {why}")
+            out.append(rec)
         return out
 
     def update_summary(self, records: list[dict] | None = None) -> dict | None:
@@ -359,6 +416,120 @@ class Run:
             if rec.get("number") == number:
                 return rec
         raise UsageError(f"run {self.run_id!r} has no trial number {number}")
+
+    def select(self, which: str, purpose: str, require_pass: bool = True, hint: str = "") -> dict:
+        """The record `which` names ('best' or a trial number), for `purpose` (a command's name). With
+        `require_pass`, a trial that did not pass the gate (pruned, failed to compile, wrong, ...) is refused:
+        its kernel is not one to replay or export."""
+        if which == "best":
+            return self.best()
+        if not re.fullmatch(r"[0-9]{1,12}", which.strip()):
+            raise UsageError(f"{purpose} takes 'best' or a trial number, not {which[:40]!r}")
+        rec = self.trial(int(which))
+        status = rec["result"]["status"]
+        if require_pass and status != "ok":
+            raise EvotuneError(f"trial {rec['number']} of run {self.run_id} did not pass ({status}); "
+                               f"nothing to {purpose}{hint}")
+        return rec
+
+
+# ---------------------------------------------------------------- the run a search writes to
+def check_storage_url(storage: str | None) -> str | None:
+    """`--storage` as given, once it reads as a database URL; UsageError otherwise."""
+    if storage is None:
+        return None
+    try:
+        from sqlalchemy.engine import make_url
+
+        url = make_url(storage)
+    except Exception:  # SQLAlchemy's ArgumentError and kin
+        url = None
+    if url is None or not url.drivername:
+        raise UsageError(f"--storage {storage!r}: not a database URL (e.g. postgresql://user@host:5432/evotune)")
+    return storage
+
+
+def resumed_family(run: str | None, resume: bool) -> str | None:
+    """The family of the run a `search --resume` continues; None when not resuming or there is no such run
+    (the resume itself then says so)."""
+    if not (resume and run):
+        return None
+    try:
+        return Run.open(run).meta().get("family")
+    except EvotuneError:
+        return None
+
+
+def remote_meta(run: str | None, resume: bool, storage: str | None) -> dict | None:
+    """The meta of a run to join: resuming with --storage a run that has no folder on this host."""
+    if not (resume and run and storage):
+        return None
+    check_name(run)
+    if (runs_dir() / run / "meta.json").exists():
+        return None
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    store = Run(runs_dir() / run, storage).storage()
+    if run not in optuna.study.get_all_study_names(storage=store):
+        return None  # Run.open then says there is no such run
+    meta = optuna.load_study(study_name=run, storage=store).user_attrs.get("meta")
+    return meta if isinstance(meta, dict) else None
+
+
+def run_to_continue(run: str | None, resume: bool, storage: str | None, remote: dict | None,
+                    shape_spec: str) -> Run | None:
+    """The run a `search --resume` continues (this host's folder, or one made from the study to join),
+    checked against the shape; None for a new run, whose name is checked here, before the slow worker start."""
+    if not resume:
+        if run is not None:
+            Run.check_new_name(run)
+            if storage is not None:
+                Run.check_study_free(run, storage)
+        return None
+    if not run:
+        raise UsageError("--resume needs --run NAME")
+    if remote is not None:  # another host created the run: join its study
+        import socket
+
+        _check_resumed_shape(run, remote.get("shape_spec"), shape_spec)
+        return Run.join(run, storage, {"joined": {"host": socket.gethostname(),
+                                                  "at": dt.datetime.now().isoformat(timespec="seconds")}})
+    rn = Run.open(run)
+    _check_resume_storage(rn, storage)
+    _check_resumed_shape(run, rn.meta().get("shape_spec"), shape_spec)
+    return rn
+
+
+def _check_resumed_shape(run: str, searched, shape_spec: str) -> None:
+    if searched != shape_spec:
+        raise UsageError(f"run {run!r} searched {searched}, not {shape_spec}")
+
+
+def _check_resume_storage(rn: Run, storage: str | None) -> None:
+    if storage is not None and redact_url(storage) != redact_url(rn.storage_url):
+        raise UsageError(f"run {rn.run_id!r} keeps its study in {redact_url(rn.storage_url)}, "
+                         f"not {redact_url(storage)}")
+    rn.use_storage(storage)
+    if "***" in rn.storage_url:
+        raise UsageError(f"run {rn.run_id!r} keeps its study in {rn.storage_url}: give it with --storage URL, "
+                         f"password included (or keep the password in ~/.pgpass)")
+
+
+def storage_meta(storage: str | None, devices: list[int]) -> dict:
+    """What meta.json records of the GPUs and the study storage (its password hidden)."""
+    meta: dict = {"gpus": devices}
+    if storage is not None:
+        meta["storage"] = redact_url(storage)  # the study's name is the run's (Run.create)
+    return meta
+
+
+def new_run(name: str | None, meta: dict, storage: str | None) -> Run:
+    """Create the run folder; with a shared storage, also the study holding meta.json for other hosts to join."""
+    rn = Run.create(name, meta).use_storage(storage)
+    if storage is not None:
+        rn.share_meta()
+    return rn
 
 
 def _append_line(f, record: dict) -> None:
@@ -407,6 +578,70 @@ class TrialTail:
                 out.append(rec)
             self.offset += len(line) + (0 if last else 1)
         return out
+
+
+def _json_kind(value) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def meta_fault(meta: dict) -> str | None:
+    """What makes `meta` (a run's meta.json) unusable to replay or export the run, in a few words; None if nothing."""
+    for key, kind, name in (("family", str, "a string"), ("shape", dict, "a JSON object")):
+        if not isinstance(meta.get(key), kind):
+            return f"{key!r} is {'missing' if meta.get(key) is None else 'not ' + name}"
+    return None
+
+
+def record_fault(rec) -> str | None:
+    """What makes `rec` (one parsed line of trials.jsonl) not a trial record, in a few words; None if it is one.
+    Checks what readers rely on: the number, the config, the status, and a passing trial's time and error."""
+    if not isinstance(rec, dict):
+        return f"not a JSON object (a {_json_kind(rec)})"
+    if not isinstance(rec.get("number"), int) or isinstance(rec.get("number"), bool) or rec["number"] < 0:
+        return "'number' is not a trial number"
+    if not isinstance(rec.get("config"), dict):
+        return f"trial {rec['number']}: 'config' is not a JSON object"
+    result = rec.get("result")
+    if not isinstance(result, dict) or not isinstance(result.get("status"), str):
+        return f"trial {rec['number']}: 'result' has no status"
+    if result["status"] == "ok":
+        for key in ("time_us", "max_abs"):
+            if not _is_number(result.get(key)):
+                return f"trial {rec['number']} passed but its {key} is {json.dumps(result.get(key))}, not a number"
+    dup = rec.get("duplicate_of")
+    if dup is not None and (not isinstance(dup, int) or isinstance(dup, bool)):
+        return f"trial {rec['number']}: 'duplicate_of' is not a trial number"
+    return None
+
+
+def list_runs(root: Path | None = None) -> list[dict]:
+    """One row per run folder under `root` (default: runs_dir()), by name: shape, device, trial count, best
+    time, and `damaged` (None, or what is wrong in a few words). A damaged run does not hide the others."""
+    root = runs_dir() if root is None else root
+    folders = sorted({p.parent for pattern in ("*/meta.json", "*/trials.jsonl") for p in root.glob(pattern)})
+    return [_run_row(Run(path)) for path in folders]
+
+
+def _run_row(run: Run) -> dict:
+    row = {"run": run.run_id, "shape": None, "device": None, "trials": None, "best_us": None, "damaged": None}
+    try:
+        meta = run.meta()
+        if meta_fault(meta):
+            raise DamagedRun(f"{run.path / 'meta.json'}: {meta_fault(meta)}")
+        device = meta.get("device")
+        row.update(shape=meta.get("shape_spec"), device=device.get("name") if isinstance(device, dict) else None)
+        records = run.trials()
+    except DamagedRun as e:
+        row["damaged"] = str(e).replace(str(run.path) + os.sep, "", 1)  # the file relative to its run
+        return row
+    best = best_record(records)
+    row.update(trials=len(records), best_us=best["result"]["time_us"] if best else None)
+    return row
 
 
 def ok_records(records: list[dict]) -> list[dict]:

@@ -60,7 +60,8 @@ def disassemble(cubin_path: str) -> str:
         env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", ""))
         proc = subprocess.run([tool, "-sass", cubin_path], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise EvotuneError(f"cuobjdump -sass failed: {(proc.stderr or proc.stdout).strip().splitlines()[:1]}")
+        said = (proc.stderr or proc.stdout).strip().splitlines()
+        raise EvotuneError(f"cuobjdump -sass failed (exit {proc.returncode}): {said[0] if said else 'no output'}")
     return proc.stdout
 
 

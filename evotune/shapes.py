@@ -3,7 +3,7 @@
 A shape is written either as a preset name (`mission`) or as
 `B,H,S,D` / `B,H,Sq,Sk,D`; either may be followed by `:`-separated flags
 (`fp16`, `bf16`, `causal`, `bshd`, `bhsd`), e.g. `4,32,4096,128:bf16:causal`
-or `mission:bf16`.
+or `mission:bf16`. Each kind of flag (dtype, mask, layout) may be given once.
 """
 
 from __future__ import annotations
@@ -15,6 +15,17 @@ from .errors import UsageError
 
 DTYPES = ("fp16", "bf16")
 LAYOUTS = ("bhsd", "bshd")
+
+# Upper bounds that keep every index kernels/attention.cu computes inside its types. Element offsets
+# are 64-bit (strides are long long), but row indices are int: seq_q and seq_k are passed as int,
+# and a tile's first row plus the tile (q_row0 + BLOCK_M, kv0 + BLOCK_N, up to 128 rows) must stay
+# below 2^31; 2^30 leaves room for any tile. Heads and batch are the grid's y and z, which CUDA caps
+# at 65535 (split-KV launches batch x kv_splits CTAs along z), and batch x heads + head is computed
+# in 32 bits for the split-KV workspace, which 65535 x 65535 fits.
+MAX_DIMS = {"batch": 65535, "heads": 65535, "seq_q": 2**30, "seq_k": 2**30, "head_dim": 2**30}
+_WHY_MAX = {"batch": "CUDA's grid z limit", "heads": "CUDA's grid y limit",
+            "seq_q": "the kernel indexes rows with 32-bit int", "seq_k": "the kernel indexes rows with 32-bit int",
+            "head_dim": "the kernel indexes columns with 32-bit int"}
 
 
 @dataclass(frozen=True)
@@ -31,10 +42,12 @@ class Shape:
     layout: str = "bhsd"
 
     def __post_init__(self) -> None:
-        for name in ("batch", "heads", "seq_q", "seq_k", "head_dim"):
+        for name, limit in MAX_DIMS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"shape: {name} must be a positive integer, got {value!r}")
+            if value > limit:
+                raise UsageError(f"shape: {name} {value} is too large: at most {limit} ({_WHY_MAX[name]})")
         if self.dtype not in DTYPES:
             raise UsageError(f"shape: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.layout not in LAYOUTS:
@@ -83,7 +96,9 @@ PRESETS: dict[str, tuple[Shape, str]] = {
     "long-16k-causal": (Shape(1, 16, 16384, 16384, 128, causal=True), "long causal 16k, d128"),
 }
 
-_DIMS = re.compile(r"^\s*\d+(\s*,\s*\d+){3,4}\s*$")
+_DIMS = re.compile(r"^\s*[0-9]+(\s*,\s*[0-9]+){3,4}\s*$")
+_FLAG_KINDS = {**{d: "dtype" for d in DTYPES}, "causal": "causal", **{lay: "layout" for lay in LAYOUTS}}
+_MAX_DIGITS = 12  # far above any bound in MAX_DIMS; stops int() on thousands of digits
 
 
 def parse_shape(text: str) -> Shape:
@@ -93,34 +108,63 @@ def parse_shape(text: str) -> Shape:
     text = str(text).strip()
     if text in PRESETS:
         return PRESETS[text][0]
-    dims_part, *flags = text.split(":")
-    if dims_part.strip() in PRESETS:  # a preset with flags, e.g. mission:bf16
-        p = PRESETS[dims_part.strip()][0]
-        dims_part = f"{p.batch},{p.heads},{p.seq_q},{p.seq_k},{p.head_dim}"
-        flags = [p.dtype] + (["causal"] if p.causal else []) + [p.layout] + flags
+    dims_part, *flag_texts = text.split(":")
+    fields = _parse_flags(flag_texts, text)
+    name = dims_part.strip()
+    if name in PRESETS:  # a preset with flags, e.g. mission:bf16: the flags override its own
+        p = PRESETS[name][0]
+        return Shape(p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim,
+                     **{"dtype": p.dtype, "causal": p.causal, "layout": p.layout, **fields})
     if not _DIMS.match(dims_part):
-        if re.match(r"^[A-Za-z][\w-]*$", dims_part.strip()):
-            raise UsageError(f"shape: unknown preset {dims_part.strip()!r}; presets: {', '.join(PRESETS)}")
+        if re.match(r"^[A-Za-z][\w-]*$", name):
+            raise UsageError(f"shape: unknown preset {_shown(name)}; presets: {', '.join(PRESETS)}")
         raise UsageError(
-            f"shape: cannot read {text!r}; write B,H,S,D or B,H,Sq,Sk,D with optional :fp16|:bf16|:causal|:bshd"
+            f"shape: cannot read {_shown(text)}; write B,H,S,D or B,H,Sq,Sk,D with optional :fp16|:bf16|:causal|:bshd"
         )
-    dims = [int(x) for x in dims_part.split(",")]
-    if len(dims) == 4:
-        b, h, s, d = dims
-        sq = sk = s
-    else:
-        b, h, sq, sk, d = dims
-    dtype, causal, layout = "fp16", False, "bhsd"
-    for flag in (f.strip().lower() for f in flags):
-        if flag in DTYPES:
-            dtype = flag
-        elif flag == "causal":
-            causal = True
-        elif flag in LAYOUTS:
-            layout = flag
-        else:
-            raise UsageError(f"shape: unknown flag {flag!r} in {text!r}; flags: fp16, bf16, causal, bshd")
-    return Shape(b, h, sq, sk, d, dtype=dtype, causal=causal, layout=layout)
+    dims = _parse_dims(dims_part.split(","))
+    b, h, sq, sk, d = (dims[0], dims[1], dims[2], dims[2], dims[3]) if len(dims) == 4 else dims
+    return Shape(b, h, sq, sk, d, **fields)
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """`text` quoted for a message, cut short when long (an error stays one short line)."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+def _parse_dims(texts: list[str]) -> list[int]:
+    names = ("batch", "heads", "seq_q", "head_dim") if len(texts) == 4 else tuple(MAX_DIMS)
+    return [parse_dim(t, name, MAX_DIMS[name], _WHY_MAX[name]) for name, t in zip(names, texts)]
+
+
+def parse_dim(digits: str, name: str, limit: int, why: str) -> int:
+    """A dimension from its decimal digits (already matched as digits); UsageError, before int() is tried,
+    when it has more digits than any bound (Python refuses int() of over 4300 digits with a ValueError)."""
+    digits = digits.strip()
+    if len(digits.lstrip("0")) > _MAX_DIGITS:
+        raise UsageError(f"shape: {name} has {len(digits)} digits: too large: at most {limit} ({why})")
+    return int(digits)
+
+
+def parse_flags(flag_texts: list[str], kinds: dict[str, str], text: str) -> dict[str, str]:
+    """kind -> flag for the `:`-separated flags of `text`; `kinds` maps each flag (lower case) to its kind.
+    A flag not in `kinds` and a kind given twice are UsageErrors: the last one does not silently win."""
+    given: dict[str, str] = {}
+    for flag in (f.strip().lower() for f in flag_texts):
+        kind = kinds.get(flag)
+        if kind is None:
+            raise UsageError(f"shape: unknown flag {_shown(flag, 20)} in {_shown(text)}; flags: {', '.join(kinds)}")
+        if kind in given:
+            said = "repeats" if given[kind] == flag else "conflicts with"
+            raise UsageError(f"shape: flag {flag!r} {said} {given[kind]!r} in {_shown(text)}: give each of "
+                             f"{', '.join(dict.fromkeys(kinds.values()))} once")
+        given[kind] = flag
+    return given
+
+
+def _parse_flags(flag_texts: list[str], text: str) -> dict:
+    """Shape fields from the `:`-separated flags (each kind is the Shape field it sets)."""
+    given = parse_flags(flag_texts, _FLAG_KINDS, text)
+    return {kind: True if kind == "causal" else flag for kind, flag in given.items()}
 
 
 def with_dtype(shape: Shape, dtype: str) -> Shape:

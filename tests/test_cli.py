@@ -190,15 +190,18 @@ def test_shapes_table(monkeypatch):
         assert name in result.stdout
 
 
-def test_check_sample_json(cli):
-    """`check --sample 3 --json` compiles three admitted configs with NVRTC and reports them, with no compile errors."""
+def test_check_sample_json(cli, space):
+    """`check --sample 3 --json` compiles three admitted configs with NVRTC and reports them, with no compile errors,
+    the time spent enumerating the whole space, and nothing on stderr where stderr is no terminal."""
     proc = cli("check", "--sample", "3", "--jobs", "2", "--json")
     assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
     out = json.loads(proc.stdout)
     summary = out["summary"]
     assert summary["compiled"] == 3 and summary["compile_errors"] == 0
     assert summary["ok"] + summary["pruned_static"] == 3
-    assert 3 <= summary["admitted"] <= summary["space_size"]
+    assert 3 <= summary["admitted"] <= summary["space_size"] == space.size()
+    assert summary["enumerate_seconds"] > 0.1  # ~17 s for the ~300k configs of the built-in space
     assert summary["shape"] == "1,8,512,64:fp16"
     assert len(out["configs"]) == 3 and len({json.dumps(c["config"], sort_keys=True) for c in out["configs"]}) == 3
     for row in out["configs"]:
@@ -209,13 +212,13 @@ def test_check_sample_json(cli):
 def test_runs_json(runs_root, mission, space):
     """`runs --json` lists a recorded run with its shape, device, trial count and best time."""
     make_run("listed", mission, [failed_record(space, 0, "wrong"), passing_record(space, 1)])
-    Run.create("empty", {"shape_spec": "mission"})
+    make_run("empty", mission, [])
     result = CliRunner().invoke(app, ["runs", "--json"])
     assert result.exit_code == 0, result.output
     rows = {r["run"]: r for r in json.loads(result.stdout)}
     assert set(rows) == {"listed", "empty"}
     assert rows["listed"] == {"run": "listed", "shape": "1,8,512,64:fp16", "device": "NVIDIA H100 80GB HBM3",
-                              "trials": 2, "best_us": MEASURED_US}
+                              "trials": 2, "best_us": MEASURED_US, "damaged": None}
     assert rows["empty"]["trials"] == 0 and rows["empty"]["best_us"] is None
 
 

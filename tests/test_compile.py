@@ -244,3 +244,45 @@ def test_every_variant_compiles_clean(attention, space, cfg, variant):
     assert 32 <= res.registers <= 255
     geo = attention.geometry(config, shape)
     assert static_violations(res, geo.threads, geo.dynamic_smem) == []
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _drop_checksum(meta_path: Path) -> None:
+    import json
+
+    meta = json.loads(meta_path.read_text())
+    del meta["cubin_sha256"]
+    meta_path.write_text(json.dumps(meta))
+
+
+# How a cache entry gets damaged: a copy or a write cut short, an emptied file, an edit.
+CACHE_DAMAGE = {
+    "cubin-cut-short": lambda cubin, meta: _truncate(cubin),
+    "cubin-empty": lambda cubin, meta: cubin.write_bytes(b""),
+    "cubin-one-byte-changed": lambda cubin, meta: cubin.write_bytes(cubin.read_bytes()[:-1] + b"\x01"),
+    "meta-cut-short": lambda cubin, meta: _truncate(meta),
+    "meta-not-an-object": lambda cubin, meta: meta.write_text("[1, 2]"),
+    "meta-without-resources": lambda cubin, meta: meta.write_text('{"log": "", "compile_seconds": 1.0}'),
+    "old-entry-cubin-cut-short": lambda cubin, meta: (_drop_checksum(meta), _truncate(cubin)),
+}
+
+
+def test_damaged_cache_entry_is_recompiled(attention, space, mission, tmp_path, monkeypatch):
+    """A damaged cache entry is detected, compiled afresh and replaced (never a crash, never a bad cubin); a whole
+    entry written before entries carried a checksum is still used."""
+    monkeypatch.setenv("EVOTUNE_CACHE", str(tmp_path))
+    src = instantiate(attention, space.default_config(), mission)
+    first = compile_source(src.code, src.entry)
+    cubin, meta = Path(first.cubin_path), tmp_path / "cubin" / f"{first.key}.json"
+    whole = cubin.read_bytes()
+    for name, damage in CACHE_DAMAGE.items():
+        damage(cubin, meta)
+        again = compile_source(src.code, src.entry)
+        assert not again.cached, name
+        assert again.resources == first.resources and cubin.read_bytes() == whole, name
+        assert compile_source(src.code, src.entry).cached, name  # the replacement is sound
+    _drop_checksum(meta)
+    assert compile_source(src.code, src.entry).cached

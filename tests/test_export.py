@@ -104,3 +104,36 @@ def test_export_says_when_the_template_changed(attention, space, mission):
     fresh = export_source(attention, mission, cfg, {"source_digest": current, "result": {}})
     assert "// NOTE         the kernel template changed" in stale
     assert "template changed" not in fresh
+
+
+def test_write_export_bad_paths(tmp_path):
+    """write_export to a folder, an empty name, or below a plain file is a one-line UsageError that writes nothing."""
+    from evotune.errors import UsageError
+
+    plain = tmp_path / "plain"
+    plain.write_text("keep")
+    for target, fragment in ((tmp_path, "is a folder"), ("", "empty file name"), (plain / "k.cu", "is not a folder")):
+        with pytest.raises(UsageError, match=fragment) as info:
+            write_export(target, "// text\n")
+        assert "\n" not in str(info.value) and info.value.exit_code == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"] and plain.read_text() == "keep"
+
+
+def test_write_export_replaces_whole(tmp_path):
+    """Writing over an existing export replaces it whole and leaves no temporary file beside it."""
+    target = tmp_path / "k.cu"
+    target.write_text("old")
+    write_export(target, "// new\n")
+    assert target.read_text() == "// new\n" and [p.name for p in tmp_path.iterdir()] == ["k.cu"]
+
+
+@pytest.mark.parametrize("status", ["pruned", "compile_error", "wrong"])
+def test_header_warns_when_the_trial_did_not_pass(attention, space, mission, status):
+    """A record that did not pass (exported with --force) gets a WARNING line with its status and reason on one
+    line; a passing record gets none."""
+    record = {"result": {"status": status, "message": "first line\nsecond line"}}
+    lines = header_of(export_source(attention, mission, space.default_config(), record))
+    assert (f"// WARNING      this trial did not pass ({status}: first line second line); exported with --force"
+            in lines)
+    ok = header_of(export_source(attention, mission, space.default_config(), {"result": {"status": "ok"}}))
+    assert not any("WARNING" in line for line in ok)

@@ -255,3 +255,127 @@ def test_base_meta(monkeypatch):
     assert meta["versions"]["evotune"] and meta["versions"]["python"].count(".") == 2
     monkeypatch.setattr(runs.sys, "argv", ["/path/to/evotune/__main__.py", "runs", "--json"])
     assert runs.base_meta()["command_line"] == "evotune runs --json"
+
+
+# ------------------------------------------------------------------ where runs live, damaged folders
+
+
+def test_runs_dir_defaults_to_the_current_folder(monkeypatch, tmp_path):
+    """Without EVOTUNE_RUNS (or with it empty), runs live in ./runs of the current folder, not beside the package."""
+    monkeypatch.chdir(tmp_path)
+    for unset in (lambda: monkeypatch.delenv("EVOTUNE_RUNS", raising=False),
+                  lambda: monkeypatch.setenv("EVOTUNE_RUNS", "")):
+        unset()
+        assert runs.runs_dir() == tmp_path / "runs"
+        assert Run.create("here", {}).path == tmp_path / "runs" / "here"
+        (tmp_path / "runs" / "here" / "meta.json").unlink()
+        (tmp_path / "runs" / "here" / "trials.jsonl").unlink()
+        (tmp_path / "runs" / "here").rmdir()
+
+
+def test_open_rejects_names_that_are_no_run_name(runs_root):
+    """Run.open of a 300-character or path-like name is a one-line UsageError (no OSError from the file system)."""
+    Run.create("real", {})
+    for name in ("a" * 300, "../real", "x/y"):
+        with pytest.raises(UsageError, match="run name") as info:
+            Run.open(name)
+        assert len(str(info.value)) < 200
+
+
+@pytest.mark.parametrize(
+    "line, fragment",
+    [
+        ("[1, 2]", ":2: not a JSON object (a list)"),
+        ("42", ":2: not a JSON object (a number)"),
+        ("not json at all", ":2: not JSON"),
+        ('{"number": "one", "config": {}, "result": {"status": "ok"}}', ":2: 'number' is not a trial number"),
+        ('{"number": 1, "config": [], "result": {"status": "ok"}}', ":2: trial 1: 'config' is not a JSON object"),
+        ('{"number": 1, "config": {}, "result": {}}', ":2: trial 1: 'result' has no status"),
+        ('{"number": 1, "config": {}, "result": {"status": "ok", "time_us": null, "max_abs": 0.1}}',
+         ":2: trial 1 passed but its time_us is null, not a number"),
+        ('{"number": 1, "config": {}, "result": {"status": "ok", "time_us": 2.0, "max_abs": "small"}}',
+         ':2: trial 1 passed but its max_abs is "small", not a number'),
+        ('{"number": 1, "config": {}, "result": {"status": "wrong"}, "duplicate_of": "0"}',
+         ":2: trial 1: 'duplicate_of' is not a trial number"),
+    ],
+    ids=["list", "number", "text", "number-field", "config", "status", "ok-null-time", "ok-text-error", "duplicate"],
+)
+def test_damaged_line_names_file_and_line(runs_root, line, fragment):
+    """A line that is not a trial record makes trials() (and best/trial) raise DamagedRun naming the file and line,
+    exit code 2, and reading leaves the file as it was."""
+    run = Run.create("dmg", {})
+    run.append_trial(rec(0, time_us=2.0, max_abs=1e-4))
+    with open(run.trials_path, "a") as f:
+        f.write(line + "\n")
+    before = run.trials_path.read_bytes()
+    for read in (run.trials, run.best, lambda: run.trial(0), lambda: run.select("0", "export")):
+        with pytest.raises(runs.DamagedRun) as info:
+            read()
+        assert str(info.value) == f"{run.trials_path}{fragment}" and info.value.exit_code == 2
+    assert run.trials_path.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [("[1, 2]", "not a JSON object (a list)"), ('"x"', "not a JSON object (a string)"),
+     ("{" * 100_000, "not valid JSON"), ("\xff\xfe", "not valid JSON")],
+    ids=["list", "string", "deep", "not-utf8"],
+)
+def test_damaged_meta_names_the_file(runs_root, text, fragment):
+    """A meta.json that is not a JSON object (or not JSON) is a DamagedRun naming it."""
+    run = Run.create("meta", {})
+    (run.path / "meta.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(runs.DamagedRun) as info:
+        run.meta()
+    assert fragment in str(info.value)
+    assert str(info.value).startswith(f"{run.path / 'meta.json'}: ")
+
+
+def test_problem_and_shape_name_the_field(runs_root, mission):
+    """problem_and_shape reads the run's family and shape, and names a field that is missing or out of range."""
+    run = Run.create("ps", {"family": "attention", "shape": mission.as_dict()})
+    problem, shape = run.problem_and_shape()
+    assert problem.family == "attention" and shape == mission
+    for meta, fragment in (({"shape": mission.as_dict()}, "'family' is missing"),
+                           ({"family": "attention", "shape": [1]}, "'shape' is not a JSON object"),
+                           ({"family": "attention", "shape": {"batch": 1}}, "'shape' has no 'heads'"),
+                           ({"family": "attention", "shape": {**mission.as_dict(), "seq_q": 2**40}},
+                            "'shape': shape: seq_q 1099511627776 is too large")):
+        run.write_json("meta.json", meta)
+        with pytest.raises(runs.DamagedRun, match=fragment):
+            run.problem_and_shape()
+
+
+def test_select(runs_root):
+    """select takes 'best' or a trial number; a trial that did not pass is refused unless require_pass is off."""
+    run = Run.create("sel", {})
+    run.append_trial(rec(0, time_us=2.0, max_abs=1e-4))
+    run.append_trial(rec(1, status="pruned"))
+    assert run.select("best", "export")["number"] == 0 and run.select("0", "export")["number"] == 0
+    with pytest.raises(EvotuneError, match=r"trial 1 of run sel did not pass \(pruned\); nothing to export!") as info:
+        run.select("1", "export", hint="!")
+    assert info.value.exit_code == 1
+    assert run.select("1", "sass", require_pass=False)["number"] == 1
+    for which in ("fastest", "-1", "9" * 5000):
+        with pytest.raises(UsageError, match="export takes 'best' or a trial number"):
+            run.select(which, "export")
+
+
+def test_list_runs_marks_only_the_damaged(runs_root, mission):
+    """list_runs gives every run folder a row; a damaged one says what is wrong, the others are whole."""
+    meta = {"family": "attention", "shape": mission.as_dict(), "shape_spec": mission.spec,
+            "device": {"name": "GPU"}}
+    good = Run.create("good", meta)
+    good.append_trial(rec(0, time_us=2.0, max_abs=1e-4))
+    bad = Run.create("bad", meta)
+    bad.append_trial(rec(0, time_us=2.0, max_abs=1e-4))
+    with open(bad.trials_path, "a") as f:
+        f.write("[]\n")
+    orphan = runs_root / "orphan"  # trials but no meta.json
+    orphan.mkdir()
+    (orphan / "trials.jsonl").write_text("")
+    rows = {r["run"]: r for r in runs.list_runs()}
+    assert rows["good"] == {"run": "good", "shape": mission.spec, "device": "GPU", "trials": 1, "best_us": 2.0,
+                            "damaged": None}
+    assert rows["bad"]["damaged"] == "trials.jsonl:2: not a JSON object (a list)" and rows["bad"]["trials"] is None
+    assert rows["orphan"]["damaged"] == "meta.json: missing"

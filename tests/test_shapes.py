@@ -152,3 +152,62 @@ def test_unequal_sequences_flops_and_bytes():
     shape = parse_shape("1,2,128,1024,64")
     assert shape.flops() == 4 * 1 * 2 * 128 * 1024 * 64
     assert shape.min_bytes() == (2 * 2 * 128 * 64 + 2 * 2 * 1024 * 64) * 2
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("mission:fp16:bf16", "flag 'bf16' conflicts with 'fp16' in 'mission:fp16:bf16'"),
+        ("1,8,512,64:bf16:fp16", "flag 'fp16' conflicts with 'bf16'"),
+        ("1,8,512,64:causal:causal", "flag 'causal' repeats 'causal'"),
+        ("gpt2:bshd:bhsd", "flag 'bhsd' conflicts with 'bshd'"),
+        ("1,8,512,64:bf16:BF16", "flag 'bf16' repeats 'bf16'"),
+    ],
+)
+def test_conflicting_or_repeated_flags(text, fragment):
+    """Two flags of one kind (dtype, causal, layout) are a UsageError, not a silent last-one-wins."""
+    with pytest.raises(UsageError) as info:
+        parse_shape(text)
+    assert fragment in str(info.value) and info.value.exit_code == 2
+
+
+def test_preset_flags_override_the_preset_once():
+    """A flag after a preset overrides the preset's own field (that is not a conflict)."""
+    assert parse_shape("gpt2-causal:bf16:bshd") == Shape(16, 12, 1024, 1024, 64, dtype="bf16", causal=True,
+                                                         layout="bshd")
+    assert parse_shape("gpt2-causal:causal").causal is True
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("1,8,4294967296,64",
+         "seq_q 4294967296 is too large: at most 1073741824 (the kernel indexes rows with 32-bit int)"),
+        ("1,8,512,2147483648,64", "seq_k 2147483648 is too large: at most 1073741824"),
+        ("1,65536,512,64", "heads 65536 is too large: at most 65535 (CUDA's grid y limit)"),
+        ("65536,8,512,64", "batch 65536 is too large: at most 65535 (CUDA's grid z limit)"),
+        ("1,8,512," + "9" * 5000, "head_dim has 5000 digits: too large"),
+        ("1,8," + "9" * 5000 + ",64", "seq_q has 5000 digits: too large: at most 1073741824"),
+    ],
+    ids=["seq-2^32", "seq_k-2^31", "heads", "batch", "5000-digit-d", "5000-digit-seq"],
+)
+def test_dimensions_are_bounded(text, fragment):
+    """Every dimension is bounded so the kernel's int indices and CUDA's grid limits hold; the message says which
+    bound and why, and stays short even for a 5000-digit number."""
+    with pytest.raises(UsageError) as info:
+        parse_shape(text)
+    assert fragment in str(info.value) and len(str(info.value)) < 200
+
+
+def test_largest_dimensions_are_accepted():
+    """The bounds themselves are allowed, and leading zeros do not count as digits."""
+    shape = parse_shape("65535,65535,1073741824,1073741824,128")
+    assert (shape.batch, shape.heads, shape.seq_q) == (65535, 65535, 2**30)
+    assert parse_shape("1,8,0000000000000000000512,64").seq_q == 512
+
+
+def test_long_text_is_cut_in_messages():
+    """A long unreadable --shape is quoted cut short, so the error stays one short line."""
+    with pytest.raises(UsageError) as info:
+        parse_shape("x" * 3000 + ",1")
+    assert "(3002 characters)" in str(info.value) and len(str(info.value)) < 250

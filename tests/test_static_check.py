@@ -1,0 +1,45 @@
+"""Tests for evotune.static_check (what `evotune check` runs): enumerating a space with progress reports,
+and sampling the admitted configs. The compiles themselves are covered by test_cli and test_bad_input."""
+
+from __future__ import annotations
+
+import pytest
+
+from evotune import static_check
+from evotune.space import load_builtin, shape_context
+
+
+@pytest.fixture(scope="module")
+def small():
+    return load_builtin("attention-small")
+
+
+def test_enumeration_reports_progress_to_the_end(small, mission, monkeypatch):
+    """admitted_configs reports (done, total) as it goes, ending at the space's size, and admits exactly what the
+    space admits, in file order."""
+    monkeypatch.setattr(static_check, "ENUMERATE_REPORT_EVERY", 100)
+    reports = []
+    admitted, enumerated, seconds = static_check.admitted_configs(small, shape_context(mission),
+                                                                 lambda done, total: reports.append((done, total)))
+    assert enumerated == small.size() and seconds >= 0
+    assert admitted == small.admitted_configs(shape_context(mission))
+    assert reports[-1] == (small.size(), small.size())
+    assert [d for d, _ in reports[:-1]] == list(range(100, small.size() + 1, 100))
+
+
+def test_pick(small, mission):
+    """pick: 0 or a sample at least as large as what is admitted takes all; otherwise a seeded sample."""
+    admitted = small.admitted_configs(shape_context(mission))
+    assert static_check.pick(admitted, 0, 0) == admitted == static_check.pick(admitted, len(admitted) + 5, 0)
+    five = static_check.pick(admitted, 5, 1)
+    assert len(set(c.key() for c in five)) == 5 and five == static_check.pick(admitted, 5, 1)
+    with pytest.raises(ValueError):
+        static_check.pick(admitted, -5, 0)
+
+
+def test_compile_nothing_starts_no_pool(small, mission, attention, monkeypatch):
+    """With nothing to compile, compile_all returns no rows without starting worker processes."""
+    import evotune.compile as compile_module
+
+    monkeypatch.setattr(compile_module, "compile_pool", lambda workers: pytest.fail("a pool was started"))
+    assert static_check.compile_all(attention, mission, small, [], jobs=4) == []
