@@ -2,7 +2,10 @@
 
 Everything is measured the one way evotune measures (evaluate.time_gpu: CUDA-graph replay
 after warm-up, many repetitions, median and p10/p90), on the same inputs, and every
-baseline passes the same gate as the kernel. Next to the times go the machine's ceilings,
+baseline passes the same gate as the kernel. The kernel goes through evaluate_compiled, as in
+the search: a kernel whose timed output is not what the gate checked (or that writes outside
+its output, changes an input, or differs on a repeat) is reported WRONG with the check that
+caught it, and gets no time. Next to the times go the machine's ceilings,
 measured in the same process: device-to-device copy bandwidth, the tensor rate of a large
 torch.matmul (cuBLAS) in the shape's dtype, and the time of an empty kernel in a graph.
 From those, each shape gets its floor: the empty-kernel time plus

@@ -1,10 +1,24 @@
 """Verify and time one candidate on the GPU. The one verification function and the one
-timing function here are used by search, replay, bench and the GPU tests alike.
+timing function here are used by search, replay, bench, verify and the GPU tests alike.
 
 Verification: fresh random inputs per seed (never zeros), the output poisoned with NaN
 before the checked launch, max-abs / max-rel error and a count of non-finite outputs
 against an fp32 reference. Timing: CUDA events around CUDA-graph replays of many
 back-to-back launches, after warm-up; median and p10/p90 over the replays.
+
+No kernel can pass by behaving one way when checked and another when timed. Every checked
+launch writes O inside a larger allocation whose guard bands hold a sentinel byte pattern
+(a store before or after O changes them), and every input tensor is compared bitwise before
+and after it. A few launches on the same inputs, with O refilled between them by NaN and by
+finite garbage, must agree bitwise (a kernel that skips work on a repeat, or only when O is
+not NaN, leaves the garbage). The timed launches write into a poisoned O too: afterwards O
+must equal, bitwise, an untimed launch on the same inputs; then O is refilled with finite
+garbage, the timed launch sequence (the captured graph) is replayed once more and O is
+compared again, so a kernel whose later launches do less work fails although the early ones
+left a correct O behind. A check that fails makes the candidate WRONG, naming the check.
+
+The checks are device-agnostic (they synchronize only tensors on a CUDA device), so they are
+tested on the CPU with launches written in Python; only the timing itself needs a GPU.
 """
 
 from __future__ import annotations
@@ -12,6 +26,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import replace
+from typing import Callable
 
 from . import result as R
 from .compile import Compiled, load_kernel, static_violations
@@ -23,6 +39,14 @@ TIMING_SEED = 1000
 # per-replay launch cost vanish against the measured work.
 TARGET_REPLAY_US = 400.0
 DEFAULT_REPS = 40
+# Launches on one case's inputs that must agree bitwise in the search's gate: the first (into
+# NaN), then one into finite garbage and one into NaN. `evotune verify` runs 100 (check_determinism).
+REPEAT_LAUNCHES = 3
+# Each side of O: far more than one stray tile store (a 128 x 128 fp16 tile is 32 KiB).
+GUARD_BYTES = 256 * 1024
+SENTINEL_SEED = 0x5E17  # the guard bands' bytes: one fixed pseudo-random pattern, the same on every device
+AUDIT_SEED = 0xA0D1     # the finite garbage the timed launches' audit replay must overwrite
+NAN, GARBAGE = "NaN", "finite garbage"  # what O is refilled with before a checked launch
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -34,8 +58,10 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def time_gpu(fn, reps: int = DEFAULT_REPS, launches_per_rep: int | None = None, warmup: int = 10) -> Timing:
-    """Per-call GPU time of `fn` (which launches work on torch's current stream)."""
+def time_launches(fn, reps: int = DEFAULT_REPS, launches_per_rep: int | None = None,
+                  warmup: int = 10) -> tuple[Timing, Callable[[], None]]:
+    """Per-call GPU time of `fn` (which launches work on torch's current stream), and `replay`,
+    which runs the timed launch sequence once more (the same captured graph), for the audit."""
     import torch
 
     side = torch.cuda.Stream()
@@ -81,8 +107,14 @@ def time_gpu(fn, reps: int = DEFAULT_REPS, launches_per_rep: int | None = None, 
         e.record()
     torch.cuda.synchronize()
     per_call = [s.elapsed_time(e) * 1000.0 / launches_per_rep for s, e in zip(starts, ends)]
-    return Timing(median_us=statistics.median(per_call), p10_us=_percentile(per_call, 0.1),
-                  p90_us=_percentile(per_call, 0.9), reps=reps, launches_per_rep=launches_per_rep, method=method)
+    timing = Timing(median_us=statistics.median(per_call), p10_us=_percentile(per_call, 0.1),
+                    p90_us=_percentile(per_call, 0.9), reps=reps, launches_per_rep=launches_per_rep, method=method)
+    return timing, run_rep
+
+
+def time_gpu(fn, reps: int = DEFAULT_REPS, launches_per_rep: int | None = None, warmup: int = 10) -> Timing:
+    """Per-call GPU time of `fn` (which launches work on torch's current stream)."""
+    return time_launches(fn, reps, launches_per_rep, warmup)[0]
 
 
 def output_errors(out, ref, atol: float, rtol: float) -> tuple[float, float, int, float]:
@@ -115,28 +147,221 @@ def _error_scale(problem, inputs) -> float:
     return problem.error_scale(inputs) if hasattr(problem, "error_scale") else 1.0
 
 
-def _run_poisoned(problem, run_into, inputs):
+
+# ------------------------------------------------------------------ launch integrity
+
+
+class GateViolation(Exception):
+    """A checked launch broke a rule no tolerance excuses; `check` names it (result.CHECKS)."""
+
+    def __init__(self, check: str, detail: str):
+        super().__init__(f"{check}: {detail}")
+        self.check = check
+        self.detail = detail
+
+
+def _sync(t) -> None:
+    """Wait for the work writing `t` (nothing to wait for on the CPU)."""
     import torch
 
-    out = problem.new_output(inputs)
-    out.fill_(float("nan"))
-    run_into(inputs, out)
-    torch.cuda.synchronize()
-    return out
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
-def check_dependency(problem, shape, run_into, seed: int = 11) -> tuple[bool, str]:
+_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _bits(t):
+    """`t` viewed as integers of its element size: compared bitwise, NaN equals the same NaN."""
+    import torch
+
+    if t.element_size() not in _INT_OF_SIZE:  # complex128: its real and imaginary float64 halves
+        return _bits(torch.view_as_real(t))
+    return t.view(getattr(torch, _INT_OF_SIZE[t.element_size()]))
+
+
+def differing_elements(a, b) -> int:
+    """How many elements of `a` and `b` (same shape and dtype) differ bitwise."""
+    return int((_bits(a) != _bits(b)).sum().item())
+
+
+def _span(t) -> int:
+    """Elements from `t`'s first element to one past its last, following its strides."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def _fill(out, what: str, seed: int = 0) -> None:
+    """Poison `out` with NaN, or fill it with finite garbage drawn from `seed`."""
+    import torch
+
+    if what == NAN:
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        else:  # an integer output has no NaN: its largest value stands in
+            out.fill_(True if out.dtype == torch.bool else torch.iinfo(out.dtype).max)
+        return
+    gen = torch.Generator(device=out.device)
+    gen.manual_seed(seed)
+    if out.is_floating_point():
+        out.uniform_(-2.0, 2.0, generator=gen)
+    else:
+        out.random_(0, 2 if out.dtype == torch.bool else 100, generator=gen)
+
+
+_SENTINELS: dict = {}
+
+
+def _sentinel(nbytes: int, device):
+    """`nbytes` fixed pseudo-random bytes on `device` (made on the CPU: the same bytes everywhere)."""
+    import torch
+
+    key = (str(device), nbytes)
+    if key not in _SENTINELS:
+        gen = torch.Generator()
+        gen.manual_seed(SENTINEL_SEED)
+        _SENTINELS[key] = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8).to(device)
+    return _SENTINELS[key]
+
+
+class GuardedOutput:
+    """The output `like` (new_output's shape, strides, dtype and device) placed inside a larger flat
+    allocation, with GUARD_BYTES of a sentinel byte pattern before and after it. O starts GUARD_BYTES
+    into the allocation, so it is as aligned as a fresh allocation of its own. The bands are compared
+    byte for byte: any store there, NaN included, shows. (O from new_output is dense in every family;
+    gaps inside a strided O would not be checked.)"""
+
+    def __init__(self, like, guard_bytes: int = GUARD_BYTES):
+        import torch
+
+        item = like.element_size()
+        if guard_bytes % item:
+            raise ValueError(f"guard of {guard_bytes} bytes is not a whole number of {item}-byte elements")
+        guard, span = guard_bytes // item, _span(like)
+        self.guard_bytes = guard_bytes
+        self.flat = torch.empty(2 * guard + span, dtype=like.dtype, device=like.device)
+        self.out = self.flat.as_strided(like.shape, like.stride(), guard)
+        self._sentinel = _sentinel(2 * guard_bytes, like.device)
+        raw = self.flat.view(torch.uint8)
+        raw[:guard_bytes].copy_(self._sentinel[:guard_bytes])
+        raw[raw.numel() - guard_bytes:].copy_(self._sentinel[guard_bytes:])
+
+    def fill(self, what: str, seed: int = 0) -> None:
+        _fill(self.out, what, seed)
+
+    def stray_writes(self) -> str | None:
+        """Where a launch wrote outside O, in words, or None when both guard bands are intact."""
+        import torch
+
+        raw = self.flat.view(torch.uint8)
+        n = self.guard_bytes
+        before, after = raw[:n], raw[raw.numel() - n:]
+        kib = f"{n // 1024} KiB"
+        if not bool(before.equal(self._sentinel[:n])):
+            hit = (before != self._sentinel[:n]).nonzero()
+            return (f"before O ({hit.numel()} bytes changed in the {kib} guard band, the nearest "
+                    f"{n - int(hit.max().item())} bytes before O's first byte)")
+        if not bool(after.equal(self._sentinel[n:])):
+            hit = (after != self._sentinel[n:]).nonzero()
+            return (f"after O ({hit.numel()} bytes changed in the {kib} guard band, the nearest "
+                    f"{int(hit.min().item()) + 1} bytes past O's last byte)")
+        return None
+
+
+class InputSnapshot:
+    """Copies of every tensor of an inputs dict, to show that launches left them bitwise unchanged."""
+
+    def __init__(self, inputs: dict):
+        import torch
+
+        self.copies = {name: t.clone() for name, t in inputs.items() if isinstance(t, torch.Tensor)}
+
+    def changed(self, inputs: dict) -> str | None:
+        """Which input changed, in words, or None when all are bitwise what they were."""
+        for name, copy in self.copies.items():
+            n = differing_elements(inputs[name], copy)
+            if n:
+                return f"{name} changed in {n} of {copy.numel()} elements"
+        return None
+
+
+def check_integrity(guarded: GuardedOutput, snapshot: InputSnapshot, inputs: dict, when: str) -> None:
+    """Raise GateViolation if anything outside O was written, or an input changed, `when` (in words)."""
+    stray = guarded.stray_writes()
+    if stray:
+        raise GateViolation(R.WRITE_OUTSIDE, f"{stray} {when}")
+    changed = snapshot.changed(inputs)
+    if changed:
+        raise GateViolation(R.INPUT_MUTATED, f"{changed} {when}")
+
+
+class CheckedLauncher:
+    """Runs `run_into(inputs, out)` into a guarded, refilled O and checks every launch's integrity."""
+
+    def __init__(self, problem, run_into):
+        self.problem = problem
+        self.run_into = run_into
+        self.launches = 0
+
+    def run(self, inputs: dict, guarded: GuardedOutput | None = None, fill: str = NAN, seed: int = 0,
+            snapshot: InputSnapshot | None = None, when: str = "") -> GuardedOutput:
+        """One checked launch; a new guarded O unless `guarded` is given. Raises GateViolation."""
+        guarded = guarded or GuardedOutput(self.problem.new_output(inputs))
+        snapshot = snapshot or InputSnapshot(inputs)
+        guarded.fill(fill, seed)
+        self.run_into(inputs, guarded.out)
+        _sync(guarded.out)
+        self.launches += 1
+        check_integrity(guarded, snapshot, inputs, when)
+        return guarded
+
+    def integrity_summary(self) -> tuple[str, str]:
+        """(guards, inputs_intact) in words, for launches that all passed."""
+        kib = GUARD_BYTES // 1024
+        return (f"nothing written in the {kib} KiB before or after O in {self.launches} launches",
+                f"every input bitwise unchanged by {self.launches} launches")
+
+
+# ------------------------------------------------------------------ the gate
+
+
+def check_repeat(checker: CheckedLauncher, inputs: dict, guarded: GuardedOutput, launches: int,
+                 label: str) -> tuple[bool, str]:
+    """After a first launch into `guarded`, `launches - 1` more on the same inputs, O refilled between
+    them alternately with finite garbage and NaN, must leave O bitwise equal to the first. Finite
+    garbage catches a kernel that skips work when O is not NaN or has been written before."""
+    first = guarded.out.clone()
+    snapshot = InputSnapshot(inputs)
+    differing = []
+    for i in range(2, launches + 1):
+        fill = GARBAGE if i % 2 == 0 else NAN
+        checker.run(inputs, guarded, fill=fill, seed=i, snapshot=snapshot,
+                    when=f"in launch {i} of {launches} on {label}")
+        n = differing_elements(guarded.out, first)
+        if n:
+            differing.append(f"launch {i}, into {fill}: {n} of {first.numel()} elements")
+    if differing:
+        return False, (f"{len(differing)} of {launches - 1} repeated launches on {label} differ from the first "
+                       f"({differing[0]})")
+    return True, f"{launches} launches on {label} bitwise identical (O refilled with NaN and finite garbage between)"
+
+
+def check_dependency(problem, shape, run_into, seed: int = 11, checker: CheckedLauncher | None = None
+                     ) -> tuple[bool, str]:
     """Perturb one input (problem.perturb picks it: one key/value row, one element of a row, ...):
     the output rows that must see it change, every other row stays bitwise equal. A row is the
     output's last dimension; the problem's mask covers all the others.
 
     A row counts as "must change" where the fp32 reference moves by more than the gate's
-    tolerance, so a legitimately tiny influence is not demanded of the kernel.
+    tolerance, so a legitimately tiny influence is not demanded of the kernel. Its launches are
+    checked launches: a stray write or a changed input raises GateViolation.
     """
+    checker = checker or CheckedLauncher(problem, run_into)
     inputs = problem.make_inputs(shape, seed)
     changed_inputs, may_change = problem.perturb(shape, inputs)
-    out1 = _run_poisoned(problem, run_into, inputs)
-    out2 = _run_poisoned(problem, run_into, changed_inputs)
+    out1 = checker.run(inputs, when="in the dependency check").out
+    out2 = checker.run(changed_inputs, when="in the dependency check (perturbed inputs)").out
     atol, rtol = problem.tolerance(shape)
     atol *= _error_scale(problem, inputs)
     ref1, ref2 = problem.reference(shape, inputs), problem.reference(shape, changed_inputs)
@@ -157,64 +382,218 @@ def check_dependency(problem, shape, run_into, seed: int = 11) -> tuple[bool, st
 
 
 def check_determinism(problem, shape, run_into, launches: int = 100, seed: int = 12) -> tuple[bool, str]:
-    """The output is bitwise identical across `launches` launches on the same inputs."""
-    import torch
-
+    """The output is bitwise identical across `launches` launches on the same inputs, O refilled between
+    them (NaN and finite garbage alternately); every launch is checked for stray writes and changed inputs."""
+    checker = CheckedLauncher(problem, run_into)
     inputs = problem.make_inputs(shape, seed)
-    first = _run_poisoned(problem, run_into, inputs)
-    out = problem.new_output(inputs)
-    differing = 0
-    for _ in range(launches - 1):
-        out.fill_(float("nan"))
-        run_into(inputs, out)
-        differing += int(not torch.equal(out, first))
-    torch.cuda.synchronize()
-    if differing:
-        return False, f"{differing} of {launches - 1} repeated launches differ from the first"
-    return True, f"{launches} launches bitwise identical"
+    try:
+        guarded = checker.run(inputs, when=f"in launch 1 of {launches}")
+        return check_repeat(checker, inputs, guarded, launches, f"seed {seed}")
+    except GateViolation as v:
+        return False, str(v)
 
 
-def verify(problem, shape, run_into, seeds=DEFAULT_SEEDS, dependency: bool = True) -> Verification:
-    """The correctness gate for `run_into(inputs, out)`, which must write its result into `out`.
-
-    Every case draws fresh inputs and fills `out` with NaN first, so an element left
-    unwritten shows up as non-finite; errors are against the fp32 reference. Then, with
-    `dependency`, one input is perturbed and the right rows must move (check_dependency).
-    """
+def _error_cases(problem, shape, checker: CheckedLauncher, seeds, errors: dict) -> tuple:
+    """Every gate case: fresh inputs, a checked launch into NaN, errors against the fp32 reference, folded
+    into `errors`. Returns (inputs, guarded O, label) of the first case, for the repeat check."""
     atol, rtol = problem.tolerance(shape)
-    max_abs = max_rel = ratio = 0.0
-    nonfinite = 0
-    worst_case = ""
-    cases = gate_cases(problem, seeds)
-    per_case = {}
-    for seed, pattern in cases:
+    first = None
+    for seed, pattern in gate_cases(problem, seeds):
+        label = f"seed {seed} {pattern}"
         inputs = problem.make_inputs(shape, seed, pattern=pattern)
-        out = _run_poisoned(problem, run_into, inputs)
+        guarded = checker.run(inputs, when=f"in {label}")
         case_abs, case_rel, case_nonfinite, case_ratio = output_errors(
-            out, problem.reference(shape, inputs), atol * _error_scale(problem, inputs), rtol)
-        per_case[f"{seed}:{pattern}"] = case_ratio
-        if case_ratio >= ratio:
-            ratio, worst_case = case_ratio, f"seed {seed} {pattern}"
-        nonfinite = max(nonfinite, case_nonfinite)
+            guarded.out, problem.reference(shape, inputs), atol * _error_scale(problem, inputs), rtol)
+        errors["case_ratios"][f"{seed}:{pattern}"] = case_ratio
+        if case_ratio >= errors["gate_ratio"]:
+            errors["gate_ratio"], errors["worst_case"] = case_ratio, label
+        errors["nonfinite"] = max(errors["nonfinite"], case_nonfinite)
         # Reported errors (and the search's error objective) are those of the N(0,1) inputs;
         # the stress patterns, whose |O| reaches ~100, count through the gate ratio.
         if pattern == "normal" or case_nonfinite:
-            max_abs, max_rel = max(max_abs, case_abs), max(max_rel, case_rel)
-    dep_ok, dep_msg = check_dependency(problem, shape, run_into) if dependency else (True, "not checked")
-    return Verification(max_abs=max_abs, max_rel=max_rel, nonfinite=nonfinite, gate_ratio=ratio,
-                        seeds=tuple(seeds), atol=atol, rtol=rtol,
-                        passed=nonfinite == 0 and ratio <= 1.0 and dep_ok,
-                        patterns=tuple(sorted({p for _, p in cases})), worst_case=worst_case, case_ratios=per_case,
-                        dependency=dep_msg if dep_ok else "FAILED: " + dep_msg)
+            errors["max_abs"], errors["max_rel"] = max(errors["max_abs"], case_abs), max(errors["max_rel"], case_rel)
+        if first is None:
+            first = (inputs, guarded, label)
+    return first
+
+
+_FIELD_OF_CHECK = {R.WRITE_OUTSIDE: "guards", R.INPUT_MUTATED: "inputs_intact", R.REPEAT: "repeat",
+                   R.TIMED_OUTPUT: "timed_output"}
+
+
+def with_violation(check: Verification, v: GateViolation) -> Verification:
+    """`check` failed by `v`: its field says so, and it names the failed check."""
+    return replace(check, passed=False, failed_check=v.check, **{_FIELD_OF_CHECK[v.check]: "FAILED: " + v.detail})
+
+
+def verify(problem, shape, run_into, seeds=DEFAULT_SEEDS, dependency: bool = True,
+           repeats: int = REPEAT_LAUNCHES) -> Verification:
+    """The correctness gate for `run_into(inputs, out)`, which must write its result into `out`.
+
+    Every case draws fresh inputs and fills `out` with NaN first, so an element left
+    unwritten shows up as non-finite; errors are against the fp32 reference. If those pass,
+    `repeats` launches on the first case's inputs must agree bitwise (check_repeat), and with
+    `dependency` one input is perturbed and the right rows must move (check_dependency). Every
+    launch writes into a guarded O and is checked for stray writes and changed inputs.
+    """
+    atol, rtol = problem.tolerance(shape)
+    checker = CheckedLauncher(problem, run_into)
+    errors = {"max_abs": 0.0, "max_rel": 0.0, "nonfinite": 0, "gate_ratio": 0.0, "worst_case": "", "case_ratios": {}}
+    check = Verification(**errors, seeds=tuple(seeds), atol=atol, rtol=rtol, passed=False,
+                         patterns=tuple(sorted({p for _, p in gate_cases(problem, seeds)})))
+    try:
+        first = _error_cases(problem, shape, checker, seeds, errors)
+        failed = R.NONFINITE if errors["nonfinite"] else R.ERROR if errors["gate_ratio"] > 1.0 else ""
+        rep_ok, rep_msg, dep_ok, dep_msg = True, "not checked: the error gate failed", True, "not checked"
+        if not failed:
+            inputs, guarded, label = first
+            rep_ok, rep_msg = check_repeat(checker, inputs, guarded, repeats, label) if repeats > 1 \
+                else (True, "not checked")
+            dep_ok, dep_msg = check_dependency(problem, shape, run_into, checker=checker) if dependency \
+                else (True, "not checked")
+            failed = R.REPEAT if not rep_ok else R.DEPENDENCY if not dep_ok else ""
+        guards, intact = checker.integrity_summary()
+        return replace(check, **errors, passed=not failed, failed_check=failed, guards=guards, inputs_intact=intact,
+                       repeat=rep_msg if rep_ok else "FAILED: " + rep_msg,
+                       dependency=dep_msg if dep_ok else "FAILED: " + dep_msg)
+    except GateViolation as v:
+        return with_violation(replace(check, **errors), v)
+
+
+def failure_message(check: Verification) -> str:
+    """One line naming the check a failed Verification failed, and how."""
+    if check.failed_check == R.NONFINITE:
+        return f"{check.nonfinite} non-finite outputs (NaN poison left or computed) in {check.worst_case}"
+    if check.failed_check == R.ERROR:
+        return (f"error {check.gate_ratio:.3g}x the gate in {check.worst_case} (max abs {check.max_abs:.3g}; "
+                f"atol {check.atol:g}, rtol {check.rtol:g})")
+    if check.failed_check == R.DEPENDENCY:
+        return f"dependency check {check.dependency}"
+    detail = getattr(check, _FIELD_OF_CHECK[check.failed_check])
+    return f"{check.failed_check}: {detail.removeprefix('FAILED: ')}"
+
+
+# ------------------------------------------------------------------ the timed launches
+
+
+def check_timed(problem, shape, launch_for, reps: int = DEFAULT_REPS, timer=time_launches,
+                lap: Callable[[str], None] = lambda name: None) -> Timing:
+    """Time the launch `launch_for(inputs, out)` makes on the timing inputs, and show that what was
+    timed is what the gate passed. Raises GateViolation naming the check that failed.
+
+    An untimed launch into NaN must pass the gate's error check; its O is the expected one. O is
+    poisoned again before the timer's warm-up; after timing it must equal the expected O bitwise.
+    Then O is refilled with finite garbage and the timer's `replay` (the timed launch sequence, the
+    same captured graph) runs once more: O must be the expected one again. `timer(launch, reps)`
+    returns (Timing, replay); `lap(name)` marks the end of a phase ("timed_check" or "time").
+    """
+    inputs = problem.make_inputs(shape, TIMING_SEED)
+    guarded = GuardedOutput(problem.new_output(inputs))
+    snapshot = InputSnapshot(inputs)
+    launch = launch_for(inputs, guarded.out)
+    _launch_checked(launch, guarded, snapshot, inputs, NAN, "in the untimed launch on the timing inputs")
+    atol, rtol = problem.tolerance(shape)
+    _, _, nonfinite, ratio = output_errors(guarded.out, problem.reference(shape, inputs),
+                                           atol * _error_scale(problem, inputs), rtol)
+    if nonfinite or ratio > 1.0:
+        raise GateViolation(R.TIMED_OUTPUT, f"the untimed launch on the timing inputs fails the gate "
+                                            f"({nonfinite} non-finite, error {ratio:.3g}x the gate)")
+    expected = guarded.out.clone()
+    guarded.fill(NAN)  # before the warm-up: every timed launch writes into a poisoned O
+    lap("timed_check")
+    timing, replay = timer(launch, reps)
+    lap("time")
+    _sync(guarded.out)
+    check_integrity(guarded, snapshot, inputs, "during timing")
+    _expect_output(guarded, expected, "after timing, O differs from an untimed launch on the same inputs")
+    _launch_checked(replay, guarded, snapshot, inputs, GARBAGE, "in the audit replay of the timed launches",
+                    seed=AUDIT_SEED)
+    _expect_output(guarded, expected, "after O was refilled with finite garbage and the timed launches were "
+                                      "replayed, O differs from an untimed launch on the same inputs")
+    lap("timed_check")
+    return timing
+
+
+def _launch_checked(launch, guarded: GuardedOutput, snapshot: InputSnapshot, inputs: dict, fill: str, when: str,
+                    seed: int = 0) -> None:
+    guarded.fill(fill, seed)
+    launch()
+    _sync(guarded.out)
+    check_integrity(guarded, snapshot, inputs, when)
+
+
+def _expect_output(guarded: GuardedOutput, expected, what: str) -> None:
+    n = differing_elements(guarded.out, expected)
+    if n:
+        raise GateViolation(R.TIMED_OUTPUT, f"{what} in {n} of {expected.numel()} elements")
+
+
+# ------------------------------------------------------------------ one candidate
+
+
+class Phases:
+    """Wall seconds of an evaluation's phases (load, verify, timed_check, time), summed by name."""
+
+    def __init__(self):
+        self._seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self._seconds[name] = self._seconds.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def as_dict(self) -> dict:
+        return {name: round(s, 4) for name, s in self._seconds.items()}
+
+
+def bind_kernel(problem, shape, config, kernel):
+    """`launch_for(inputs, out)`: the zero-argument launch of a loaded kernel on those buffers."""
+
+    def launch_for(inputs, out):
+        return problem.launcher(kernel, config, shape, inputs, out)
+
+    return launch_for
 
 
 def kernel_runner(problem, shape, config, kernel):
     """`run_into(inputs, out)` for a loaded candidate kernel."""
+    launch_for = bind_kernel(problem, shape, config, kernel)
 
     def run_into(inputs, out):
-        problem.launcher(kernel, config, shape, inputs, out)()
+        launch_for(inputs, out)()
 
     return run_into
+
+
+def evaluate_launches(problem, shape, launch_for, seeds=DEFAULT_SEEDS, reps: int = DEFAULT_REPS,
+                      time_it: bool = True, timer=time_launches, phases: Phases | None = None) -> Result:
+    """Gate, then (with `time_it`) time the launches `launch_for(inputs, out)` makes: the Result,
+    WRONG naming the failed check when any fails (a timed-output failure included: never timed then)."""
+    phases = phases or Phases()
+
+    def run_into(inputs, out):
+        launch_for(inputs, out)()
+
+    check = verify(problem, shape, run_into, seeds)
+    phases.lap("verify")
+    if not check.passed:
+        return Result(status=R.WRONG, message=failure_message(check), max_abs=check.max_abs,
+                      verification=check.as_dict(), extra={"eval_seconds": phases.as_dict()})
+    if not time_it:
+        return Result(status=R.OK, max_abs=check.max_abs, verification=check.as_dict(),
+                      extra={"eval_seconds": phases.as_dict()})
+    try:
+        timing = check_timed(problem, shape, launch_for, reps=reps, timer=timer, lap=phases.lap)
+    except GateViolation as v:
+        phases.lap("timed_check")
+        check = with_violation(check, v)
+        return Result(status=R.WRONG, message=failure_message(check), max_abs=check.max_abs,
+                      verification=check.as_dict(), extra={"eval_seconds": phases.as_dict()})
+    check = replace(check, timed_output="O after timing, and after an audit replay over finite garbage, "
+                                        "bitwise equal to an untimed launch")
+    return Result(status=R.OK, time_us=timing.median_us, max_abs=check.max_abs, timing=timing.as_dict(),
+                  verification=check.as_dict(), extra={"eval_seconds": phases.as_dict()})
 
 
 def evaluate_compiled(problem, shape, config, compiled: Compiled, seeds=DEFAULT_SEEDS, reps: int = DEFAULT_REPS,
@@ -227,37 +606,12 @@ def evaluate_compiled(problem, shape, config, compiled: Compiled, seeds=DEFAULT_
         return Result(status=R.PRUNED, message="; ".join(why), resources=resources,
                       compile_seconds=compiled.compile_seconds)
     # Where a candidate's GPU-side seconds go (the search's throughput depends on it): recorded in extra.
-    clock = [time.perf_counter()]
-    phases: dict[str, float] = {}
-
-    def lap(name: str) -> None:
-        now = time.perf_counter()
-        phases[name] = round(now - clock[0], 4)
-        clock[0] = now
-
+    phases = Phases()
     kernel = load_kernel(compiled, geo.dynamic_smem)
-    lap("load")
-    check = verify(problem, shape, kernel_runner(problem, shape, config, kernel), seeds)
-    lap("verify")
-    if not check.passed:
-        if check.nonfinite:
-            msg = f"{check.nonfinite} non-finite outputs (NaN poison left or computed) in {check.worst_case}"
-        elif check.gate_ratio > 1.0:
-            msg = (f"error {check.gate_ratio:.3g}x the gate in {check.worst_case} (max abs {check.max_abs:.3g}; "
-                   f"atol {check.atol:g}, rtol {check.rtol:g})")
-        else:
-            msg = f"dependency check {check.dependency}"
-        return Result(status=R.WRONG, message=msg, max_abs=check.max_abs, verification=check.as_dict(),
-                      resources=resources, compile_seconds=compiled.compile_seconds, extra={"eval_seconds": phases})
-    timing = None
-    if time_it:
-        inputs = problem.make_inputs(shape, TIMING_SEED)
-        out = problem.new_output(inputs)
-        timing = time_gpu(problem.launcher(kernel, config, shape, inputs, out), reps=reps)
-        lap("time")
-    return Result(status=R.OK, time_us=timing.median_us if timing else None, max_abs=check.max_abs,
-                  timing=timing.as_dict() if timing else None, verification=check.as_dict(), resources=resources,
-                  compile_seconds=compiled.compile_seconds, extra={"eval_seconds": phases})
+    phases.lap("load")
+    res = evaluate_launches(problem, shape, bind_kernel(problem, shape, config, kernel), seeds, reps, time_it,
+                            phases=phases)
+    return replace(res, resources=resources, compile_seconds=compiled.compile_seconds)
 
 
 def measure_baselines(problem, shape, names=None, seeds=DEFAULT_SEEDS, reps: int = DEFAULT_REPS) -> dict:

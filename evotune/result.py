@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # Every way a candidate can end. Only OK results have objectives and can be "best".
 OK = "ok"
@@ -13,6 +13,17 @@ WRONG = "wrong"                # ran, but failed the correctness gate
 TIMEOUT = "timeout"            # the worker did not answer in time (hang) and was killed
 CRASHED = "crashed"            # the worker process died
 STATUSES = (OK, PRUNED, COMPILE_ERROR, LAUNCH_ERROR, WRONG, TIMEOUT, CRASHED)
+
+# The checks of the correctness gate (evaluate.py), as a WRONG result's message and
+# Verification.failed_check name them.
+NONFINITE = "non-finite"            # NaN/Inf in the output (the NaN poison left, or computed)
+ERROR = "error"                     # |out - ref| beyond the tolerance
+DEPENDENCY = "dependency"           # the output does not follow a perturbed input
+REPEAT = "repeat"                   # repeated launches on the same inputs differ
+INPUT_MUTATED = "input mutated"     # a launch changed an input tensor
+WRITE_OUTSIDE = "write outside O"   # a launch wrote into a guard band before or after the output
+TIMED_OUTPUT = "timed output"       # the output of the timed launches is not the output the gate checked
+CHECKS = (NONFINITE, ERROR, DEPENDENCY, REPEAT, INPUT_MUTATED, WRITE_OUTSIDE, TIMED_OUTPUT)
 
 
 @dataclass(frozen=True)
@@ -46,12 +57,27 @@ class Verification:
     worst_case: str = ""                     # the (seed, pattern) with the largest gate ratio
     dependency: str = "not checked"          # outcome of the perturb-one-key check
     case_ratios: dict | None = None          # gate ratio of every "seed:pattern" case
+    # The launch-integrity checks (evaluate.py). Records written before they existed load with "not checked".
+    guards: str = "not checked"              # nothing written in the guard bands before and after O
+    inputs_intact: str = "not checked"       # every input tensor bitwise unchanged by every checked launch
+    repeat: str = "not checked"              # repeated launches, O refilled between them, bitwise identical
+    timed_output: str = "not checked"        # O after timing (and after an audit replay) equals an untimed launch
+    failed_check: str = ""                   # the check that failed first (CHECKS), "" when passed
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["seeds"] = list(self.seeds)
         d["patterns"] = list(self.patterns)
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Verification":
+        """A recorded verification, old records (without the later fields) included."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in d.items() if k in known}
+        values["seeds"] = tuple(values.get("seeds") or ())
+        values["patterns"] = tuple(values.get("patterns") or ("normal",))
+        return cls(**values)
 
 
 @dataclass(frozen=True)

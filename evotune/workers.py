@@ -96,16 +96,7 @@ def _handle(job: dict) -> dict:
                                 time_it=job.get("time_it", True))
         return res.as_dict()
     if kind == "verify":
-        from .compile import load_kernel
-        from .evaluate import check_determinism, kernel_runner, verify
-
-        config = Config.from_dict(job["config"])
-        compiled = _compiled_from_dict(job["compiled"])
-        kernel = load_kernel(compiled, problem.geometry(config, shape).dynamic_smem)
-        run_into = kernel_runner(problem, shape, config, kernel)
-        check = verify(problem, shape, run_into, seeds=tuple(job.get("seeds") or (1, 2, 3)))
-        det_ok, det_msg = check_determinism(problem, shape, run_into, launches=job.get("launches", 100))
-        return {"verification": check.as_dict(), "determinism": {"passed": det_ok, "detail": det_msg}}
+        return _verify_job(problem, shape, job)
     if kind == "baselines":
         from .evaluate import measure_baselines
 
@@ -118,6 +109,28 @@ def _handle(job: dict) -> dict:
                               baselines=job.get("names"))
         return {**raw, "device": {**device_info(), **gpu_clocks()}}
     raise ValueError(f"unknown job kind {kind!r}")
+
+
+# The deep check's timed-output check needs a timing, not a precise one: a few replays.
+VERIFY_TIMING_REPS = 5
+
+
+def _verify_job(problem, shape, job: dict) -> dict:
+    """`evotune verify`: the search's gate and timed-output check (evaluate_launches), then bitwise
+    determinism over many launches, all on one loaded module. `message` names the check that failed."""
+    from .compile import load_kernel
+    from .evaluate import bind_kernel, check_determinism, evaluate_launches, kernel_runner
+    from .space import Config
+
+    config = Config.from_dict(job["config"])
+    compiled = _compiled_from_dict(job["compiled"])
+    kernel = load_kernel(compiled, problem.geometry(config, shape).dynamic_smem)
+    res = evaluate_launches(problem, shape, bind_kernel(problem, shape, config, kernel),
+                            seeds=tuple(job.get("seeds") or (1, 2, 3)), reps=job.get("reps", VERIFY_TIMING_REPS))
+    det_ok, det_msg = check_determinism(problem, shape, kernel_runner(problem, shape, config, kernel),
+                                        launches=job.get("launches", 100))
+    return {"verification": res.verification, "determinism": {"passed": det_ok, "detail": det_msg},
+            "message": res.message}
 
 
 def _worker_process(main, conn, device: int) -> None:

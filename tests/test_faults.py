@@ -2,7 +2,9 @@
 fault family (tests/fault_family.py) and its space, real NVRTC compiles of every fault, and the
 search loop over the faults, once with an injected evaluator that answers as the GPU worker
 would and once through GPUWorker processes that hang, fault and crash (tests/_fake_workers.py).
-The same search on the H100 is tests/test_gpu_faults.py.
+The faults that cheat the gate are judged there by the real gate (evaluate.evaluate_launches) on
+the CPU, on their Python twins (tests/_planted.py). The same search on the H100 is
+tests/test_gpu_faults.py.
 """
 
 from __future__ import annotations
@@ -16,24 +18,32 @@ import textwrap
 from pathlib import Path
 
 import _fake_workers as fake
+import _gate_fault_workers as gate_workers
 import pytest
+from _planted import Planted, cpu_timer, on_cpu
 
 from evotune import result as R
 from evotune import workers
 from evotune.compile import DEFAULT_ARCH, CompileError, compile_source, static_violations
 from evotune.errors import UsageError
+from evotune.evaluate import evaluate_launches
 from evotune.problems import get_problem
 from evotune.problems.attention import AttentionProblem
 from evotune.result import Result
 from evotune.runs import Run
 from evotune.search import SearchOptions, run_search, worker_evaluator
 from evotune.space import load_space
-from evotune.template import REPO_ROOT, instantiate
+from evotune.template import instantiate
+from _paths import REPO_ROOT
 from evotune.workers import GPUWorker
 
 FAMILY = "tests.fault_family:PROBLEM"
 FAULT_SPACE = REPO_ROOT / "tests" / "data" / "attention-faults.yaml"
-FAULTS = ("none", "oob_write", "hang", "wrong_values", "unwritten", "compile_error")
+FAULTS = ("none", "oob_write", "hang", "wrong_values", "unwritten", "compile_error",
+          "skip_on_repeat", "stateful_counter", "input_mutation", "write_past_o", "write_before_o")
+# The faults that compute correctly whenever the gate looks; the launch-integrity checks catch them.
+GATE_FAULTS = ("skip_on_repeat", "stateful_counter", "input_mutation", "write_past_o", "write_before_o")
+CPU_SHAPE = "1,2,40,56,64"  # the shape the CPU gate judges the gate faults' Python twins on
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,6 +62,12 @@ def faults():
 @pytest.fixture(scope="module")
 def fault_space():
     return load_space(FAULT_SPACE)
+
+
+@pytest.fixture(scope="module")
+def fault_module(faults):
+    """The loaded tests.fault_family module (its FAULTS, CAUGHT_AS, GATE_FAULTS, STATEFUL_LAUNCHES)."""
+    return sys.modules[type(faults).__module__]
 
 
 # Every test here writes runs into a temporary EVOTUNE_RUNS (conftest.runs_root).
@@ -151,23 +167,37 @@ def test_fault_is_the_only_difference(faults, attention, fault_space, space, mis
         assert f'planted fault "{config["fault"]}"' in planted
 
 
+def test_fault_lists_agree(fault_module):
+    """The family's fault list, its gate faults and how the gate reports them match this file's and the space's."""
+    assert fault_module.FAULTS == FAULTS and fault_module.GATE_FAULTS == GATE_FAULTS
+    assert set(fault_module.CAUGHT_AS) == set(GATE_FAULTS)
+
+
+def healthy_bases(faults, fault_space, mission) -> list[dict]:
+    return [base_of(c) for c in fault_space.admitted_configs(faults.context(mission)) if c["fault"] == "none"]
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_fault_sources_compile_for_sm90a(faults, fault_space, mission, fault):
-    """Every planted fault compiles with NVRTC for sm_90a and passes the static gate, except compile_error,
-    which raises CompileError quoting the compiler."""
-    config = fault_space.config({"fault": fault, "block_m": 64, "warp_key_groups": 1})
-    src = instantiate(faults, config, mission)
-    assert src.family == FAMILY and src.entry == "evotune_attention"
+    """Every planted fault compiles with NVRTC for sm_90a and passes the static gate in every healthy config of the
+    fault space, except compile_error, which raises CompileError quoting the compiler."""
+    bases = healthy_bases(faults, fault_space, mission)
+    assert len(bases) == 3
     if fault == "compile_error":
+        src = instantiate(faults, fault_space.config({**bases[0], "fault": fault}), mission)
         with pytest.raises(CompileError) as info:
             compile_source(src.code, src.entry)
         assert str(info.value).startswith("NVRTC: ") and "evotune_planted_compile_error" in str(info.value)
         assert "is undefined" in str(info.value) and "error" in info.value.log
         return
-    compiled = compile_source(src.code, src.entry)
-    assert compiled.arch == DEFAULT_ARCH and Path(compiled.cubin_path).read_bytes()[:4] == b"\x7fELF"
-    geo = faults.geometry(config, mission)
-    assert static_violations(compiled.resources, geo.threads, geo.dynamic_smem) == []
+    for base in bases:
+        config = fault_space.config({**base, "fault": fault})
+        src = instantiate(faults, config, mission)
+        assert src.family == FAMILY and src.entry == "evotune_attention"
+        compiled = compile_source(src.code, src.entry)
+        assert compiled.arch == DEFAULT_ARCH and Path(compiled.cubin_path).read_bytes()[:4] == b"\x7fELF"
+        geo = faults.geometry(config, mission)
+        assert static_violations(compiled.resources, geo.threads, geo.dynamic_smem) == [], (base, compiled.resources)
 
 
 # ------------------------------------------------------------------ the search over the faults
@@ -193,12 +223,22 @@ def worker_answer(config) -> Result:
     raise AssertionError(f"fault {fault!r} reached the evaluator")
 
 
+def cpu_gate_answer(faults, fault_module, config) -> Result:
+    """What the real gate (evaluate_launches) says, on the CPU, of the Python twin of the config's fault
+    (tests/_planted.py: as its CUDA kernel does, and as fast once it skips work)."""
+    problem = on_cpu(faults)
+    shape = problem.parse_shape(CPU_SHAPE)
+    planted = Planted(problem, shape, config["fault"], stateful_launches=fault_module.STATEFUL_LAUNCHES, mutated="k")
+    return evaluate_launches(problem, shape, planted.launch_for, reps=3, timer=cpu_timer(planted))
+
+
 EXPECTED = {"none": R.OK, "oob_write": R.LAUNCH_ERROR, "hang": R.TIMEOUT, "wrong_values": R.WRONG,
-            "unwritten": R.WRONG, "compile_error": R.COMPILE_ERROR}
+            "unwritten": R.WRONG, "compile_error": R.COMPILE_ERROR, **{f: R.WRONG for f in GATE_FAULTS}}
 
 
-def check_fault_run(run: Run, summary: dict, n_admitted: int, expected: dict) -> list[dict]:
-    """Every config recorded once with its expected status and a reason; only fault-free configs are best or on the front."""
+def check_fault_run(run: Run, summary: dict, n_admitted: int, expected: dict, caught_as: dict) -> list[dict]:
+    """Every config recorded once with its expected status and a reason (the gate faults' naming the check that caught
+    them); only fault-free configs are best or on the front."""
     records = run.trials()
     assert all(r.get("duplicate_of") is None for r in records)  # the exhaustive search asks each config once
     assert len(records) == n_admitted and summary["evaluated"] == n_admitted
@@ -207,6 +247,8 @@ def check_fault_run(run: Run, summary: dict, n_admitted: int, expected: dict) ->
         assert res["status"] == expected[fault], (fault, res)
         if fault != "none":
             assert res["message"], (fault, res)
+        if fault in caught_as:
+            assert res["message"].startswith(caught_as[fault]) and res["time_us"] is None, (fault, res)
     assert summary["best"] is not None and summary["best"]["config"]["fault"] == "none"
     assert json.loads((run.path / "best.json").read_text())["config"]["fault"] == "none"
     front = json.loads((run.path / "pareto.json").read_text())
@@ -214,30 +256,33 @@ def check_fault_run(run: Run, summary: dict, n_admitted: int, expected: dict) ->
     return records
 
 
-def test_search_over_faults_never_picks_one(faults, fault_space, mission):
-    """An exhaustive search of the fault space with the worker's answers records every fault with its status and
-    reason, never hands compile_error to the evaluator, and picks only fault-free configs as best and for the front."""
+def test_search_over_faults_never_picks_one(faults, fault_module, fault_space, mission):
+    """An exhaustive search of the fault space with the worker's answers (the real gate's, on the CPU, for the faults
+    that cheat it) records every fault with its status and reason, never hands compile_error to the evaluator, and
+    picks only fault-free configs as best and for the front."""
     seen = []
 
     def evaluate(config, compiled):
         seen.append(config["fault"])
+        if config["fault"] in GATE_FAULTS:
+            return cpu_gate_answer(faults, fault_module, config)
         return worker_answer(config)
 
     n = len(fault_space.admitted_configs(faults.context(mission)))
     run = Run.create("faults", {"family": FAMILY})
     options = SearchOptions(trials=100, sampler="exhaustive", compile_workers=2)
     summary = run_search(faults, fault_space, mission, run, evaluate, options)
-    records = check_fault_run(run, summary, n, EXPECTED)
+    records = check_fault_run(run, summary, n, EXPECTED, fault_module.CAUGHT_AS)
     assert "compile_error" not in seen and len(seen) == n - n // len(FAULTS)
     ce = [r for r in records if r["config"]["fault"] == "compile_error"]
     assert ce and all("evotune_planted_compile_error" in r["result"]["message"] for r in ce)
 
 
-def test_search_through_workers_that_hang_fault_and_crash(faults, fault_space, mission, monkeypatch):
+def test_search_through_workers_that_hang_fault_and_crash(faults, fault_module, fault_space, mission, monkeypatch):
     """Through GPUWorker processes (stand-ins that hang, answer an illegal address, and die), the search records a
     timeout, a launch error and a crash, starts a fresh worker after each, measures the next config in it, and
     finishes with a fault-free best."""
-    monkeypatch.setattr(workers, "_worker_main", fake.fault_worker)
+    monkeypatch.setattr(workers, "_worker_main", gate_workers.gate_fault_worker)
     monkeypatch.setenv("EVOTUNE_FAKE_CRASH_ON", "unwritten")
     expected = {**EXPECTED, "unwritten": R.CRASHED}
     n = len(fault_space.admitted_configs(faults.context(mission)))
@@ -247,7 +292,7 @@ def test_search_through_workers_that_hang_fault_and_crash(faults, fault_space, m
         summary = run_search(faults, fault_space, mission, run, evaluate,
                              SearchOptions(trials=100, sampler="exhaustive", compile_workers=2))
         restarts = worker.restarts
-    records = check_fault_run(run, summary, n, expected)
+    records = check_fault_run(run, summary, n, expected, fault_module.CAUGHT_AS)
     by_fault = {}
     for r in records:
         by_fault.setdefault(r["config"]["fault"], []).append(r["result"])
@@ -279,7 +324,7 @@ def test_check_loads_the_plugin_family_from_the_space(cache_dir, tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "3 admitted configs failed to compile" in proc.stderr
     report = json.loads(proc.stdout)
-    assert report["summary"]["admitted"] == report["summary"]["compiled"] == 18
+    assert report["summary"]["admitted"] == report["summary"]["compiled"] == 3 * len(FAULTS)
     failed = [r for r in report["configs"] if r["status"] == "compile_error"]
     assert len(failed) == 3 and all(r["config"]["fault"] == "compile_error" for r in failed)
     assert all(r["status"] == "ok" for r in report["configs"] if r["config"]["fault"] != "compile_error")

@@ -1,6 +1,10 @@
 """Planted faults on the GPU (`python -m pytest -m gpu tests/test_gpu_faults.py`): the real search, real
 GPU workers and the real watchdog against kernels that write out of bounds, hang, compute wrong values,
-leave output unwritten, or fail to compile (tests/fault_family.py; the CPU side is tests/test_faults.py).
+leave output unwritten, or fail to compile, and against kernels that compute correctly whenever the
+gate looks and cheat otherwise (skip work on a repeat, keep state across launches, change an input,
+store just outside O), which the launch-integrity checks of evaluate.py must catch, in the search,
+in `evotune bench` and in `evotune verify` (tests/fault_family.py; the CPU side is tests/test_faults.py
+and tests/test_evaluate.py).
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ from pathlib import Path
 import pytest
 
 from evotune import result as R
+from evotune.bench import summarize
 from evotune.compile import compile_source
 from evotune.problems import get_problem
 from evotune.runs import Run
 from evotune.search import worker_evaluator
 from evotune.space import load_space
-from evotune.template import REPO_ROOT, instantiate
-from evotune.workers import GPUWorker
+from evotune.template import instantiate
+from _paths import REPO_ROOT
+from evotune.workers import GPUWorker, compiled_to_dict
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -31,6 +37,7 @@ FAULT_SPACE = REPO_ROOT / "tests" / "data" / "attention-faults.yaml"
 # shape (a fresh worker's first job included); the planted hang gives up only after 30 s.
 TIMEOUT_S = 12
 KILLS_THE_WORKER = ("oob_write", "hang")
+HEALTHY = {"block_m": 64, "warp_key_groups": 1}  # the healthy config the gate faults are planted into
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,13 +57,19 @@ def fault_space():
     return load_space(FAULT_SPACE)
 
 
+@pytest.fixture(scope="module")
+def fault_module(faults):
+    """The loaded tests.fault_family module (GATE_FAULTS, CAUGHT_AS)."""
+    return sys.modules[type(faults).__module__]
+
+
 def _compiled(faults, fault_space, shape, **knobs):
     config = fault_space.config(knobs)
     src = instantiate(faults, config, shape)
     return config, compile_source(src.code, src.entry)
 
 
-def test_search_records_every_planted_fault(faults, fault_space, mission, tmp_path, cache_dir):
+def test_search_records_every_planted_fault(faults, fault_module, fault_space, mission, tmp_path, cache_dir):
     """`evotune search` over the fault space, exhaustively on the H100, records every fault with its status and reason,
     kills the hung kernel at the timeout, measures the configs after each killed worker in a fresh one, completes,
     and never picks a fault as best or for the Pareto front."""
@@ -98,13 +111,17 @@ def test_search_records_every_planted_fault(faults, fault_space, mission, tmp_pa
         elif fault == "compile_error":
             assert status == R.COMPILE_ERROR and message.startswith("NVRTC: "), where
             assert "evotune_planted_compile_error" in message, where
+        elif fault in fault_module.GATE_FAULTS:
+            assert status == R.WRONG and message.startswith(fault_module.CAUGHT_AS[fault]), where
+            assert res["time_us"] is None and res["verification"]["failed_check"] == message.split(":")[0], where
         else:
             raise AssertionError(where)
 
     # After each fault that took its worker down, a later candidate was measured (a fresh worker answered).
     for i, r in enumerate(records):
         if r["config"]["fault"] in KILLS_THE_WORKER:
-            later = [x for x in records[i + 1:] if x["config"]["fault"] in ("none", "wrong_values", "unwritten")]
+            later = [x for x in records[i + 1:]
+                     if x["config"]["fault"] in ("none", "wrong_values", "unwritten", *fault_module.GATE_FAULTS)]
             if later:
                 assert later[0]["result"]["verification"] is not None, later[0]
 
@@ -112,8 +129,8 @@ def test_search_records_every_planted_fault(faults, fault_space, mission, tmp_pa
     assert best is not None and best["config"]["fault"] == "none"
     front = json.loads((run.path / "pareto.json").read_text())
     assert front and all(r["config"]["fault"] == "none" for r in front)
-    # Three hangs killed at 12 s each, six fresh workers, eighteen compiles: minutes, never the 30 s hang bound each.
-    assert elapsed < 420
+    # Three hangs killed at 12 s each, six fresh workers, 33 compiles: minutes, never the 30 s hang bound each.
+    assert elapsed < 480
 
 
 def test_watchdog_kills_a_hung_kernel_and_the_next_worker_measures(faults, fault_space, mission):
@@ -153,3 +170,80 @@ def test_hang_is_bounded_even_if_never_killed(faults, fault_space, mission, monk
         took = time.monotonic() - start
     assert res.status == R.WRONG and "NaN poison" in res.message, res
     assert 2 <= took < 30, took
+
+
+# ------------------------------------------------------------------ the faults that cheat the gate
+
+
+@pytest.fixture(scope="module")
+def gate_results(faults, fault_module, fault_space, mission):
+    """fault -> Result of each gate fault and its healthy twin, each evaluated once, in one GPU worker, as the
+    search evaluates: a module's __device__ state lives as long as the process (CuPy keeps one module per cubin)."""
+    results = {}
+    with GPUWorker(timeout_s=120) as worker:
+        evaluate = worker_evaluator(worker, faults, mission)
+        for fault in ("none", *fault_module.GATE_FAULTS):
+            config, compiled = _compiled(faults, fault_space, mission, **HEALTHY, fault=fault)
+            results[fault] = evaluate(config, compiled)
+    return results
+
+
+def test_healthy_twin_passes_every_check(gate_results):
+    """The healthy config passes the gate, the repeats, the guard bands, the input check and the timed-output audit."""
+    res = gate_results["none"]
+    assert res.status == R.OK and res.time_us > 0, res
+    v = res.verification
+    assert v["passed"] and v["failed_check"] == ""
+    assert v["guards"].startswith("nothing written in the 256 KiB before or after O")
+    assert v["inputs_intact"].startswith("every input bitwise unchanged")
+    assert v["repeat"].startswith("3 launches on seed 1 normal bitwise identical")
+    assert v["timed_output"].startswith("O after timing, and after an audit replay")
+    assert {"load", "verify", "timed_check", "time"} <= set(res.extra["eval_seconds"])
+
+
+@pytest.mark.parametrize("fault", ["skip_on_repeat", "stateful_counter", "input_mutation", "write_past_o",
+                                   "write_before_o"])
+def test_gate_fault_is_wrong_naming_its_check(gate_results, fault_module, fault):
+    """Each planted cheat is WRONG, untimed, with the message of the check that catches it (CAUGHT_AS)."""
+    assert fault in fault_module.GATE_FAULTS
+    res = gate_results[fault]
+    assert res.status == R.WRONG and res.message.startswith(fault_module.CAUGHT_AS[fault]), res
+    assert res.time_us is None and res.timing is None
+    assert res.verification["failed_check"] == res.message.split(":")[0] and not res.verification["passed"]
+
+
+def test_bench_reports_a_cheat_as_failing(faults, fault_space, mission):
+    """`evotune bench`'s worker job runs the same checks: skip_on_repeat is WRONG there, without a time."""
+    config, compiled = _compiled(faults, fault_space, mission, **HEALTHY, fault="skip_on_repeat")
+    with GPUWorker(timeout_s=600) as worker:
+        raw = worker.call({"kind": "bench", "family": faults.family, "shape": mission.as_dict(),
+                           "config": config.as_dict(), "compiled": compiled_to_dict(compiled), "reps": 5,
+                           "seeds": [101, 102, 103], "names": ["flash"]})
+    assert raw["kernel"]["status"] == R.WRONG and raw["kernel"]["message"].startswith("repeat: "), raw["kernel"]
+    row = summarize(raw, mission.flops(), mission.min_bytes())["rows"][0]
+    assert row["time_us"] is None and row["reason"].startswith("wrong: repeat: ")
+
+
+def test_verify_job_catches_a_stateful_kernel(faults, fault_space, mission):
+    """`evotune verify`'s worker job runs the timed-output check too: stateful_counter fails it there, and its
+    100-launch determinism check."""
+    config, compiled = _compiled(faults, fault_space, mission, **HEALTHY, fault="stateful_counter")
+    with GPUWorker(timeout_s=600) as worker:
+        rep = worker.call({"kind": "verify", "family": faults.family, "shape": mission.as_dict(),
+                           "config": config.as_dict(), "compiled": compiled_to_dict(compiled), "launches": 100,
+                           "seeds": [101, 102, 103]})
+    assert not rep["verification"]["passed"] and rep["verification"]["failed_check"] == R.TIMED_OUTPUT, rep
+    assert rep["message"].startswith("timed output: ") and not rep["determinism"]["passed"], rep
+
+
+def test_baselines_pass_the_new_checks(mission):
+    """SDPA's backends, which write O with copy_, pass the whole gate: guard bands, inputs, repeats included."""
+    with GPUWorker(timeout_s=600) as worker:
+        report = worker.call({"kind": "baselines", "family": "attention", "shape": mission.as_dict(),
+                              "names": ["flash", "cudnn", "efficient", "math"], "reps": 5})
+    measured = {name: b for name, b in report.items() if b.get("available")}
+    assert measured
+    for name, b in measured.items():
+        v = b["verification"]
+        assert v["passed"] and v["failed_check"] == "", (name, v)
+        assert v["repeat"].startswith("3 launches") and v["guards"].startswith("nothing written"), (name, v)
