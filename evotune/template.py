@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UsageError
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from .paths import REPO_ROOT, package_data_dir  # noqa: F401  (REPO_ROOT: re-exported for callers)
 
 
 def kernels_dir() -> Path:
-    return Path(os.environ.get("EVOTUNE_KERNELS", REPO_ROOT / "kernels"))
+    """The CUDA templates: $EVOTUNE_KERNELS, else the packaged `kernels` folder."""
+    override = os.environ.get("EVOTUNE_KERNELS")
+    return Path(override) if override else package_data_dir("kernels")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from evotune import result as R
 from evotune.compile import static_violations
 from evotune.runs import Run
 from evotune.space import load_space
-from evotune.template import REPO_ROOT
+from _paths import REPO_ROOT
 from test_search import REDUCED_SPACE
 
 _spec = importlib.util.spec_from_file_location("efficiency_report", REPO_ROOT / "tools" / "efficiency_report.py")

@@ -11,7 +11,8 @@ import pytest
 from evotune.compile import compile_source, complete_elf, static_violations
 from evotune.errors import EvotuneError, UsageError
 from evotune.shapes import parse_shape
-from evotune.template import REPO_ROOT, instantiate
+from evotune.template import instantiate
+from _paths import REPO_ROOT
 
 W = dict(mma="wgmma", smem_layout="swizzle")
 # The committed llama-4k winner (runs/llama-4k-h100-hopper) and a spread of the variant's code paths.

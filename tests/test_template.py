@@ -10,7 +10,8 @@ import pytest
 from evotune.errors import UsageError
 from evotune.shapes import parse_shape
 from evotune.space import load_builtin, shape_context
-from evotune.template import REPO_ROOT, instantiate, kernels_dir
+from evotune.template import instantiate, kernels_dir
+from _paths import REPO_ROOT
 
 BANNER = "// ---- evotune instantiation:"
 
