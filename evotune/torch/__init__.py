@@ -1,0 +1,21 @@
+"""evotune's tuned attention kernel as a PyTorch op.
+
+    import evotune.torch
+    out = evotune.torch.attention(q, k, v, is_causal=True)     # SDPA's semantics
+    print(evotune.torch.explain(q, k, v, is_causal=True))      # which kernel, and why
+    evotune.torch.warmup()                                     # compile + load before graph capture
+
+The op is `torch.ops.evotune.attention` (torch.library.custom_op, no mutated arguments, a fake
+implementation), so torch.compile(fullgraph=True) traces it without a graph break. It reads the
+tuning table in $EVOTUNE_TABLE, else evotune.tuning_table.default_table_path(), or one given to
+use_table(); evotune.tuning_table documents the table, its buckets and its selection rules, and
+evotune.torch.routing the fallback policy.
+"""
+
+from .kernels import supports
+from .op import Explanation, attention, attention_op, explain, warmup
+from .record import ShapeRecorder, record_shapes
+from .routing import EvotuneFallbackWarning, current_table, table_path, use_table
+
+__all__ = ["attention", "attention_op", "explain", "Explanation", "warmup", "record_shapes", "ShapeRecorder",
+           "use_table", "current_table", "table_path", "supports", "EvotuneFallbackWarning"]

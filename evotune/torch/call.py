@@ -1,0 +1,149 @@
+"""One attention call as evotune sees it: argument checks, the query's layout, the output's layout,
+and whether the kernel can compute the call at all.
+
+Two kinds of fault. Arguments SDPA itself would refuse (not 4-D, mismatched sizes, dtypes or
+devices, fewer K/V heads without enable_gqa) are a UsageError. Arguments SDPA computes but the
+kernel does not (a CPU tensor, fp32, head dim 96, a strided head dim, grouped K/V heads) make the
+call "uncovered": `coverage` names what, and the op's fallback policy decides between SDPA and
+an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UsageError
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+HEAD_DIMS = (64, 128)
+# The kernels are compiled for sm_90a (compile.DEFAULT_ARCH): their cubins load on compute capability 9.0 only.
+KERNEL_CC = (9, 0)
+
+
+def layout_of(q: torch.Tensor) -> str:
+    """"bshd" where the query's head stride is below its sequence stride ((B,S,H,D) memory seen through
+    strides, a projection's output), else "bhsd"."""
+    return "bshd" if q.stride(1) < q.stride(2) else "bhsd"
+
+
+def new_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The op's output, (B, H, Sq, Dv) dense in the query's layout. The fake implementation returns the
+    same, so the strides torch.compile plans with are the strides the op returns."""
+    b, h, s = q.shape[0], q.shape[1], q.shape[2]
+    dv = v.shape[3]
+    if layout_of(q) == "bshd":
+        return q.new_empty((b, s, h, dv)).transpose(1, 2)
+    return q.new_empty((b, h, s, dv))
+
+
+def check_args(q, k, v, enable_gqa: bool) -> None:
+    """UsageError for arguments SDPA would refuse (works on fake and meta tensors)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise UsageError(f"evotune.torch.attention: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise UsageError(f"evotune.torch.attention: {name} must be 4-D (batch, heads, seq, head_dim), "
+                             f"got {t.dim()}-D {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise UsageError(f"evotune.torch.attention: q, k, v must share one floating dtype, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise UsageError(f"evotune.torch.attention: q, k, v are on {q.device}, {k.device}, {v.device}: use one device")
+    (bq, hq, _, dq), (bk, hk, sk, dk), (bv, hv, sv, _) = q.shape, k.shape, v.shape
+    if not (bq == bk == bv) or hk != hv or sk != sv or dq != dk:
+        raise UsageError(f"evotune.torch.attention: sizes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} (batch and k/v heads and lengths must agree, and q, k head dims)")
+    if hq != hk and not (enable_gqa and hk > 0 and hq % hk == 0):
+        need = "a divisor of the query heads" if enable_gqa else "equal to the query heads (or pass enable_gqa=True)"
+        raise UsageError(f"evotune.torch.attention: {hk} k/v heads for {hq} query heads: must be {need}")
+
+
+@dataclass(frozen=True)
+class Call:
+    """The facts of one call that decide its route (hashable: the decision cache's key)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    v_head_dim: int
+    dtype: str            # fp16, bf16, or torch's name of another dtype
+    causal: bool
+    layout: str           # of the query
+    device: str           # "cuda:0", "cpu", ...
+    strides: tuple        # of q, k, v
+
+    @classmethod
+    def of(cls, q, k, v, is_causal: bool) -> "Call":
+        device = q.device if q.device.type != "cuda" or q.device.index is not None else torch.device("cuda", 0)
+        return cls(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
+                   DTYPES.get(q.dtype, str(q.dtype).replace("torch.", "")), bool(is_causal), layout_of(q),
+                   str(device), (tuple(q.stride()), tuple(k.stride()), tuple(v.stride())))
+
+    @property
+    def device_index(self) -> int | None:
+        return torch.device(self.device).index if self.device.startswith("cuda") else None
+
+    def shape(self):
+        """The evotune Shape of this call, or None where it is not one (dtype, or a size out of range)."""
+        from ..shapes import Shape
+
+        if self.dtype not in DTYPES.values():
+            return None
+        try:
+            return Shape(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim, self.dtype, self.causal,
+                         self.layout)
+        except UsageError:
+            return None
+
+    def as_dict(self) -> dict:
+        shape = self.shape()
+        return {"shape": shape.spec if shape else None, "batch": self.batch, "heads": self.heads,
+                "kv_heads": self.kv_heads, "seq_q": self.seq_q, "seq_k": self.seq_k, "head_dim": self.head_dim,
+                "v_head_dim": self.v_head_dim, "dtype": self.dtype, "causal": self.causal, "layout": self.layout,
+                "device": self.device}
+
+
+def coverage(call: Call, gpu_cc: tuple[int, int] | None) -> str | None:
+    """Why the kernel cannot compute `call` (device, dtype, head dim, grouped heads, stride, size), or None.
+    `gpu_cc` is the compute capability of the call's GPU (None off CUDA)."""
+    from .kernels import unsupported
+
+    if not call.device.startswith("cuda"):
+        return f"device {call.device}: the kernel runs on CUDA GPUs"
+    if gpu_cc != KERNEL_CC:
+        return (f"GPU {call.device} has compute capability {gpu_cc[0]}.{gpu_cc[1]}: the kernels are compiled "
+                f"for sm_90a (9.0)")
+    if call.dtype not in DTYPES.values():
+        return f"dtype {call.dtype}: the kernel computes fp16 and bf16"
+    if call.head_dim not in HEAD_DIMS or call.v_head_dim != call.head_dim:
+        return (f"head dim {call.head_dim} (value head dim {call.v_head_dim}): the kernel is written for "
+                f"{' and '.join(map(str, HEAD_DIMS))}, the same for q, k and v")
+    if call.kv_heads != call.heads:
+        return f"{call.kv_heads} k/v heads for {call.heads} query heads: {unsupported('gqa')}"
+    if 0 in (call.batch, call.heads, call.seq_q, call.seq_k):
+        return "an empty tensor (a size is 0)"
+    for name, strides in zip("qkv", call.strides):
+        if strides[3] != 1 or any(s % 8 for s in strides[:3]):
+            return (f"{name} strides {strides}: the kernel needs a unit head-dim stride and the others "
+                    f"multiples of 8 elements (16-byte rows)")
+    if call.shape() is None:
+        from ..shapes import Shape
+
+        try:
+            Shape(call.batch, call.heads, call.seq_q, call.seq_k, call.head_dim, call.dtype, call.causal, call.layout)
+        except UsageError as e:
+            return str(e)
+    return None
+
+
+def misaligned(q, k, v) -> str | None:
+    """Which of q, k, v starts off a 16-byte boundary (a view into a larger tensor can); checked every call."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.data_ptr() % 16:
+            return f"{name} starts at an address that is not 16-byte aligned (a view at an odd offset)"
+    return None

@@ -1,0 +1,201 @@
+"""The `evotune::attention` custom op, its Python entry point, explain() and warmup().
+
+The whole decision (table lookup, fallback, notices) happens inside the op's implementation,
+which torch.compile treats as one opaque node: the compiled graph has no break, and the choice is
+made at run time on the real tensors. The fake implementation only checks the arguments and
+returns the output's metadata: (B, H, Sq, Dv) dense in the query's layout, which both routes
+return (SDPA's result is copied into that layout only when its backend chose another).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UsageError
+from ..shapes import Shape
+from . import record, routing
+from .call import Call, check_args, misaligned, new_output
+from .kernels import CACHE, capture_fault, launch
+
+
+@torch.library.custom_op("evotune::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                 scale: Optional[float] = None, enable_gqa: bool = False, fallback: str = "sdpa") -> torch.Tensor:
+    return _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback)
+
+
+def _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback):
+    """The op's real implementation: route, then run evotune's kernel or SDPA."""
+    routing.check_fallback(fallback)
+    check_args(q, k, v, enable_gqa)
+    decision = routing.decide(Call.of(q, k, v, is_causal))
+    if decision.route == "evotune":
+        why = misaligned(q, k, v)
+        if why:
+            decision = routing.uncovered(decision, why)
+    record.observe(decision)
+    if decision.route == "evotune":
+        return _run_evotune(decision, q, k, v, scale)
+    routing.notify(decision, fallback)
+    return _run_sdpa(q, k, v, is_causal, scale, enable_gqa)
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa"):
+    routing.check_fallback(fallback)
+    check_args(q, k, v, enable_gqa)
+    return new_output(q, v)
+
+
+def _run_evotune(decision, q, k, v, scale):
+    index = decision.call.device_index
+    if index == torch.cuda.current_device():
+        return _launch_here(decision, q, k, v, scale)
+    with torch.cuda.device(index):
+        return _launch_here(decision, q, k, v, scale)
+
+
+def _launch_here(decision, q, k, v, scale):
+    """Launch on the current device, the tensors' (compiling and loading on first use, never in a capture)."""
+    config, index = decision.config, decision.call.device_index
+    loaded = CACHE.loaded(config, decision.shape, index)
+    if torch.cuda.is_current_stream_capturing():
+        if loaded is None:
+            why = "its kernel is not loaded yet: call evotune.torch.warmup() (or the op once) before capture"
+        else:
+            why = capture_fault(config)
+        if why:
+            raise UsageError(f"evotune.torch.attention: cannot capture {decision.key.spec()} in a CUDA graph: {why}")
+    if loaded is None:
+        loaded = CACHE.get(config, decision.shape, index, decision.entry.provenance["source_digest"])
+    out = new_output(q, v)
+    launch(loaded, decision.shape, q, k, v, out, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    return out
+
+
+def _run_sdpa(q, k, v, is_causal, scale, enable_gqa):
+    gqa = {"enable_gqa": True} if enable_gqa else {}  # the keyword exists from torch 2.5
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa)
+    out = new_output(q, v)
+    if o.stride() == out.stride():
+        return o
+    out.copy_(o)
+    return out
+
+
+def _check_options(q, k, v, is_causal, scale, enable_gqa) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise UsageError(f"evotune.torch.attention: {name} must be a tensor, got {type(t).__name__}")
+    for name, value in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(value, bool):
+            raise UsageError(f"evotune.torch.attention: {name} must be True or False, got {value!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise UsageError(f"evotune.torch.attention: scale must be a number or None, got {type(scale).__name__}")
+
+
+def _needs_grad(q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+              fallback: str = "sdpa") -> torch.Tensor:
+    """softmax(scale·QKᵀ [+ top-left causal mask])·V with SDPA's semantics, on evotune's tuned kernel where
+    the tuning table has one for this GPU and key, else PyTorch SDPA if `fallback` is "sdpa" (told once
+    per key) or a UsageError if it is "error" (where the table itself routes a key to SDPA, SDPA runs).
+    q (B, H, Sq, D), k and v (B, Hk, Sk, D): any strides with a unit last one; the output has the
+    query's layout. Forward only: inputs that require grad run SDPA (its autograd) per `fallback`."""
+    _check_options(q, k, v, is_causal, scale, enable_gqa)
+    scale = None if scale is None else float(scale)
+    routing.check_fallback(fallback)
+    if _needs_grad(q, k, v):
+        return _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback)
+    return torch.ops.evotune.attention(q, k, v, is_causal, scale, enable_gqa, fallback)
+
+
+def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback):
+    """SDPA with its autograd. The op has no backward (the kernel writes no log-sum-exp): in eager code
+    this is told once (or refused with fallback="error"); while torch.compile traces, a notice would
+    break the graph, so only fallback="error" is enforced there."""
+    if not torch.compiler.is_compiling():
+        check_args(q, k, v, enable_gqa)
+        decision = routing.decide(Call.of(q, k, v, is_causal), needs_grad=True)
+        record.observe(decision)
+        routing.notify(decision, fallback)
+    elif fallback == "error":
+        raise UsageError("evotune.torch.attention: inputs require grad and the op has no backward [fallback='error']")
+    gqa = {"enable_gqa": True} if enable_gqa else {}
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa)
+
+
+# --------------------------------------------------------------------------- explain and warmup
+
+
+@dataclass(frozen=True)
+class Explanation:
+    route: str
+    kind: str
+    reason: str
+    call: dict
+    key: dict | None
+    match: str
+    entry: dict | None
+    raises_with_error_fallback: bool
+
+    def __str__(self) -> str:
+        lines = [f"route: {'evotune kernel' if self.route == 'evotune' else 'PyTorch SDPA'} ({self.kind})",
+                 f"why:   {self.reason}", f"call:  {self.call['shape'] or self.call}"]
+        if self.entry:
+            prov = self.entry["provenance"]
+            sdpa = self.entry["sdpa"]
+            measured = Shape.from_dict(self.entry["shape"]).spec
+            lines.append(f"entry: {self.match} match; run {prov['run']} trial {prov['trial']} (git {prov['git_sha']}) "
+                         f"on {measured}: evotune {self.entry['evotune_us']:.2f} us"
+                         + (f" vs {sdpa['backend']} {sdpa['time_us']:.2f} us" if sdpa else ", SDPA not measured"))
+        if self.raises_with_error_fallback:
+            lines.append("with fallback='error' this call raises")
+        return "\n".join(lines)
+
+
+def explain(q, k, v, *, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Explanation:
+    """Which kernel attention(q, k, v, ...) would use and why, without running it or warning."""
+    _check_options(q, k, v, is_causal, scale, enable_gqa)
+    check_args(q, k, v, enable_gqa)
+    decision = routing.decide(Call.of(q, k, v, is_causal), needs_grad=_needs_grad(q, k, v))
+    if decision.route == "evotune" and misaligned(q, k, v):
+        decision = routing.uncovered(decision, misaligned(q, k, v))
+    return Explanation(decision.route, decision.kind, decision.reason, decision.call.as_dict(),
+                       decision.key.as_dict() if decision.key else None, decision.match,
+                       decision.entry.as_dict() if decision.entry else None, decision.refused_by_error_fallback)
+
+
+def warmup(devices=None) -> list[dict]:
+    """Compile and load, on each CUDA device (default: all visible), every table entry of that GPU that
+    routes to evotune, so no call compiles or loads later (do it before CUDA graph capture). Returns one
+    row per entry and device: {"key", "device", "status": "loaded" | "skipped", "why"}."""
+    from ..space import Config
+    from ..tuning_table import unusable_reason
+
+    if not torch.cuda.is_available():
+        raise UsageError("evotune.torch.warmup: no CUDA GPU is visible")
+    table = routing.current_table()
+    if table is None:
+        raise UsageError(f"evotune.torch.warmup: no tuning table at {routing.table_path()}")
+    rows = []
+    for index in range(torch.cuda.device_count()) if devices is None else devices:
+        name, cc, _ = routing.gpu_identity(index)
+        for entry in (e for e in table.entries if (e.key.gpu, e.key.cc) == (name, cc)):
+            shape = Shape.from_dict(entry.shape)
+            why = "the table routes it to SDPA" if entry.route != "evotune" else unusable_reason(entry, shape)
+            if not why:
+                CACHE.get(Config.from_dict(entry.config), shape, index, entry.provenance["source_digest"])
+            rows.append({"key": entry.key.spec(), "device": index, "status": "skipped" if why else "loaded", "why": why})
+    if not rows:
+        raise UsageError(f"{routing.table_path()}: no entry for the visible GPUs; the table holds "
+                         f"{', '.join(table.gpus()) or 'no entries'}")
+    return rows

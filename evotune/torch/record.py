@@ -1,0 +1,91 @@
+"""record_shapes(): collect the distinct attention calls a model makes, to tune them.
+
+    with evotune.torch.record_shapes() as rec:
+        model(inputs)
+    rec.save("shapes.json")        # {"version": 1, "kind": "evotune-attention-shapes", "shapes": [...]}
+
+Each distinct call (sizes, K/V heads, dtype, mask, layout, device) is one row with its `--shape`
+spelling (None where the kernel has no such shape, e.g. fp32), its table key, the route it took
+and why, and how many times it was called. Calls inside torch.compile'd code are seen too: the op
+runs at run time, not only while tracing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import uuid
+from pathlib import Path
+
+from ..errors import UsageError
+
+SHAPES_VERSION = 1
+SHAPES_KIND = "evotune-attention-shapes"
+
+_ACTIVE: list["ShapeRecorder"] = []
+_LOCK = threading.Lock()
+
+
+class ShapeRecorder:
+    def __init__(self):
+        self._rows: dict[tuple, dict] = {}
+        self._lock = threading.Lock()
+
+    def add(self, decision) -> None:
+        call = decision.call.as_dict()
+        ident = tuple(call.items())
+        with self._lock:
+            row = self._rows.get(ident)
+            if row is None:
+                row = self._rows[ident] = {**call, "key": decision.key.as_dict() if decision.key else None,
+                                           "route": decision.route, "kind": decision.kind,
+                                           "reason": decision.reason, "calls": 0}
+            row["calls"] += 1
+
+    @property
+    def shapes(self) -> list[dict]:
+        """The distinct calls, in the order first seen."""
+        with self._lock:
+            return [dict(row) for row in self._rows.values()]
+
+    def specs(self) -> list[str]:
+        """The distinct `--shape` spellings the kernel could be tuned for."""
+        return list(dict.fromkeys(row["shape"] for row in self.shapes if row["shape"]))
+
+    def to_json(self) -> dict:
+        return {"version": SHAPES_VERSION, "kind": SHAPES_KIND, "shapes": self.shapes}
+
+    def save(self, path) -> Path:
+        """Write to_json() to `path` atomically."""
+        path = Path(path)
+        if not path.parent.is_dir():
+            raise UsageError(f"{path}: folder {path.parent} does not exist")
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+
+def observe(decision) -> None:
+    """Tell every active recorder about one call (free when none is active)."""
+    if _ACTIVE:
+        for recorder in list(_ACTIVE):
+            recorder.add(decision)
+
+
+@contextlib.contextmanager
+def record_shapes():
+    """Record the attention calls made inside the block (from any thread); yields the ShapeRecorder."""
+    recorder = ShapeRecorder()
+    with _LOCK:
+        _ACTIVE.append(recorder)
+    try:
+        yield recorder
+    finally:
+        with _LOCK:
+            _ACTIVE.remove(recorder)

@@ -1,0 +1,626 @@
+"""The tuning table: which tuned attention config to use for a call, and whether to use one at all.
+
+A table is one versioned JSON file that `evotune.torch.attention` reads (EVOTUNE_TABLE, else
+`default_table_path()`) and `build_table` writes from run folders (the library behind
+`evotune table build RUN... -o FILE`):
+
+    {"version": 1, "family": "attention", "entries": [
+       {"key": {"gpu": "NVIDIA H100 80GB HBM3", "cc": "9.0", "dtype": "fp16", "head_dim": 64,
+                "causal": false, "layout": "bhsd", "seq_q_bucket": 1024, "seq_k_bucket": 1024},
+        "config": {...}, "space": "attention-hopper", "shape": {the shape the run measured},
+        "evotune_us": 130.8, "sdpa": {"backend": "cudnn", "time_us": 121.6} or null,
+        "route": "evotune" | "sdpa", "reason": "why, in words",
+        "evidence": {"kind": "bench" | "run" | "none", "file": path or null},
+        "provenance": {"run", "trial", "git_sha", "evotune_version", "device", "source_digest"}}]}
+
+Sequence buckets. A key holds each sequence length rounded up to a power of two (`seq_bucket`):
+513..1024 -> 1024. Why powers of two: what decides a tile choice and the race against cuDNN is the
+number of query tiles per SM and the length of the K/V loop, which change by factors, not by
+steps of a few rows, so a geometric grid keeps a table small (about 20 buckets span 1..2^20
+rows) without putting very different work in one bucket; it is also how Triton users bucket.
+Rounding up, not to the nearest: a bucket is named by the longest length it holds, and the
+shapes runs tune (512, 1024, 4096, ...) sit at the top of their bucket. Batch and heads are not
+in the key (the issue's key); the entry keeps the measured shape, and `explain` shows it.
+
+Selection (`select`), in order:
+1. Only entries of the call's GPU (name and compute capability), dtype, head dim, causal flag and
+   query layout are candidates; the exact bucket first, then the nearest buckets by
+   |log2 Sq-bucket difference| + |log2 Sk-bucket difference| up to MAX_BUCKET_DISTANCE (ties: the
+   longer bucket, then the key's spelling, so the choice is deterministic).
+2. A candidate whose config is not admitted by its search space on the call's actual shape
+   (evotune.space constraints, with the family Problem's context) is skipped, never used; so is a
+   candidate whose kernel source is no longer the one that was measured (the template changed).
+3. The first usable candidate decides: its route is "evotune" or "sdpa", and its reason says why.
+   No usable candidate: route "sdpa", match "none" (the op's fallback policy applies).
+
+Routing rule (`build_table`): an entry routes to evotune only where the run (or a bench record
+of that run's best config, which times the kernel and every SDPA backend in one process) measured
+both evotune's kernel and the SDPA backends on the same GPU, the kernel passed the gate, and its
+median beat the fastest SDPA backend that passed the same gate. Slower or equal: route "sdpa"
+(a tuner never makes a model slower). No SDPA time measured beside the kernel: route "sdpa",
+reason "unverified"; the entry keeps evotune's own time and says how to measure SDPA.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import UsageError
+
+TABLE_VERSION = 1
+FAMILY = "attention"
+ROUTES = ("evotune", "sdpa")
+EVIDENCE_KINDS = ("bench", "run", "none")
+# Two doublings of one length, or one of each: a decision measured further away says little about
+# whether evotune still beats cuDNN (gpt2 1k d64: 1.08x cuDNN's time; mission 512 B1 H8: 0.56x).
+MAX_BUCKET_DISTANCE = 2
+BASELINES_FILE = "baselines.json"  # a run's SDPA times measured beside its trials (evaluate.measure_baselines)
+
+KEY_FIELDS = ("gpu", "cc", "dtype", "head_dim", "causal", "layout", "seq_q_bucket", "seq_k_bucket")
+ENTRY_FIELDS = ("key", "config", "space", "shape", "evotune_us", "sdpa", "route", "reason", "evidence",
+                "provenance")
+PROVENANCE_FIELDS = ("run", "trial", "git_sha", "evotune_version", "device", "source_digest")
+
+
+def seq_bucket(n: int) -> int:
+    """The bucket of a sequence length: the smallest power of two >= n (n >= 1)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise UsageError(f"tuning table: a sequence length must be a positive integer, got {n!r}")
+    return 1 << (n - 1).bit_length()
+
+
+def default_table_path() -> Path:
+    """$EVOTUNE_TABLE, else tuning-table.json in evotune's cache root ($EVOTUNE_CACHE or ~/.cache/evotune),
+    the folder whose cubin/ holds the compiled kernels the table's configs become."""
+    if os.environ.get("EVOTUNE_TABLE"):
+        return Path(os.environ["EVOTUNE_TABLE"])
+    root = os.environ.get("EVOTUNE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "evotune")
+    return Path(root) / "tuning-table.json"
+
+
+# --------------------------------------------------------------------------- keys and entries
+
+
+@dataclass(frozen=True, order=True)
+class TableKey:
+    gpu: str
+    cc: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    layout: str
+    seq_q_bucket: int
+    seq_k_bucket: int
+
+    @classmethod
+    def for_shape(cls, shape, gpu: str, cc: str) -> "TableKey":
+        """The key of an attention Shape on GPU `gpu` of compute capability `cc` ("9.0")."""
+        return cls(gpu, cc, shape.dtype, shape.head_dim, shape.causal, shape.layout,
+                   seq_bucket(shape.seq_q), seq_bucket(shape.seq_k))
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in KEY_FIELDS}
+
+    def group(self) -> tuple:
+        """Everything but the buckets: the entries a nearest-bucket search may choose among."""
+        return self.gpu, self.cc, self.dtype, self.head_dim, self.causal, self.layout
+
+    def distance(self, other: "TableKey") -> int:
+        """Bucket distance in doublings: |log2 Sq ratio| + |log2 Sk ratio|."""
+        return (abs(self.seq_q_bucket.bit_length() - other.seq_q_bucket.bit_length())
+                + abs(self.seq_k_bucket.bit_length() - other.seq_k_bucket.bit_length()))
+
+    def spec(self) -> str:
+        mask = "causal" if self.causal else "non-causal"
+        return (f"{self.gpu} (sm {self.cc}) {self.dtype} d{self.head_dim} {mask} {self.layout} "
+                f"Sq<={self.seq_q_bucket} Sk<={self.seq_k_bucket}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: TableKey
+    config: dict
+    space: str
+    shape: dict
+    evotune_us: float
+    sdpa: dict | None
+    route: str
+    reason: str
+    evidence: dict
+    provenance: dict
+
+    def as_dict(self) -> dict:
+        return {"key": self.key.as_dict(), "config": dict(self.config), "space": self.space, "shape": dict(self.shape),
+                "evotune_us": self.evotune_us, "sdpa": dict(self.sdpa) if self.sdpa else None, "route": self.route,
+                "reason": self.reason, "evidence": dict(self.evidence), "provenance": dict(self.provenance)}
+
+    def speedup(self) -> float | None:
+        """Best SDPA time over evotune's (above 1: evotune is faster), or None where SDPA was not measured."""
+        return self.sdpa["time_us"] / self.evotune_us if self.sdpa else None
+
+
+@dataclass(frozen=True)
+class Table:
+    entries: tuple[Entry, ...] = ()
+    path: str | None = None
+
+    def entry(self, key: TableKey) -> Entry | None:
+        return next((e for e in self.entries if e.key == key), None)
+
+    def gpus(self) -> list[str]:
+        """The GPUs the table has entries for, as `name (sm cc)`."""
+        return sorted({f"{e.key.gpu} (sm {e.key.cc})" for e in self.entries})
+
+    def has_gpu(self, gpu: str, cc: str) -> bool:
+        return any(e.key.gpu == gpu and e.key.cc == cc for e in self.entries)
+
+    def as_dict(self) -> dict:
+        return {"version": TABLE_VERSION, "family": FAMILY,
+                "entries": [e.as_dict() for e in sorted(self.entries, key=lambda e: e.key)]}
+
+
+# --------------------------------------------------------------------------- loading and saving
+
+
+class _Fault(Exception):
+    """A schema fault at a JSON path; load_table turns it into one UsageError line naming the file."""
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _expect(value, kind: str, where: str):
+    ok = {"object": isinstance(value, dict), "list": isinstance(value, list), "string": isinstance(value, str),
+          "boolean": isinstance(value, bool),
+          "integer": isinstance(value, int) and not isinstance(value, bool),
+          "number": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}[kind]
+    if not ok:
+        raise _Fault(f"{where}: expected {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {_kind(value)}")
+    return value
+
+
+def _fields(obj, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    """`obj` as an object with exactly the required fields (and maybe the optional ones)."""
+    _expect(obj, "object", where)
+    for name in obj:
+        if name not in required and name not in optional:
+            raise _Fault(f"{where}: unknown field {name!r}; fields: {', '.join(required + optional)}")
+    for name in required:
+        if name not in obj:
+            raise _Fault(f"{where}: missing field {name!r}")
+    return obj
+
+
+def _parse_key(obj, where: str) -> TableKey:
+    _fields(obj, where, KEY_FIELDS)
+    for name in ("gpu", "cc", "dtype", "layout"):
+        _expect(obj[name], "string", f"{where}.{name}")
+    _expect(obj["causal"], "boolean", f"{where}.causal")
+    for name in ("head_dim", "seq_q_bucket", "seq_k_bucket"):
+        value = _expect(obj[name], "integer", f"{where}.{name}")
+        if value < 1 or (name != "head_dim" and value & (value - 1)):
+            raise _Fault(f"{where}.{name}: {value} is not {'positive' if name == 'head_dim' else 'a power of two'}")
+    if obj["dtype"] not in ("fp16", "bf16"):
+        raise _Fault(f"{where}.dtype: {obj['dtype']!r} is not fp16 or bf16")
+    if obj["layout"] not in ("bhsd", "bshd"):
+        raise _Fault(f"{where}.layout: {obj['layout']!r} is not bhsd or bshd")
+    return TableKey(**{name: obj[name] for name in KEY_FIELDS})
+
+
+def _parse_provenance(obj, where: str) -> dict:
+    _fields(obj, where, PROVENANCE_FIELDS)
+    for name in ("run", "git_sha", "evotune_version", "source_digest"):
+        _expect(obj[name], "string", f"{where}.{name}")
+    _expect(obj["trial"], "integer", f"{where}.trial")
+    device = _expect(obj["device"], "object", f"{where}.device")
+    for name in ("name", "sm"):
+        _expect(device.get(name), "string", f"{where}.device.{name}")
+    return obj
+
+
+def _parse_entry(obj, where: str) -> Entry:
+    _fields(obj, where, ENTRY_FIELDS)
+    key = _parse_key(obj["key"], f"{where}.key")
+    config = _expect(obj["config"], "object", f"{where}.config")
+    for name, value in config.items():
+        if type(value) not in (int, str, bool):
+            raise _Fault(f"{where}.config.{name}: expected an integer, string or boolean, got {_kind(value)}")
+    shape = _expect(obj["shape"], "object", f"{where}.shape")
+    _expect(obj["space"], "string", f"{where}.space")
+    evotune_us = _expect(obj["evotune_us"], "number", f"{where}.evotune_us")
+    sdpa = obj["sdpa"]
+    if sdpa is not None:
+        _fields(sdpa, f"{where}.sdpa", ("backend", "time_us"))
+        _expect(sdpa["backend"], "string", f"{where}.sdpa.backend")
+        _expect(sdpa["time_us"], "number", f"{where}.sdpa.time_us")
+    route = _expect(obj["route"], "string", f"{where}.route")
+    if route not in ROUTES:
+        raise _Fault(f"{where}.route: {route!r} is not one of {', '.join(ROUTES)}")
+    _expect(obj["reason"], "string", f"{where}.reason")
+    evidence = _fields(obj["evidence"], f"{where}.evidence", ("kind", "file"))
+    if evidence["kind"] not in EVIDENCE_KINDS:
+        raise _Fault(f"{where}.evidence.kind: {evidence['kind']!r} is not one of {', '.join(EVIDENCE_KINDS)}")
+    provenance = _parse_provenance(obj["provenance"], f"{where}.provenance")
+    entry = Entry(key, config, obj["space"], shape, float(evotune_us), sdpa, route, obj["reason"], evidence, provenance)
+    _check_consistent(entry, where)
+    return entry
+
+
+def _check_consistent(entry: Entry, where: str) -> None:
+    """Faults no single field shows: a route to evotune with no measured win, or a key that is not the
+    shape and GPU the entry was measured on (a hand-edited or foreign entry)."""
+    if entry.route == "evotune":
+        if entry.sdpa is None:
+            raise _Fault(f"{where}: routes to evotune but records no SDPA time measured beside it")
+        if entry.evotune_us >= entry.sdpa["time_us"]:
+            raise _Fault(f"{where}: routes to evotune but evotune's {entry.evotune_us:.2f} us is not faster than "
+                         f"{entry.sdpa['backend']}'s {entry.sdpa['time_us']:.2f} us")
+    device = entry.provenance["device"]
+    if (device["name"], device["sm"]) != (entry.key.gpu, entry.key.cc):
+        raise _Fault(f"{where}: key is for {entry.key.gpu} (sm {entry.key.cc}) but it was measured on "
+                     f"{device['name']} (sm {device['sm']})")
+    try:
+        from .shapes import Shape
+
+        measured = TableKey.for_shape(Shape.from_dict(entry.shape), entry.key.gpu, entry.key.cc)
+    except (KeyError, TypeError, UsageError) as e:
+        raise _Fault(f"{where}.shape: not an attention shape ({e})") from None
+    if measured != entry.key:
+        raise _Fault(f"{where}: key ({entry.key.spec()}) is not the key of the measured shape ({measured.spec()})")
+
+
+def parse_table(obj, path: str | None = None) -> Table:
+    """A Table from the parsed JSON `obj`; UsageError `<path>: <json path>: <fault>` on the first fault."""
+    where = path or "tuning table"
+    try:
+        if not isinstance(obj, dict):
+            raise _Fault(f"not a tuning table (expected an object with version, family, entries; got {_kind(obj)})")
+        version = obj.get("version")
+        if version != TABLE_VERSION:
+            said = "has no version" if version is None else f"version {json.dumps(version)} is not supported"
+            raise _Fault(f"{said} (this evotune reads tuning-table version {TABLE_VERSION})")
+        _fields(obj, "top level", ("version", "family", "entries"))
+        if obj["family"] != FAMILY:
+            raise _Fault(f"family {json.dumps(obj['family'])}: a tuning table holds {FAMILY} entries")
+        entries = [_parse_entry(e, f"entries[{i}]") for i, e in enumerate(_expect(obj["entries"], "list", "entries"))]
+        seen: dict[TableKey, int] = {}
+        for i, e in enumerate(entries):
+            if e.key in seen:
+                raise _Fault(f"entries[{i}] repeats the key of entries[{seen[e.key]}] ({e.key.spec()})")
+            seen[e.key] = i
+    except _Fault as fault:
+        raise UsageError(f"{where}: {fault}") from None
+    return Table(tuple(entries), path)
+
+
+def load_table(path: str | os.PathLike) -> Table:
+    """Read and validate a tuning table; UsageError naming the file and the first fault."""
+    path = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such tuning table") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: cannot read the tuning table ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise UsageError(f"{path}: not valid JSON (nested too deeply)") from None
+    return parse_table(obj, path)
+
+
+def save_table(table: Table, path: str | os.PathLike) -> Path:
+    """Write `table` to `path` atomically (a uniquely named temporary file, then os.replace)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise UsageError(f"{path}: folder {path.parent} does not exist")
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        tmp.write_text(json.dumps(table.as_dict(), indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------- selection
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the table says for one call: the entry used (None where none is usable), the route, how
+    the entry matched ("exact", "nearest" or "none"), why, and the candidates skipped and why."""
+
+    entry: Entry | None
+    route: str
+    match: str
+    reason: str
+    skipped: tuple[tuple[str, str], ...] = field(default=())
+
+
+@lru_cache(maxsize=32)
+def _space(ref: str):
+    from .space import load_builtin, load_space
+
+    return load_space(ref) if ref.endswith((".yaml", ".yml")) or os.sep in ref else load_builtin(ref)
+
+
+@lru_cache(maxsize=256)
+def _current_digest(config_items: tuple, dtype: str, head_dim: int, causal: bool) -> str:
+    """The digest of the kernel source the op would compile now for this config and shape class. The
+    source depends on the shape only through dtype, head dim and causal (AttentionProblem.template_args;
+    the op's kernel cache relies on the same), so a call of new sequence lengths reads no template."""
+    from .problems import get_problem
+    from .shapes import Shape
+    from .space import Config
+    from .template import instantiate
+
+    shape = Shape(1, 1, 1, 1, head_dim, dtype, causal)
+    return instantiate(get_problem(FAMILY), Config(config_items), shape).digest
+
+
+def _digest_now(config: dict, shape) -> str:
+    from .space import Config
+
+    return _current_digest(Config.from_dict(config).items, shape.dtype, shape.head_dim, shape.causal)
+
+
+def clear_caches() -> None:
+    """Forget loaded spaces and template digests (after a space or kernel file changed in this process)."""
+    _space.cache_clear()
+    _current_digest.cache_clear()
+
+
+def unusable_reason(entry: Entry, shape) -> str | None:
+    """Why `entry`'s config must not run `shape` (not admitted by its space there, or a kernel source that
+    is not the one measured); None where it may."""
+    from .problems import get_problem
+
+    problem = get_problem(FAMILY)
+    try:
+        space = _space(entry.space)
+        if set(entry.config) != set(space.param_names()):
+            return (f"its config names {', '.join(sorted(entry.config))}, not the parameters of space "
+                    f"{entry.space!r} ({', '.join(sorted(space.param_names()))})")
+        failed = space.violations(space.config(entry.config), problem.context(shape))
+    except UsageError as e:
+        return f"its config cannot be checked against space {entry.space!r}: {e}"
+    if failed:
+        return f"not admitted by space {entry.space!r} on {shape.spec}: {failed[0]}"
+    now = _digest_now(entry.config, shape)
+    if now != entry.provenance["source_digest"]:
+        return (f"stale: the kernel source changed since run {entry.provenance['run']} measured it "
+                f"(measured {entry.provenance['source_digest']}, now {now})")
+    return None
+
+
+def candidates(table: Table, key: TableKey) -> list[Entry]:
+    """The entries `select` may use for `key`, in the order it tries them."""
+    group = [e for e in table.entries if e.key.group() == key.group() and key.distance(e.key) <= MAX_BUCKET_DISTANCE]
+    return sorted(group, key=lambda e: (key.distance(e.key), -e.key.seq_q_bucket, -e.key.seq_k_bucket, e.key.spec()))
+
+
+def select(table: Table, key: TableKey, shape) -> Selection:
+    """The entry and route for a call of `shape` whose key is `key` (rules in the module docstring)."""
+    skipped = []
+    for entry in candidates(table, key):
+        why = unusable_reason(entry, shape)
+        if why:
+            skipped.append((entry.key.spec(), why))
+            continue
+        match = "exact" if entry.key == key else "nearest"
+        where = "" if match == "exact" else f"nearest tuned bucket {entry.key.spec()}: "
+        return Selection(entry, entry.route, match, where + entry.reason, tuple(skipped))
+    if skipped:
+        reason = "no usable entry: " + "; ".join(f"{spec}: {why}" for spec, why in skipped)
+    elif table.entries and not table.has_gpu(key.gpu, key.cc):
+        reason = (f"{table.path or 'the tuning table'} has entries for {', '.join(table.gpus())} only, "
+                  f"none for {key.gpu} (sm {key.cc})")
+    else:
+        reason = f"no entry within {MAX_BUCKET_DISTANCE} bucket doublings of {key.spec()}"
+    return Selection(None, "sdpa", "none", reason, tuple(skipped))
+
+
+# --------------------------------------------------------------------------- building from runs
+
+
+@dataclass(frozen=True)
+class BuildNote:
+    """What build_table did with one run: "added" (a new key), "replaced" (the existing table's entry for the
+    key), "dropped" (another given run won the key) or "skipped" (the run gives no entry: `reason` says why)."""
+
+    run: str
+    action: str
+    key: str | None
+    reason: str
+
+
+def build_table(run_paths, existing: Table | None = None, bench_paths=()) -> tuple[Table, list[BuildNote]]:
+    """A table with one entry per key from the given run folders (or names under runs_dir()), on top of
+    `existing`. `bench_paths` are `evotune bench --out` records: one of a run's best config gives the
+    entry its same-process evotune and SDPA times. Among the given runs, the one with the larger
+    measured speedup over SDPA wins a key (a measured one beats an unmeasured one; ties: the later);
+    a given run replaces what `existing` says for its key. Returns the table and one note per run."""
+    benches = [_read_bench(p) for p in bench_paths]
+    results = [_entry_from_run(ref, benches) for ref in run_paths]
+    winners: dict[TableKey, Entry] = {}
+    for entry, _ in results:
+        if entry is not None and (entry.key not in winners or _rank(entry) >= _rank(winners[entry.key])):
+            winners[entry.key] = entry
+    old = {e.key: e for e in (existing.entries if existing else ())}
+    notes = []
+    for entry, note in results:
+        if entry is None:
+            notes.append(note)
+        elif winners[entry.key] is not entry:
+            winner = winners[entry.key].provenance["run"]
+            notes.append(replace(note, action="dropped", reason=f"run {winner} won this key: {note.reason}"))
+        else:
+            notes.append(replace(note, action="replaced" if entry.key in old else "added"))
+    merged = {**old, **winners}
+    return Table(tuple(sorted(merged.values(), key=lambda e: e.key)), existing.path if existing else None), notes
+
+
+def _rank(entry: Entry) -> tuple:
+    """How strongly an entry's measurement speaks for its key: of the kernel source compiled now, then
+    with an SDPA time beside it, then by its speedup over SDPA."""
+    from .shapes import Shape
+
+    current = _digest_now(entry.config, Shape.from_dict(entry.shape))
+    speedup = entry.speedup()
+    return (entry.provenance["source_digest"] == current, speedup is not None, speedup or 0.0)
+
+
+def _resolve_run(ref):
+    from .runs import Run, runs_dir
+
+    path = Path(ref)
+    if not path.is_dir() and os.sep not in str(ref):
+        path = runs_dir() / str(ref)
+    if not (path / "meta.json").is_file():
+        raise UsageError(f"{ref}: not a run folder (no meta.json in {path})")
+    return Run(path)
+
+
+def _entry_from_run(ref, benches: list[dict]) -> tuple[Entry | None, BuildNote]:
+    """The entry one run gives, or None and the note saying why it gives none."""
+    from .runs import best_record
+    from .space import Config
+    from .template import instantiate
+
+    run = _resolve_run(ref)
+    meta = run.meta()
+    if meta.get("family") != FAMILY:
+        return None, BuildNote(run.run_id, "skipped", None, f"family {meta.get('family')!r}: the table holds {FAMILY} runs")
+    problem, shape = run.problem_and_shape()
+    device = meta.get("device")
+    if not isinstance(device, dict) or not isinstance(device.get("name"), str) or not isinstance(device.get("sm"), str):
+        return None, BuildNote(run.run_id, "skipped", None, f"{run.path / 'meta.json'} records no device name and sm")
+    best = best_record(run.trials())
+    if best is None:
+        return None, BuildNote(run.run_id, "skipped", None, "no trial passed the correctness gate")
+    key = TableKey.for_shape(shape, device["name"], device["sm"])
+    now = instantiate(problem, Config.from_dict(best["config"]), shape).digest
+    timing = _timing(run, meta, best, benches, now)
+    route, reason = _route(run.run_id, timing, now)
+    provenance = {"run": run.run_id, "trial": best["number"], "git_sha": str(meta.get("git_sha") or "unknown"),
+                  "evotune_version": str((meta.get("versions") or {}).get("evotune") or "unknown"),
+                  "device": device, "source_digest": timing["digest"]}
+    entry = Entry(key, dict(best["config"]), _space_ref(meta, problem), shape.as_dict(), timing["evotune_us"],
+                  timing["sdpa"], route, reason, timing["evidence"], provenance)
+    return entry, BuildNote(run.run_id, "added", key.spec(), reason)
+
+
+def _space_ref(meta: dict, problem) -> str:
+    """The run's space as the table names it: a built-in space's name, else the file's absolute path."""
+    from .space import builtin_names
+
+    recorded = meta.get("space")
+    if not recorded:
+        return problem.default_space
+    path = Path(recorded)
+    if path.suffix in (".yaml", ".yml") and path.parent.name in ("search_spaces", "") and path.stem in builtin_names():
+        return path.stem
+    return str(path.resolve())
+
+
+def _timing(run, meta: dict, best: dict, benches: list[dict], digest_now: str) -> dict:
+    """evotune's time, the best SDPA time measured beside it (or None), the digest of the kernel source
+    timed, and the evidence: a bench record of this run's best config (same process) first, then the
+    run's own baselines.json, else the trial's time alone."""
+    bench = _matching_bench(run.run_id, meta, best, benches, digest_now)
+    if bench is not None:
+        rows = bench["rows"]
+        return {"evotune_us": float(rows[0]["time_us"]), "sdpa": _fastest(rows[1:]), "digest": bench["source_digest"],
+                "evidence": {"kind": "bench", "file": bench["_file"]}}
+    trial = {"evotune_us": float(best["result"]["time_us"]), "digest": str(best.get("source_digest") or "unknown")}
+    path = run.path / BASELINES_FILE
+    if path.is_file():
+        rows = [{"name": name, **row} for name, row in _read_json(path, "baselines").items() if isinstance(row, dict)]
+        rows = [{**r, "passed": (r.get("verification") or {}).get("passed")} for r in rows]
+        return {**trial, "sdpa": _fastest(rows), "evidence": {"kind": "run", "file": str(path)}}
+    return {**trial, "sdpa": None, "evidence": {"kind": "none", "file": None}}
+
+
+def _fastest(rows: list[dict]) -> dict | None:
+    """The fastest available baseline row that passed the gate, as {"backend", "time_us"}."""
+    ok = [r for r in rows if r.get("available") and r.get("passed") and isinstance(r.get("time_us"), (int, float))]
+    if not ok:
+        return None
+    top = min(ok, key=lambda r: r["time_us"])
+    return {"backend": str(top["name"]), "time_us": float(top["time_us"])}
+
+
+def _route(run_id: str, timing: dict, digest_now: str) -> tuple[str, str]:
+    ours, sdpa, evidence = timing["evotune_us"], timing["sdpa"], timing["evidence"]
+    if timing["digest"] != digest_now:
+        return "sdpa", (f"stale: run {run_id} timed kernel source {timing['digest']}, the template now gives "
+                        f"{digest_now}; re-measure with `evotune bench best --run {run_id} --out FILE` and rebuild "
+                        f"with --bench FILE")
+    if sdpa is None:
+        return "sdpa", (f"unverified: run {run_id} measured no SDPA backend beside evotune's {ours:.2f} us; measure "
+                        f"both with `evotune bench best --run {run_id} --out FILE` and rebuild with --bench FILE")
+    where = f"bench {evidence['file']}" if evidence["kind"] == "bench" else f"run {run_id}"
+    versus = f"evotune {ours:.2f} us vs {sdpa['backend']} {sdpa['time_us']:.2f} us ({where})"
+    if ours < sdpa["time_us"]:
+        return "evotune", f"faster: {versus}, {sdpa['time_us'] / ours:.2f}x"
+    return "sdpa", f"slower: {versus}, {ours / sdpa['time_us'] - 1:+.1%} time"
+
+
+def _read_json(path, what: str):
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such {what} file") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UsageError(f"{path}: not a readable JSON {what} file ({e})") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"{path}: not a {what} record (expected an object, got {_kind(obj)})")
+    return obj
+
+
+def _read_bench(path) -> dict:
+    """An `evotune bench --out` record, checked for what build_table reads."""
+    obj = _read_json(path, "bench")
+    try:
+        for name, kind in (("source", "object"), ("config", "object"), ("shape_dict", "object"), ("device", "object"),
+                           ("rows", "list"), ("source_digest", "string")):
+            _expect(obj.get(name), kind, name)
+        for i, row in enumerate(obj["rows"]):
+            _expect(row, "object", f"rows[{i}]")
+            _expect(row.get("name"), "string", f"rows[{i}].name")
+        if not obj["rows"] or obj["rows"][0]["name"] != "evotune":
+            raise _Fault("rows[0] is not the evotune kernel's row")
+    except _Fault as fault:
+        raise UsageError(f"{path}: not a bench record: {fault}") from None
+    return {**obj, "_file": str(path)}
+
+
+def _matching_bench(run_id: str, meta: dict, best: dict, benches: list[dict], digest_now: str) -> dict | None:
+    """The bench record that timed this run's best config on its shape and GPU and passed the gate,
+    preferring one of the kernel source the op would compile now (then the last given)."""
+    device_name = (meta.get("device") or {}).get("name")
+    found = [b for b in benches
+             if b["source"].get("run") == run_id and b["source"].get("trial") in ("best", best["number"])
+             and b["config"] == best["config"] and b["shape_dict"] == meta.get("shape")
+             and b["device"].get("name") == device_name
+             and b["rows"][0].get("passed") and isinstance(b["rows"][0].get("time_us"), (int, float))]
+    if not found:
+        return None
+    current = [b for b in found if b["source_digest"] == digest_now]
+    return (current or found)[-1]
+
+
+__all__ = ["TABLE_VERSION", "MAX_BUCKET_DISTANCE", "TableKey", "Entry", "Table", "Selection", "BuildNote",
+           "seq_bucket", "default_table_path", "parse_table", "load_table", "save_table", "select", "candidates",
+           "unusable_reason", "build_table", "clear_caches"]

@@ -1,0 +1,375 @@
+"""CPU tests of evotune.torch: the custom op's registration (opcheck) and fake implementation, argument
+errors, the kernel's coverage rules, routing through the tuning table with its notices and
+fallback="error", the grad path, record_shapes on a small model, explain, and the kernel cache (real
+NVRTC compiles; the device loader is the only part replaced, since loading needs a GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import evotune.torch as et  # noqa: E402
+from evotune.errors import EvotuneError, UsageError  # noqa: E402
+from evotune.shapes import Shape  # noqa: E402
+from evotune.space import load_builtin  # noqa: E402
+from evotune.torch import kernels, routing  # noqa: E402
+from evotune.torch.call import Call, coverage, new_output  # noqa: E402
+from evotune.tuning_table import save_table  # noqa: E402
+
+from _tables import H100, entry, table  # noqa: E402
+
+F = torch.nn.functional
+OP = torch.ops.evotune.attention.default
+
+
+@pytest.fixture(autouse=True)
+def fresh_routing(monkeypatch):
+    """Each test starts with no table, no cached decisions and no notices given."""
+    monkeypatch.delenv("EVOTUNE_TABLE", raising=False)
+    et.use_table(None)
+    yield
+    et.use_table(None)
+
+
+def qkv(b=2, h=4, sq=16, sk=24, d=64, dtype=torch.bfloat16, layout="bhsd", device="cpu", kv_heads=None):
+    gen = torch.Generator().manual_seed(0)
+
+    def one(s, heads):
+        if layout == "bshd":
+            return torch.randn(b, s, heads, d, generator=gen, dtype=dtype).transpose(1, 2).to(device)
+        return torch.randn(b, heads, s, d, generator=gen, dtype=dtype).to(device)
+
+    return one(sq, h), one(sk, kv_heads or h), one(sk, kv_heads or h)
+
+
+def quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", et.EvotuneFallbackWarning)
+        return fn(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def test_op_is_registered_without_mutation():
+    """evotune::attention exists with the documented arguments, none of them written."""
+    schema = OP._schema
+    assert schema.name == "evotune::attention"
+    assert [a.name for a in schema.arguments] == ["q", "k", "v", "is_causal", "scale", "enable_gqa", "fallback"]
+    assert not any(a.alias_info and a.alias_info.is_write for a in schema.arguments)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck(layout, causal):
+    """torch.library.opcheck passes: schema, autograd registration, fake vs real, AOT dispatch with dynamic shapes."""
+    q, k, v = qkv(layout=layout)
+    quiet(torch.library.opcheck, OP, (q, k, v, causal, None, False, "sdpa"))
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_fake_on_meta_tensors(layout):
+    """On meta tensors the op gives (B, H, Sq, Dv) in the query's layout, and refuses mismatched sizes."""
+    q, k, v = (t.to("meta") for t in qkv(layout=layout, sq=5, sk=7))
+    out = torch.ops.evotune.attention(q, k, v)
+    assert out.device.type == "meta" and out.shape == (2, 4, 5, 64)
+    assert out.stride() == ((5 * 4 * 64, 64, 4 * 64, 1) if layout == "bshd" else (4 * 5 * 64, 5 * 64, 64, 1))
+    with pytest.raises(UsageError, match="sizes do not match"):
+        torch.ops.evotune.attention(q, k[:1], v)
+
+
+def test_fake_under_fake_tensor_mode():
+    """Under FakeTensorMode (what torch.compile traces with) the fake implementation answers, in bshd too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        q, k, v = (mode.from_tensor(t) for t in qkv(layout="bshd"))
+        out = torch.ops.evotune.attention(q, k, v, True)
+    assert out.shape == (2, 4, 16, 64) and out.stride(1) < out.stride(2)
+
+
+def test_torch_compile_fullgraph_on_cpu():
+    """torch.compile(fullgraph=True) traces a function calling the op with no graph break, and the result is SDPA's."""
+    torch._dynamo.reset()
+    q, k, v = qkv(layout="bshd")
+    fn = torch.compile(lambda q, k, v: et.attention(q, k, v, is_causal=True) * 2, fullgraph=True, backend="aot_eager")
+    got = quiet(fn, q, k, v)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2)
+
+
+def test_output_matches_sdpa_and_takes_the_query_layout():
+    """Through the fallback the op returns SDPA's values, dense in the query's layout, for Sq != Sk and causal."""
+    for layout, heads in (("bhsd", 4), ("bshd", 4), ("bshd", 1)):  # one head: SDPA's strides differ from ours there
+        q, k, v = qkv(h=heads, layout=layout, sq=9, sk=13)
+        out = quiet(et.attention, q, k, v, is_causal=True, scale=0.3)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3))
+        assert out.stride() == new_output(q, v).stride()
+
+
+# --------------------------------------------------------------------------- argument errors and coverage
+
+
+@pytest.mark.parametrize("args, kwargs, fault", [
+    (lambda q, k, v: (q[0], k, v), {}, "q must be 4-D"),
+    (lambda q, k, v: (q, k.half(), v), {}, "share one floating dtype"),
+    (lambda q, k, v: (q, k[:1], v[:1]), {}, "sizes do not match"),
+    (lambda q, k, v: (q, k[:, :2], v[:, :2]), {}, "or pass enable_gqa=True"),
+    (lambda q, k, v: (q, k[:, :3], v[:, :3]), {"enable_gqa": True}, "must be a divisor"),
+    (lambda q, k, v: (q, k, v), {"fallback": "cudnn"}, "fallback='cudnn'"),
+    (lambda q, k, v: (q, k, v), {"is_causal": 1}, "is_causal must be True or False"),
+    (lambda q, k, v: (q, k, v), {"scale": "0.1"}, "scale must be a number"),
+    (lambda q, k, v: (q.numpy(), k, v), {}, "q must be a tensor"),
+])
+def test_bad_arguments_are_one_line(args, kwargs, fault):
+    """Arguments SDPA would refuse are one UsageError line naming the fault."""
+    q, k, v = qkv(dtype=torch.float32)
+    with pytest.raises(UsageError, match=fault) as info:
+        et.attention(*args(q, k, v), **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def cuda_call(**changes) -> Call:
+    """A Call as a CUDA tensor on an H100 would give (calls are plain data: no GPU needed)."""
+    b, h, s, d = 2, 8, 1000, 64
+    strides = (h * s * d, s * d, d, 1)
+    base = Call(b, h, h, s, s, d, d, "fp16", False, "bhsd", "cuda:0", (strides, strides, strides))
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize("changes, cc, fault", [
+    ({"device": "cpu"}, None, "device cpu"),
+    ({}, (8, 0), "compute capability 8.0"),
+    ({"dtype": "float32"}, (9, 0), "dtype float32"),
+    ({"head_dim": 96, "v_head_dim": 96}, (9, 0), "head dim 96"),
+    ({"v_head_dim": 128}, (9, 0), "value head dim 128"),
+    ({"kv_heads": 2}, (9, 0), "grouped-query attention is not in the kernel"),
+    ({"seq_k": 0}, (9, 0), "empty tensor"),
+    ({"strides": ((1, 1, 1, 2),) * 3}, (9, 0), "unit head-dim stride"),
+    ({"strides": ((8, 8, 68, 1),) * 3}, (9, 0), "multiples of 8"),
+    ({"batch": 70000}, (9, 0), "batch 70000 is too large"),
+])
+def test_coverage_names_what_the_kernel_cannot_do(changes, cc, fault):
+    """Each reason the kernel cannot compute a call is named; a plain fp16 d64 call on sm 9.0 is covered."""
+    assert coverage(cuda_call(), (9, 0)) is None
+    assert fault in coverage(cuda_call(**changes), cc)
+
+
+def test_kernel_features():
+    """Today the kernel has neither grouped-query attention nor a log-sum-exp output; unknown features are refused."""
+    assert not et.supports("gqa") and not et.supports("lse")
+    assert "head-group index" in kernels.unsupported("gqa")
+    with pytest.raises(UsageError, match="unknown kernel feature"):
+        et.supports("fp8")
+
+
+# --------------------------------------------------------------------------- routing through the table
+
+
+@pytest.fixture
+def on_h100(monkeypatch):
+    """Device queries answer as an H100 would (the routing logic under test is unchanged)."""
+    monkeypatch.setattr(routing, "gpu_identity", lambda index: (H100[0], H100[1], (9, 0)))
+
+
+def shape_of(call: Call) -> Shape:
+    return call.shape()
+
+
+def test_decisions_through_the_table(on_h100, tmp_path):
+    """No table: missing. An evotune entry: tuned. An SDPA entry: the table's choice. Another GPU's table: missing, named."""
+    call = cuda_call()
+    assert routing.decide(call).kind == "missing" and "no tuning table at" in routing.decide(call).reason
+    et.use_table(table(entry(shape_of(call))))
+    tuned = routing.decide(call)
+    assert (tuned.route, tuned.kind, tuned.match) == ("evotune", "tuned", "exact")
+    et.use_table(table(entry(shape_of(call), route="sdpa", evotune_us=3.0)))
+    assert (routing.decide(call).route, routing.decide(call).kind) == ("sdpa", "table")
+    path = save_table(table(entry(shape_of(call), gpu=("NVIDIA A100-SXM4-80GB", "8.0"))), tmp_path / "a100.json")
+    et.use_table(path)
+    foreign = routing.decide(call)
+    assert foreign.kind == "missing" and f"{path} has entries for NVIDIA A100-SXM4-80GB (sm 8.0) only" in foreign.reason
+
+
+def test_missing_key_notice_warns_once_and_error_refuses(on_h100):
+    """A missing key warns once per key with the key and the tune command; fallback='error' raises; the table's own SDPA choice does not."""
+    et.use_table(table(entry(Shape(2, 8, 4096, 4096, 128))))
+    miss = routing.decide(cuda_call())
+    with pytest.warns(et.EvotuneFallbackWarning) as got:
+        routing.notify(miss, "sdpa")
+        routing.notify(miss, "sdpa")
+        routing.notify(routing.decide(cuda_call(seq_q=900, seq_k=900)), "sdpa")  # same bucket: same key
+    assert len(got) == 1
+    text = str(got[0].message)
+    assert "no tuned kernel for NVIDIA H100 80GB HBM3 (sm 9.0) fp16 d64 non-causal bhsd Sq<=1024 Sk<=1024" in text
+    assert "evotune tune --shape 2,8,1000,64:fp16 --table" in text
+    with pytest.raises(UsageError, match=r"no tuned kernel .*\[fallback='error'\]"):
+        routing.notify(miss, "error")
+    et.use_table(table(entry(Shape(2, 8, 1024, 1024, 64), route="sdpa", evotune_us=3.0)))
+    with pytest.warns(et.EvotuneFallbackWarning, match="routes .* to PyTorch SDPA"):
+        routing.notify(routing.decide(cuda_call()), "error")
+
+
+def test_bad_table_in_env_is_never_used_silently(on_h100, tmp_path, monkeypatch):
+    """EVOTUNE_TABLE naming a corrupt or absent file fails every routed call with one line naming it."""
+    bad = tmp_path / "t.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv("EVOTUNE_TABLE", str(bad))
+    et.use_table(None)
+    for _ in range(2):
+        with pytest.raises(UsageError, match=f"{bad}: not valid JSON"):
+            routing.decide(cuda_call())
+    monkeypatch.setenv("EVOTUNE_TABLE", str(tmp_path / "absent.json"))
+    et.use_table(None)
+    with pytest.raises(UsageError, match="absent.json: no such tuning table"):
+        routing.decide(cuda_call())
+    with pytest.raises(UsageError, match="not valid JSON"):
+        et.use_table(bad)
+
+
+def test_cpu_calls_warn_once_and_error_fallback_raises():
+    """On the CPU the op runs SDPA, telling once (not per call); fallback='error' refuses with the reason."""
+    q, k, v = qkv()
+    with pytest.warns(et.EvotuneFallbackWarning, match="device cpu: the kernel runs on CUDA GPUs"):
+        et.attention(q, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", et.EvotuneFallbackWarning)
+        et.attention(q, k, v)
+        et.attention(*qkv(sq=33))
+    with pytest.raises(UsageError, match=r"device cpu.*\[fallback='error'\]"):
+        et.attention(q, k, v, fallback="error")
+
+
+def test_grad_inputs_run_sdpa_with_its_backward():
+    """Inputs that require grad run SDPA (told once, with why) and backpropagate as SDPA does."""
+    q, k, v = (t.float().requires_grad_() for t in qkv())
+    with pytest.warns(et.EvotuneFallbackWarning, match="inputs require grad"):
+        out = et.attention(q, k, v, is_causal=True)
+    out.sum().backward()
+    q2 = q.detach().clone().requires_grad_()
+    F.scaled_dot_product_attention(q2, k.detach(), v.detach(), is_causal=True).sum().backward()
+    torch.testing.assert_close(q.grad, q2.grad)
+    with pytest.raises(UsageError, match="inputs require grad"):
+        et.attention(q, k, v, fallback="error")
+
+
+def test_explain():
+    """explain() names the route, the reason and whether fallback='error' would refuse, without warning."""
+    q, k, v = qkv(layout="bshd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", et.EvotuneFallbackWarning)
+        info = et.explain(q, k, v, is_causal=True)
+    assert (info.route, info.kind, info.raises_with_error_fallback) == ("sdpa", "uncovered", True)
+    assert info.call["shape"] == "2,4,16,24,64:bf16:causal:bshd"
+    assert "PyTorch SDPA" in str(info) and "device cpu" in str(info)
+
+
+# --------------------------------------------------------------------------- record_shapes
+
+
+class TinyModel(torch.nn.Module):
+    """Two attention layers on (B, S, H·D) activations: self-attention (causal), then cross-attention to a memory."""
+
+    def __init__(self, heads=2, head_dim=64):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv = torch.nn.Linear(heads * head_dim, 3 * heads * head_dim)
+
+    def split(self, x):
+        b, s, _ = x.shape
+        return x.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, memory):
+        q, k, v = (self.split(t) for t in self.qkv(x).chunk(3, dim=-1))
+        x = et.attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        mq, mk, mv = (self.split(t) for t in self.qkv(memory).chunk(3, dim=-1))
+        return et.attention(self.split(x), mk, mv).transpose(1, 2).flatten(2)
+
+
+def test_record_shapes_on_a_cpu_model(tmp_path):
+    """record_shapes collects each distinct call with its count, key, route and --shape spelling; save() writes JSON."""
+    model = TinyModel()
+    with torch.no_grad(), et.record_shapes() as rec:
+        quiet(model, torch.randn(3, 10, 128), torch.randn(3, 7, 128))
+        quiet(model, torch.randn(3, 10, 128), torch.randn(3, 7, 128))
+    quiet(model, torch.randn(1, 5, 128), torch.randn(1, 5, 128))  # after the block: not recorded
+    rows = rec.shapes
+    assert [(r["seq_q"], r["seq_k"], r["causal"], r["calls"]) for r in rows] == [(10, 10, True, 2), (10, 7, False, 2)]
+    assert all(r["dtype"] == "float32" and r["shape"] is None and r["route"] == "sdpa" and r["layout"] == "bshd"
+               for r in rows)
+    path = rec.save(tmp_path / "shapes.json")
+    saved = json.loads(path.read_text())
+    assert saved["version"] == 1 and saved["kind"] == "evotune-attention-shapes" and saved["shapes"] == rows
+
+
+def test_record_shapes_spells_tunable_shapes():
+    """Calls in a dtype the kernel takes get their `--shape` spelling, ready for `evotune tune`."""
+    with et.record_shapes() as rec:
+        quiet(et.attention, *qkv(b=1, h=4, sq=100, sk=300, dtype=torch.float16), is_causal=True)
+        quiet(et.attention, *qkv(b=1, h=4, sq=100, sk=300, dtype=torch.float16, layout="bshd"))
+    assert rec.specs() == ["1,4,100,300,64:fp16:causal", "1,4,100,300,64:fp16:bshd"]
+
+
+# --------------------------------------------------------------------------- the kernel cache
+
+
+def test_kernel_cache_compiles_once_and_loads_once_per_device():
+    """The cache compiles a config with NVRTC once and loads it once per device; the shape class shares kernels."""
+    loads = []
+
+    def loader(compiled, smem, device):
+        loads.append((compiled.cubin_path, device))
+        return f"kernel@{device}"
+
+    cache = kernels.KernelCache(loader)
+    config = load_builtin("attention").default_config()
+    a, b = Shape(1, 8, 512, 512, 64), Shape(4, 2, 100, 700, 64)  # same class: fp16 d64 non-causal
+    first = cache.get(config, a, 0)
+    assert cache.get(config, b, 0) is first and cache.loaded(config, b, 0) is first and len(loads) == 1
+    cache.get(config, a, 1)
+    cache.get(config, Shape(1, 8, 512, 512, 64, causal=True), 0)
+    assert [d for _, d in loads] == [0, 1, 0] and len(cache) == 3
+    assert first.kernel == "kernel@0" and first.cubin_path.endswith(".cubin")
+
+
+def test_kernel_cache_loads_once_under_concurrent_first_calls():
+    """Threads making the first call for one kernel at once load it once, and all get that one."""
+    import threading
+    import time
+
+    loads = []
+
+    def slow_loader(compiled, smem, device):
+        loads.append(device)
+        time.sleep(0.2)
+        return object()
+
+    cache = kernels.KernelCache(slow_loader)
+    config, shape = load_builtin("attention").default_config(), Shape(1, 8, 512, 512, 64)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(cache.get(config, shape, 0))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert loads == [0] and len(got) == 4 and all(g is got[0] for g in got)
+
+
+def test_kernel_cache_refuses_a_source_other_than_measured():
+    """A table entry's kernel source must be the one compiled: otherwise EvotuneError, and nothing is loaded."""
+    cache = kernels.KernelCache(lambda *a: pytest.fail("must not load"))
+    with pytest.raises(EvotuneError, match="is not the measured 0123456789abcdef"):
+        cache.get(load_builtin("attention").default_config(), Shape(1, 8, 512, 512, 64), 0, "0123456789abcdef")
+    assert len(cache) == 0
+
+
+def test_warmup_needs_a_gpu():
+    """warmup() on a machine with no CUDA GPU is one clear UsageError."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(UsageError, match="no CUDA GPU"):
+        et.warmup()

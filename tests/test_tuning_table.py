@@ -1,0 +1,346 @@
+"""Tests for evotune.tuning_table: buckets, the file's schema and its faults, the selection rules, and
+building a table from run folders (hand-made ones, and a committed H100 run with its bench record)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from evotune import tuning_table as tt
+from evotune.errors import UsageError
+from evotune.problems import get_problem
+from evotune.shapes import Shape
+from evotune.space import load_builtin, spaces_dir
+from evotune.template import instantiate
+from evotune.tuning_table import TableKey, build_table, load_table, save_table, select, seq_bucket
+
+from _tables import H100, entry, table
+
+REPO = Path(__file__).resolve().parents[1]
+A100 = ("NVIDIA A100-SXM4-80GB", "8.0")
+
+
+def key_of(shape: Shape, gpu=H100) -> TableKey:
+    return TableKey.for_shape(shape, *gpu)
+
+
+# --------------------------------------------------------------------------- buckets and paths
+
+
+@pytest.mark.parametrize("n, bucket", [(1, 1), (2, 2), (3, 4), (512, 512), (513, 1024), (1000, 1024), (4097, 8192)])
+def test_seq_bucket_rounds_up_to_a_power_of_two(n, bucket):
+    """A sequence length's bucket is the smallest power of two not below it."""
+    assert seq_bucket(n) == bucket
+
+
+@pytest.mark.parametrize("bad", [0, -4, True, 3.0])
+def test_seq_bucket_refuses_non_lengths(bad):
+    """Zero, negatives, booleans and floats are not sequence lengths."""
+    with pytest.raises(UsageError, match="positive integer"):
+        seq_bucket(bad)
+
+
+def test_default_path_follows_env(monkeypatch, tmp_path):
+    """EVOTUNE_TABLE names the table; without it the table sits in the cache root beside cubin/."""
+    monkeypatch.delenv("EVOTUNE_TABLE", raising=False)
+    monkeypatch.setenv("EVOTUNE_CACHE", str(tmp_path))
+    assert tt.default_table_path() == tmp_path / "tuning-table.json"
+    monkeypatch.setenv("EVOTUNE_TABLE", str(tmp_path / "mine.json"))
+    assert tt.default_table_path() == tmp_path / "mine.json"
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def two_entries():
+    return (entry(Shape(16, 12, 1024, 1024, 64)),
+            entry(Shape(4, 32, 4096, 4096, 128, "fp16", True), route="sdpa", evotune_us=3.0, sdpa=("cudnn", 2.5)))
+
+
+def test_save_and_load_round_trip(tmp_path):
+    """A saved table loads back equal, as version-1 JSON, and leaves no temporary file behind."""
+    path = save_table(table(*two_entries()), tmp_path / "t.json")
+    loaded = load_table(path)
+    assert loaded.entries == table(*two_entries()).entries and loaded.path == str(path)
+    raw = json.loads(path.read_text())
+    assert raw["version"] == tt.TABLE_VERSION and raw["family"] == "attention" and len(raw["entries"]) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["t.json"]
+
+
+def test_save_refuses_a_missing_folder(tmp_path):
+    """Saving into a folder that does not exist is one UsageError naming it."""
+    with pytest.raises(UsageError, match="does not exist"):
+        save_table(table(), tmp_path / "nope" / "t.json")
+
+
+def _raw():
+    return table(*two_entries()).as_dict()
+
+
+def _set(path: str, value):
+    """A table dict with the field at dotted `path` (entries[0].key.gpu) set to `value` (or deleted if ...)."""
+    raw = _raw()
+    parts = path.replace("]", "").replace("[", ".").split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node[int(part)] if part.isdigit() else node[part]
+    last = int(parts[-1]) if parts[-1].isdigit() else parts[-1]
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return raw
+
+
+BAD_TABLES = [
+    ("[1, 2]", "not a tuning table"),
+    (_set("version", ...), "has no version"),
+    (_set("version", 2), "version 2 is not supported"),
+    (_set("extra", 1), "unknown field 'extra'"),
+    (_set("family", "softmax"), 'family "softmax"'),
+    (_set("entries", {}), "entries: expected a list, got an object"),
+    (_set("entries.0.route", ...), r"entries\[0\]: missing field 'route'"),
+    (_set("entries.0.key.head_dim", "64"), r"entries\[0\].key.head_dim: expected an integer, got a string"),
+    (_set("entries.0.key.colour", "red"), r"entries\[0\].key: unknown field 'colour'"),
+    (_set("entries.0.key.seq_q_bucket", 1000), "not a power of two"),
+    (_set("entries.0.key.dtype", "fp32"), "not fp16 or bf16"),
+    (_set("entries.0.route", "maybe"), "'maybe' is not one of evotune, sdpa"),
+    (_set("entries.0.sdpa", None), "routes to evotune but records no SDPA time"),
+    (_set("entries.0.evotune_us", 5.0), "not faster than cudnn"),
+    (_set("entries.0.evotune_us", float("nan")), "expected a number"),
+    (_set("entries.0.config.block_m", [64]), "expected an integer, string or boolean"),
+    (_set("entries.0.provenance.trial", "best"), "provenance.trial: expected an integer"),
+    (_set("entries.0.key.gpu", "NVIDIA A100-SXM4-80GB"), "measured on NVIDIA H100"),
+    (_set("entries.0.shape.seq_q", 4096), "not the key of the measured shape"),
+    (_set("entries.1", _raw()["entries"][0]), r"entries\[1\] repeats the key of entries\[0\]"),
+]
+
+
+@pytest.mark.parametrize("content, fault", BAD_TABLES)
+def test_bad_tables_are_one_line_naming_file_and_fault(tmp_path, content, fault):
+    """A corrupt, foreign-version, mistyped, inconsistent or duplicated table is one UsageError line naming the file."""
+    path = tmp_path / "bad.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(UsageError, match=fault) as info:
+        load_table(path)
+    assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+
+
+def test_unreadable_tables(tmp_path):
+    """A missing file and a file that is not JSON each give one line naming the file."""
+    with pytest.raises(UsageError, match="no such tuning table"):
+        load_table(tmp_path / "none.json")
+    (tmp_path / "t.json").write_text('{"version": 1, "entries": [')
+    with pytest.raises(UsageError, match=r"t.json: not valid JSON \(line 1"):
+        load_table(tmp_path / "t.json")
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def test_exact_key_is_used():
+    """A call whose key is in the table gets that entry, as an exact match, with its route and reason."""
+    e = entry(Shape(16, 12, 1024, 1024, 64))
+    chosen = select(table(e), key_of(Shape(2, 8, 1000, 1000, 64)), Shape(2, 8, 1000, 1000, 64))
+    assert (chosen.entry, chosen.route, chosen.match) == (e, "evotune", "exact")
+    assert chosen.reason == e.reason
+
+
+def test_nearest_bucket_and_its_limit():
+    """Without the exact key the nearest bucket is used (ties to the longer one); past two doublings none is."""
+    short, long_ = entry(Shape(1, 8, 1024, 1024, 64)), entry(Shape(1, 8, 4096, 4096, 64))
+    tbl = table(short, long_)
+    call = Shape(1, 8, 2048, 2048, 64)
+    chosen = select(tbl, key_of(call), call)
+    assert chosen.entry == long_ and chosen.match == "nearest" and "nearest tuned bucket" in chosen.reason
+    call = Shape(1, 8, 512, 512, 64)
+    assert select(tbl, key_of(call), call).entry == short
+    call = Shape(1, 8, 16384, 16384, 64)
+    far = select(tbl, key_of(call), call)
+    assert far.entry is None and far.match == "none" and far.route == "sdpa" and "within 2 bucket doublings" in far.reason
+
+
+def test_other_dtype_mask_layout_or_head_dim_never_match():
+    """Nearest means nearest bucket only: dtype, head dim, causal and layout must be the call's."""
+    tbl = table(entry(Shape(1, 8, 1024, 1024, 64)))
+    for call in (Shape(1, 8, 1024, 1024, 64, "bf16"), Shape(1, 8, 1024, 1024, 128), Shape(1, 8, 1024, 1024, 64, causal=True),
+                 Shape(1, 8, 1024, 1024, 64, layout="bshd")):
+        assert select(tbl, key_of(call), call).entry is None
+
+
+@pytest.fixture
+def seq_space(tmp_path):
+    """attention-small's space plus a constraint on the call's seq_k, as a file outside the built-ins."""
+    text = (spaces_dir() / "attention-small.yaml").read_text()
+    text = text.replace("\nconstraints:\n", "\nconstraints:\n  - expr: seq_k % 512 == 0\n    why: \"test: whole 512-key blocks\"\n", 1)
+    path = tmp_path / "seq-space.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_config_not_admitted_on_the_call_is_never_used(seq_space):
+    """An entry whose config its space refuses on the call's shape is skipped (with why) for the next candidate."""
+    refused = entry(Shape(1, 8, 512, 512, 64), load_builtin("attention-small").default_config().as_dict(), space=seq_space)
+    fallback = entry(Shape(1, 8, 1024, 1024, 64))
+    call = Shape(1, 8, 300, 300, 64)
+    chosen = select(table(refused, fallback), key_of(call), call)
+    assert chosen.entry == fallback and chosen.match == "nearest"
+    assert chosen.skipped[0][0] == refused.key.spec() and "test: whole 512-key blocks" in chosen.skipped[0][1]
+    alone = select(table(refused), key_of(call), call)
+    assert alone.entry is None and "not admitted by space" in alone.reason
+    whole = Shape(1, 8, 512, 512, 64)  # admitted where seq_k is a multiple of 512
+    assert select(table(refused), key_of(whole), whole).entry == refused
+
+
+def test_a_config_foreign_to_its_space_or_a_stale_source_is_skipped():
+    """A config naming knobs its space lacks, or whose kernel source changed since measured, is never used."""
+    shape = Shape(1, 8, 512, 512, 64)
+    odd = entry(shape, {**load_builtin("attention").default_config().as_dict(), "colour": "red"}, digest="0" * 16)
+    assert "not the parameters of space" in select(table(odd), key_of(shape), shape).reason
+    stale = entry(shape, digest="0123456789abcdef")
+    chosen = select(table(stale), key_of(shape), shape)
+    assert chosen.entry is None and "stale: the kernel source changed" in chosen.reason
+
+
+def test_foreign_gpu_table_says_so():
+    """A table holding only another GPU's entries is never used, and the reason names the file and both GPUs."""
+    shape = Shape(1, 8, 512, 512, 64)
+    chosen = select(table(entry(shape, gpu=A100), path="/x/t.json"), key_of(shape), shape)
+    assert chosen.entry is None
+    assert chosen.reason == ("/x/t.json has entries for NVIDIA A100-SXM4-80GB (sm 8.0) only, "
+                             "none for NVIDIA H100 80GB HBM3 (sm 9.0)")
+
+
+def test_table_routing_to_sdpa_is_followed():
+    """An exact entry that routes to SDPA decides the call: no nearer-looking evotune entry overrides it."""
+    slower = entry(Shape(1, 8, 1024, 1024, 64), route="sdpa", evotune_us=3.0, sdpa=("cudnn", 2.0))
+    faster = entry(Shape(1, 8, 2048, 2048, 64))
+    call = Shape(1, 8, 1024, 1024, 64)
+    chosen = select(table(slower, faster), key_of(call), call)
+    assert chosen.entry == slower and chosen.route == "sdpa"
+
+
+# --------------------------------------------------------------------------- building from runs
+
+
+@pytest.fixture
+def runs_root(tmp_path, monkeypatch):
+    root = tmp_path / "runs"
+    root.mkdir()
+    monkeypatch.setenv("EVOTUNE_RUNS", str(root))
+    return root
+
+
+def make_run(root: Path, name: str, shape: Shape, time_us: float | None = 10.0, baselines: dict | None = None,
+             digest: str | None = None, family: str = "attention", gpu=H100) -> Path:
+    """A run folder as `evotune search` writes one: meta.json and trials.jsonl (one passing trial, one failed)."""
+    path = root / name
+    path.mkdir()
+    config = load_builtin("attention").default_config()
+    if digest is None:
+        digest = instantiate(get_problem("attention"), config, shape).digest
+    meta = {"family": family, "shape": shape.as_dict(), "space": "search_spaces/attention.yaml", "git_sha": "abc123",
+            "device": {"name": gpu[0], "sm": gpu[1]}, "versions": {"evotune": "0.1.0"}, "run_id": name}
+    (path / "meta.json").write_text(json.dumps(meta))
+    trials = [{"number": 0, "config": config.as_dict(), "result": {"status": "compile_error"}}]
+    if time_us is not None:
+        trials.append({"number": 1, "config": config.as_dict(), "source_digest": digest,
+                       "result": {"status": "ok", "time_us": time_us, "max_abs": 1e-4}})
+    (path / "trials.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trials))
+    if baselines is not None:
+        (path / "baselines.json").write_text(json.dumps(baselines))
+    return path
+
+
+def base(time_us: float, passed: bool = True) -> dict:
+    return {"available": True, "time_us": time_us, "verification": {"passed": passed}}
+
+
+def test_run_without_sdpa_time_is_unverified(runs_root):
+    """A run that measured no SDPA beside its kernel gives an entry that routes to SDPA, saying how to measure it."""
+    shape = Shape(2, 8, 1024, 1024, 64)
+    make_run(runs_root, "plain", shape)
+    tbl, notes = build_table(["plain"])
+    (e,) = tbl.entries
+    assert e.route == "sdpa" and e.sdpa is None and e.evotune_us == 10.0 and e.evidence == {"kind": "none", "file": None}
+    assert e.reason.startswith("unverified: run plain measured no SDPA") and "evotune bench best --run plain" in e.reason
+    assert e.key == key_of(shape) and e.space == "attention" and e.provenance["trial"] == 1
+    assert e.provenance["git_sha"] == "abc123" and e.provenance["evotune_version"] == "0.1.0"
+    assert [(n.run, n.action) for n in notes] == [("plain", "added")]
+
+
+def test_same_run_baselines_decide_the_route(runs_root):
+    """With baselines.json the fastest passing SDPA backend is compared: faster routes to evotune, slower to SDPA."""
+    make_run(runs_root, "win", Shape(2, 8, 1024, 1024, 64), baselines={
+        "cudnn": base(12.0), "flash": base(8.0, passed=False), "math": {"available": False, "reason": "too large"}})
+    make_run(runs_root, "lose", Shape(2, 8, 1024, 1024, 128), baselines={"cudnn": base(9.0), "flash": base(11.0)})
+    tbl, _ = build_table(["win", "lose"])
+    win, lose = (next(e for e in tbl.entries if e.provenance["run"] == r) for r in ("win", "lose"))
+    assert win.route == "evotune" and win.sdpa == {"backend": "cudnn", "time_us": 12.0} and win.reason.startswith("faster")
+    assert lose.route == "sdpa" and lose.sdpa == {"backend": "cudnn", "time_us": 9.0} and lose.reason.startswith("slower")
+    assert win.evidence["kind"] == "run" and win.evidence["file"].endswith("win/baselines.json")
+
+
+def test_stale_runs_route_to_sdpa(runs_root):
+    """A run whose kernel source is not what the template gives now routes to SDPA, whatever it measured."""
+    make_run(runs_root, "old", Shape(2, 8, 1024, 1024, 64), digest="0123456789abcdef", baselines={"cudnn": base(50.0)})
+    (e,) = build_table(["old"])[0].entries
+    assert e.route == "sdpa" and e.reason.startswith("stale: run old timed kernel source 0123456789abcdef")
+
+
+def test_runs_that_give_no_entry_are_noted(runs_root):
+    """A run with no passing trial, or of another family, is skipped with the reason."""
+    make_run(runs_root, "failed", Shape(2, 8, 1024, 1024, 64), time_us=None)
+    make_run(runs_root, "soft", Shape(2, 8, 1024, 1024, 64), family="softmax")
+    tbl, notes = build_table(["failed", "soft"])
+    assert tbl.entries == ()
+    assert [(n.run, n.action) for n in notes] == [("failed", "skipped"), ("soft", "skipped")]
+    assert "no trial passed" in notes[0].reason and "family 'softmax'" in notes[1].reason
+    with pytest.raises(UsageError, match="not a run folder"):
+        build_table(["nope"])
+
+
+def test_one_key_many_runs_and_an_existing_table(runs_root):
+    """Per key the run with the larger measured speedup wins; given runs replace existing entries, others stay."""
+    make_run(runs_root, "a", Shape(2, 8, 1024, 1024, 64), baselines={"cudnn": base(12.0)})
+    make_run(runs_root, "b", Shape(4, 8, 1000, 1000, 64), baselines={"cudnn": base(20.0)})
+    make_run(runs_root, "c", Shape(2, 8, 1024, 1024, 64))
+    kept = entry(Shape(1, 8, 4096, 4096, 128))
+    old = entry(Shape(2, 8, 1024, 1024, 64), run="old")
+    tbl, notes = build_table(["a", "b", "c"], existing=table(kept, old))
+    assert {e.provenance["run"] for e in tbl.entries} == {"b", "fixture"}
+    assert [(n.run, n.action) for n in notes] == [("a", "dropped"), ("b", "replaced"), ("c", "dropped")]
+    assert notes[0].reason.startswith("run b won this key")
+
+
+def test_built_table_passes_its_own_validation(runs_root, tmp_path):
+    """What build_table makes, save_table writes and load_table reads back unchanged."""
+    make_run(runs_root, "a", Shape(2, 8, 1024, 1024, 64), baselines={"cudnn": base(12.0)})
+    make_run(runs_root, "b", Shape(2, 8, 512, 700, 128, "bf16", True, "bshd"))
+    tbl, _ = build_table(["a", "b"])
+    assert load_table(save_table(tbl, tmp_path / "t.json")).entries == tbl.entries
+
+
+def test_committed_h100_run_with_its_bench_record(tmp_path):
+    """gpt2-h100-hopper with its bench record: same-process times from the bench, and SDPA because cuDNN was faster."""
+    bench = REPO / "docs/data/bench/gpt2-h100-hopper.json"
+    if not (REPO / "runs/gpt2-h100-hopper/meta.json").exists() or not bench.exists():
+        pytest.skip("the committed gpt2-h100-hopper run or its bench record is not in this checkout")
+    (e,) = build_table([REPO / "runs/gpt2-h100-hopper"], bench_paths=[bench])[0].entries
+    record = json.loads(bench.read_text())
+    cudnn = next(r for r in record["rows"] if r["name"] == "cudnn")
+    assert e.evotune_us == record["rows"][0]["time_us"] and e.sdpa == {"backend": "cudnn", "time_us": cudnn["time_us"]}
+    assert e.evidence == {"kind": "bench", "file": str(bench)} and e.space == "attention-hopper"
+    assert e.key == TableKey("NVIDIA H100 80GB HBM3", "9.0", "fp16", 64, False, "bhsd", 1024, 1024)
+    assert e.route == "sdpa" and e.reason.split(":")[0] in ("slower", "stale")
+    assert load_table(save_table(table(e), tmp_path / "t.json")).entries == (e,)
+
+
+def test_bad_bench_record_is_one_line(tmp_path, runs_root):
+    """A bench file that is not a bench record is one UsageError naming it."""
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"rows": []}))
+    with pytest.raises(UsageError, match="b.json: not a bench record: source"):
+        build_table([], bench_paths=[path])
