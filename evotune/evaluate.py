@@ -139,12 +139,12 @@ def output_errors(out, ref, atol: float, rtol: float) -> tuple[float, float, int
 
 def gate_cases(problem, seeds=DEFAULT_SEEDS) -> list[tuple[int, str]]:
     """(seed, input pattern) pairs of the gate: fresh N(0,1) inputs per seed, then each stress pattern once."""
-    stress = [p for p in getattr(problem, "PATTERNS", ("normal",)) if p != "normal"]
+    stress = [p for p in problem.PATTERNS if p != "normal"]
     return [(seed, "normal") for seed in seeds] + [(seeds[0] + 100 + i, p) for i, p in enumerate(stress)]
 
 
 def _error_scale(problem, inputs) -> float:
-    return problem.error_scale(inputs) if hasattr(problem, "error_scale") else 1.0
+    return problem.error_scale(inputs)
 
 
 
@@ -369,7 +369,7 @@ def check_dependency(problem, shape, run_into, seed: int = 11, checker: CheckedL
     clearly = ((ref2 - ref1).abs() > atol + rtol * ref1.abs()).any(dim=-1) & may_change
     stray = int((moved & ~may_change).sum().item())
     missed = int((clearly & ~moved).sum().item())
-    what = getattr(problem, "perturbed", "input")
+    what = problem.perturbed
     if not bool(may_change.any()):  # no output can see it on this shape (a softmax row of one element): none may move
         if stray:
             return False, f"{stray} rows changed though no output can see the perturbed {what}"
@@ -622,7 +622,7 @@ def measure_baselines(problem, shape, names=None, seeds=DEFAULT_SEEDS, reps: int
     report = {}
     timing_inputs = problem.make_inputs(shape, TIMING_SEED)
     for name in names:
-        skip = problem.baseline_skip_reason(name, shape) if hasattr(problem, "baseline_skip_reason") else None
+        skip = problem.baseline_skip_reason(name, shape)
         if skip:
             report[name] = {"available": False, "reason": skip}
             continue

@@ -75,6 +75,10 @@ class SteeredNSGAIISampler(optuna.samplers.NSGAIISampler):
     proposed as it is (the loop records it as a constraint prune or a duplicate).
     """
 
+    # Optuna's NSGA-II internals this subclass reads: not public API, so pyproject bounds optuna
+    # (>=4.0,<6) and tests/test_strategies.py checks each is there with the shape used here.
+    OPTUNA_INTERNALS = ("_elite_population_selection_strategy", "_child_generation_strategy", "_population_size", "_rng")
+
     def __init__(self, *, distributions: dict, admissible: Callable[[dict], bool],
                  taken: Callable[[dict], bool], tries: int = 64, variant: str | None = None,
                  variant_tries: int = 4096, **kwargs):

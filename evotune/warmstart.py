@@ -16,10 +16,6 @@ from .errors import EvotuneError, UsageError
 from .runs import Run, ok_records, pareto_front, runs_dir
 
 PER_RUN = 8  # fastest passing configs taken from each run, besides its Pareto front
-# Shape fields a tiling does not depend on much: the amount of work, not its form. Two shapes that
-# differ only in these are "similar"; head_dim, dtype, the mask and the layout must match.
-SIZE_FIELDS = frozenset({"batch", "heads", "seq_q", "seq_k", "rows"})
-
 
 @dataclass(frozen=True)
 class Source:
@@ -29,13 +25,9 @@ class Source:
 
 
 def similar(problem, a: dict, b: dict) -> bool:
-    """Whether configs tuned on shape `a` are worth trying first on `b` (shape dicts): the problem's
-    `similar_shapes(a, b)` if it has one, else equal in every field but SIZE_FIELDS."""
-    hook = getattr(problem, "similar_shapes", None)
-    if hook is not None:
-        return bool(hook(a, b))
-    keys = (set(a) | set(b)) - SIZE_FIELDS
-    return all(a.get(k) == b.get(k) for k in keys)
+    """Whether configs tuned on shape `a` are worth trying first on `b` (shape dicts): the family's
+    `similar_shapes` (by default, equal in every field but its `size_fields`)."""
+    return bool(problem.similar_shapes(a, b))
 
 
 def pick_runs(spec: str, problem, shape, exclude: str | None = None) -> list[Source]:

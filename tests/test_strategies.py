@@ -325,3 +325,17 @@ def test_variant_must_name_a_parameter(tmp_path):
     path.write_text("family: attention\nvariant: mma\nparams:\n  block_m:\n    values: [64]\n    default: 64\n")
     with pytest.raises(UsageError, match=r"s.yaml:2: variant 'mma' is not a parameter"):
         load_space(path)
+
+
+def test_optuna_internals_the_steered_sampler_reads_are_there():
+    """The private NSGA-II attributes SteeredNSGAIISampler reads exist in the installed Optuna, with the shapes it uses."""
+    import optuna
+
+    from evotune.strategies import SteeredNSGAIISampler
+
+    plain = optuna.samplers.NSGAIISampler(population_size=8, seed=0)
+    missing = [name for name in SteeredNSGAIISampler.OPTUNA_INTERNALS if not hasattr(plain, name)]
+    assert not missing, f"optuna {optuna.__version__} lacks {missing}: re-check strategies.py before widening the bound"
+    assert plain._population_size == 8
+    assert callable(plain._elite_population_selection_strategy) and callable(plain._child_generation_strategy)
+    assert hasattr(plain._rng, "rng") and 0 <= plain._rng.rng.randint(3) < 3

@@ -14,6 +14,7 @@ variable, so they load the family by the same name.
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 import os
 import sys
 from dataclasses import dataclass
@@ -39,9 +40,11 @@ class LaunchGeometry:
         return {"grid": list(self.grid), "block": list(self.block), "dynamic_smem": self.dynamic_smem}
 
 
-class Problem:
-    """One kernel family as the generic code sees it. A family sets the class attributes and
-    defines the methods that raise NotImplementedError; the others are defaults it may keep.
+class Problem(ABC):
+    """One kernel family as the generic code sees it: the whole contract. A family sets the class
+    attributes and implements every abstract method; the other methods are documented defaults it may
+    keep. Generic code calls these and nothing else (no probing with getattr/hasattr), so a family
+    that cannot be instantiated for lack of a method fails at once, not in the middle of a search.
 
     A shape is the family's own frozen, hashable dataclass with `spec` (its `--shape`
     spelling), `as_dict()` (read back by `shape_from_dict`) and `dtype`; only the family's
@@ -59,14 +62,17 @@ class Problem:
     perturbed = "input"                   # what perturb() changes, in the dependency check's words
     baseline_kind = "baseline"            # the word before a baseline's name in reports
     rate_unit = "GB/s"                    # the unit of rate()
+    # Shape fields that only change the problem's size (warm start takes runs that differ only in these).
+    size_fields: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------ shapes (CPU)
+    @abstractmethod
     def parse_shape(self, text: str):
         """A preset name or the family's spelling as a shape; UsageError naming the fault otherwise."""
-        raise NotImplementedError
 
+    @abstractmethod
     def shape_from_dict(self, d: dict):
-        raise NotImplementedError
+        """The shape that `shape.as_dict()` wrote (run records, worker jobs)."""
 
     def presets(self) -> dict:
         """Preset name -> (shape, one line about it)."""
@@ -87,9 +93,9 @@ class Problem:
     def check_shape(self, shape) -> None:
         """Raise UsageError for a shape the kernel does not compute."""
 
+    @abstractmethod
     def context(self, shape) -> dict:
         """The names `context_names` for `shape`: what the space's expressions may read."""
-        raise NotImplementedError
 
     def knob_domains(self) -> Mapping[str, tuple | range] | None:
         """Knob name -> the values the template accepts (a tuple, or a range of ints); None: undeclared, not checked."""
@@ -99,31 +105,61 @@ class Problem:
         """Throughput in `rate_unit` at `time_us` per call, or None."""
         return None
 
+    def similar_shapes(self, a: dict, b: dict) -> bool:
+        """Whether runs on shape dicts `a` and `b` may warm-start each other: equal but for `size_fields`."""
+        keys = (set(a) | set(b)) - self.size_fields
+        return all(a.get(k) == b.get(k) for k in keys)
+
     # ------------------------------------------------------------ code (CPU)
+    @abstractmethod
     def instantiation(self, config, shape) -> str:
         """The explicit instantiation appended to the template: one extern "C" entry point."""
-        raise NotImplementedError
 
+    @abstractmethod
     def geometry(self, config, shape) -> LaunchGeometry:
-        raise NotImplementedError
+        """Grid, block and dynamic shared memory of `config` on `shape`."""
 
+    @abstractmethod
     def signature(self, config=None) -> str:
         """The entry point's parameters in words, for an export header."""
-        raise NotImplementedError
 
     def launch_notes(self, config, shape) -> list[str]:
         """Extra launch requirements for an export header."""
         return []
 
+    @abstractmethod
     def tolerance(self, shape) -> tuple[float, float]:
         """(atol, rtol) of the elementwise gate."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------ GPU side
-    # make_inputs(shape, seed, device="cuda", pattern="normal") -> dict; new_output(inputs);
-    # launcher(kernel, config, shape, inputs, out) -> zero-argument launch; reference(shape, inputs)
-    # -> fp32 tensor; perturb(shape, inputs) -> (inputs, bool mask over all but the last output dim);
-    # baselines() -> names; baseline_launcher(name, shape, inputs, probe=True) -> callable or None.
+    @abstractmethod
+    def make_inputs(self, shape, seed: int, device="cuda", pattern: str = "normal") -> dict:
+        """Fresh random inputs (never zeros) for `seed` in input pattern `pattern`: name -> tensor."""
+
+    @abstractmethod
+    def new_output(self, inputs: dict):
+        """An output tensor for `inputs` (the gate places it inside guard bands and poisons it)."""
+
+    @abstractmethod
+    def launcher(self, kernel, config, shape, inputs: dict, out):
+        """A zero-argument callable that launches `kernel` on `inputs` into `out` on torch's current stream."""
+
+    @abstractmethod
+    def reference(self, shape, inputs: dict):
+        """The fp32 answer for `inputs`."""
+
+    @abstractmethod
+    def perturb(self, shape, inputs: dict) -> tuple[dict, object]:
+        """(inputs with one element changed, bool mask over all but the output's last dim of the rows that may move)."""
+
+    @abstractmethod
+    def baselines(self) -> list[str]:
+        """Names of the reference implementations timed beside the kernel (SDPA backends, torch.softmax)."""
+
+    @abstractmethod
+    def baseline_launcher(self, name: str, shape, inputs: dict, probe: bool = True):
+        """A zero-argument callable returning baseline `name`'s output on `inputs`, or None if it refuses them."""
+
     def error_scale(self, inputs) -> float:
         """The scale of the gate's absolute tolerance for these inputs."""
         return 1.0
@@ -147,27 +183,25 @@ class Problem:
         return run
 
 
-def get_problem(family: str):
+# The built-in families: name -> the module (under evotune.problems) whose PROBLEM it is. Imported on
+# first use, so naming a family costs nothing until it is used.
+REGISTRY: dict[str, str] = {"attention": "attention", "softmax": "softmax"}
+FAMILIES = tuple(REGISTRY)
+
+
+def get_problem(family: str) -> Problem:
     """The Problem object of a family name, or of a plugin path `package.module:ATTR` (a family
     defined outside evotune, loaded only where EVOTUNE_PLUGINS allows its module; worker processes
     load it by that same name)."""
     if ":" in family:
         return load_plugin(family)
-    if family == "attention":
-        from .attention import PROBLEM
-
-        return PROBLEM
-    if family == "softmax":
-        from .softmax import PROBLEM
-
-        return PROBLEM
-    raise UsageError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+    module = REGISTRY.get(family)
+    if module is None:
+        raise UsageError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+    return importlib.import_module(f"{__name__}.{module}").PROBLEM
 
 
-FAMILIES = ("attention", "softmax")
-
-
-# What the search, the workers and the CLI use of a Problem: a plugin lacking one fails at load, in one line.
+# What the search, the workers and the CLI use first of a Problem: named when a plugin's object is not a Problem.
 PROBLEM_ATTRIBUTES = ("family", "kernel_file", "entry_name", "check_shape", "context", "instantiation", "geometry")
 
 
@@ -216,9 +250,10 @@ def load_plugin(path: str):
     problem = getattr(module, attr, None)
     if problem is None:
         raise UsageError(f"kernel family {path!r}: module {module_name!r} has no {attr!r}")
-    missing = [name for name in PROBLEM_ATTRIBUTES if not hasattr(problem, name)]
-    if missing:
-        raise UsageError(f"kernel family {path!r}: {type(problem).__name__} is not a Problem (no {', '.join(missing)})")
+    if not isinstance(problem, Problem):
+        missing = [name for name in PROBLEM_ATTRIBUTES if not hasattr(problem, name)]
+        why = f"no {', '.join(missing)}" if missing else "subclass evotune.problems.Problem"
+        raise UsageError(f"kernel family {path!r}: {type(problem).__name__} is not a Problem ({why})")
     if problem.family != path:
         raise UsageError(f"kernel family {path!r}: its family attribute is {problem.family!r}; it must be {path!r}, "
                          f"the name worker processes load it by")
