@@ -310,26 +310,38 @@ def load_kernel(compiled: Compiled, dynamic_smem: int = 0):
     return kernel
 
 
+_EXTERNAL_STREAMS: dict[tuple[int, int], object] = {}
+
+
+def cupy_stream(handle: int, device_index: int):
+    """The CuPy view of the CUDA stream `handle` on `device_index`, made once per (device, handle) for the
+    process: a cupy.cuda.ExternalStream costs microseconds to make, and every launcher of every family
+    launches on the same few torch streams (graph capture uses a side stream, so there are several)."""
+    key = (device_index, handle)
+    stream = _EXTERNAL_STREAMS.get(key)
+    if stream is None:
+        import warnings
+
+        import cupy
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 prefers Stream.from_external
+            stream = _EXTERNAL_STREAMS.setdefault(key, cupy.cuda.ExternalStream(handle, device_index))
+    return stream
+
+
 def torch_stream_launcher(kernel, grid, block, args: tuple, shared_mem: int = 0, keep=()):
     """A zero-argument callable that launches `kernel` on torch's current stream.
 
-    The CuPy view of each torch stream is made once per handle: graph capture runs on a
-    side stream, so the handle can change between calls. `keep` (e.g. a workspace the
-    arguments point into) lives as long as the callable, as its first default argument.
+    The stream is read at every launch (graph capture runs on a side stream, so the handle can
+    change between calls); its CuPy view comes from `cupy_stream`'s process-wide cache. `keep`
+    (e.g. a workspace the arguments point into) lives as long as the callable, as its first
+    default argument.
     """
-    import warnings
-
-    import cupy
     import torch
 
-    streams = {}
-
     def launch(_keep=keep):
-        handle = torch.cuda.current_stream().cuda_stream
-        if handle not in streams:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 prefers Stream.from_external
-                streams[handle] = cupy.cuda.ExternalStream(handle)
-        kernel(grid, block, args, shared_mem=shared_mem, stream=streams[handle])
+        stream = torch.cuda.current_stream()
+        kernel(grid, block, args, shared_mem=shared_mem, stream=cupy_stream(stream.cuda_stream, stream.device_index))
 
     return launch

@@ -1,6 +1,6 @@
 """Export one configuration as a standalone .cu file: the template with the config baked in
 as template arguments of one extern "C" entry point, and a header that says how to launch it.
-`nvcc -arch=sm_90a -c FILE.cu` compiles it with nothing of evotune beside it.
+`nvcc -gencode arch=compute_90a,code=sm_90a -c FILE.cu` compiles it with nothing of evotune beside it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,14 @@ from pathlib import Path
 from .compile import DEFAULT_ARCH, nvrtc_options
 from .outputs import write_output
 from .template import instantiate
+
+
+def build_command(arch: str = DEFAULT_ARCH) -> str:
+    """The nvcc command (without its file arguments) that builds an export for `arch`. Only the real
+    architecture: nvcc 13's `-arch=sm_90a` also embeds compute_90 PTX, which cannot hold the wgmma, setmaxnreg
+    and TMA instructions of the arch-specific (sm_90a) Hopper variant, so ptxas refuses that PTX."""
+    virtual = "compute_" + arch.removeprefix("sm_")
+    return f"nvcc -gencode arch={virtual},code={arch}"
 
 
 def export_source(problem, shape, config, record: dict | None = None, meta: dict | None = None,
@@ -35,7 +43,7 @@ def export_source(problem, shape, config, record: dict | None = None, meta: dict
         + ("  (above 48 KB: set cudaFuncAttributeMaxDynamicSharedMemorySize first)" if geo.dynamic_smem > 48 * 1024 else ""),
         *problem.launch_notes(config, shape),
         f"NVRTC flags  {flags}",
-        f"build        nvcc -arch={arch} -c THIS_FILE.cu",
+        f"build        {build_command(arch)} -c THIS_FILE.cu",
     ]
     status = result.get("status")
     if status not in (None, "ok"):  # exported with --force: say so where whoever builds it will look

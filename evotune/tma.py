@@ -3,13 +3,17 @@ cuTensorMapEncodeTiled through ctypes (CuPy does not wrap it).
 
 `tiled_map_args` is pure (what the map describes, checked on the CPU); `encode_tiled` calls
 the driver and needs libcuda, i.e. a GPU machine. A map holds the tensor's address, so it is
-made per input buffer, like the rest of a launch's arguments.
+made per input buffer, like the rest of a launch's arguments; `map_param` keeps the last few
+(address, args) -> map, since a caching allocator hands the same addresses back call after call.
+The kernels take the maps by value (`const __grid_constant__ CUtensorMap`), so a launch copies
+them into the kernel's parameter space: nothing is uploaded, and a CUDA graph records them.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .errors import EvotuneError
 
@@ -74,8 +78,8 @@ def _driver():
 def encode_tiled(address: int, args: TiledMapArgs) -> bytes:
     """The 128-byte CUtensorMap of `args` over the tensor at device `address`."""
     lib = _driver()
-    out = (ctypes.c_uint8 * (TENSOR_MAP_BYTES + 64))()  # room to align the map to 64 B
-    base = (ctypes.addressof(out) + 63) & ~63
+    out = (ctypes.c_uint8 * (TENSOR_MAP_BYTES + 128))()  # room to align the map to 128 B (CUDA 13's CUtensorMap)
+    base = (ctypes.addressof(out) + 127) & ~127
     dims = (ctypes.c_uint64 * 4)(*args.dims)
     strides = (ctypes.c_uint64 * 3)(*args.strides)
     box = (ctypes.c_uint32 * 4)(*args.box)
@@ -86,3 +90,20 @@ def encode_tiled(address: int, args: TiledMapArgs) -> bytes:
     if rc != 0:
         raise EvotuneError(f"TMA: cuTensorMapEncodeTiled failed with CUresult {rc} for {args}")
     return ctypes.string_at(base, TENSOR_MAP_BYTES)
+
+
+def param(blob: bytes):
+    """A 128-byte map as a CuPy kernel argument passed by value: a one-element numpy array of a 128-byte
+    void dtype (CuPy hands a size-one numpy array's data to cuLaunchKernel, which copies as many bytes as
+    the cubin's parameter takes: 128 for a CUtensorMap). Read-only: it views `blob`."""
+    import numpy as np
+
+    if len(blob) != TENSOR_MAP_BYTES:
+        raise EvotuneError(f"TMA: a tensor map is {TENSOR_MAP_BYTES} bytes, got {len(blob)}")
+    return np.frombuffer(blob, dtype=np.dtype((np.void, TENSOR_MAP_BYTES)))
+
+
+@lru_cache(maxsize=256)
+def map_param(address: int, args: TiledMapArgs):
+    """`param(encode_tiled(address, args))`, remembered: a map depends on nothing else."""
+    return param(encode_tiled(address, args))

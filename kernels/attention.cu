@@ -36,6 +36,17 @@
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+// CUtensorMap: the Hopper variant's TMA descriptors arrive by value as __grid_constant__ kernel
+// parameters. NVRTC cannot include <cuda.h> (it pulls in host headers), so there the same opaque
+// type is declared as CUDA 13's cuda.h declares it (16 qwords, 128-byte aligned).
+#if defined(__CUDACC_RTC__)
+typedef struct CUtensorMap_st {
+    alignas(128) unsigned long long opaque[16];
+} CUtensorMap;
+#else
+#include <cuda.h>
+#endif
+static_assert(sizeof(CUtensorMap) == 128 && alignof(CUtensorMap) >= 64, "CUtensorMap is 128 bytes, 64-byte aligned or more");
 
 namespace evotune {
 

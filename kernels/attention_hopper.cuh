@@ -289,12 +289,12 @@ struct Barriers {
 
 // Issue the TMA loads of K (WHICH = 0) or V (1) tile `t` into slot `slot` (one thread).
 template <class T, int WHICH>
-__device__ __forceinline__ void load_kv(const char* tmaps, u32 sKV, Barriers* bars, int slot, int t, int head, int batch) {
+__device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barriers* bars, int slot, int t, int head, int batch) {
     const u32 bar = smem_addr(WHICH == 0 ? &bars->k_full[slot] : &bars->v_full[slot]);
     mbar_expect_tx(bar, T::kKVBytes);
 #pragma unroll
     for (int r = 0; r < T::kRegions; ++r)
-        tma_load_4d(sKV + slot * T::kKVBytes + r * (T::kBlockN * 128), tmaps + 128 * (1 + WHICH), bar, 64 * r,
+        tma_load_4d(sKV + slot * T::kKVBytes + r * (T::kBlockN * 128), map, bar, 64 * r,
                     t * T::kBlockN, head, batch);
 }
 
@@ -303,24 +303,28 @@ __device__ __forceinline__ void load_kv(const char* tmaps, u32 sKV, Barriers* ba
 // loop (K after S, V after the next tile's S), so they are refilled separately: waiting
 // for both before loading K would deadlock a one-stage pipeline.
 template <class T>
-__device__ __forceinline__ void refill(const char* tmaps, u32 sK, u32 sV, Barriers* bars, int t, int head, int batch) {
+__device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorMap* v_map, u32 sK, u32 sV, Barriers* bars,
+                                       int t, int head, int batch) {
     const int slot = t % T::kStages;
     const u32 parity = (t / T::kStages) & 1;
     mbar_wait(smem_addr(&bars->k_empty[slot]), parity);
-    load_kv<T, 0>(tmaps, sK, bars, slot, t + T::kStages, head, batch);
+    load_kv<T, 0>(k_map, sK, bars, slot, t + T::kStages, head, batch);
     mbar_wait(smem_addr(&bars->v_empty[slot]), parity);
-    load_kv<T, 1>(tmaps, sV, bars, slot, t + T::kStages, head, batch);
+    load_kv<T, 1>(v_map, sV, bars, slot, t + T::kStages, head, batch);
 }
 
-// tmaps: three 128-byte CUtensorMaps (Q, K, V) in global memory, each over the 4-D view
-// (head_dim, seq, head, batch) with boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows.
+// q_map, k_map, v_map: the CUtensorMaps of Q, K and V, each over the 4-D view (head_dim, seq, head,
+// batch) with boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows. They point at the entry
+// point's __grid_constant__ parameters (kernel parameter space, as FlashAttention-3 and CUTLASS pass
+// them): a launch carries them by value, so nothing is uploaded per call and a CUDA graph records them.
 //
 // Consumer loop, per warpgroup (FlashAttention-3's intra-warpgroup pipelining): iteration t
 // issues S(t) = Q K(t)^T and then O += P(t-1) V(t-1), waits for S(t) only, runs the softmax
 // of tile t while P V runs on the tensor cores, then waits for P V, rescales O and packs
 // P(t). K(t)'s slot is released as soon as S(t) is done, V(t-1)'s after P V.
 template <class T>
-__device__ __forceinline__ void attention_fwd_wgmma(const char* __restrict__ tmaps, unsigned short* __restrict__ o,
+__device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, const CUtensorMap* k_map,
+                                                    const CUtensorMap* v_map, unsigned short* __restrict__ o,
                                                     long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k,
                                                     float scale_log2) {
     // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
@@ -352,19 +356,19 @@ __device__ __forceinline__ void attention_fwd_wgmma(const char* __restrict__ tma
             mbar_init(smem_addr(&bars.v_empty[s]), T::kConsumerThreads / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        tma_prefetch_map(tmaps);
-        tma_prefetch_map(tmaps + 128);
-        tma_prefetch_map(tmaps + 256);
+        tma_prefetch_map(q_map);
+        tma_prefetch_map(k_map);
+        tma_prefetch_map(v_map);
     }
     __syncthreads();
     if (tid == loader) {
         const u32 qb = smem_addr(&bars.q_full);
         mbar_expect_tx(qb, T::kQBytes);
 #pragma unroll
-        for (int r = 0; r < T::kRegions; ++r) tma_load_4d(sQ + r * (T::kBlockM * 128), tmaps, qb, 64 * r, q_row0, head, batch);
+        for (int r = 0; r < T::kRegions; ++r) tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, q_row0, head, batch);
         for (int t = 0; t < min(n_tiles, T::kStages); ++t) {
-            load_kv<T, 0>(tmaps, sK, &bars, t, t, head, batch);
-            load_kv<T, 1>(tmaps, sV, &bars, t, t, head, batch);
+            load_kv<T, 0>(k_map, sK, &bars, t, t, head, batch);
+            load_kv<T, 1>(v_map, sV, &bars, t, t, head, batch);
         }
     }
     __syncwarp();  // the warp reconverges before the .aligned instructions below
@@ -373,7 +377,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const char* __restrict__ tma
         if (tid >= T::kConsumerThreads) {
             if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
             if (tid == loader)
-                for (int t = 0; t + T::kStages < n_tiles; ++t) refill<T>(tmaps, sK, sV, &bars, t, head, batch);
+                for (int t = 0; t + T::kStages < n_tiles; ++t) refill<T>(k_map, v_map, sK, sV, &bars, t, head, batch);
             return;
         }
         if constexpr (T::kSetMaxNReg) setmaxnreg_inc<T::kConsumerRegs>();
@@ -447,7 +451,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const char* __restrict__ tma
         fence_a_regs(p);
         if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[prev]));
         if constexpr (!T::kHasProducer) {
-            if (tid == loader && t - 1 + T::kStages < n_tiles) refill<T>(tmaps, sK, sV, &bars, t - 1, head, batch);
+            if (tid == loader && t - 1 + T::kStages < n_tiles) refill<T>(k_map, v_map, sK, sV, &bars, t - 1, head, batch);
             __syncwarp();
         }
         rescale_and_pack<T>(o_acc, s_acc, alpha, p);

@@ -45,7 +45,7 @@ def test_header_without_record(attention, space, mission):
     assert any(line.startswith("// signature    evotune_attention(") for line in lines)
     assert "// grid         (8, 8, 1)   block (128, 1, 1)   dynamic shared memory 40960 B" in lines
     assert "// NVRTC flags  --gpu-architecture=sm_90a -std=c++17 --ptxas-options=-v -lineinfo" in lines
-    assert "// build        nvcc -arch=sm_90a -c THIS_FILE.cu" in lines
+    assert "// build        nvcc -gencode arch=compute_90a,code=sm_90a -c THIS_FILE.cu" in lines
     assert not any(line.startswith(("// measured", "// device", "// resources", "// error")) for line in lines)
     assert "-I" not in "\n".join(lines)  # no install paths of this machine
     assert text.endswith(instantiate(attention, cfg, mission).code)
@@ -79,7 +79,8 @@ def test_write_export_creates_folders(tmp_path):
 
 
 def test_export_compiles_with_nvcc_alone(attention, space, mission, tmp_path):
-    """The exported file compiles with `nvcc -arch=sm_90a -c` in a folder holding nothing else."""
+    """The exported file compiles with its header's build line (nvcc -gencode ... sm_90a -c) in a folder holding
+    nothing else."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not on PATH")
@@ -87,7 +88,7 @@ def test_export_compiles_with_nvcc_alone(attention, space, mission, tmp_path):
     src = write_export(work / "attention_mission.cu",
                        export_source(attention, mission, space.default_config(), RECORD, META))
     assert [p.name for p in work.iterdir()] == ["attention_mission.cu"]
-    proc = subprocess.run([nvcc, "-arch=sm_90a", "-c", src.name, "-o", "attention_mission.o"], cwd=work,
+    proc = subprocess.run([nvcc, "-gencode", "arch=compute_90a,code=sm_90a", "-c", src.name, "-o", "attention_mission.o"], cwd=work,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     obj = (work / "attention_mission.o").read_bytes()

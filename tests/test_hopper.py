@@ -171,6 +171,102 @@ def test_export_of_a_wgmma_config_says_how_to_launch_it(attention, space):
 
     text = export_source(attention, parse_shape("llama-4k"), space.config(WINNER))
     header = [line for line in text.splitlines() if line.startswith("// ")][:12]
-    assert any("signature    evotune_attention(const char* tmaps" in line for line in header)
+    assert any("signature    evotune_attention(const __grid_constant__ CUtensorMap q_map, k_map, v_map" in line
+               for line in header)
+    assert any("passed by value" in line for line in header)
     assert any(line.startswith("// tensor maps  cuTensorMapEncodeTiled, rank 4") and "64 x 128 (Q)" in line for line in header)
     assert "evotune::hopper::attention_fwd_wgmma<EvotuneTraits>" in text
+
+
+def _kparams(cuobjdump: str, cubin_path: str) -> dict[int, tuple[int, int]]:
+    """ordinal -> (offset, size) of the entry's kernel parameters, from `cuobjdump -elf` (EIATTR_KPARAM_INFO)."""
+    import re
+    import subprocess
+
+    text = subprocess.run([cuobjdump, "-elf", cubin_path], capture_output=True, text=True, check=True).stdout
+    return {int(o, 16): (int(off, 16), int(size, 16)) for o, off, size in
+            re.findall(r"Ordinal\s*:\s*(0x[0-9a-f]+)\s+Offset\s*:\s*(0x[0-9a-f]+)\s+Size\s*:\s*(0x[0-9a-f]+)", text)}
+
+
+def test_tensor_maps_are_by_value_kernel_parameters(attention, space, cuobjdump):
+    """The wgmma entry takes Q, K, V's CUtensorMaps by value: its first three parameters are 128 bytes each on
+    128-byte aligned offsets, then o's pointer, three int64 strides, two ints and a float; the SASS reads no
+    descriptor from global memory (UTMALDG and prefetch take the parameter-space maps)."""
+    from evotune.sass import disassemble, summary
+
+    for shape_text, cfg in (SPREAD[0], SPREAD[-1]):
+        *_, compiled = _compile(attention, space, shape_text, cfg)
+        params = _kparams(cuobjdump, compiled.cubin_path)
+        assert [params[i][1] for i in range(10)] == [128, 128, 128, 8, 8, 8, 8, 4, 4, 4], params
+        offsets = [params[i][0] for i in range(3)]
+        assert offsets[1] - offsets[0] == offsets[2] - offsets[1] == 128 and params[3][0] == offsets[2] + 128
+        info = summary(disassemble(compiled.cubin_path))
+        assert info["classes"]["UTMALDG"] > 0 and info["local_memory"] == 0
+
+
+def test_tensor_map_param_is_a_128_byte_record():
+    """tma.param makes a one-element numpy array of 128 bytes (what CuPy passes by value), viewing the map's bytes."""
+    import numpy as np
+
+    from evotune.tma import param
+
+    blob = bytes(range(128))
+    arg = param(blob)
+    assert isinstance(arg, np.ndarray) and arg.size == 1 and arg.itemsize == 128 and arg.tobytes() == blob
+    with pytest.raises(EvotuneError, match="128 bytes"):
+        param(blob[:64])
+
+
+def test_wgmma_export_compiles_with_nvcc_alone(attention, space, tmp_path):
+    """An exported Hopper config (CUtensorMap parameters from <cuda.h>) compiles with its header's build line alone
+    (nvcc 13's plain -arch=sm_90a would also emit compute_90 PTX, where wgmma does not exist)."""
+    import shutil
+    import subprocess
+
+    from evotune.export import export_source, write_export
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    src = write_export(tmp_path / "hopper.cu", export_source(attention, parse_shape("llama-4k"), space.config(WINNER)))
+    text = src.read_text()
+    assert "// build        nvcc -gencode arch=compute_90a,code=sm_90a -c THIS_FILE.cu" in text
+    proc = subprocess.run([nvcc, "-gencode", "arch=compute_90a,code=sm_90a", "-c", src.name, "-o", "hopper.o"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert b"evotune_attention" in (tmp_path / "hopper.o").read_bytes()
+
+
+def test_launch_plan_and_wgmma_args_are_memoised(attention, space, monkeypatch):
+    """A launch's tensor-independent part (grid, block, shared memory) is worked out once per (config, shape), and
+    a wgmma launch passes Q, K, V's maps as three 128-byte by-value records, each encoded once per (address, layout)."""
+    import numpy as np
+
+    import evotune.compile
+    import evotune.tma as tma
+
+    shape = parse_shape("1,2,197,300,64:causal:bshd")
+    config = space.config(SPREAD[-1][1])
+    plan = attention.launch_plan(config, shape)
+    assert plan is attention.launch_plan(space.config(SPREAD[-1][1]), shape)
+    geo = attention.geometry(config, shape)
+    assert (plan.grid, plan.block, plan.dynamic_smem) == (tuple(geo.grid), tuple(geo.block), geo.dynamic_smem)
+
+    encoded = []
+    monkeypatch.setattr(tma, "encode_tiled", lambda address, args: encoded.append((address, args)) or bytes(128))
+    tma.map_param.cache_clear()
+    launched = []
+    monkeypatch.setattr(evotune.compile, "torch_stream_launcher",
+                        lambda kernel, grid, block, args, smem, keep=(): launched.append((grid, block, args, smem)))
+    inputs = attention.make_inputs(shape, 0, device="cpu")  # (B, S, H, D) memory: CPU tensors, never launched
+    out = attention.new_output(inputs)
+    for _ in range(3):
+        attention.launcher(None, config, shape, inputs, out)
+    assert len(encoded) == 3 and [a for _, a in encoded] == list(attention.tensor_map_args(
+        config, shape, {n: tuple(inputs[n].stride()) for n in "qkv"}).values())
+    grid, block, args, smem = launched[-1]
+    assert (grid, block, smem) == (plan.grid, plan.block, plan.dynamic_smem) and len(args) == 10
+    assert all(isinstance(a, np.ndarray) and a.size == 1 and a.itemsize == 128 for a in args[:3])
+    assert int(args[3]) == out.data_ptr() and [int(a) for a in args[4:7]] == list(out.stride()[:3])
+    assert (int(args[7]), int(args[8])) == (197, 300) and isinstance(args[9], np.float32)
+    tma.map_param.cache_clear()

@@ -109,10 +109,11 @@ def test_split_kv_matches_reference(gpu):
     assert_close(run_tuned(q, k, v, True), q, k, v, shape)
 
 
-@pytest.mark.parametrize("variant", ["sync", "split"])
-def test_graph_capture_and_replay(gpu, variant):
-    """After warmup(), the op captures into a CUDA graph, and replays follow new inputs copied into the captured ones."""
-    shape = Shape(2, 4, 256, 384, 64, "bf16", True)
+@pytest.mark.parametrize("variant,layout", [("sync", "bhsd"), ("split", "bhsd"), ("wgmma", "bhsd"), ("wgmma", "bshd")])
+def test_graph_capture_and_replay(gpu, variant, layout):
+    """After warmup(), the op captures into a CUDA graph (the Hopper variant too: its tensor maps are kernel
+    parameters), and replays follow new inputs copied into the captured ones."""
+    shape = Shape(2, 4, 256, 384, 64, "bf16", True, layout)
     use_variant(gpu, variant, [shape])
     rows = et.warmup()  # one row per visible device
     assert [(r["device"], r["status"]) for r in rows] == [(i, "loaded") for i in range(torch.cuda.device_count())]
@@ -129,8 +130,8 @@ def test_graph_capture_and_replay(gpu, variant):
         assert_close(out, q, k, v, shape)
 
 
-def test_capture_refuses_what_it_cannot_record(gpu):
-    """Capturing a kernel not loaded yet, or the Hopper variant (host-side TMA upload), is one clear UsageError."""
+def test_capture_refuses_a_kernel_not_loaded(gpu):
+    """Capturing a kernel not loaded yet is one clear UsageError; after warmup() the same call captures."""
     from evotune.torch.kernels import CACHE
 
     shape = Shape(1, 4, 256, 256, 64, "fp16", False)
@@ -143,9 +144,30 @@ def test_capture_refuses_what_it_cannot_record(gpu):
             et.attention(q, k, v)
     et.warmup()
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(UsageError, match="TMA descriptors"):
-        with torch.cuda.graph(graph):
-            et.attention(q, k, v)
+    with torch.cuda.graph(graph):
+        out = et.attention(q, k, v, fallback="error")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, q, k, v, shape)
+
+
+def test_wgmma_eager_calls_reuse_plan_and_maps(gpu):
+    """Repeated eager calls of the Hopper variant on the same buffers reuse the launch plan and the encoded
+    tensor maps (no per-call encode or upload), and stay correct when the buffers change."""
+    from evotune.problems.attention import _launch_plan
+    from evotune.tma import map_param
+
+    shape = Shape(1, 8, 512, 512, 64, "fp16", False)
+    use_variant(gpu, "wgmma", [shape])
+    q, k, v = make_qkv(shape)
+    run_tuned(q, k, v, False)
+    plans, maps = _launch_plan.cache_info(), map_param.cache_info()
+    for _ in range(3):
+        out = run_tuned(q, k, v, False)
+    assert _launch_plan.cache_info().misses == plans.misses and map_param.cache_info().misses == maps.misses
+    assert_close(out, q, k, v, shape)
+    q2, k2, v2 = make_qkv(shape, seed=5)
+    assert_close(run_tuned(q2, k2, v2, False), q2, k2, v2, shape)
 
 
 def test_side_stream(gpu):

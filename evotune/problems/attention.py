@@ -7,6 +7,8 @@ geometry. GPU side (torch + CuPy): inputs, the launch, the fp32 reference, and S
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import lru_cache
 
 from ..errors import UsageError
 from ..shapes import PRESETS, Shape, parse_shape
@@ -88,6 +90,9 @@ class AttentionProblem(Problem):
     perturbed = "key"
     baseline_kind = "SDPA"
     rate_unit = "TFLOP/s"
+    # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
+    # another; head_dim, dtype, the mask and the layout must match (warm start).
+    size_fields = frozenset({"batch", "heads", "seq_q", "seq_k"})
 
     # ------------------------------------------------------------ shapes
     def parse_shape(self, text: str) -> Shape:
@@ -167,13 +172,16 @@ class AttentionProblem(Problem):
     {targs}>;
 
 // Launch: grid (ceil(seq_q / kBlockM), heads, batch), block (EvotuneTraits::kThreads), dynamic shared
-// memory EvotuneTraits::kSmemBytes. tmaps: three 128-byte CUtensorMaps (Q, K, V; 4-D: head_dim, seq,
-// head, batch; 128-byte swizzle; boxes of 64 columns x kBlockM or BLOCK_N rows) in device memory.
+// memory EvotuneTraits::kSmemBytes. q_map, k_map, v_map: the CUtensorMaps of Q, K, V by value (4-D:
+// head_dim, seq, head, batch; 128-byte swizzle; boxes of 64 columns x kBlockM or BLOCK_N rows), kernel
+// parameters, so a launch uploads nothing and a CUDA graph records them with the launch.
 // o: fp16/bf16 bit patterns; strides in elements (b = batch, h = head, s = sequence).
 extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
-{self.entry_name}(const char* __restrict__ tmaps, unsigned short* __restrict__ o,
+{self.entry_name}(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                  const __grid_constant__ CUtensorMap v_map, unsigned short* __restrict__ o,
                   long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2) {{
-    evotune::hopper::attention_fwd_wgmma<EvotuneTraits>(tmaps, o, o_sb, o_sh, o_ss, seq_q, seq_k, scale_log2);
+    evotune::hopper::attention_fwd_wgmma<EvotuneTraits>(&q_map, &k_map, &v_map, o, o_sb, o_sh, o_ss, seq_q, seq_k,
+                                                        scale_log2);
 }}
 """
         return f"""using EvotuneTraits = evotune::AttnTraits<
@@ -225,8 +233,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def signature(self, config=None) -> str:
         if config is not None and is_wgmma(config):
-            return ("evotune_attention(const char* tmaps  /* CUtensorMap Q, K, V: 3 x 128 B in device memory */, "
-                    "unsigned short* o, int64 o_sb, o_sh, o_ss, int seq_q, int seq_k, float scale_log2)")
+            return ("evotune_attention(const __grid_constant__ CUtensorMap q_map, k_map, v_map  /* by value: 3 x 128 B "
+                    "kernel parameters */, unsigned short* o, int64 o_sb, o_sh, o_ss, int seq_q, int seq_k, "
+                    "float scale_log2)")
         return ("evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, "
                 "int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, "
                 "int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count)"
@@ -237,7 +246,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         if is_wgmma(config):
             block_m = wgmma_block_m(config)
             return [f"tensor maps  cuTensorMapEncodeTiled, rank 4 (head_dim, seq, head, batch), strides in bytes, "
-                    f"SWIZZLE_128B, OOB fill zero; boxes 64 x {block_m} (Q), 64 x {int(knob(config, 'block_n'))} (K, V)"]
+                    f"SWIZZLE_128B, OOB fill zero; boxes 64 x {block_m} (Q), 64 x {int(knob(config, 'block_n'))} (K, V)",
+                    "             passed by value (CUtensorMap arguments of <<<>>>, or pointers to them in "
+                    "cuLaunchKernel's kernelParams); nothing to copy to the device"]
         n_o, n_lse, n_count = self.workspace_elems(config, shape)
         if not n_count:
             return ["workspace    none (kv_splits = 1): pass null for ws_o, ws_lse, ws_count"]
@@ -327,57 +338,65 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
         return torch.empty_like(inputs["q"])  # keeps the (B,H,S,D) or (B,S,H,D) strides
 
+    def launch_plan(self, config, shape: Shape) -> "LaunchPlan":
+        """What a launch of `config` on `shape` needs besides the tensors (grid, block, shared memory, the
+        variant, the workspace sizes), worked out once per (config, shape): the op launches the same key
+        call after call, and each call then only packs pointers and strides."""
+        return _launch_plan(self, config, shape)
+
     def launcher(self, kernel, config, shape: Shape, inputs: dict, out):
         """A zero-argument callable that launches the kernel on torch's current stream."""
         import numpy as np
-        import torch
 
         from ..compile import torch_stream_launcher
 
-        geo = self.geometry(config, shape)
-        for name, t in (("q", inputs["q"]), ("k", inputs["k"]), ("v", inputs["v"]), ("o", out)):
+        plan = self.launch_plan(config, shape)
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
             if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
                 raise UsageError(f"attention: {name} must have unit head-dim stride and 16-byte aligned rows")
         scale_log2 = np.float32(inputs["scale"] * math.log2(math.e))
-        if is_wgmma(config):
-            maps = self.tensor_maps(config, shape, inputs)  # kept alive by the launcher
-            args = (np.uint64(maps.data_ptr()), np.uint64(out.data_ptr()), np.int64(out.stride(0)), np.int64(out.stride(1)),
-                    np.int64(out.stride(2)), np.int32(shape.seq_q), np.int32(shape.seq_k), scale_log2)
-            return torch_stream_launcher(kernel, geo.grid, geo.block, args, geo.dynamic_smem, keep=(maps,))
-        args = [np.uint64(t.data_ptr()) for t in (inputs["q"], inputs["k"], inputs["v"], out)]
-        for t in (inputs["q"], inputs["k"], inputs["v"], out):
-            args += [np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))]
-        args += [np.int32(shape.seq_q), np.int32(shape.seq_k), scale_log2]
-        n_o, n_lse, n_count = self.workspace_elems(config, shape)
-        # Counters start at zero and the kernel re-zeroes them.
-        workspace = (torch.empty(n_o, dtype=torch.float32, device=out.device),
-                     torch.empty(n_lse, dtype=torch.float32, device=out.device),
-                     torch.zeros(n_count, dtype=torch.int32, device=out.device)) if n_count else ()
-        args += [np.uint64(t.data_ptr()) for t in workspace] if workspace else [np.uint64(0)] * 3
+        o_strides = out.stride()
+        tail = (np.int64(o_strides[0]), np.int64(o_strides[1]), np.int64(o_strides[2]), plan.seq_q, plan.seq_k,
+                scale_log2)
+        if plan.wgmma:
+            # The maps go by value into the kernel's parameters (__grid_constant__): nothing to upload or keep.
+            args = self.tensor_maps(config, shape, inputs) + (np.uint64(out.data_ptr()),) + tail
+            return torch_stream_launcher(kernel, plan.grid, plan.block, args, plan.dynamic_smem)
+        args = [np.uint64(t.data_ptr()) for t in (q, k, v, out)]
+        for t in (q, k, v):
+            st = t.stride()
+            args += [np.int64(st[0]), np.int64(st[1]), np.int64(st[2])]
+        args += tail
+        workspace = ()
+        if plan.workspace[2]:
+            import torch
+
+            n_o, n_lse, n_count = plan.workspace
+            # Per launch, not per plan: two streams may run the same config at once. Counters start at
+            # zero and the kernel re-zeroes them.
+            workspace = (torch.empty(n_o, dtype=torch.float32, device=out.device),
+                         torch.empty(n_lse, dtype=torch.float32, device=out.device),
+                         torch.zeros(n_count, dtype=torch.int32, device=out.device))
+            args += [np.uint64(t.data_ptr()) for t in workspace]
+        else:
+            args += [np.uint64(0)] * 3
         # The workspace is kept alive by the launcher (its first default argument).
-        return torch_stream_launcher(kernel, geo.grid, geo.block, tuple(args), geo.dynamic_smem, keep=workspace)
+        return torch_stream_launcher(kernel, plan.grid, plan.block, tuple(args), plan.dynamic_smem, keep=workspace)
 
     def tensor_map_args(self, config, shape: Shape, strides: dict) -> dict:
         """name -> TiledMapArgs of the Q, K and V maps a wgmma launch needs; `strides` maps each name
         to its tensor's (B, H, S, D) element strides. Pure: checked on the CPU."""
-        from ..tma import tiled_map_args
+        return dict(zip(("q", "k", "v"), _map_args(config, shape, strides["q"], strides["k"], strides["v"])))
 
-        block_m, block_n = wgmma_block_m(config), int(knob(config, "block_n"))
-        return {name: tiled_map_args(shape.dtype, (shape.batch, shape.heads, seq, shape.head_dim), strides[name], rows)
-                for name, seq, rows in (("q", shape.seq_q, block_m), ("k", shape.seq_k, block_n),
-                                        ("v", shape.seq_k, block_n))}
+    def tensor_maps(self, config, shape: Shape, inputs: dict) -> tuple:
+        """The Q, K, V tensor maps as the kernel's by-value arguments (tma.param: 128-byte numpy records),
+        each encoded once per (address, layout) and remembered (tma.map_param)."""
+        from ..tma import map_param
 
-    def tensor_maps(self, config, shape: Shape, inputs: dict):
-        """The Q, K, V tensor maps, 3 x 128 bytes, in a device buffer (the kernel's `tmaps`)."""
-        import torch
-
-        from ..tma import encode_tiled
-
-        strides = {n: tuple(inputs[n].stride()) for n in ("q", "k", "v")}
-        args = self.tensor_map_args(config, shape, strides)
-        blob = b"".join(encode_tiled(inputs[n].data_ptr(), args[n]) for n in ("q", "k", "v"))
-        host = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        return host.to(inputs["q"].device)
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        args = _map_args(config, shape, tuple(q.stride()), tuple(k.stride()), tuple(v.stride()))
+        return tuple(map_param(t.data_ptr(), a) for t, a in zip((q, k, v), args))
 
     def reference(self, shape: Shape, inputs: dict):
         """softmax(scale·QKᵀ + mask)·V in fp32 (no TF32), one (batch, head-chunk) at a time to bound memory."""
@@ -427,6 +446,39 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                 return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, scale=inputs["scale"])
 
         return self.probed(run, probe)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The tensor-independent part of a launch (AttentionProblem.launch_plan)."""
+
+    wgmma: bool
+    grid: tuple
+    block: tuple
+    dynamic_smem: int
+    seq_q: object         # np.int32, ready to pass
+    seq_k: object
+    workspace: tuple      # (ws_o floats, ws_lse floats, ws_count ints); zeros without a K/V split
+
+
+@lru_cache(maxsize=1024)
+def _launch_plan(problem, config, shape: Shape) -> LaunchPlan:
+    import numpy as np
+
+    geo = problem.geometry(config, shape)
+    return LaunchPlan(is_wgmma(config), tuple(geo.grid), tuple(geo.block), int(geo.dynamic_smem),
+                      np.int32(shape.seq_q), np.int32(shape.seq_k), problem.workspace_elems(config, shape))
+
+
+@lru_cache(maxsize=1024)
+def _map_args(config, shape: Shape, q_strides: tuple, k_strides: tuple, v_strides: tuple) -> tuple:
+    """(Q, K, V) TiledMapArgs of a wgmma launch on tensors with these (B, H, S, D) element strides."""
+    from ..tma import tiled_map_args
+
+    block_m, block_n = wgmma_block_m(config), int(knob(config, "block_n"))
+    return tuple(tiled_map_args(shape.dtype, (shape.batch, shape.heads, seq, shape.head_dim), strides, rows)
+                 for strides, seq, rows in ((q_strides, shape.seq_q, block_m), (k_strides, shape.seq_k, block_n),
+                                            (v_strides, shape.seq_k, block_n)))
 
 
 PROBLEM = AttentionProblem()

@@ -126,16 +126,4 @@ def launch(loaded: LoadedKernel, shape, q, k, v, out, scale: float) -> None:
         PROBLEM.launcher(loaded.kernel, loaded.config, shape, inputs, out)()
 
 
-def capture_fault(config) -> str | None:
-    """Why launching `config` cannot be recorded in a CUDA graph, or None. The Hopper variant's launcher
-    uploads its TMA descriptors from pageable host memory on every call, a synchronising copy that
-    stream capture forbids."""
-    from ..problems.attention import is_wgmma
-
-    if is_wgmma(config):
-        return ("its config is the Hopper (wgmma) variant, whose launcher uploads TMA descriptors from pageable "
-                "host memory at each launch, which CUDA graph capture forbids; run it outside the graph")
-    return None
-
-
 CACHE = KernelCache()

@@ -20,7 +20,7 @@ from ..errors import UsageError
 from ..shapes import Shape
 from . import record, routing
 from .call import Call, check_args, misaligned, new_output
-from .kernels import CACHE, capture_fault, launch
+from .kernels import CACHE, launch
 
 
 @torch.library.custom_op("evotune::attention", mutates_args=())
@@ -64,14 +64,11 @@ def _launch_here(decision, q, k, v, scale):
     """Launch on the current device, the tensors' (compiling and loading on first use, never in a capture)."""
     config, index = decision.config, decision.call.device_index
     loaded = CACHE.loaded(config, decision.shape, index)
-    if torch.cuda.is_current_stream_capturing():
-        if loaded is None:
-            why = "its kernel is not loaded yet: call evotune.torch.warmup() (or the op once) before capture"
-        else:
-            why = capture_fault(config)
-        if why:
-            raise UsageError(f"evotune.torch.attention: cannot capture {decision.key.spec()} in a CUDA graph: {why}")
     if loaded is None:
+        if torch.cuda.is_current_stream_capturing():
+            # Both variants capture (the Hopper one's tensor maps are kernel parameters); loading does not.
+            raise UsageError(f"evotune.torch.attention: cannot capture {decision.key.spec()} in a CUDA graph: its "
+                             f"kernel is not loaded yet: call evotune.torch.warmup() (or the op once) before capture")
         loaded = CACHE.get(config, decision.shape, index, decision.entry.provenance["source_digest"])
     out = new_output(q, v)
     launch(loaded, decision.shape, q, k, v, out, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
