@@ -14,13 +14,14 @@ from contextlib import nullcontext as _nullcontext
 from typing import Optional
 
 import typer
-from rich.console import Console, Group
-from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from .errors import EvotuneError, NoGPUError, UsageError
 from .outputs import check_output_path, write_output
+from .cli_display import SearchDisplay as _SearchDisplay
+from .cli_display import cfg_short as _cfg_short
 from .search import SAMPLERS as _SAMPLERS  # the one list --sampler takes (importing it does not import Optuna)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -98,42 +99,6 @@ def _require_gpu(command: str) -> None:
     if _gpu_count() < 1:
         raise NoGPUError(f"no CUDA GPU is visible: `evotune {command}` needs one "
                          f"(`evotune check` compiles and reports resources without a GPU)")
-
-
-def _cfg_short(cfg: dict) -> str:
-    abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
-              "smem_layout": "", "q_in_regs": "qreg", "kv_splits": "kv",
-              "threads_per_row": "tpr", "rows_per_cta": "rows", "strategy": "", "unroll": "u"}
-    parts = []
-    for k, v in cfg.items():
-        if k == "q_in_regs":
-            parts.append("qreg" if v else "qsmem")
-        else:
-            parts.append(f"{abbrev.get(k, k)}{v}")
-    return " ".join(parts)
-
-
-def _best_table(best: Optional[dict], recent: list[dict]) -> Table:
-    table = Table(title="best so far" if best else "no passing candidate yet", expand=False)
-    for col in ("trial", "status", "time us", "max abs err", "regs", "config"):
-        table.add_column(col)
-    rows = ([best] if best else []) + [r for r in recent[-6:] if not best or r["number"] != best["number"]]
-    for i, r in enumerate(rows):
-        res = r["result"]
-        t = f"{res['time_us']:.2f}" if res.get("time_us") else "-"
-        e = f"{res['max_abs']:.2e}" if res.get("max_abs") is not None and res.get("max_abs") != float("inf") else "-"
-        regs = str((res.get("resources") or {}).get("registers", "-"))
-        status = res["status"] + (" (best)" if i == 0 and best else "") + (" dup" if r.get("duplicate_of") is not None else "")
-        table.add_row(str(r["number"]), status, t, e, regs, _cfg_short(r["config"]))
-    return table
-
-
-def _trial_line(record: dict, agent: str = "") -> str:
-    """One trial as a line (where no live table is drawn)."""
-    res = record["result"]
-    t = f"{res['time_us']:.2f} us" if res.get("time_us") else res["message"][:80]
-    who = f" {agent}" if agent else ""
-    return f"trial {record['number']:4d}{who} {res['status']:<13} {t:<14} {_cfg_short(record['config'])}"
 
 
 _FOLD_MIN = 24  # narrowest a folded description stays readable
@@ -285,6 +250,7 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
     process shows their progress from the run's records and passes Ctrl-C on."""
     from .agents import Agents, specs_for
     from .runs import best_record, new_run
+    from .search import status_counts
     from .workers import GPUWorker
 
     if rn is None:
@@ -296,7 +262,7 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
     before = tail.read()
     best = best_record(before)
     display = _SearchDisplay(f"{rn.run_id} ({len(devices)} agents)", options.trials,
-                             sum(1 for r in before if r.get("counted")), json_out)
+                             sum(1 for r in before if r.get("counted")), json_out, err_console)
     live = display.live
 
     def show(records: list[dict]) -> None:
@@ -333,12 +299,11 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
     if len(failures) == len(devices):
         raise EvotuneError(f"every agent failed; agent {next(iter(failures))}: {next(iter(failures.values()))}")
     records = rn.trials()
-    statuses: dict[str, int] = {}
-    for r in records:
-        if r.get("duplicate_of") is None:
-            statuses[r["result"]["status"]] = statuses.get(r["result"]["status"], 0) + 1
+    with GPUWorker(device=devices[0], timeout_s=timeout) as worker:
+        beside = _beside(rn, problem, shp, worker.call, json_out)
     return {"run_id": rn.run_id, "evaluated": sum(1 for r in records if r.get("counted")), "proposals": len(records),
-            "statuses": statuses, "seconds": time.time() - started, "best": best_record(records), "_run": rn,
+            "statuses": status_counts(records), "seconds": time.time() - started, "best": best_record(records),
+            "_run": rn, "baselines": beside,
             "agents": {label: (status if status != "done" else {k: payload[k] for k in ("measured", "proposals")})
                        for label, (status, payload) in agents.outcomes.items()}}
 
@@ -378,8 +343,8 @@ def search(
                                             help="Proposals compiled ahead of the GPU (default: 2 x compile workers; 0: serial)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Search the space on the GPU; record every trial, the Pareto front and the best in runs/<run>."""
-    from .runs import base_meta, check_storage_url, remote_meta, resumed_family, run_to_continue, storage_meta
+    """Search the space on the GPU; record every trial, the Pareto front and the best in runs/<run>, then the best beside SDPA."""
+    from .runs import check_storage_url, remote_meta, resumed_family, run_to_continue
     from .search import SAMPLERS, SearchOptions
 
     if sampler not in SAMPLERS:
@@ -396,10 +361,7 @@ def search(
                             compile_workers=compile_workers, lookahead=lookahead, mutation_prob=mutation_prob,
                             crossover_prob=crossover_prob, steer=steer, warm_start=warm)
 
-    def new_meta(info: dict) -> dict:
-        return {**base_meta(), "family": problem.family, "shape": shp.as_dict(), "shape_spec": shp.spec,
-                "space": _repo_relative(spc.path), "options": options.__dict__, "device": info,
-                **storage_meta(storage, devices), **warm_meta}
+    new_meta = _meta_for(problem, shp, spc, options, storage, devices, warm_meta)
 
     def resume_hint(rn) -> str:
         return _resume_hint(rn, shape or shp.spec, trials, gpus, storage)
@@ -412,6 +374,28 @@ def search(
     summary, rn = _search_one(rn, new_meta, run, devices[0], storage, options, problem, shp, spc, timeout, json_out,
                               resume_hint)
     _search_report(summary, rn, json_out)
+
+
+def _meta_for(problem, shp, spc, options, storage, devices, warm_meta: dict):
+    """new_meta(device info) -> the meta.json of a new search run."""
+    from .runs import base_meta, storage_meta
+
+    def new_meta(info: dict) -> dict:
+        return {**base_meta(), "family": problem.family, "shape": shp.as_dict(), "shape_spec": shp.spec,
+                "space": _repo_relative(spc.path), "options": options.__dict__, "device": info,
+                **storage_meta(storage, devices), **warm_meta}
+
+    return new_meta
+
+
+def _beside(rn, problem, shp, call, json_out: bool) -> dict:
+    """The run's best timed again beside the family's baselines (search.measure_beside_best), said in one line."""
+    from .search import measure_beside_best
+
+    note = measure_beside_best(rn, problem, shp, call)
+    if not json_out:
+        err_console.print(f"baselines: {note['status']}: {note['message']}", highlight=False, soft_wrap=True)
+    return note
 
 
 def _search_one(rn, new_meta, run_name, device, storage, options, problem, shp, spc, timeout, json_out,
@@ -427,37 +411,16 @@ def _search_one(rn, new_meta, run_name, device, storage, options, problem, shp, 
         if rn is None:
             rn = new_run(run_name, new_meta(info), storage)
         evaluate = worker_evaluator(worker, problem, shp)
-        display = _SearchDisplay(rn.run_id, options.trials, sum(1 for r in rn.trials() if r.get("counted")), json_out)
+        display = _SearchDisplay(rn.run_id, options.trials, sum(1 for r in rn.trials() if r.get("counted")),
+                                 json_out, err_console)
         try:
             with display.live if display.live is not None else _nullcontext():
                 summary = run_search(problem, spc, shp, rn, evaluate, options, on_trial=display.show,
                                      should_stop=lambda: False, agent=agent_label(device))
         except KeyboardInterrupt:
             _stopped(rn, resume_hint)
+        summary["baselines"] = _beside(rn, problem, shp, worker.call, json_out)
     return summary, rn
-
-
-class _SearchDisplay:
-    """A search's progress on stderr: on a terminal, a live bar with ETA over the best-so-far table;
-    elsewhere a line per trial (none with --json)."""
-
-    def __init__(self, label: str, total: int, completed: int, json_out: bool):
-        self.json_out = json_out
-        self.recent: list[dict] = []
-        self.progress = Progress(TextColumn("[bold]search[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TimeRemainingColumn(), console=err_console)
-        self.task = self.progress.add_task(label, total=total, completed=completed)
-        self.live = (Live(Group(self.progress), console=err_console, refresh_per_second=4)
-                     if err_console.is_terminal and not json_out else None)
-
-    def show(self, record: dict, best: Optional[dict], agent: str = "") -> None:
-        self.recent.append(record)
-        if record.get("counted"):
-            self.progress.advance(self.task)
-        if self.live is not None:
-            self.live.update(Group(self.progress, _best_table(best, self.recent)))
-        elif not self.json_out:
-            err_console.print(_trial_line(record, agent), markup=False, highlight=False)
 
 
 def _search_report(summary: dict, rn, json_out: bool) -> None:
@@ -825,7 +788,7 @@ def export(
     force: bool = typer.Option(False, "--force", help="Export a trial that did not pass the gate (pruned, "
                                "failed to compile, wrong): its header says so."),
 ):
-    """Write a standalone .cu with the config baked in (builds with `nvcc -arch=sm_90a -c`)."""
+    """Write a standalone .cu with the config baked in (builds with `nvcc -gencode arch=compute_90a,code=sm_90a -c`)."""
     from .export import export_source, write_export
     from .runs import Run
     from .space import Config
@@ -904,6 +867,8 @@ def main() -> None:
                           highlight=False, markup=False, soft_wrap=True)
         sys.exit(1)
 
+
+from . import cli_table as _cli_table  # noqa: E402,F401  registers `table build|show` and `tune` on app
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ recorded strictly in ask order, so the records are what a serial search would wr
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import deque
@@ -190,14 +191,7 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
     # Trials left RUNNING by a killed process (this one's earlier self, or a dead agent) are lost work:
     # close them as failed. Other live agents' trials stay open.
     view.start(study)
-    if options.warm_start:
-        with run.lock():
-            if not study.get_trials(deepcopy=False) and not view.records:
-                # A fresh study (never on resume): earlier runs' best are its first proposals, in order.
-                from .warmstart import admitted as warm_admitted
-
-                for config in warm_admitted(space, context, options.warm_start)[0]:
-                    study.enqueue_trial(config.as_dict())
+    _enqueue_warm_start(study, view, run, space, context, options.warm_start)
 
     dists = distributions(space)
     asked = recorded = abandoned = measured = 0
@@ -349,36 +343,62 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
             if on_trial is not None:
                 on_trial(record, best)
     finally:
-        try:
-            for item in list(queue) + waiting:
-                if not item.told:
-                    try:
-                        study.tell(item.trial, state=TrialState.FAIL)
-                        abandoned += 1
-                    except Exception:  # best effort: the next run_search closes what is left RUNNING
-                        pass
-        finally:
-            try:
-                view.close()
-            finally:
-                if pool is not None:
-                    pool.shutdown(wait=True, cancel_futures=True)
-                engine = getattr(storage, "engine", None)
-                if engine is not None:
-                    engine.dispose()  # closes SQLite's connections: the last one folds the WAL into study.db
+        abandoned += _close_out(study, list(queue) + waiting, view, pool, storage)
 
     if view.from_others:
         # Other agents wrote records too: the last word on the front and the best is the whole log's.
         run.update_summary()
     records = run.trials()
-    best = best_record(records)
+    return {"run_id": run.run_id, "evaluated": view.evaluated, "measured": measured, "proposals": recorded,
+            "abandoned": abandoned, "statuses": status_counts(records), "seconds": time.time() - started,
+            "best": best_record(records), "agent": view.me.label}
+
+
+def _enqueue_warm_start(study, view, run: Run, space, context, warm_start: tuple) -> None:
+    """On a fresh study (never on resume), earlier runs' best configs become its first proposals, in order."""
+    if not warm_start:
+        return
+    with run.lock():
+        if not study.get_trials(deepcopy=False) and not view.records:
+            from .warmstart import admitted as warm_admitted
+
+            for config in warm_admitted(space, context, warm_start)[0]:
+                study.enqueue_trial(config.as_dict())
+
+
+def _close_out(study, unrecorded: list[_Pending], view, pool, storage) -> int:
+    """On every way out of the loop: tell the trials asked but not recorded FAIL (returns how many), close
+    this agent's view of the shared study, shut the compile pool down and close the storage's connections."""
+    from optuna.trial import TrialState
+
+    abandoned = 0
+    try:
+        for item in unrecorded:
+            if not item.told:
+                try:
+                    study.tell(item.trial, state=TrialState.FAIL)
+                    abandoned += 1
+                except Exception:  # best effort: the next run_search closes what is left RUNNING
+                    pass
+    finally:
+        try:
+            view.close()
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+            engine = getattr(storage, "engine", None)
+            if engine is not None:
+                engine.dispose()  # closes SQLite's connections: the last one folds the WAL into study.db
+    return abandoned
+
+
+def status_counts(records: list[dict]) -> dict[str, int]:
+    """How many distinct configs (first records) ended in each status."""
     counts: dict[str, int] = {}
     for r in records:
         if r.get("duplicate_of") is None:
             counts[r["result"]["status"]] = counts.get(r["result"]["status"], 0) + 1
-    return {"run_id": run.run_id, "evaluated": view.evaluated, "measured": measured, "proposals": recorded,
-            "abandoned": abandoned, "statuses": counts, "seconds": time.time() - started, "best": best,
-            "agent": view.me.label}
+    return counts
 
 
 def _finished(study, number: int) -> bool:
@@ -447,3 +467,91 @@ def worker_evaluator(worker, problem, shape, seeds=(1, 2, 3), reps: int = 40) ->
                                 "seeds": list(seeds), "reps": reps})
 
     return evaluate
+
+
+# --------------------------------------------------------------------------- the baselines beside the best, once per run
+
+BESIDE_KIND = "evotune-run-baselines"
+BESIDE_VERSION = 1
+BESIDE_REPS = 100        # as `evotune bench`: the route decision rests on these two medians
+BESIDE_TIMEOUT_S = 900.0  # every baseline's gate and timing, then the kernel's, in one job
+
+
+def measure_beside_best(run: Run, problem, shape, call: Callable[..., dict], reps: int = BESIDE_REPS,
+                        seeds=(1, 2, 3), compiler: Callable[[Config, KernelSource], object] | None = None) -> dict:
+    """Time the family's baselines (evaluate.measure_baselines) and then the run's best config again, in one
+    GPU worker process on the same inputs, and write runs/<run>/baselines.json (tuning_table reads it).
+
+    Done when a search ends, not when it starts: only then is there a best config to time beside the baselines, and
+    one measurement of the final best is what the table's route needs. Once per best: where baselines.json
+    already holds this best trial (a resumed run that found nothing better, or another agent of the run),
+    nothing is measured again; a resume that found a better config replaces the file.
+    `call(job, timeout_s=...)` is a GPUWorker's call. Returns {"status": "measured" | "kept" | "skipped" |
+    "failed", "message", "path"}; a failed measurement never fails the search (the table says "unverified")."""
+    from .tuning_table import BASELINES_FILE
+    from .workers import WorkerError, compiled_to_dict
+
+    path = run.path / BASELINES_FILE
+    best = best_record(run.trials())
+    if best is None:
+        return {"status": "skipped", "message": "no trial passed the gate: no config to time beside the baselines",
+                "path": None}
+    known = _recorded_beside(run)
+    if known is not None and _same_best(known.get("best") or {}, best):
+        return {"status": "kept", "message": f"{path} already times trial {best['number']} beside the baselines",
+                "path": str(path)}
+    config = Config.from_dict(best["config"])
+    source = instantiate(problem, config, shape)
+    try:
+        compiled = compiler(config, source) if compiler else compile_source(source.code, source.entry)
+        payload = call({"kind": "beside", "family": problem.family, "shape": shape.as_dict(),
+                        "config": config.as_dict(), "compiled": compiled_to_dict(compiled), "reps": reps,
+                        "seeds": list(seeds)}, timeout_s=BESIDE_TIMEOUT_S)
+    except (CompileError, WorkerError) as e:
+        return {"status": "failed", "message": f"baselines beside trial {best['number']} not measured: {e}", "path": None}
+    record = beside_record(run, best, source.digest, payload, reps, seeds)
+    run.write_json(BASELINES_FILE, record)
+    return {"status": "measured", "message": beside_summary(record), "path": str(path)}
+
+
+def _recorded_beside(run: Run) -> dict | None:
+    """The run's baselines.json where it is one this function wrote (None where absent or foreign)."""
+    from .tuning_table import BASELINES_FILE
+
+    try:
+        obj = json.loads((run.path / BASELINES_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) and obj.get("kind") == BESIDE_KIND else None
+
+
+def _same_best(recorded: dict, best: dict) -> bool:
+    return recorded.get("number") == best["number"] and recorded.get("digest") == best.get("digest")
+
+
+def beside_record(run: Run, best: dict, source_digest: str, payload: dict, reps: int, seeds) -> dict:
+    """What baselines.json holds: the baselines' rows, the best config's re-timed result, and what was measured how."""
+    import datetime as dt
+
+    from .runs import base_meta
+
+    return {"version": BESIDE_VERSION, "kind": BESIDE_KIND, "run": run.run_id,
+            "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": payload.get("device"), "versions": base_meta().get("versions"), "reps": reps,
+            "seeds": list(seeds),
+            "best": {"number": best["number"], "digest": best.get("digest"), "config": best["config"],
+                     "source_digest": source_digest, "recorded_time_us": best["result"].get("time_us")},
+            "evotune": payload["evotune"], "baselines": payload["baselines"]}
+
+
+def beside_summary(record: dict) -> str:
+    """One line: the re-timed best against the fastest baseline that passed the gate."""
+    ours = record["evotune"]
+    rows = [(name, row["time_us"]) for name, row in record["baselines"].items()
+            if row.get("available") and (row.get("verification") or {}).get("passed")]
+    mine = (f"trial {record['best']['number']} {ours['time_us']:.2f} us" if ours.get("status") == R.OK
+            else f"trial {record['best']['number']} {ours.get('status')} on re-timing")
+    if not rows:
+        return f"{mine}; no baseline passed the gate"
+    name, t = min(rows, key=lambda r: r[1])
+    return f"{mine} beside {name} {t:.2f} us (fastest baseline that passed the gate)"

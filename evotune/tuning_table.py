@@ -546,10 +546,25 @@ def _timing(run, meta: dict, best: dict, benches: list[dict], digest_now: str) -
     trial = {"evotune_us": float(best["result"]["time_us"]), "digest": str(best.get("source_digest") or "unknown")}
     path = run.path / BASELINES_FILE
     if path.is_file():
-        rows = [{"name": name, **row} for name, row in _read_json(path, "baselines").items() if isinstance(row, dict)]
+        trial, found = _run_baselines(_read_json(path, "baselines"), best, trial)
+        rows = [{"name": name, **row} for name, row in found.items() if isinstance(row, dict)]
         rows = [{**r, "passed": (r.get("verification") or {}).get("passed")} for r in rows]
         return {**trial, "sdpa": _fastest(rows), "evidence": {"kind": "run", "file": str(path)}}
     return {**trial, "sdpa": None, "evidence": {"kind": "none", "file": None}}
+
+
+def _run_baselines(obj: dict, best: dict, trial: dict) -> tuple[dict, dict]:
+    """(evotune's time and digest, {backend: row}) from a run's baselines.json: the record
+    search.measure_beside_best writes (where it re-timed this best trial beside the baselines in one
+    process and the kernel passed again, that time is evotune's), or a bare {backend: row} map."""
+    if obj.get("kind") != "evotune-run-baselines":
+        return trial, obj
+    ours, timed = obj.get("evotune") or {}, obj.get("best") or {}
+    if (timed.get("number") == best["number"] and ours.get("status") == "ok"
+            and isinstance(ours.get("time_us"), (int, float)) and isinstance(timed.get("source_digest"), str)):
+        trial = {"evotune_us": float(ours["time_us"]), "digest": timed["source_digest"]}
+    found = obj.get("baselines")
+    return trial, found if isinstance(found, dict) else {}
 
 
 def _fastest(rows: list[dict]) -> dict | None:
@@ -621,6 +636,112 @@ def _matching_bench(run_id: str, meta: dict, best: dict, benches: list[dict], di
     return (current or found)[-1]
 
 
+# --------------------------------------------------------------------------- the CLI's workflow (table build, tune)
+
+SHAPES_KIND = "evotune-attention-shapes"  # what evotune.torch.record_shapes() saves
+SHAPES_VERSION = 1
+
+
+def family_runs(root: Path | None = None) -> list[Path]:
+    """Every run folder of the attention family under the runs dir (or `root`), oldest name first."""
+    from .runs import runs_dir
+
+    root = root or runs_dir()
+    found = []
+    for meta in sorted(root.glob("*/meta.json")) if root.is_dir() else ():
+        try:
+            family = json.loads(meta.read_text(encoding="utf-8")).get("family")
+        except (OSError, ValueError, AttributeError):
+            continue  # a damaged run: `evotune runs` says what is wrong with it
+        if family == FAMILY:
+            found.append(meta.parent)
+    return found
+
+
+def update_table(run_paths, path, bench_paths=()) -> tuple[Table, list[BuildNote], Path]:
+    """Build the table at `path` from runs on top of what it holds (a new file where none is), and save it."""
+    path = Path(path)
+    existing = load_table(path) if path.exists() else None
+    table, notes = build_table(run_paths, existing, bench_paths)
+    return table, notes, save_table(table, path)
+
+
+def note_line(note: BuildNote, table: Table) -> str:
+    """One line per build note: what happened to the run and, for an entry, its route and why."""
+    if note.action == "skipped":
+        return f"skipped {note.run}: {note.reason}"
+    if note.action == "dropped":
+        return f"dropped {note.run}: {note.reason}"
+    entry = next((e for e in table.entries if e.key.spec() == note.key), None)
+    route = entry.route if entry is not None else "?"
+    return f"{note.action} {note.key} from run {note.run}: route {route}: {note.reason}"
+
+
+def read_shapes_file(path) -> list[str]:
+    """The `--shape` spellings a `record_shapes()` file holds (rows the kernel has no shape for are left out);
+    UsageError naming the file where it is not such a file or holds none."""
+    obj = _read_json(path, "shapes")
+    if obj.get("kind") != SHAPES_KIND:
+        raise UsageError(f"{path}: not a shapes record (kind {json.dumps(obj.get('kind'))}, expected "
+                         f"{SHAPES_KIND!r}, as evotune.torch.record_shapes() saves)")
+    if obj.get("version") != SHAPES_VERSION:
+        raise UsageError(f"{path}: shapes record version {json.dumps(obj.get('version'))} is not supported "
+                         f"(this evotune reads version {SHAPES_VERSION})")
+    rows = obj.get("shapes")
+    if not isinstance(rows, list):
+        raise UsageError(f"{path}: shapes: expected a list, got {_kind(rows)}")
+    specs = []
+    for i, row in enumerate(rows):
+        spec = row.get("shape") if isinstance(row, dict) else None
+        if not isinstance(row, dict) or not (spec is None or isinstance(spec, str)):
+            raise UsageError(f"{path}: shapes[{i}]: expected an object whose shape is a string or null")
+        if spec:
+            specs.append(spec)
+    if not specs:
+        raise UsageError(f"{path}: records no shape evotune's kernel can run ({len(rows)} calls recorded, "
+                         f"none with a --shape spelling): nothing to tune")
+    return list(dict.fromkeys(specs))
+
+
+def tune_plan(specs) -> tuple[list, list[str]]:
+    """(the shapes to search, one per distinct key, in the order given; a note per shape left out because
+    an earlier one has its key). The GPU part of the key is the machine's, the same for all."""
+    from .shapes import parse_shape
+
+    chosen: dict[TableKey, object] = {}
+    notes = []
+    for spec in specs:
+        shape = parse_shape(spec)
+        key = TableKey.for_shape(shape, "", "")
+        if key in chosen:
+            notes.append(f"{shape.spec} has the key of {chosen[key].spec}: tuned once, as {chosen[key].spec}")
+        else:
+            chosen[key] = shape
+    if not chosen:
+        raise UsageError("nothing to tune: give --shape SPEC (repeatable) or --shapes FILE")
+    return list(chosen.values()), notes
+
+
+def tune_keys(shapes, search_one, progress=None) -> list[dict]:
+    """Search each shape with `search_one(shape) -> run id`, saying `progress(i, n, shape)` first. A key whose
+    search fails (an EvotuneError other than no GPU) is reported and the next key goes on; returns one
+    {"shape", "run", "error"} per shape."""
+    from .errors import EvotuneError, NoGPUError
+
+    outcomes = []
+    for i, shape in enumerate(shapes, 1):
+        if progress is not None:
+            progress(i, len(shapes), shape)
+        try:
+            outcomes.append({"shape": shape.spec, "run": search_one(shape), "error": None})
+        except NoGPUError:
+            raise
+        except EvotuneError as e:
+            outcomes.append({"shape": shape.spec, "run": None, "error": str(e)})
+    return outcomes
+
+
 __all__ = ["TABLE_VERSION", "MAX_BUCKET_DISTANCE", "TableKey", "Entry", "Table", "Selection", "BuildNote",
            "seq_bucket", "default_table_path", "parse_table", "load_table", "save_table", "select", "candidates",
-           "unusable_reason", "build_table", "clear_caches"]
+           "unusable_reason", "build_table", "clear_caches", "family_runs", "update_table", "note_line",
+           "read_shapes_file", "tune_plan", "tune_keys"]

@@ -101,6 +101,8 @@ def _handle(job: dict) -> dict:
         from .evaluate import measure_baselines
 
         return measure_baselines(problem, shape, names=job.get("names"), reps=job.get("reps", 40))
+    if kind == "beside":
+        return _beside_job(problem, shape, job)
     if kind == "bench":
         from .bench import bench_candidate
 
@@ -109,6 +111,20 @@ def _handle(job: dict) -> dict:
                               baselines=job.get("names"))
         return {**raw, "device": {**device_info(), **gpu_clocks()}}
     raise ValueError(f"unknown job kind {kind!r}")
+
+
+def _beside_job(problem, shape, job: dict) -> dict:
+    """search.measure_beside_best: the family's baselines, then the given (best) config gated and timed
+    again, in this one process on the same inputs, so that the two medians compare."""
+    from .evaluate import evaluate_compiled, measure_baselines
+    from .space import Config
+
+    seeds = tuple(job.get("seeds") or (1, 2, 3))
+    reps = job.get("reps", 100)
+    base = measure_baselines(problem, shape, names=job.get("names"), seeds=seeds, reps=reps)
+    res = evaluate_compiled(problem, shape, Config.from_dict(job["config"]), _compiled_from_dict(job["compiled"]),
+                            seeds=seeds, reps=reps)
+    return {"baselines": base, "evotune": res.as_dict(), "device": {**device_info(), **gpu_clocks()}}
 
 
 # The deep check's timed-output check needs a timing, not a precise one: a few replays.

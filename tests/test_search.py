@@ -553,3 +553,101 @@ def test_summary_written_once_per_distinct_config(attention, tiny, mission, monk
     assert len(calls) == len(firsts) and all(calls)
     assert json.loads((run.path / "best.json").read_text()) == json.loads(json.dumps(best_record(records)))
     assert json.loads((run.path / "pareto.json").read_text()) == json.loads(json.dumps(pareto_front(records)))
+
+
+# ------------------------------------------------------------------ SDPA beside the best, once per run
+
+
+class FakeBeside:
+    """Stands in for GPUWorker.call on a "beside" job: baselines first, then the kernel re-timed at `ours` us."""
+
+    def __init__(self, ours: float = 9.0, fail: bool = False):
+        self.ours, self.fail = ours, fail
+        self.jobs: list[dict] = []
+
+    def __call__(self, job: dict, timeout_s=None) -> dict:
+        from evotune.workers import WorkerError
+
+        self.jobs.append({**job, "timeout_s": timeout_s})
+        if self.fail:
+            raise WorkerError(R.TIMEOUT, "no answer within 900 s (hang?); worker killed")
+        row = lambda t, ok: {"available": True, "time_us": t, "verification": {"passed": ok}}  # noqa: E731
+        return {"baselines": {"flash": row(12.0, True), "cudnn": row(5.0, False),
+                              "math": {"available": False, "reason": "not timed"}},
+                "evotune": Result(status=R.OK, time_us=self.ours, max_abs=1e-4).as_dict(),
+                "device": {"name": "NVIDIA H100 80GB HBM3", "sm": "9.0"}}
+
+
+def beside_run(name: str, shape, space) -> Run:
+    return Run.create(name, {"family": "attention", "shape": shape.as_dict(), "shape_spec": shape.spec,
+                             "space": str(space.path), "device": {"name": "NVIDIA H100 80GB HBM3", "sm": "9.0"}})
+
+
+def test_best_is_timed_beside_sdpa_once_per_best(attention, tiny, mission):
+    """The run's best is re-timed in the worker job that times the baselines; baselines.json records it; a
+    second call for the same best measures nothing; a resume that finds a better config replaces the file."""
+    from evotune.tuning_table import build_table
+
+    run = beside_run("beside", mission, tiny)
+    ev = FakeEvaluator(tiny, attention.context(mission))
+    search(attention, tiny, mission, run, ev, trials=1, sampler="exhaustive")
+    first_best = run.best()
+    call = FakeBeside()
+    note = S.measure_beside_best(run, attention, mission, call, reps=7)
+    assert note["status"] == "measured" and "beside flash 12.00 us" in note["message"], note
+    (job,) = call.jobs
+    assert job["kind"] == "beside" and job["config"] == first_best["config"] and job["reps"] == 7
+    assert job["shape"] == mission.as_dict() and Path(job["compiled"]["cubin_path"]).is_file()
+    rec = json.loads((run.path / "baselines.json").read_text())
+    assert rec["kind"] == "evotune-run-baselines" and rec["run"] == "beside" and rec["reps"] == 7
+    assert rec["best"]["number"] == first_best["number"] and rec["evotune"]["time_us"] == 9.0
+    assert rec["device"]["name"] == "NVIDIA H100 80GB HBM3" and rec["versions"]["evotune"]
+    assert set(rec["baselines"]) == {"flash", "cudnn", "math"}
+
+    assert S.measure_beside_best(run, attention, mission, call)["status"] == "kept" and len(call.jobs) == 1
+
+    resumed = Run.open("beside")
+    search(attention, tiny, mission, resumed, ev, trials=2, sampler="exhaustive")
+    assert resumed.best()["number"] != first_best["number"]  # block_n 64 is faster in fake_time
+    assert S.measure_beside_best(resumed, attention, mission, call)["status"] == "measured"
+    assert len(call.jobs) == 2 and call.jobs[1]["config"] == resumed.best()["config"]
+    assert json.loads((run.path / "baselines.json").read_text())["best"]["number"] == resumed.best()["number"]
+
+    (entry,) = build_table(["beside"])[0].entries
+    # The table compares the same-process re-time (9.0 us), not the trial's own, with the fastest passing backend.
+    assert entry.evotune_us == 9.0 and entry.sdpa == {"backend": "flash", "time_us": 12.0}
+    assert entry.route == "evotune" and entry.evidence["kind"] == "run"
+
+
+def test_beside_skips_without_best_and_survives_worker_failure(attention, tiny, mission):
+    run = beside_run("nobest", mission, tiny)
+    ev = FakeEvaluator(tiny, attention.context(mission), status_for=lambda i, c: R.WRONG)
+    search(attention, tiny, mission, run, ev, trials=2, sampler="exhaustive")
+    call = FakeBeside()
+    assert S.measure_beside_best(run, attention, mission, call)["status"] == "skipped" and not call.jobs
+
+    run = beside_run("hangs", mission, tiny)
+    search(attention, tiny, mission, run, FakeEvaluator(tiny, attention.context(mission)), trials=1,
+           sampler="exhaustive")
+    note = S.measure_beside_best(run, attention, mission, FakeBeside(fail=True))
+    assert note["status"] == "failed" and "worker killed" in note["message"]
+    assert not (run.path / "baselines.json").exists()
+
+
+def test_worker_times_kernel_after_baselines_in_one_job(monkeypatch, mission):
+    """The worker's "beside" job: measure_baselines, then evaluate_compiled of the given config, same process."""
+    from evotune import evaluate, workers
+
+    order = []
+    monkeypatch.setattr(evaluate, "measure_baselines",
+                        lambda problem, shape, names=None, seeds=(), reps=0: order.append(("base", reps)) or {"x": 1})
+    monkeypatch.setattr(evaluate, "evaluate_compiled", lambda problem, shape, config, compiled, seeds=(), reps=0:
+                        order.append(("kernel", reps, config.as_dict())) or Result(status=R.OK, time_us=3.0))
+    monkeypatch.setattr(workers, "_compiled_from_dict", lambda d: d)
+    monkeypatch.setattr(workers, "device_info", lambda: {"name": "fake"})
+    monkeypatch.setattr(workers, "gpu_clocks", lambda: {"clocks": None})
+    cfg = {"block_m": 64}
+    out = workers._handle({"kind": "beside", "family": "attention", "shape": mission.as_dict(), "config": cfg,
+                           "compiled": {}, "reps": 11})
+    assert order == [("base", 11), ("kernel", 11, cfg)]
+    assert out["baselines"] == {"x": 1} and out["evotune"]["time_us"] == 3.0 and out["device"]["name"] == "fake"

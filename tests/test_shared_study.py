@@ -329,6 +329,8 @@ def test_cli_search_gpus_runs_one_agent_per_entry(space_path, mission, tmp_path,
             return None
 
         def call(self, job, timeout_s=None):
+            if job["kind"] == "beside":  # the run's closing baselines measurement: a stand-in has no GPU
+                raise workers_module.WorkerError("crashed", "CPU stand-in: no GPU to time the baselines on")
             assert job == {"kind": "info"}
             return {"name": "CPU stand-in", "device": self.device}
 

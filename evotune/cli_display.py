@@ -1,0 +1,73 @@
+"""Progress of a search on the console: the live bar and best-so-far table, or a line per trial.
+
+Part of the command line (typer + rich); cli.py and cli_table.py use it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def cfg_short(cfg: dict) -> str:
+    abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
+              "smem_layout": "", "q_in_regs": "qreg", "kv_splits": "kv",
+              "threads_per_row": "tpr", "rows_per_cta": "rows", "strategy": "", "unroll": "u"}
+    parts = []
+    for k, v in cfg.items():
+        if k == "q_in_regs":
+            parts.append("qreg" if v else "qsmem")
+        else:
+            parts.append(f"{abbrev.get(k, k)}{v}")
+    return " ".join(parts)
+
+
+def best_table(best: Optional[dict], recent: list[dict]) -> Table:
+    table = Table(title="best so far" if best else "no passing candidate yet", expand=False)
+    for col in ("trial", "status", "time us", "max abs err", "regs", "config"):
+        table.add_column(col)
+    rows = ([best] if best else []) + [r for r in recent[-6:] if not best or r["number"] != best["number"]]
+    for i, r in enumerate(rows):
+        res = r["result"]
+        t = f"{res['time_us']:.2f}" if res.get("time_us") else "-"
+        e = f"{res['max_abs']:.2e}" if res.get("max_abs") is not None and res.get("max_abs") != float("inf") else "-"
+        regs = str((res.get("resources") or {}).get("registers", "-"))
+        status = res["status"] + (" (best)" if i == 0 and best else "") + (" dup" if r.get("duplicate_of") is not None else "")
+        table.add_row(str(r["number"]), status, t, e, regs, cfg_short(r["config"]))
+    return table
+
+
+def trial_line(record: dict, agent: str = "") -> str:
+    """One trial as a line (where no live table is drawn)."""
+    res = record["result"]
+    t = f"{res['time_us']:.2f} us" if res.get("time_us") else res["message"][:80]
+    who = f" {agent}" if agent else ""
+    return f"trial {record['number']:4d}{who} {res['status']:<13} {t:<14} {cfg_short(record['config'])}"
+
+
+class SearchDisplay:
+    """A search's progress on stderr: on a terminal, a live bar with ETA over the best-so-far table;
+    elsewhere a line per trial (none with --json)."""
+
+    def __init__(self, label: str, total: int, completed: int, json_out: bool, console: Console):
+        self.console = console
+        self.json_out = json_out
+        self.recent: list[dict] = []
+        self.progress = Progress(TextColumn("[bold]search[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.console)
+        self.task = self.progress.add_task(label, total=total, completed=completed)
+        self.live = (Live(Group(self.progress), console=self.console, refresh_per_second=4)
+                     if self.console.is_terminal and not json_out else None)
+
+    def show(self, record: dict, best: Optional[dict], agent: str = "") -> None:
+        self.recent.append(record)
+        if record.get("counted"):
+            self.progress.advance(self.task)
+        if self.live is not None:
+            self.live.update(Group(self.progress, best_table(best, self.recent)))
+        elif not self.json_out:
+            self.console.print(trial_line(record, agent), markup=False, highlight=False)

@@ -1,0 +1,184 @@
+"""`evotune table build|show` and `evotune tune`: the command-line side of the tuning table
+(evotune/tuning_table.py holds the logic; evotune.torch.attention reads the table).
+
+Registered on cli.app when cli.py is imported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table as RichTable
+
+from . import cli
+from .errors import EvotuneError, UsageError
+
+table_app = typer.Typer(no_args_is_help=True, help="Build and show the tuning table that "
+                        "evotune.torch.attention reads (EVOTUNE_TABLE, else the default in evotune's cache).")
+cli.app.add_typer(table_app, name="table")
+
+_TABLE_HELP = "Tuning table file (default: $EVOTUNE_TABLE, else tuning-table.json in $EVOTUNE_CACHE or ~/.cache/evotune)."
+
+
+def _table_path(given: Optional[str]) -> Path:
+    """The table file to write: the one given (its folder must exist), else the default (its folder is made)."""
+    from .tuning_table import default_table_path
+
+    if given:
+        return Path(given)
+    path = default_table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _report_build(table, notes, path: Path, json_out: bool, extra: dict | None = None) -> None:
+    from .tuning_table import note_line
+
+    if json_out:
+        cli._emit_json({**(extra or {}), "path": str(path), "entries": len(table.entries),
+                        "notes": [{"run": n.run, "action": n.action, "key": n.key, "reason": n.reason} for n in notes]})
+        return
+    for note in notes:
+        cli.console.print(note_line(note, table), highlight=False, markup=False, soft_wrap=True)
+    cli.console.print(f"table: {len(table.entries)} entries written to {path}", highlight=False, soft_wrap=True)
+
+
+@table_app.command("build")
+def build(
+    runs: Optional[list[str]] = typer.Argument(None, help="Run names or folders (default: every attention run "
+                                               "under the runs dir)."),
+    out: Optional[str] = typer.Option(None, "-o", "--out", help=_TABLE_HELP + " Updated where it exists."),
+    bench: Optional[list[str]] = typer.Option(None, "--bench", help="`evotune bench --out` record of a run's best "
+                                              "config: its same-process SDPA times decide the route (repeatable)."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Build or update the tuning table from runs: one entry per key, routed to evotune only where it beat SDPA."""
+    from .tuning_table import family_runs, update_table
+
+    chosen = list(runs) if runs else family_runs()
+    if not chosen:
+        from .runs import runs_dir
+
+        raise UsageError(f"no attention run under {runs_dir()}: run `evotune search` or `evotune tune` first")
+    table, notes, path = update_table(chosen, _table_path(out), bench or ())
+    _report_build(table, notes, path, json_out)
+
+
+def _entry_row(e) -> list[str]:
+    sdpa = f"{e.sdpa['backend']} {e.sdpa['time_us']:.2f} us" if e.sdpa else "not measured"
+    return [e.key.spec(), e.route, f"{e.evotune_us:.2f}", sdpa, f"{e.provenance['run']}/{e.provenance['trial']}"]
+
+
+@table_app.command("show")
+def show(
+    file: Optional[str] = typer.Argument(None, help=_TABLE_HELP),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Print the table's entries: key, route, evotune's and the best SDPA backend's time, run/trial."""
+    from .tuning_table import default_table_path, load_table
+
+    path = Path(file) if file else default_table_path()
+    table = load_table(path)
+    if json_out:
+        cli._emit_json({"path": str(path), **table.as_dict()})
+        return
+    headers = ["key", "route", "evotune us", "best SDPA", "run/trial"]
+    rows = [_entry_row(e) for e in sorted(table.entries, key=lambda e: e.key)]
+    _print_rows(f"{path}: {len(rows)} entries", headers, rows)
+
+
+def _print_rows(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    """A table where it fits the console whole; else a block per row (the key on its own line). No cell is cut."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    if sum(widths) + 3 * len(widths) + 1 <= cli.console.width:
+        table = RichTable(title=title)
+        for h in headers:
+            table.add_column(h, no_wrap=True)
+        for r in rows:
+            table.add_row(*r)
+        cli.console.print(table)
+        return
+    cli.console.print(title, highlight=False, markup=False, soft_wrap=True)
+    for r in rows:
+        cli.console.print(r[0], highlight=False, markup=False, soft_wrap=True)
+        cli.console.print("    " + "; ".join(f"{h} {v}" for h, v in zip(headers[1:], r[1:])),
+                          highlight=False, markup=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------- tune
+def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool) -> str:
+    """One key's search: `evotune search --shape SPEC --trials N --warm-start auto` on GPU `gpu`, the best then
+    timed beside SDPA; returns the run id (EvotuneError where no candidate passed the gate)."""
+    from .search import SearchOptions
+
+    problem, shp, spc = cli._load(shape.spec, None, "attention")
+    warm, warm_meta = cli._warm_start("auto", False, None, problem, shp, spc, SearchOptions.population, json_out)
+    options = SearchOptions(trials=trials, warm_start=warm)
+    new_meta = cli._meta_for(problem, shp, spc, options, None, [gpu], warm_meta)
+    summary, rn = cli._search_one(None, new_meta, None, gpu, None, options, problem, shp, spc, timeout, json_out,
+                                  lambda rn: cli._resume_hint(rn, shp.spec, trials, None, None))
+    best = summary["best"]
+    if best is None:
+        raise EvotuneError(f"run {rn.run_id}: no candidate passed the correctness gate")
+    if not json_out:
+        cli.err_console.print(f"run {rn.run_id}: best trial {best['number']} {best['result']['time_us']:.2f} us",
+                              highlight=False, soft_wrap=True)
+    return rn.run_id
+
+
+def _tune_specs(shape: Optional[list[str]], shapes: Optional[str]) -> list[str]:
+    from .tuning_table import read_shapes_file
+
+    if shape and shapes:
+        raise UsageError("give --shape (repeatable) or --shapes FILE, not both")
+    if shapes:
+        return read_shapes_file(shapes)
+    if not shape:
+        raise UsageError("nothing to tune: give --shape SPEC (repeatable) or --shapes FILE "
+                         "(saved by evotune.torch.record_shapes())")
+    return list(shape)
+
+
+@cli.app.command()
+def tune(
+    shape: Optional[list[str]] = typer.Option(None, "--shape", help="Attention shape to tune (repeatable)."),
+    shapes: Optional[str] = typer.Option(None, "--shapes", help="Shapes file saved by evotune.torch.record_shapes()."),
+    trials: int = typer.Option(60, "--trials", min=1, help="Candidates to evaluate per key."),
+    table: Optional[str] = typer.Option(None, "--table", help=_TABLE_HELP + " Updated where it exists."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds a candidate may take on the GPU before it is killed."),
+    gpu: int = typer.Option(0, "--gpu", help="GPU index for the searches."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Search each distinct table key of the shapes (warm-started from earlier runs), then update the table."""
+    from .tuning_table import load_table, tune_keys, tune_plan, update_table
+
+    plan, merged = tune_plan(_tune_specs(shape, shapes))
+    path = _table_path(table)
+    if path.exists():
+        load_table(path)  # a damaged table fails now, not after the searches
+    elif not path.parent.is_dir():
+        raise UsageError(f"{path}: folder {path.parent} does not exist")
+    cli._require_gpu("tune")
+    if not json_out:
+        for note in merged:
+            cli.err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+
+    def progress(i: int, n: int, shp) -> None:
+        if not json_out:
+            cli.err_console.print(f"key {i}/{n}: {shp.spec} ...", highlight=False, soft_wrap=True)
+
+    outcomes = tune_keys(plan, lambda shp: _search_key(shp, trials, timeout, gpu, json_out), progress)
+    for o in outcomes:
+        if o["error"] and not json_out:
+            cli.err_console.print(f"key {o['shape']}: not tuned: {o['error']}", highlight=False, soft_wrap=True)
+    tuned = [o["run"] for o in outcomes if o["run"]]
+    if not tuned:
+        raise EvotuneError(f"no key was tuned ({len(outcomes)} searched); the table at {path} is unchanged")
+    built, notes, path = update_table(tuned, path)
+    _report_build(built, notes, path, json_out, {"keys": outcomes, "merged": merged})
+    failed = [o["shape"] for o in outcomes if o["error"]]
+    if failed:
+        raise EvotuneError(f"{len(failed)} of {len(outcomes)} keys not tuned ({', '.join(failed)}); the table "
+                           f"holds the others")
