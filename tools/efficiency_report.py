@@ -323,7 +323,20 @@ def write_markdown(path: Path, ex: Exhaustive, summary: dict, runs: list[dict], 
         lines += ["", f"![best so far vs share of the space]({png_name})", "",
                   "Median best-so-far per strategy (band: min to max over seeds) against the share of the space "
                   "evaluated; the lines mark the optimum and optimum + 3%."]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n" + _kept_blocks(path))
+
+
+def _kept_blocks(path: Path) -> str:
+    """Sections other tools generate into the same file (tools/kt_compare.py's, between its markers):
+    kept, so rerunning this report does not delete them."""
+    try:
+        old = path.read_text()
+    except OSError:
+        return ""
+    begin, end = old.find("<!-- kt_compare:begin"), old.find("<!-- kt_compare:end -->")
+    if begin < 0 or end < begin:
+        return ""
+    return "\n" + old[begin:end + len("<!-- kt_compare:end -->")] + "\n"
 
 
 def _cfg(c: dict) -> str:
