@@ -1,0 +1,160 @@
+"""evotune's attention op as a HuggingFace transformers attention implementation.
+
+    import evotune.torch.hf
+    evotune.torch.hf.register()                       # once; idempotent
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="evotune")
+
+register() adds "evotune" to transformers' AttentionInterface (the attention function) and to its
+AttentionMaskInterface (with transformers' sdpa mask builder, so an unpadded causal prefill reaches
+the adapter as attention_mask=None plus is_causal, exactly as sdpa sees it; an unregistered mask name
+would make transformers drop padding masks altogether).
+
+The adapter computes what evotune.torch.attention covers, SDPA's semantics with no mask tensor, no
+dropout, no softcap/position bias/paged cache/attention sinks, and a causal mask only where the query
+and key lengths agree, by calling evotune.torch.attention (which then routes each key to the tuned
+kernel or to SDPA by the tuning table, and says so). Grouped K/V heads go in un-repeated with
+enable_gqa=True. Every other call runs transformers' own sdpa_attention_forward and says why once per
+reason (EvotuneFallbackWarning) in eager code; while torch.compile traces, a warning would break the
+graph, so the reason is only counted (fallbacks()). stats() counts both paths.
+
+This module imports transformers; `import evotune` and `import evotune.torch` do not import it.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import Counter
+
+import torch
+
+from .op import attention
+from .routing import EvotuneFallbackWarning
+
+NAME = "evotune"
+
+_LOCK = threading.Lock()
+_WARNED: set[str] = set()
+_STATS: Counter = Counter()        # "evotune" / "sdpa": adapter calls per path (eager code only)
+_FALLBACKS: Counter = Counter()    # reason -> calls sent to transformers' sdpa (eager code only)
+_TRACED_FALLBACKS: dict = {}       # reason -> True, noted while torch.compile traced a fallback
+
+
+def register(name: str = NAME, *, assume_unpacked: bool = False, attention_function=None) -> str:
+    """Register `name` (default "evotune") with transformers' attention and mask interfaces; idempotent.
+    Returns the name to pass as attn_implementation.
+
+    While torch.compile traces or a CUDA graph captures, transformers cannot read position_ids to rule out
+    packed sequences, so its sdpa mask builder then materialises the causal mask and every call reaches the
+    adapter with a mask tensor (run by transformers' sdpa). assume_unpacked=True registers a mask builder
+    that returns no mask (is_causal instead) where no padding mask was given and the queries start at key 0
+    with as many keys as queries, without reading position_ids: right for causal LMs whose mask is plain
+    causal (Llama, GPT-2, ...) fed unpacked sequences, wrong for sequences packed through position_ids.
+    attention_function: register another function under `name` (e.g. transformers' sdpa_attention_forward,
+    to compare sdpa under the same mask policy); default the evotune adapter."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attention_function or attention_forward)
+    AttentionMaskInterface.register(name, unpacked_causal_mask if assume_unpacked else sdpa_mask)
+    return name
+
+
+def unpacked_causal_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                         attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
+    """transformers' sdpa_mask, but None (is_causal) for an unpadded prefill even while tracing (see register)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    plain = (attention_mask is None and local_size is None and isinstance(q_offset, int) and q_offset == 0
+             and isinstance(kv_offset, int) and kv_offset == 0 and isinstance(q_length, int) and q_length == kv_length
+             and not kwargs.get("allow_is_bidirectional_skip"))
+    if plain:
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                     mask_function=mask_function or causal_mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
+def stats() -> dict:
+    """Adapter calls made in eager code so far: {"evotune": n, "sdpa": n} (the op's own routing, kernel or
+    SDPA, is told by the op: evotune.torch.record_shapes / explain)."""
+    return dict(_STATS)
+
+
+def fallbacks() -> dict:
+    """Why calls went to transformers' sdpa: {reason: calls} from eager code, plus reasons met while tracing
+    under torch.compile (counted as 0 calls: the compiled graph's runs are not counted)."""
+    out = {reason: 0 for reason in _TRACED_FALLBACKS}
+    out.update(_FALLBACKS)
+    return out
+
+
+def reset_stats() -> None:
+    """Forget the counts and the reasons already told."""
+    with _LOCK:
+        _STATS.clear()
+        _FALLBACKS.clear()
+        _TRACED_FALLBACKS.clear()
+        _WARNED.clear()
+
+
+def uncovered_reason(module, query, key, value, attention_mask, dropout, is_causal, kwargs) -> str | None:
+    """Why this call is not one evotune.torch.attention computes with SDPA's semantics (None where it is)."""
+    if attention_mask is not None:
+        return ("an attention mask tensor (padding, packed sequences, sliding window or a custom mask); "
+                "the op takes is_causal only")
+    if dropout:
+        return f"attention dropout {dropout}; the op has no dropout"
+    if kwargs.get("softcap") is not None:
+        return "logit softcap"
+    if kwargs.get("position_bias") is not None:
+        return "an additive position bias"
+    if kwargs.get("cache") is not None:
+        return "a paged KV cache"
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        return "attention sinks"
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True"
+    if is_causal and query.shape[2] != key.shape[2]:
+        return (f"a causal mask with {query.shape[2]} queries over {key.shape[2]} keys (transformers' sdpa path "
+                f"crops the keys; the op's causal mask is top-left aligned)")
+    return None
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query (B, H, Sq, D), key/value (B, Hk, Sk, D); returns
+    ((B, Sq, H, D) contiguous, None), like sdpa_attention_forward."""
+    # The causal flag as sdpa_attention_forward derives it (a single query attends to every key).
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    why = uncovered_reason(module, query, key, value, attention_mask, dropout, causal, kwargs)
+    if why is not None:
+        _fallback(why)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if not torch.compiler.is_compiling():
+        with _LOCK:
+            _STATS["evotune"] += 1
+    gqa = query.shape[1] != key.shape[1]
+    out = attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=gqa)
+    # The op returns the query's layout: a projection's (B, S, H, D) memory seen as (B, H, S, D), so this
+    # transpose is already contiguous and .contiguous() copies nothing.
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _fallback(why: str) -> None:
+    if torch.compiler.is_compiling():
+        _TRACED_FALLBACKS[why] = True
+        return
+    with _LOCK:
+        _STATS["sdpa"] += 1
+        _FALLBACKS[why] += 1
+        if why in _WARNED:
+            return
+        _WARNED.add(why)
+    warnings.warn(f"evotune.torch.hf: this call runs transformers' sdpa attention, not evotune.torch.attention: "
+                  f"{why}", EvotuneFallbackWarning, stacklevel=3)

@@ -1,0 +1,593 @@
+"""evotune's attention inside real transformers causal LMs (random weights, no download), beside sdpa and eager.
+
+Builds a Llama-like model (hidden 4096, 32 query heads, 8 K/V heads, head dim 128, intermediate 14336,
+--llama-layers layers) and a GPT-2-like one (n_embd 768, 12 heads, 12 layers) from configs, seeded, fp16 on
+CUDA, in one process, and for each (model, BxS) in --sizes:
+
+  routing     what evotune.torch.attention routed each attention call to (record_shapes: the tuned kernel,
+              or SDPA and why) and the adapter's own fallbacks; the table says which kernel really ran
+  logits      attn_implementation="evotune" (and "eager") against "sdpa": max |diff| over the last
+              --check-tokens positions, relative to max |logits| of sdpa, checked against --tol
+  latency     prefill (forward, no grad, use_cache=False, logits of the last token only, as generate()'s
+              prefill) for each --impls in each --modes: eager (CUDA events around one forward, synchronised
+              per rep: end-to-end latency with the host cost), graph (the forward captured in a CUDA graph
+              with static inputs after warm-up, replayed; its output checked against eager) and compile
+              (torch.compile fullgraph=True, dynamic=False: a graph break is a failure); median of --reps
+  train       one training step (--train-size, loss.backward()) per model: loss and the largest per-tensor
+              max |grad diff| / max |grad| of evotune against sdpa
+
+eager attention is skipped where its score matrices would pass --eager-attn-max-gb (said so). Compile runs
+last and stops starting new measurements after --budget-s seconds (the rest is recorded as skipped). Writes
+JSON (--out) and markdown (--md), prints a short table last; exit status 1 where a correctness check failed.
+
+    python tools/model_bench.py --table TABLE.json --out model_bench.json --md model_bench.md
+    python tools/model_bench.py --device cpu --tiny     # a CPU smoke run: no performance claim
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_SIZES = "llama:1x512,llama:4x4096,llama:1x16384,gpt2:1x512,gpt2:16x1024"
+TINY_SIZES = "llama:1x16,llama:2x32,gpt2:1x16,gpt2:2x32"
+DEFAULT_COMPILE_SIZES = "gpt2:1x512,llama:1x512,gpt2:16x1024,llama:4x4096,llama:1x16384"
+IMPLS = ("sdpa", "sdpa_unpacked", "evotune", "eager")
+MODES = ("eager", "graph", "compile")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny configs and sizes (CPU smoke test)")
+    p.add_argument("--sizes", default=None, help=f"model:BxS list (default {DEFAULT_SIZES}; --tiny {TINY_SIZES})")
+    p.add_argument("--compile-sizes", default=None,
+                   help="which sizes also run under torch.compile, in this order (default: every size, GPT-2 1x512 "
+                        "first); 'none' for none")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--llama-layers", type=int, default=4)
+    p.add_argument("--llama-vocab", type=int, default=128256)
+    p.add_argument("--gpt2-layers", type=int, default=12)
+    p.add_argument("--check-tokens", type=int, default=128, help="positions whose logits are compared")
+    p.add_argument("--tol", type=float, default=None,
+                   help="max |logits diff| / max |sdpa logits| allowed (default 2e-2 in fp16, 1e-4 in fp32)")
+    p.add_argument("--grad-tol", type=float, default=None,
+                   help="max per-tensor |grad diff| / max |grad| allowed (default 5e-2 in fp16, 1e-4 in fp32)")
+    p.add_argument("--train-size", default="1x512", help="BxS of the training step ('none' to skip); --tiny: 2x16")
+    p.add_argument("--eager-attn-max-gb", type=float, default=24.0)
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--budget-s", type=float, default=None, help="start no compile measurement after this many s")
+    p.add_argument("--table", default=None, help="tuning table the op reads (sets EVOTUNE_TABLE)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--md", default=None, help="markdown tables")
+    return p.parse_args(argv)
+
+
+def parse_sizes(text):
+    if not text or text == "none":
+        return []
+    out = []
+    for item in text.split(","):
+        model, _, bs = item.strip().partition(":")
+        b, _, s = bs.partition("x")
+        if model not in ("llama", "gpt2") or not b.isdigit() or not s.isdigit():
+            raise SystemExit(f"model_bench: bad size {item!r}: use llama:BxS or gpt2:BxS")
+        out.append((model, int(b), int(s)))
+    return out
+
+
+def short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:400]
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_model(family, args, max_seq, torch, dtype):
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    if family == "llama":
+        if args.tiny:
+            cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              max_position_embeddings=max(max_seq, 64))
+        else:
+            cfg = LlamaConfig(vocab_size=args.llama_vocab, hidden_size=4096, intermediate_size=14336,
+                              num_hidden_layers=args.llama_layers, num_attention_heads=32, num_key_value_heads=8,
+                              head_dim=128, max_position_embeddings=max(max_seq, 8192), rope_theta=500000.0,
+                              tie_word_embeddings=False)
+    else:
+        if args.tiny:
+            cfg = GPT2Config(vocab_size=256, n_embd=64, n_head=4, n_layer=2, n_positions=max(max_seq, 64))
+        else:
+            cfg = GPT2Config(n_embd=768, n_head=12, n_layer=args.gpt2_layers, n_positions=max(max_seq, 1024))
+        cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.0  # the training step compares without dropout
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, cfg
+
+
+def describe(family, cfg) -> str:
+    if family == "llama":
+        return (f"Llama-like: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} "
+                f"q heads, {cfg.num_key_value_heads} kv heads, head dim {cfg.head_dim}, vocab {cfg.vocab_size}")
+    return (f"GPT-2-like: {cfg.n_layer} layers, n_embd {cfg.n_embd}, {cfg.n_head} heads, head dim "
+            f"{cfg.n_embd // cfg.n_head}, vocab {cfg.vocab_size}")
+
+
+def attn_bytes(family, cfg, b, s) -> int:
+    """Eager attention's score matrices for one layer: fp16 scores, fp32 softmax, fp16 probabilities."""
+    heads = cfg.num_attention_heads if family == "llama" else cfg.n_head
+    return b * heads * s * s * (2 + 4 + 2)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class Timer:
+    def __init__(self, torch, device):
+        self.torch, self.cuda = torch, device == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def __call__(self, fn, reps, warmup):
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        for _ in range(reps):
+            if self.cuda:
+                start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+        times.sort()
+        return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10],
+                "p90_ms": times[min(len(times) - 1, (9 * len(times)) // 10)], "reps": reps}
+
+
+def free(torch):
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def rel_diff(a, b) -> dict:
+    a, b = a.float(), b.float()
+    scale = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return {"max_abs": diff, "ref_max_abs": scale, "rel": diff / scale if scale else diff}
+
+
+# --------------------------------------------------------------------------- one model and size
+
+
+def forward_fn(model, ids, keep):
+    return lambda: model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+
+
+def check_logits(model, ids, impls, args, torch, tol, eager_ok):
+    from evotune.torch import hf, record_shapes
+
+    keep = min(args.check_tokens, ids.shape[1])
+    out, logits = {}, {}
+    with torch.no_grad():
+        for impl in impls:
+            if (impl == "eager" and not eager_ok) or impl == "sdpa_unpacked":
+                continue
+            model.set_attn_implementation(impl)
+            if impl == "evotune":
+                hf.reset_stats()
+                with warnings.catch_warnings(record=True) as caught, record_shapes() as rec:
+                    warnings.simplefilter("always")
+                    logits[impl] = forward_fn(model, ids, keep)()
+                out["routing"] = rec.shapes
+                out["notices"] = sorted({str(w.message) for w in caught})
+                out["adapter"] = {"calls": hf.stats(), "fallbacks": hf.fallbacks()}
+            else:
+                logits[impl] = forward_fn(model, ids, keep)()
+    for impl in ("evotune", "eager"):
+        if impl in logits and "sdpa" in logits:
+            d = rel_diff(logits[impl], logits["sdpa"])
+            d["tol"] = tol if impl == "evotune" else None
+            d["ok"] = bool(d["rel"] <= tol) if impl == "evotune" else None
+            out[f"{impl}_vs_sdpa"] = d
+    return out
+
+
+def route_summary(rows) -> str:
+    if not rows:
+        return "no op call"
+    kernel = sum(r["calls"] for r in rows if r["route"] == "evotune")
+    total = sum(r["calls"] for r in rows)
+    if kernel == total:
+        return f"evotune kernel ({total} calls)"
+    reasons = sorted({f"{r['kind']}: {r['reason']}" for r in rows if r["route"] != "evotune"})
+    head = f"SDPA {total - kernel}/{total} calls" + (f", kernel {kernel}" if kernel else "")
+    return f"{head} ({'; '.join(reasons)})"
+
+
+def measure(model, ids, impl, mode, args, torch, timer, ref_logits):
+    """One latency measurement: {"median_ms", ...} or {"error"} / {"skipped"}."""
+    model.set_attn_implementation(impl)
+    fn = forward_fn(model, ids, 1)
+    try:
+        with torch.no_grad():
+            if mode == "eager":
+                return timer(fn, args.reps, args.warmup)
+            if mode == "graph":
+                return measure_graph(fn, args, torch, timer, ref_logits)
+            return measure_compile(model, ids, args, torch, timer, ref_logits)
+    except Exception as e:  # a failure is a value in the table, never the end of the run
+        if args.debug_traceback:
+            traceback.print_exc()
+        return {"error": short(e), "graph_break": "graph break" in str(e).lower() or "Unsupported" in type(e).__name__}
+    finally:
+        free(torch)
+
+
+def measure_graph(fn, args, torch, timer, ref_logits):
+    if args.device != "cuda":
+        return {"skipped": "CUDA graphs need a CUDA device"}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(2, args.warmup)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    check = rel_diff(static_out, ref_logits)
+    result = timer(graph.replay, args.reps, args.warmup)
+    result["replay_vs_eager"] = check
+    if check["rel"] > args.tol:  # a capture that recorded nothing replays stale or empty logits
+        result["error"] = f"graph replay's logits differ from eager's (rel {check['rel']:.3g}): capture is wrong"
+    del graph, static_out
+    return result
+
+
+def measure_compile(model, ids, args, torch, timer, ref_logits):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=args.compile_backend)
+    fn = forward_fn(compiled, ids, 1)
+    t = time.perf_counter()
+    first = fn()
+    timer.sync()
+    compile_s = time.perf_counter() - t
+    check = rel_diff(first, ref_logits)
+    result = timer(fn, args.reps, args.warmup)
+    result.update(compile_s=compile_s, compiled_vs_eager=check)
+    if check["rel"] > args.tol:
+        result["error"] = f"compiled logits differ from eager's (rel {check['rel']:.3g})"
+    del compiled, first
+    torch._dynamo.reset()
+    return result
+
+
+def train_step(model, family, args, torch, grad_tol):
+    from evotune.torch import hf, record_shapes
+
+    b, s = (int(x) for x in args.train_size.split("x"))
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+    ids = torch.randint(0, model.config.vocab_size, (b, s), generator=gen).to(args.device)
+    params = [(n, p) for n, p in model.named_parameters()]
+    for _, p in params:
+        p.requires_grad_(True)
+    model.train()
+    res, grads = {"size": args.train_size}, {}
+    try:
+        for impl in ("sdpa", "evotune"):
+            model.set_attn_implementation(impl)
+            model.zero_grad(set_to_none=True)
+            hf.reset_stats()
+            with warnings.catch_warnings(record=True) as caught, record_shapes() as rec:
+                warnings.simplefilter("always")
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+            res[f"loss_{impl}"] = loss.item()
+            grads[impl] = {n: p.grad.detach().clone() for n, p in params if p.grad is not None}
+            if impl == "evotune":
+                res["routing"] = route_summary(rec.shapes)
+                res["notices"] = sorted({str(w.message) for w in caught})
+                res["adapter"] = {"calls": hf.stats(), "fallbacks": hf.fallbacks()}
+        worst, worst_name = 0.0, None
+        for n, g in grads["sdpa"].items():
+            d = rel_diff(grads["evotune"][n], g)["rel"]
+            if d > worst:
+                worst, worst_name = d, n
+        res.update(loss_abs_diff=abs(res["loss_evotune"] - res["loss_sdpa"]), grad_max_rel=worst,
+                   grad_worst_param=worst_name, grad_tensors=len(grads["sdpa"]), grad_tol=grad_tol)
+        res["ok"] = bool(worst <= grad_tol and res["loss_abs_diff"] <= grad_tol * max(1.0, abs(res["loss_sdpa"])))
+    except Exception as e:
+        res.update(error=short(e), ok=False)
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        for _, p in params:
+            p.requires_grad_(False)
+        grads.clear()
+        free(torch)
+    return res
+
+
+# --------------------------------------------------------------------------- environment and output
+
+
+def environment(args, torch):
+    import transformers
+
+    import evotune.torch as et
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+           "python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "host": platform.node()}
+    try:
+        env["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        env["git"] = None
+    if args.device == "cuda":
+        env["device"] = torch.cuda.get_device_name(0)
+        env["cuda"] = torch.version.cuda
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    else:
+        env["device"] = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores): no performance claim"
+    env["table"] = str(et.table_path())
+    try:
+        table = et.current_table()
+        env["table_entries"] = None if table is None else len(table.entries)
+    except Exception as e:
+        env["table_error"] = short(e)
+    return env
+
+
+def fmt(m) -> str:
+    if m is None:
+        return "-"
+    if "median_ms" in m and "error" not in m:
+        return f"{m['median_ms']:.2f}"
+    if "error" in m:
+        return "FAIL" + (" (graph break)" if m.get("graph_break") else "")
+    return "skip"
+
+
+def ratio(m, ref) -> str:
+    ok = lambda x: x and "median_ms" in x and "error" not in x
+    return f"{ref['median_ms'] / m['median_ms']:.2f}x" if ok(m) and ok(ref) else "-"
+
+
+def markdown(result) -> str:
+    env = result["env"]
+    lines = [f"Device: {env['device']}" + (f" (CUDA {env.get('cuda')}, cc {env.get('capability')})" if env.get("cuda") else ""),
+             f"Versions: torch {env['torch']}, transformers {env['transformers']}, python {env['python']}, "
+             f"evotune git {env.get('git')}", f"Date: {env['date']}", f"Command: `{env['command']}`",
+             f"Tuning table: {env['table']} ({env.get('table_entries', env.get('table_error'))} entries)", ""]
+    for fam, text in result["models"].items():
+        lines.append(f"- {fam}: {text}")
+    lines += ["", "Prefill latency, ms (median; forward, no grad, use_cache=False, last-token logits). sdpa: "
+              "transformers' stock sdpa (it materialises the causal mask while compiling or capturing); sdpa_unpacked "
+              "and evotune: no mask, is_causal (hf.register(assume_unpacked=True)); speedup = sdpa_unpacked / "
+              "evotune in the same mode:", "",
+              "| model | BxS | impl | eager | CUDA graph | torch.compile | speedup eager / graph / compile | evotune op route |",
+              "|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        t = row["timings"]
+        for impl in row["impls"]:
+            m = t.get(impl, {})
+            base = t.get("sdpa_unpacked") or t.get("sdpa", {})
+            sp = (" / ".join(ratio(m.get(mode), base.get(mode)) for mode in MODES)
+                  if impl == "evotune" and not result["env"]["device"].startswith("CPU") else "")
+            route = row["route"] if impl == "evotune" else ""
+            lines.append(f"| {row['model']} | {row['size']} | {impl} | {fmt(m.get('eager'))} | {fmt(m.get('graph'))} | "
+                         f"{fmt(m.get('compile'))} | {sp} | {route} |")
+    lines += ["", f"Logits over the last {result['check_tokens']} positions, against sdpa (rel = max |diff| / max |sdpa "
+              f"logits|):", "", "| model | BxS | evotune rel | tol | ok | eager rel (fp reference) |", "|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        c = row["check"]
+        e, x = c.get("evotune_vs_sdpa"), c.get("eager_vs_sdpa")
+        lines.append(f"| {row['model']} | {row['size']} | {e['rel']:.2e} | {e['tol']:.0e} | {e['ok']} | "
+                     f"{x['rel']:.2e} |" if e and x else
+                     f"| {row['model']} | {row['size']} | {e['rel']:.2e} | {e['tol']:.0e} | {e['ok']} | skipped |" if e
+                     else f"| {row['model']} | {row['size']} | - | - | {c.get('error', '-')} | - |")
+    lines += ["", "Training step (loss.backward()), evotune against sdpa:", "",
+              "| model | BxS | loss sdpa | loss evotune | max rel grad diff | ok | op route |", "|---|---|---|---|---|---|---|"]
+    for fam, t in result["train"].items():
+        if "loss_evotune" in t:
+            lines.append(f"| {fam} | {t['size']} | {t['loss_sdpa']:.5f} | {t['loss_evotune']:.5f} | "
+                         f"{t['grad_max_rel']:.2e} | {t['ok']} | {t.get('routing')} |")
+        else:
+            lines.append(f"| {fam} | {t.get('size')} | - | - | - | {t.get('error', t.get('skipped'))} | |")
+    failures = [f"{r['model']} {r['size']} {impl} {mode}: {m['error']}" for r in result["rows"]
+                for impl, modes in r["timings"].items() for mode, m in modes.items() if m and "error" in m]
+    skipped = [f"{r['model']} {r['size']} {impl} {mode}: {m['skipped']}" for r in result["rows"]
+               for impl, modes in r["timings"].items() for mode, m in modes.items() if m and "skipped" in m]
+    if failures:
+        lines += ["", "Failures:", ""] + [f"- {f}" for f in failures]
+    if skipped:
+        lines += ["", "Skipped:", ""] + [f"- {s}" for s in skipped]
+    notices = sorted({n for r in result["rows"] for n in r["check"].get("notices", [])})
+    if notices:
+        lines += ["", "Notices from the op and the adapter:", ""] + [f"- {n}" for n in notices]
+    return "\n".join(lines) + "\n"
+
+
+def short_table(result) -> str:
+    out = [f"{'model':6} {'BxS':9} {'impl':13} {'eager':>9} {'graph':>9} {'compile':>9}  route"]
+    for row in result["rows"]:
+        for impl in row["impls"]:
+            m = row["timings"].get(impl, {})
+            out.append(f"{row['model']:6} {row['size']:9} {impl:13} {fmt(m.get('eager')):>9} {fmt(m.get('graph')):>9} "
+                       f"{fmt(m.get('compile')):>9}  {row['route'][:70] if impl == 'evotune' else ''}")
+    for fam, t in result["train"].items():
+        out.append(f"train {fam}: ok={t.get('ok')} loss {t.get('loss_sdpa')} vs {t.get('loss_evotune')}, "
+                   f"grad rel {t.get('grad_max_rel')}" + (f" error {t['error']}" if "error" in t else ""))
+    out.append("CHECKS: " + ("ok" if not result["failed_checks"] else "FAILED: " + "; ".join(result["failed_checks"])))
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run(args) -> dict:
+    import torch
+
+    args.debug_traceback = bool(os.environ.get("MODEL_BENCH_TRACEBACK"))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("model_bench: no CUDA device visible (use --device cpu --tiny for a smoke run)")
+    if args.table:
+        os.environ["EVOTUNE_TABLE"] = str(Path(args.table).resolve())
+    import evotune.torch as et
+    from evotune.torch import hf
+
+    if args.table:
+        et.use_table(str(Path(args.table).resolve()))
+    # Both registered with the same mask policy (no mask for an unpadded prefill, even while compiling or
+    # capturing): transformers' stock "sdpa" materialises the causal mask there (see hf.register).
+    hf.register("evotune", assume_unpacked=True)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    hf.register("sdpa_unpacked", assume_unpacked=True, attention_function=sdpa_attention_forward)
+    fp16 = args.device == "cuda"
+    dtype = torch.float16 if fp16 else torch.float32
+    args.tol = args.tol if args.tol is not None else (2e-2 if fp16 else 1e-4)
+    grad_tol = args.grad_tol if args.grad_tol is not None else (5e-2 if fp16 else 1e-4)
+    if args.train_size == "1x512" and args.tiny:
+        args.train_size = "2x16"
+    sizes = parse_sizes(args.sizes or (TINY_SIZES if args.tiny else DEFAULT_SIZES))
+    compile_order = parse_sizes(args.compile_sizes if args.compile_sizes is not None else
+                                (args.sizes or (TINY_SIZES if args.tiny else DEFAULT_COMPILE_SIZES)))
+    impls = [i for i in args.impls.split(",") if i]
+    modes = [m for m in args.modes.split(",") if m]
+    if "sdpa" not in impls or "evotune" not in impls or set(impls) - set(IMPLS) or set(modes) - set(MODES):
+        raise SystemExit(f"model_bench: --impls must include sdpa and evotune (of {IMPLS}); --modes of {MODES}")
+    t0 = time.monotonic()
+    timer = Timer(torch, args.device)
+    result = {"env": environment(args, torch), "check_tokens": args.check_tokens, "tol": args.tol, "models": {},
+              "rows": [], "train": {}, "warmup": None, "failed_checks": []}
+    if args.device == "cuda" and result["env"].get("table_entries"):
+        try:
+            result["warmup"] = et.warmup()
+        except Exception as e:
+            result["warmup"] = {"error": short(e)}
+    models = {}
+    for family in dict.fromkeys(m for m, _, _ in sizes + compile_order):
+        max_seq = max(s for m, _, s in sizes + compile_order if m == family)
+        models[family] = build_model(family, args, max_seq, torch, dtype)
+        result["models"][family] = describe(family, models[family][1])
+    ref = {}
+    for family, b, s in sizes:  # phase 1: routing, logits, eager and graph latency
+        model, cfg = models[family]
+        gen = torch.Generator(device="cpu").manual_seed(args.seed + b * 100003 + s)
+        ids = torch.randint(0, cfg.vocab_size, (b, s), generator=gen).to(args.device)
+        eager_ok = attn_bytes(family, cfg, b, s) <= args.eager_attn_max_gb * 2**30
+        row = {"model": family, "size": f"{b}x{s}", "impls": impls, "timings": {i: {} for i in impls}}
+        try:
+            row["check"] = check_logits(model, ids, impls, args, torch, args.tol, eager_ok)
+        except Exception as e:
+            row["check"] = {"error": short(e)}
+        row["route"] = route_summary(row["check"].get("routing", []))
+        for impl in impls:
+            if impl == "eager" and not eager_ok:
+                why = (f"eager attention's scores would need {attn_bytes(family, cfg, b, s) / 2**30:.0f} GiB a layer "
+                       f"(> --eager-attn-max-gb {args.eager_attn_max_gb:g})")
+                row["timings"][impl] = {m: {"skipped": why} for m in modes}
+                continue
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                ref[(family, b, s, impl)] = forward_fn(model, ids, 1)().clone()
+            for mode in modes:
+                if mode != "compile":
+                    row["timings"][impl][mode] = measure(model, ids, impl, mode, args, torch, timer,
+                                                         ref[(family, b, s, impl)])
+        row["ids"] = ids
+        result["rows"].append(row)
+        print(f"[{time.monotonic() - t0:6.0f}s] {family} {b}x{s}: done eager/graph", flush=True)
+    if args.train_size != "none":  # phase 2: a training step per model
+        for family, (model, _) in models.items():
+            result["train"][family] = train_step(model, family, args, torch, grad_tol)
+            print(f"[{time.monotonic() - t0:6.0f}s] {family} train step done", flush=True)
+    if "compile" in modes:  # phase 3: torch.compile, in --compile-sizes order, within --budget-s
+        rows = {(r["model"], r["size"]): r for r in result["rows"]}
+        # evotune and its like-for-like sdpa first at every size, then stock sdpa, then eager attention.
+        passes = [[i for i in impls if i in ("sdpa_unpacked", "evotune")], [i for i in impls if i == "sdpa"],
+                  [i for i in impls if i == "eager"]]
+        for family, b, s, group in [(f, b, s, g) for g in passes for f, b, s in compile_order]:
+            row = rows.get((family, f"{b}x{s}"))
+            if row is None:
+                continue
+            for impl in group:
+                if "compile" in row["timings"][impl] or (family, b, s, impl) not in ref:
+                    continue
+                if args.budget_s is not None and time.monotonic() - t0 > args.budget_s:
+                    row["timings"][impl]["compile"] = {"skipped": f"--budget-s {args.budget_s:g} spent"}
+                    continue
+                row["timings"][impl]["compile"] = measure(models[family][0], row["ids"], impl, "compile", args,
+                                                          torch, timer, ref[(family, b, s, impl)])
+            print(f"[{time.monotonic() - t0:6.0f}s] {family} {b}x{s} {','.join(group)}: done compile", flush=True)
+        for row in result["rows"]:
+            for impl in impls:
+                row["timings"][impl].setdefault("compile", {"skipped": "not in --compile-sizes"})
+    for row in result["rows"]:
+        row.pop("ids", None)
+        c = row["check"]
+        if "error" in c or not (c.get("evotune_vs_sdpa") or {}).get("ok"):
+            result["failed_checks"].append(f"logits {row['model']} {row['size']}")
+        for impl, ms in row["timings"].items():
+            for mode, m in ms.items():
+                if m and ("replay_vs_eager" in m or "compiled_vs_eager" in m) and "error" in m:
+                    result["failed_checks"].append(f"{mode} output {row['model']} {row['size']} {impl}")
+    for family, t in result["train"].items():
+        if not t.get("ok"):
+            result["failed_checks"].append(f"train {family}")
+    result["wall_s"] = time.monotonic() - t0
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if args.md:
+        Path(args.md).write_text(markdown(result))
+    print(short_table(result))
+    return 1 if result["failed_checks"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
