@@ -5,10 +5,11 @@
 set -u
 OUT=${OUT:-/tmp}/model
 mkdir -p "$OUT"
-export EVOTUNE_CACHE=${EVOTUNE_CACHE:-/tmp/evotune-cache} EVOTUNE_RUNS=$OUT/runs EVOTUNE_TABLE=$OUT/table.json
+export EVOTUNE_CACHE=${EVOTUNE_CACHE:-/tmp/evotune-cache} EVOTUNE_RUNS=$OUT/runs
+unset EVOTUNE_TABLE  # recording runs before any table exists (every key falls back to SDPA, recorded)
 python3 tools/record_model_shapes.py --sizes "${RECORD_SIZES:-gpt2:1x512}" --out "$OUT/shapes.json" > "$OUT/record.txt" 2>&1
-python3 -m evotune tune --shapes "$OUT/shapes.json" --trials "${TRIALS:-40}" > "$OUT/tune.txt" 2>&1
-python3 -m evotune table show > "$OUT/table.txt" 2>&1
+python3 -m evotune tune --shapes "$OUT/shapes.json" --trials "${TRIALS:-40}" --table "$OUT/table.json" > "$OUT/tune.txt" 2>&1
+python3 -m evotune table show "$OUT/table.json" > "$OUT/table.txt" 2>&1
 python3 tools/model_bench.py --table "$OUT/table.json" --reps "${REPS:-10}" --warmup 2 --budget-s "${BUDGET_S:-200}" \
     ${SIZES:+--sizes "$SIZES"} --out "$OUT/model_bench.json" --md "$OUT/model_bench.md" > "$OUT/model_bench.txt" 2>&1
 echo "== record"; tail -n 2 "$OUT/record.txt"; cat "$OUT/shapes.json" | grep '"shape"'
