@@ -1,5 +1,5 @@
-"""Search agents: `evotune search --gpus 0,1` runs one agent process per entry, each running
-run_search with its own GPU worker on its device, all on one run folder and one Optuna study
+"""Search agents: `evotune search --gpus 0,1` runs one agent process per entry, each running the
+search loop (search.SearchLoop) with its own GPU worker on its device, all on one run folder and one Optuna study
 (shared.py says how they share it). `--gpus 0,0` puts two agents on one GPU: they measure in
 turn or at once as the driver schedules them, so their timings are noisier than one agent's.
 
@@ -88,7 +88,7 @@ def agent_main(spec: AgentSpec, results) -> None:
     signal.signal(signal.SIGINT, _on_sigint)
     from .errors import EvotuneError
     from .runs import Run
-    from .search import run_search
+    from .search import SearchLoop
 
     def should_stop() -> bool:
         return _sigints[0] > 0 or os.getppid() != parent
@@ -97,8 +97,8 @@ def agent_main(spec: AgentSpec, results) -> None:
     try:
         evaluate, close = (spec.evaluator or gpu_evaluator)(spec)
         try:
-            summary = run_search(spec.problem, spec.space, spec.shape, Run(spec.run_path, spec.storage), evaluate,
-                                 spec.options, should_stop=should_stop, agent=spec.label)
+            summary = SearchLoop(spec.problem, spec.space, spec.shape, Run(spec.run_path, spec.storage), evaluate,
+                                 spec.options, should_stop=should_stop, agent=spec.label).run()
         finally:
             close()
         if should_stop():
@@ -129,7 +129,7 @@ class Agents:
         self.specs = list(specs)
         self.procs = {s.label: ctx.Process(target=agent_main, args=(s, self.results), name=f"evotune-{s.label}")
                       for s in self.specs}
-        self.outcomes: dict[str, tuple[str, object]] = {}  # label -> (status, summary or message)
+        self.outcomes: dict[str, tuple[str, object]] = {}  # label -> (status, search.SearchSummary or message)
 
     def start(self) -> "Agents":
         for p in self.procs.values():

@@ -251,11 +251,11 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
     from .agents import Agents, specs_for
     from .runs import best_record, new_run
     from .search import status_counts
-    from .workers import GPUWorker
+    from .workers import GPUWorker, InfoJob
 
     if rn is None:
         with GPUWorker(device=devices[0], timeout_s=timeout) as worker:  # the run records the device it ran on
-            info = worker.call({"kind": "info"})
+            info = worker.call(InfoJob())
         rn = new_run(run_name, new_meta(info), storage)
     started = time.time()
     tail = rn.tail()
@@ -304,7 +304,8 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
     return {"run_id": rn.run_id, "evaluated": sum(1 for r in records if r.get("counted")), "proposals": len(records),
             "statuses": status_counts(records), "seconds": time.time() - started, "best": best_record(records),
             "_run": rn, "baselines": beside,
-            "agents": {label: (status if status != "done" else {k: payload[k] for k in ("measured", "proposals")})
+            "agents": {label: (status if status != "done" else {"measured": payload.measured,
+                                                                "proposals": payload.proposals})
                        for label, (status, payload) in agents.outcomes.items()}}
 
 
@@ -403,11 +404,11 @@ def _search_one(rn, new_meta, run_name, device, storage, options, problem, shp, 
     """`search` on one GPU in this process: (summary, run)."""
     from .agents import agent_label
     from .runs import new_run
-    from .search import run_search, worker_evaluator
-    from .workers import GPUWorker
+    from .search import SearchLoop, worker_evaluator
+    from .workers import GPUWorker, InfoJob
 
     with GPUWorker(device=device, timeout_s=timeout) as worker:
-        info = worker.call({"kind": "info"})
+        info = worker.call(InfoJob())
         if rn is None:
             rn = new_run(run_name, new_meta(info), storage)
         evaluate = worker_evaluator(worker, problem, shp)
@@ -415,12 +416,12 @@ def _search_one(rn, new_meta, run_name, device, storage, options, problem, shp, 
                                  json_out, err_console)
         try:
             with display.live if display.live is not None else _nullcontext():
-                summary = run_search(problem, spc, shp, rn, evaluate, options, on_trial=display.show,
-                                     should_stop=lambda: False, agent=agent_label(device))
+                summary = SearchLoop(problem, spc, shp, rn, evaluate, options, on_trial=display.show,
+                                     should_stop=lambda: False, agent=agent_label(device)).run()
         except KeyboardInterrupt:
             _stopped(rn, resume_hint)
-        summary["baselines"] = _beside(rn, problem, shp, worker.call, json_out)
-    return summary, rn
+        baselines = _beside(rn, problem, shp, worker.call, json_out)
+    return {**summary.as_dict(), "baselines": baselines}, rn
 
 
 def _search_report(summary: dict, rn, json_out: bool) -> None:
@@ -479,7 +480,7 @@ def replay(
     from .runs import Run
     from .search import worker_evaluator
     from .space import Config
-    from .workers import GPUWorker
+    from .workers import BaselinesJob, GPUWorker
 
     rn = Run.open(run)
     problem, shp = rn.problem_and_shape()
@@ -489,7 +490,7 @@ def replay(
     src, compiled = _compile_candidate(problem, shp, config)
     with GPUWorker() as worker:
         res = worker_evaluator(worker, problem, shp, seeds=REPLAY_SEEDS)(config, compiled)
-        base = worker.call({"kind": "baselines", "family": problem.family, "shape": shp.as_dict()}, timeout_s=600) if baselines else {}
+        base = worker.call(BaselinesJob(family=problem.family, shape=shp.as_dict()), timeout_s=600) if baselines else {}
     recorded = rec["result"]["time_us"]
     out = {"run_id": rn.run_id, "trial": rec["number"], "config": rec["config"], "shape": shp.spec,
            "status": res.status, "message": res.message, "time_us": res.time_us, "recorded_time_us": recorded,
@@ -591,7 +592,7 @@ def bench(
 ):
     """The tuned kernel beside every SDPA backend on one shape: same inputs, same gate, same timing."""
     from .bench import flops_and_bytes, header, summarize
-    from .workers import GPUWorker, compiled_to_dict
+    from .workers import BenchJob, GPUWorker
 
     problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "bench")
     names = [n.strip() for n in baselines.split(",") if n.strip()] if baselines else None
@@ -604,9 +605,8 @@ def bench(
     _require_gpu("bench")
     src, compiled = _compile_candidate(problem, shp, cfg)
     with GPUWorker(timeout_s=900) as worker:
-        raw = worker.call({"kind": "bench", "family": problem.family, "shape": shp.as_dict(), "config": cfg.as_dict(),
-                           "compiled": compiled_to_dict(compiled), "reps": reps, "seeds": list(REPLAY_SEEDS),
-                           "names": names})
+        raw = worker.call(BenchJob(family=problem.family, shape=shp.as_dict(), config=cfg, compiled=compiled,
+                                   reps=reps, seeds=REPLAY_SEEDS, names=names))
     flops, nbytes = flops_and_bytes(shp)
     summary = summarize(raw, flops, nbytes)
     from .runs import base_meta
@@ -672,15 +672,14 @@ def verify_cmd(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Deep check of one config: the gate (seeds + stress inputs + dependency) and bitwise determinism."""
-    from .workers import GPUWorker, compiled_to_dict
+    from .workers import GPUWorker, VerifyJob
 
     problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "verify")
     _require_gpu("verify")
     _, compiled = _compile_candidate(problem, shp, cfg)
     with GPUWorker(timeout_s=600) as worker:
-        rep = worker.call({"kind": "verify", "family": problem.family, "shape": shp.as_dict(),
-                           "config": cfg.as_dict(), "compiled": compiled_to_dict(compiled), "launches": launches,
-                           "seeds": list(REPLAY_SEEDS)})
+        rep = worker.call(VerifyJob(family=problem.family, shape=shp.as_dict(), config=cfg, compiled=compiled,
+                                    launches=launches, seeds=REPLAY_SEEDS))
     ver, det = rep["verification"], rep["determinism"]
     ok = ver["passed"] and det["passed"]
     if json_out:
@@ -714,7 +713,6 @@ def sanitize(
 ):
     """Run compute-sanitizer (memcheck, racecheck, synccheck) on one config and report clean or the finding."""
     from .sanitize import TOOLS, run_tool
-    from .workers import compiled_to_dict
 
     for t in tool:
         if t not in TOOLS:
@@ -725,7 +723,7 @@ def sanitize(
     _require_gpu("sanitize")
     _, compiled = _compile_candidate(problem, shp, cfg)
     job = {"family": problem.family, "shape": shp.as_dict(), "config": cfg.as_dict(),
-           "compiled": compiled_to_dict(compiled)}
+           "compiled": compiled.as_dict()}
     reports = [run_tool(t, job) for t in tool]
     if json_out:
         _emit_json({"shape": shp.spec, "config": cfg.as_dict(), "reports": reports})

@@ -58,6 +58,19 @@ class Compiled:
     compile_seconds: float
     cached: bool = field(default=False, compare=False)
 
+    def as_dict(self) -> dict:
+        """Plain data (JSON, the worker pipe); from_dict reads it back."""
+        return {"key": self.key, "entry": self.entry, "arch": self.arch, "cubin_path": self.cubin_path,
+                "options": list(self.options), "log": self.log, "resources": self.resources.as_dict(),
+                "compile_seconds": self.compile_seconds, "cached": self.cached}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Compiled":
+        """The Compiled that as_dict wrote; a payload without `cached` (an older record) reads as not cached."""
+        return cls(key=d["key"], entry=d["entry"], arch=d["arch"], cubin_path=d["cubin_path"],
+                   options=tuple(d["options"]), log=d["log"], resources=Resources(**d["resources"]),
+                   compile_seconds=d["compile_seconds"], cached=d.get("cached", False))
+
 
 def cache_dir() -> Path:
     root = os.environ.get("EVOTUNE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "evotune")

@@ -11,6 +11,9 @@ trial, inside the constraints, never repeating a config. options.warm_start conf
 Compile ahead: while the GPU measures one candidate, the loop keeps up to `lookahead` more
 proposals asked and compiles the new ones in a process pool. Results are still told and
 recorded strictly in ask order, so the records are what a serial search would write.
+
+The loop is SearchLoop: named steps (propose, compile_ahead, evaluate, record, tell) returning a typed
+SearchSummary; run_search is its entry point for callers that take the summary as a dict.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 import time
 from collections import deque
 from concurrent.futures import BrokenExecutor, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Protocol
 
 from . import compile as compile_module  # the pool submits compile_module.compile_source (picklable by name)
@@ -137,12 +140,316 @@ class _Pending:
     claim: bool = False                 # this agent will measure it (the trial's tag tells other agents)
 
 
+@dataclass(frozen=True)
+class SearchSummary:
+    """What a search came to (SearchLoop.run); as_dict is the summary run_search returns and --json prints."""
+
+    run_id: str
+    evaluated: int          # counted candidates of the run, all agents' (the trials budget is the run's)
+    measured: int           # candidates this agent compiled and evaluated
+    proposals: int          # proposals this agent recorded
+    abandoned: int          # proposals asked and never recorded: told FAIL, free to be proposed again
+    statuses: dict          # status -> distinct configs (first records) of the run
+    seconds: float
+    best: dict | None       # the run's best record
+    agent: str
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class SearchLoop:
+    """Run (or continue) the search recorded in `run`: run() returns a SearchSummary.
+
+    Each turn of run(): propose (ask the study up to `lookahead` ahead, compile ahead the new configs), then take
+    the proposal at the head of the queue: evaluate it (from the record of a repeat, a constraint prune, or
+    compiled and measured), record it, tell the study. run_search says what the arguments do."""
+
+    def __init__(self, problem, space, shape, run: Run, evaluate: Evaluator, options: SearchOptions,
+                 on_trial: Callable[[dict, dict | None], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None,
+                 compiler: Callable[[Config, KernelSource], object] | None = None, agent: str | None = None):
+        self.problem, self.space, self.shape, self.rn = problem, space, shape, run
+        self.evaluator, self.options, self.on_trial, self.compiler = evaluate, options, on_trial, compiler
+        self.should_stop, self.agent = should_stop, agent
+        self.queue: deque[_Pending] = deque()  # asked, not yet recorded, in ask order
+        self.queued: dict[str, _Pending] = {}   # digest -> first queued occurrence of a config with no record
+        self.waiting: list[_Pending] = []       # asked configs another agent is measuring: recorded from its record
+        self.asked = self.recorded = self.abandoned = self.measured = 0
+        self.pool = None
+        self.max_asks = options.trials * options.max_proposals_factor
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> SearchSummary:
+        self.setup()
+        try:
+            while not (self.should_stop is not None and self.should_stop()):
+                self.propose()
+                self.bring_back_waiting()
+                if self.queue:
+                    self.take_turn(self.queue[0])
+                elif self.waiting or (not self.done() and self.view.other_claims()):
+                    time.sleep(WAIT_S)  # other agents' records will end the wait (or their deaths)
+                else:
+                    break
+        finally:
+            self.close()
+        return self.summary()
+
+    def setup(self) -> None:
+        """The run as this agent knows it, the sampler, the study (trials a killed process left RUNNING closed)."""
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.context = self.problem.context(self.shape)
+        # Every record (its own, its host's other agents', other hosts'), and the configs other agents are
+        # measuring now. refresh() brings it up to date.
+        self.view = SharedStudy(self.rn, label=self.agent)
+        self.by_digest = self.view.firsts  # digest -> first record of the config
+        # Once every admitted config has a record there is nothing left to learn.
+        admitted = self.space.admitted_configs(self.context)
+        self.admitted_total = len(admitted)
+        self.best = best_record(list(self.view.records.values()))
+        options, view = self.options, self.view
+        sampler = make_sampler(options.sampler, options.population, options.seed, space=self.space, admitted=admitted,
+                               taken=lambda digest: digest in self.by_digest or digest in self.queued
+                               or view.claimed_elsewhere(digest) is not None,
+                               recorded=lambda digest: digest in self.by_digest, context=self.context,
+                               steer=options.steer, mutation_prob=options.mutation_prob,
+                               crossover_prob=options.crossover_prob)
+        with self.rn.lock():  # agents starting at once on a new SQLite file would race to create its tables
+            self.storage = self.rn.storage()
+        self.study = optuna.create_study(study_name=self.rn.study_name, storage=self.storage, load_if_exists=True,
+                                         directions=["minimize", "minimize"], sampler=sampler)
+        # Trials left RUNNING by a killed process (this one's earlier self, or a dead agent) are lost work: close
+        # them as failed. Other live agents' trials stay open.
+        view.start(self.study)
+        _enqueue_warm_start(self.study, view, self.rn, self.space, self.context, options.warm_start)
+        self.dists = distributions(self.space)
+        self.started = time.time()
+
+    def in_flight(self) -> int:
+        # Configs being measured that have no record yet, by this agent or others: each will be counted.
+        return sum(1 for it in self.queue if it.claim) + self.view.other_claims()
+
+    def may_ask(self) -> bool:
+        # One proposal being evaluated plus `lookahead` ahead; never more than the trials still wanted.
+        flying = self.in_flight()
+        return (len(self.queue) <= self.options.lookahead and self.view.evaluated + flying < self.options.trials
+                and len(self.view.admitted_seen) + flying < self.admitted_total and self.asked < self.max_asks)
+
+    def done(self) -> bool:
+        return (self.view.evaluated >= self.options.trials or len(self.view.admitted_seen) >= self.admitted_total
+                or self.asked >= self.max_asks)
+
+    # ------------------------------------------------------------------ propose, compile ahead
+
+    def propose(self) -> None:
+        """Ask proposals while may_ask; the new admitted configs this agent claims start compiling."""
+        while True:
+            # Ask and tag as one step for this host's agents: none claims a config another just claimed.
+            with self.rn.lock():
+                self.view.refresh()
+                if not self.may_ask():
+                    return
+                item = self.ask()
+            if item.claim:
+                self.compile_ahead(item)
+            self.queue.append(item)
+
+    def ask(self) -> _Pending:
+        self.asked += 1
+        trial = self.study.ask(self.dists)
+        config = self.space.config(trial.params)
+        item = _Pending(trial=trial, config=config, asked=time.time(), why=self.space.violations(config, self.context))
+        digest = config.digest()
+        # A repeat of a queued config, or of one another agent is measuring, waits for its record instead of
+        # compiling again.
+        item.claim = (not item.why and digest not in self.by_digest and digest not in self.queued
+                      and self.view.claimed_elsewhere(digest) is None)
+        self.view.tag(trial, digest, item.claim)
+        return item
+
+    def compile_ahead(self, item: _Pending) -> None:
+        item.source = instantiate(self.problem, item.config, self.shape)
+        self.queued[item.config.digest()] = item
+        if self.options.lookahead > 0 and self.compiler is None:
+            item.future = self.submit(item.source)
+
+    def submit(self, src: KernelSource) -> Future | None:
+        for _ in range(2):  # a pool broken by a dead worker is replaced once
+            if self.pool is None:
+                self.pool = compile_pool(self.options.compile_workers)
+            try:
+                return self.pool.submit(compile_module.compile_source, src.code, src.entry)
+            except BrokenExecutor:
+                self.pool.shutdown(wait=False, cancel_futures=True)
+                self.pool = None
+        return None
+
+    def bring_back_waiting(self) -> None:
+        """Proposals another agent was measuring: answered once its record is in, measured here if it died."""
+        back = [it for it in self.waiting if it.config.digest() in self.by_digest
+                or self.view.claimed_elsewhere(it.config.digest(), below=it.trial.number) is None]
+        for it in back:
+            self.waiting.remove(it)
+        self.queue.extendleft(reversed(back))
+
+    # ------------------------------------------------------------------ evaluate, record, tell
+
+    def take_turn(self, item: _Pending) -> None:
+        """The proposal at the head of the queue: evaluated, recorded and told (or set aside: ready_to_measure)."""
+        prior = self.by_digest.get(item.config.digest())
+        if prior is None and not item.why and not self.ready_to_measure(item):
+            return
+        record, res = self.evaluate(item, prior)
+        self.record(item, record)
+        self.tell(item, res)
+        self.finish(item, record, prior)
+
+    def ready_to_measure(self, item: _Pending) -> bool:
+        """For a new admitted config: False where it leaves the queue, to wait for another agent's record or told
+        FAIL because other agents' earlier claims make up the trials; else it is this agent's to measure."""
+        digest, number = item.config.digest(), item.trial.number
+        if (self.view.claimed_elsewhere(digest, below=number) is not None
+                or any(w.config.digest() == digest for w in self.waiting)):
+            # Another agent asked it first and is measuring it: wait for its record, off the queue.
+            self.queue.popleft()
+            if item.claim:  # both asked it in the same instant; the lower trial number measures
+                item.claim = False
+                self.view.tag(item.trial, digest, False)
+                self.unqueue(item)
+            self.waiting.append(item)
+            return False
+        if self.view.evaluated + self.view.other_claims(below=number) >= self.options.trials:
+            # Other agents' earlier claims already make up the trials asked for.
+            from optuna.trial import TrialState
+
+            self.queue.popleft()
+            self.unqueue(item)
+            self.study.tell(item.trial, state=TrialState.FAIL, skip_if_finished=True)
+            item.told = True
+            self.view.told(number)
+            self.abandoned += 1
+            return False
+        if not item.claim:  # the agent that claimed it died: measure it here
+            item.claim = True
+            self.view.tag(item.trial, digest, True)
+            self.queued.setdefault(digest, item)
+        if item.source is None:
+            item.source = instantiate(self.problem, item.config, self.shape)
+        return True
+
+    def evaluate(self, item: _Pending, prior: dict | None) -> tuple[dict, Result]:
+        """The proposal's record and result: a repeat's from the first record, a constraint prune, or measured."""
+        # "started" is when it was asked: with compile-ahead it may have waited in the queue since.
+        record = {"number": item.trial.number, "config": item.config.as_dict(), "digest": item.config.digest(),
+                  "started": item.asked, "agent": self.view.me.label}
+        if prior is not None:
+            # A repeated proposal is answered from the record, never measured twice.
+            res = Result.from_dict(prior["result"])
+            record.update(duplicate_of=prior["number"], counted=False)
+        elif item.why:
+            res = Result(status=R.PRUNED, message="constraint: " + "; ".join(item.why))
+            record.update(counted=False, source_digest=None)
+        else:
+            res = self.measure(item, record)
+        record["result"] = res.as_dict()
+        record["finished"] = time.time()
+        return record, res
+
+    def measure(self, item: _Pending, record: dict) -> Result:
+        res = _compile_and_evaluate(self.problem, self.shape, item, self.evaluator, self.compiler)
+        self.measured += 1
+        self.view.refresh(judge=False)
+        clash = self.view.conflict(item.config.digest(), item.trial.number)
+        # Whatever it came to, it spent compile or GPU time.
+        record.update(counted=clash is None, source_digest=item.source.digest)
+        if clash is not None:
+            # Another agent asked the same config in the same instant (before this one's tag was visible to
+            # it) and has the lower trial number: its result is the one that counts.
+            record.update(duplicate_of=clash, note=f"measured while trial {clash} of another agent had it")
+        return res
+
+    def record(self, item: _Pending, record: dict) -> None:
+        # The record goes on the trial (for other hosts), into the log, and then the study is told: a kill
+        # between these leaves a RUNNING trial that the next search closes, never a lost record.
+        self.view.add(record)
+        self.view.store(item.trial, record)
+        self.rn.append_trial(record)
+
+    def tell(self, item: _Pending, res: Result) -> None:
+        try:
+            _tell(self.study, item.trial, res)
+        except (ValueError, RuntimeError):
+            if not _finished(self.study, item.trial.number):
+                raise
+            # Another agent took this one for dead and closed the trial; the record stands.
+        item.told = True
+        self.view.told(item.trial.number)
+
+    def finish(self, item: _Pending, record: dict, prior: dict | None) -> None:
+        """Off the queue; the front and the best brought up to date; on_trial told."""
+        self.recorded += 1
+        if prior is None:
+            self.unqueue(item)
+        self.queue.popleft()
+        if prior is None and record.get("duplicate_of") is None:
+            # Only a first record can change the front or the best (duplicates repeat a result), and the loop
+            # already holds every first record: no re-read of trials.jsonl, whose growth made each proposal
+            # slower (seen on the H100: 2216 duplicates in 2906 records).
+            self.best = self.rn.update_summary(list(self.by_digest.values()))
+        if self.on_trial is not None:
+            self.on_trial(record, self.best)
+
+    def unqueue(self, item: _Pending) -> None:
+        digest = item.config.digest()
+        if self.queued.get(digest) is item:
+            del self.queued[digest]
+
+    # ------------------------------------------------------------------ close, summary
+
+    def close(self) -> None:
+        """On every way out of the loop: tell the trials asked but not recorded FAIL, close this agent's view of
+        the shared study, shut the compile pool down and close the storage's connections."""
+        from optuna.trial import TrialState
+
+        try:
+            for item in list(self.queue) + self.waiting:
+                if not item.told:
+                    try:
+                        self.study.tell(item.trial, state=TrialState.FAIL)
+                        self.abandoned += 1
+                    except Exception:  # best effort: the next search closes what is left RUNNING
+                        pass
+        finally:
+            try:
+                self.view.close()
+            finally:
+                if self.pool is not None:
+                    self.pool.shutdown(wait=True, cancel_futures=True)
+                engine = getattr(self.storage, "engine", None)
+                if engine is not None:
+                    engine.dispose()  # closes SQLite's connections: the last one folds the WAL into study.db
+
+    def summary(self) -> SearchSummary:
+        if self.view.from_others:
+            # Other agents wrote records too: the last word on the front and the best is the whole log's.
+            self.rn.update_summary()
+        records = self.rn.trials()
+        return SearchSummary(run_id=self.rn.run_id, evaluated=self.view.evaluated, measured=self.measured,
+                             proposals=self.recorded, abandoned=self.abandoned, statuses=status_counts(records),
+                             seconds=time.time() - self.started, best=best_record(records), agent=self.view.me.label)
+
+
 def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: SearchOptions,
                on_trial: Callable[[dict, dict | None], None] | None = None,
                should_stop: Callable[[], bool] | None = None,
                compiler: Callable[[Config, KernelSource], object] | None = None,
                agent: str | None = None) -> dict:
-    """Run (or continue) the search recorded in `run`; return a summary dict.
+    """Run (or continue) the search recorded in `run`; return the summary as a dict (SearchSummary.as_dict;
+    SearchLoop(...).run() gives it typed).
 
     Proposals are told and recorded strictly in ask order; "proposals" in the summary counts
     the recorded ones. should_stop is asked before each round of proposals and before each
@@ -163,195 +470,8 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
     (or is measured here if that agent dies); these are the only records not written in ask order.
     "evaluated" in the summary is the run's total, "measured" this agent's part.
     """
-    import optuna
-    from optuna.trial import TrialState
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    context = problem.context(shape)
-    # The run as this agent knows it: every record (its own, its host's other agents', other hosts'),
-    # and the configs other agents are measuring now. refresh() brings it up to date.
-    view = SharedStudy(run, label=agent)
-    by_digest = view.firsts                 # digest -> first record of the config
-    # Once every admitted config has a record there is nothing left to learn.
-    admitted = space.admitted_configs(context)
-    admitted_total = len(admitted)
-    best = best_record(list(view.records.values()))
-    queue: deque[_Pending] = deque()        # asked, not yet recorded, in ask order
-    queued: dict[str, _Pending] = {}        # digest -> first queued occurrence of a config with no record
-    waiting: list[_Pending] = []            # asked configs another agent is measuring: recorded from its record
-    sampler = make_sampler(options.sampler, options.population, options.seed, space=space, admitted=admitted,
-                           taken=lambda digest: digest in by_digest or digest in queued
-                           or view.claimed_elsewhere(digest) is not None,
-                           recorded=lambda digest: digest in by_digest, context=context, steer=options.steer,
-                           mutation_prob=options.mutation_prob, crossover_prob=options.crossover_prob)
-    with run.lock():  # agents starting at once on a new SQLite file would race to create its tables
-        storage = run.storage()
-    study = optuna.create_study(study_name=run.study_name, storage=storage, load_if_exists=True,
-                                directions=["minimize", "minimize"], sampler=sampler)
-    # Trials left RUNNING by a killed process (this one's earlier self, or a dead agent) are lost work:
-    # close them as failed. Other live agents' trials stay open.
-    view.start(study)
-    _enqueue_warm_start(study, view, run, space, context, options.warm_start)
-
-    dists = distributions(space)
-    asked = recorded = abandoned = measured = 0
-    pool = None
-    started = time.time()
-    max_asks = options.trials * options.max_proposals_factor
-
-    def in_flight() -> int:
-        # Configs being measured that have no record yet, by this agent or others: each will be counted.
-        return sum(1 for it in queue if it.claim) + view.other_claims()
-
-    def may_ask() -> bool:
-        # One proposal being evaluated plus `lookahead` ahead; never more than the trials still wanted.
-        flying = in_flight()
-        return (len(queue) <= options.lookahead and view.evaluated + flying < options.trials
-                and len(view.admitted_seen) + flying < admitted_total and asked < max_asks)
-
-    def done() -> bool:
-        return view.evaluated >= options.trials or len(view.admitted_seen) >= admitted_total or asked >= max_asks
-
-    def submit(src: KernelSource) -> Future | None:
-        nonlocal pool
-        for _ in range(2):  # a pool broken by a dead worker is replaced once
-            if pool is None:
-                pool = compile_pool(options.compile_workers)
-            try:
-                return pool.submit(compile_module.compile_source, src.code, src.entry)
-            except BrokenExecutor:
-                pool.shutdown(wait=False, cancel_futures=True)
-                pool = None
-        return None
-
-    try:
-        while True:
-            if should_stop is not None and should_stop():
-                break
-            while True:
-                # Ask and tag as one step for this host's agents: none claims a config another just claimed.
-                with run.lock():
-                    view.refresh()
-                    if not may_ask():
-                        break
-                    asked += 1
-                    trial = study.ask(dists)
-                    config = space.config(trial.params)
-                    item = _Pending(trial=trial, config=config, asked=time.time(),
-                                    why=space.violations(config, context))
-                    digest = config.digest()
-                    # A repeat of a queued config, or of one another agent is measuring, waits for its record
-                    # instead of compiling again.
-                    item.claim = (not item.why and digest not in by_digest and digest not in queued
-                                  and view.claimed_elsewhere(digest) is None)
-                    view.tag(trial, digest, item.claim)
-                if item.claim:
-                    item.source = instantiate(problem, config, shape)
-                    queued[digest] = item
-                    if options.lookahead > 0 and compiler is None:
-                        item.future = submit(item.source)
-                queue.append(item)
-            # Proposals another agent was measuring: answered once its record is in, measured here if it died.
-            back = [it for it in waiting if it.config.digest() in by_digest
-                    or view.claimed_elsewhere(it.config.digest(), below=it.trial.number) is None]
-            for it in back:
-                waiting.remove(it)
-            queue.extendleft(reversed(back))
-            if not queue:
-                if waiting or (not done() and view.other_claims()):
-                    time.sleep(WAIT_S)  # other agents' records will end the wait (or their deaths)
-                    continue
-                break
-
-            item = queue[0]
-            digest = item.config.digest()
-            number = item.trial.number
-            # "started" is when it was asked: with compile-ahead it may have waited in the queue since.
-            record = {"number": number, "config": item.config.as_dict(), "digest": digest,
-                      "started": item.asked, "agent": view.me.label}
-            prior = by_digest.get(digest)
-            if prior is None and not item.why:
-                if (view.claimed_elsewhere(digest, below=number) is not None
-                        or any(w.config.digest() == digest for w in waiting)):
-                    # Another agent asked it first and is measuring it: wait for its record, off the queue.
-                    queue.popleft()
-                    if item.claim:  # both asked it in the same instant; the lower trial number measures
-                        item.claim = False
-                        view.tag(item.trial, digest, False)
-                        if queued.get(digest) is item:
-                            del queued[digest]
-                    waiting.append(item)
-                    continue
-                if view.evaluated + view.other_claims(below=number) >= options.trials:
-                    # Other agents' earlier claims already make up the trials asked for.
-                    queue.popleft()
-                    if queued.get(digest) is item:
-                        del queued[digest]
-                    study.tell(item.trial, state=TrialState.FAIL, skip_if_finished=True)
-                    item.told = True
-                    view.told(number)
-                    abandoned += 1
-                    continue
-                if not item.claim:  # the agent that claimed it died: measure it here
-                    item.claim = True
-                    view.tag(item.trial, digest, True)
-                    queued.setdefault(digest, item)
-                if item.source is None:
-                    item.source = instantiate(problem, item.config, shape)
-            if prior is not None:
-                # A repeated proposal is answered from the record, never measured twice.
-                res = Result.from_dict(prior["result"])
-                record.update(duplicate_of=prior["number"], counted=False)
-            elif item.why:
-                res = Result(status=R.PRUNED, message="constraint: " + "; ".join(item.why))
-                record.update(counted=False, source_digest=None)
-            else:
-                res = _compile_and_evaluate(problem, shape, item, evaluate, compiler)
-                measured += 1
-                view.refresh(judge=False)
-                clash = view.conflict(digest, number)
-                # Whatever it came to, it spent compile or GPU time.
-                record.update(counted=clash is None, source_digest=item.source.digest)
-                if clash is not None:
-                    # Another agent asked the same config in the same instant (before this one's tag was
-                    # visible to it) and has the lower trial number: its result is the one that counts.
-                    record.update(duplicate_of=clash, note=f"measured while trial {clash} of another agent had it")
-            record["result"] = res.as_dict()
-            record["finished"] = time.time()
-            # The record goes on the trial (for other hosts), into the log, and then the study is told:
-            # a kill between these leaves a RUNNING trial that the next search closes, never a lost record.
-            view.add(record)
-            view.store(item.trial, record)
-            run.append_trial(record)
-            try:
-                _tell(study, item.trial, res)
-            except (ValueError, RuntimeError):
-                if not _finished(study, number):
-                    raise
-                # Another agent took this one for dead and closed the trial; the record stands.
-            item.told = True
-            view.told(number)
-            recorded += 1
-            if prior is None and queued.get(digest) is item:
-                del queued[digest]
-            queue.popleft()
-            if prior is None and record.get("duplicate_of") is None:
-                # Only a first record can change the front or the best (duplicates repeat a result),
-                # and the loop already holds every first record: no re-read of trials.jsonl, whose
-                # growth made each proposal slower (seen on the H100: 2216 duplicates in 2906 records).
-                best = run.update_summary(list(by_digest.values()))
-            if on_trial is not None:
-                on_trial(record, best)
-    finally:
-        abandoned += _close_out(study, list(queue) + waiting, view, pool, storage)
-
-    if view.from_others:
-        # Other agents wrote records too: the last word on the front and the best is the whole log's.
-        run.update_summary()
-    records = run.trials()
-    return {"run_id": run.run_id, "evaluated": view.evaluated, "measured": measured, "proposals": recorded,
-            "abandoned": abandoned, "statuses": status_counts(records), "seconds": time.time() - started,
-            "best": best_record(records), "agent": view.me.label}
+    return SearchLoop(problem, space, shape, run, evaluate, options, on_trial=on_trial, should_stop=should_stop,
+                      compiler=compiler, agent=agent).run().as_dict()
 
 
 def _enqueue_warm_start(study, view, run: Run, space, context, warm_start: tuple) -> None:
@@ -364,32 +484,6 @@ def _enqueue_warm_start(study, view, run: Run, space, context, warm_start: tuple
 
             for config in warm_admitted(space, context, warm_start)[0]:
                 study.enqueue_trial(config.as_dict())
-
-
-def _close_out(study, unrecorded: list[_Pending], view, pool, storage) -> int:
-    """On every way out of the loop: tell the trials asked but not recorded FAIL (returns how many), close
-    this agent's view of the shared study, shut the compile pool down and close the storage's connections."""
-    from optuna.trial import TrialState
-
-    abandoned = 0
-    try:
-        for item in unrecorded:
-            if not item.told:
-                try:
-                    study.tell(item.trial, state=TrialState.FAIL)
-                    abandoned += 1
-                except Exception:  # best effort: the next run_search closes what is left RUNNING
-                    pass
-    finally:
-        try:
-            view.close()
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-            engine = getattr(storage, "engine", None)
-            if engine is not None:
-                engine.dispose()  # closes SQLite's connections: the last one folds the WAL into study.db
-    return abandoned
 
 
 def status_counts(records: list[dict]) -> dict[str, int]:
@@ -459,12 +553,12 @@ def _compile_and_evaluate(problem, shape, item: _Pending, evaluate: Evaluator, c
 
 def worker_evaluator(worker, problem, shape, seeds=(1, 2, 3), reps: int = 40) -> Evaluator:
     """Evaluate candidates in a GPUWorker process (the search process never touches the GPU)."""
-    from .workers import compiled_to_dict
+    from .workers import EvaluateJob
 
     def evaluate(config, compiled) -> Result:
-        return worker.evaluate({"kind": "evaluate", "family": problem.family, "shape": shape.as_dict(),
-                                "config": config.as_dict(), "compiled": compiled_to_dict(compiled),
-                                "seeds": list(seeds), "reps": reps})
+        job = EvaluateJob(family=problem.family, shape=shape.as_dict(), config=config, compiled=compiled,
+                          seeds=tuple(seeds), reps=reps)
+        return worker.evaluate(job.as_dict())  # plain data, as the pipe carries it, whatever worker takes it
 
     return evaluate
 
@@ -489,7 +583,7 @@ def measure_beside_best(run: Run, problem, shape, call: Callable[..., dict], rep
     `call(job, timeout_s=...)` is a GPUWorker's call. Returns {"status": "measured" | "kept" | "skipped" |
     "failed", "message", "path"}; a failed measurement never fails the search (the table says "unverified")."""
     from .tuning_table import BASELINES_FILE
-    from .workers import WorkerError, compiled_to_dict
+    from .workers import BesideJob, WorkerError
 
     path = run.path / BASELINES_FILE
     best = best_record(run.trials())
@@ -504,9 +598,8 @@ def measure_beside_best(run: Run, problem, shape, call: Callable[..., dict], rep
     source = instantiate(problem, config, shape)
     try:
         compiled = compiler(config, source) if compiler else compile_source(source.code, source.entry)
-        payload = call({"kind": "beside", "family": problem.family, "shape": shape.as_dict(),
-                        "config": config.as_dict(), "compiled": compiled_to_dict(compiled), "reps": reps,
-                        "seeds": list(seeds)}, timeout_s=BESIDE_TIMEOUT_S)
+        payload = call(BesideJob(family=problem.family, shape=shape.as_dict(), config=config, compiled=compiled,
+                                 reps=reps, seeds=tuple(seeds)), timeout_s=BESIDE_TIMEOUT_S)
     except (CompileError, WorkerError) as e:
         return {"status": "failed", "message": f"baselines beside trial {best['number']} not measured: {e}", "path": None}
     record = beside_record(run, best, source.digest, payload, reps, seeds)

@@ -10,25 +10,170 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 from . import result as R
 from .result import Result
+
+if TYPE_CHECKING:
+    from .compile import Compiled
+    from .space import Config
 
 # A fresh worker imports torch and CuPy and creates a context: allow for it once.
 STARTUP_GRACE_S = 120.0
 
 
-def _compiled_from_dict(d: dict):
-    from .compile import Compiled, Resources
+# --------------------------------------------------------------------------- jobs: typed here, plain data on the pipe
 
-    return Compiled(key=d["key"], entry=d["entry"], arch=d["arch"], cubin_path=d["cubin_path"],
-                    options=tuple(d["options"]), log=d["log"], resources=Resources(**d["resources"]),
-                    compile_seconds=d["compile_seconds"], cached=d.get("cached", False))
+DEFAULT_SEEDS = (1, 2, 3)
+# The deep check's timed-output check needs a timing, not a precise one: a few replays.
+VERIFY_TIMING_REPS = 5
+
+
+class Job(Mapping):
+    """A job for a GPU worker. Built typed; crosses the pipe as plain data (as_dict, read back by job_from_dict).
+
+    A job also reads as its plain-data form (job["kind"], dict(job), == a dict), so that stand-ins for a
+    GPUWorker that take jobs as dicts take the typed ones unchanged."""
+
+    kind: ClassVar[str] = ""
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, **{f.name: _plain(getattr(self, f.name)) for f in fields(self)}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Job":
+        """The job a plain-data form describes; keys it lacks take the field's default (older senders)."""
+        from .space import Config
+
+        parse = {"config": Config.from_dict, "compiled": lambda c: _compiled_from_dict(c), "seeds": tuple}
+        kw = {}
+        for f in fields(cls):
+            if f.name not in d or (f.name == "seeds" and not d[f.name]):  # no seeds: the default ones
+                continue
+            kw[f.name] = parse.get(f.name, lambda v: v)(d[f.name])
+        return cls(**kw)
+
+    def __getitem__(self, key):
+        return self.as_dict()[key]
+
+    def __iter__(self):
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
+
+
+@dataclass(frozen=True, eq=False)  # eq: Mapping's (the plain-data forms compare)
+class InfoJob(Job):
+    """The GPU and the software driving it (device_info), for a run's meta.json."""
+
+    kind: ClassVar[str] = "info"
+
+
+@dataclass(frozen=True, eq=False)
+class EvaluateJob(Job):
+    """One search candidate through the gate and the timing (evaluate.evaluate_compiled)."""
+
+    kind: ClassVar[str] = "evaluate"
+    family: str
+    shape: dict               # problem.shape_from_dict reads it, once the family's problem is known
+    config: Config
+    compiled: Compiled
+    seeds: tuple = DEFAULT_SEEDS
+    reps: int = 40
+    time_it: bool = True
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyJob(Job):
+    """`evotune verify`: the gate and timed-output check, then bitwise determinism over many launches."""
+
+    kind: ClassVar[str] = "verify"
+    family: str
+    shape: dict
+    config: Config
+    compiled: Compiled
+    seeds: tuple = DEFAULT_SEEDS
+    reps: int = VERIFY_TIMING_REPS
+    launches: int = 100
+
+
+@dataclass(frozen=True, eq=False)
+class BaselinesJob(Job):
+    """The family's baselines gated and timed (evaluate.measure_baselines); names None: all of them."""
+
+    kind: ClassVar[str] = "baselines"
+    family: str
+    shape: dict
+    names: list | None = None
+    reps: int = 40
+
+
+@dataclass(frozen=True, eq=False)
+class BenchJob(Job):
+    """`evotune bench`: the candidate beside the baselines (bench.bench_candidate), with the clocks."""
+
+    kind: ClassVar[str] = "bench"
+    family: str
+    shape: dict
+    config: Config
+    compiled: Compiled
+    reps: int = 100
+    seeds: tuple = DEFAULT_SEEDS
+    names: list | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class BesideJob(Job):
+    """search.measure_beside_best: the baselines, then the run's best config, in one process on the same inputs."""
+
+    kind: ClassVar[str] = "beside"
+    family: str
+    shape: dict
+    config: Config
+    compiled: Compiled
+    reps: int = 100
+    seeds: tuple = DEFAULT_SEEDS
+    names: list | None = None
+
+
+def _plain(value):
+    """A job field as plain data: a Config or a Compiled as its dict, seeds as a list."""
+    if hasattr(value, "as_dict"):
+        return value.as_dict()
+    return list(value) if isinstance(value, tuple) else value
+
+
+JOB_TYPES: dict[str, type[Job]] = {t.kind: t for t in (InfoJob, EvaluateJob, VerifyJob, BaselinesJob, BenchJob,
+                                                         BesideJob)}
+
+
+def job_from_dict(d: dict) -> Job:
+    try:
+        kind = JOB_TYPES[d["kind"]]
+    except KeyError:
+        raise ValueError(f"unknown job kind {d.get('kind')!r}") from None
+    return kind.from_dict(d)
+
+
+def _wire(job: Job | dict) -> dict:
+    """What crosses the pipe: plain data (a legacy dict job goes as it is)."""
+    return job.as_dict() if isinstance(job, Job) else job
+
+
+def _compiled_from_dict(d: dict):
+    """Compiled.from_dict, looked up by name when a job is read (the CPU tests swap it)."""
+    from .compile import Compiled
+
+    return Compiled.from_dict(d)
 
 
 def compiled_to_dict(c) -> dict:
-    return {"key": c.key, "entry": c.entry, "arch": c.arch, "cubin_path": c.cubin_path, "options": list(c.options),
-            "log": c.log, "resources": c.resources.as_dict(), "compile_seconds": c.compile_seconds, "cached": c.cached}
+    """Compiled.as_dict, for callers that import it from here."""
+    return c.as_dict()
 
 
 def device_info() -> dict:
@@ -78,75 +223,79 @@ def _driver_string() -> str:
         return "unknown"
 
 
-def _handle(job: dict) -> dict:
+def _handle(job: Job | dict) -> dict:
+    """The worker's answer to one job (as plain data for the pipe)."""
+    job = job_from_dict(job) if isinstance(job, dict) else job
+    return _HANDLERS[type(job)](job)
+
+
+def _problem_shape(job: Job):
     from .problems import get_problem
-    from .space import Config
 
-    kind = job["kind"]
-    if kind == "info":
-        return device_info()
-    problem = get_problem(job["family"])
-    shape = problem.shape_from_dict(job["shape"])
-    if kind == "evaluate":
-        from .evaluate import evaluate_compiled
-
-        config = Config.from_dict(job["config"])
-        res = evaluate_compiled(problem, shape, config, _compiled_from_dict(job["compiled"]),
-                                seeds=tuple(job.get("seeds") or (1, 2, 3)), reps=job.get("reps", 40),
-                                time_it=job.get("time_it", True))
-        return res.as_dict()
-    if kind == "verify":
-        return _verify_job(problem, shape, job)
-    if kind == "baselines":
-        from .evaluate import measure_baselines
-
-        return measure_baselines(problem, shape, names=job.get("names"), reps=job.get("reps", 40))
-    if kind == "beside":
-        return _beside_job(problem, shape, job)
-    if kind == "bench":
-        from .bench import bench_candidate
-
-        raw = bench_candidate(problem, shape, Config.from_dict(job["config"]), _compiled_from_dict(job["compiled"]),
-                              reps=job.get("reps", 100), seeds=tuple(job.get("seeds") or (1, 2, 3)),
-                              baselines=job.get("names"))
-        return {**raw, "device": {**device_info(), **gpu_clocks()}}
-    raise ValueError(f"unknown job kind {kind!r}")
+    problem = get_problem(job.family)
+    return problem, problem.shape_from_dict(job.shape)
 
 
-def _beside_job(problem, shape, job: dict) -> dict:
+def _info_job(job: InfoJob) -> dict:
+    return device_info()
+
+
+def _evaluate_job(job: EvaluateJob) -> dict:
+    from .evaluate import evaluate_compiled
+
+    problem, shape = _problem_shape(job)
+    res = evaluate_compiled(problem, shape, job.config, job.compiled, seeds=job.seeds, reps=job.reps,
+                            time_it=job.time_it)
+    return res.as_dict()
+
+
+def _baselines_job(job: BaselinesJob) -> dict:
+    from .evaluate import measure_baselines
+
+    problem, shape = _problem_shape(job)
+    return measure_baselines(problem, shape, names=job.names, reps=job.reps)
+
+
+def _bench_job(job: BenchJob) -> dict:
+    from .bench import bench_candidate
+
+    problem, shape = _problem_shape(job)
+    raw = bench_candidate(problem, shape, job.config, job.compiled, reps=job.reps, seeds=job.seeds,
+                          baselines=job.names)
+    return {**raw, "device": {**device_info(), **gpu_clocks()}}
+
+
+def _beside_job(job: BesideJob) -> dict:
     """search.measure_beside_best: the family's baselines, then the given (best) config gated and timed
     again, in this one process on the same inputs, so that the two medians compare."""
     from .evaluate import evaluate_compiled, measure_baselines
-    from .space import Config
 
-    seeds = tuple(job.get("seeds") or (1, 2, 3))
-    reps = job.get("reps", 100)
-    base = measure_baselines(problem, shape, names=job.get("names"), seeds=seeds, reps=reps)
-    res = evaluate_compiled(problem, shape, Config.from_dict(job["config"]), _compiled_from_dict(job["compiled"]),
-                            seeds=seeds, reps=reps)
+    problem, shape = _problem_shape(job)
+    base = measure_baselines(problem, shape, names=job.names, seeds=job.seeds, reps=job.reps)
+    res = evaluate_compiled(problem, shape, job.config, job.compiled, seeds=job.seeds, reps=job.reps)
     return {"baselines": base, "evotune": res.as_dict(), "device": {**device_info(), **gpu_clocks()}}
 
 
-# The deep check's timed-output check needs a timing, not a precise one: a few replays.
-VERIFY_TIMING_REPS = 5
-
-
-def _verify_job(problem, shape, job: dict) -> dict:
+def _verify_job(job: VerifyJob) -> dict:
     """`evotune verify`: the search's gate and timed-output check (evaluate_launches), then bitwise
     determinism over many launches, all on one loaded module. `message` names the check that failed."""
     from .compile import load_kernel
     from .evaluate import bind_kernel, check_determinism, evaluate_launches, kernel_runner
-    from .space import Config
 
-    config = Config.from_dict(job["config"])
-    compiled = _compiled_from_dict(job["compiled"])
-    kernel = load_kernel(compiled, problem.geometry(config, shape).dynamic_smem)
-    res = evaluate_launches(problem, shape, bind_kernel(problem, shape, config, kernel),
-                            seeds=tuple(job.get("seeds") or (1, 2, 3)), reps=job.get("reps", VERIFY_TIMING_REPS))
+    problem, shape = _problem_shape(job)
+    config = job.config
+    kernel = load_kernel(job.compiled, problem.geometry(config, shape).dynamic_smem)
+    res = evaluate_launches(problem, shape, bind_kernel(problem, shape, config, kernel), seeds=job.seeds,
+                            reps=job.reps)
     det_ok, det_msg = check_determinism(problem, shape, kernel_runner(problem, shape, config, kernel),
-                                        launches=job.get("launches", 100))
+                                        launches=job.launches)
     return {"verification": res.verification, "determinism": {"passed": det_ok, "detail": det_msg},
             "message": res.message}
+
+
+_HANDLERS: dict[type[Job], Callable[[Job], dict]] = {
+    InfoJob: _info_job, EvaluateJob: _evaluate_job, VerifyJob: _verify_job, BaselinesJob: _baselines_job,
+    BenchJob: _bench_job, BesideJob: _beside_job}
 
 
 def _worker_process(main, conn, device: int) -> None:
@@ -243,15 +392,15 @@ class GPUWorker:
             self._conn.close()
         self._proc, self._conn = None, None
 
-    def call(self, job: dict, timeout_s: float | None = None):
-        """Run one job; return its payload or raise WorkerError(status, message)."""
+    def call(self, job: Job | dict, timeout_s: float | None = None):
+        """Run one job (a Job, or its plain-data form); return its payload or raise WorkerError(status, message)."""
         if self._proc is None or not self._proc.is_alive():
             if self._proc is not None:
                 self._stop(kill=True)
                 self.restarts += 1
             self._start()
         try:
-            self._conn.send(job)
+            self._conn.send(_wire(job))
         except (BrokenPipeError, OSError):
             self._stop(kill=True)
             self.restarts += 1
@@ -275,7 +424,7 @@ class GPUWorker:
             raise WorkerError(R.LAUNCH_ERROR, payload["message"])
         return payload
 
-    def evaluate(self, job: dict) -> Result:
+    def evaluate(self, job: Job | dict) -> Result:
         """Evaluate one candidate; any failure becomes a Result with its status and reason."""
         try:
             return Result.from_dict(self.call(job))
