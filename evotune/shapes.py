@@ -2,8 +2,13 @@
 
 A shape is written either as a preset name (`mission`) or as
 `B,H,S,D` / `B,H,Sq,Sk,D`; either may be followed by `:`-separated flags
-(`fp16`, `bf16`, `causal`, `bshd`, `bhsd`), e.g. `4,32,4096,128:bf16:causal`
-or `mission:bf16`. Each kind of flag (dtype, mask, layout) may be given once.
+(`fp16`, `bf16`, `causal`, `bshd`, `bhsd`, `kvN`), e.g. `4,32,4096,128:bf16:causal`
+or `mission:bf16`. Each kind of flag (dtype, mask, layout, K/V heads) may be given once.
+
+`kvN` is grouped-query attention (SDPA's enable_gqa): N K/V heads shared by the H query heads in
+groups of H/N (query head h reads K/V head h // (H/N)); N must divide H. `4,32,4096,128:kv8` is
+Llama-3-8B's attention. Without the flag, or with N = H, there are as many K/V heads as query heads
+and the spelling (`spec`) and `as_dict` leave it out, so older specs and records read the same.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Shape:
     dtype: str = "fp16"
     causal: bool = False
     layout: str = "bhsd"
+    kv_heads: int = 0     # K/V heads (grouped-query attention); 0 means `heads` (and becomes it)
 
     def __post_init__(self) -> None:
         for name, limit in MAX_DIMS.items():
@@ -52,12 +58,26 @@ class Shape:
             raise UsageError(f"shape: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.layout not in LAYOUTS:
             raise UsageError(f"shape: layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        kv = self.kv_heads
+        if not isinstance(kv, int) or isinstance(kv, bool) or kv < 0:
+            raise UsageError(f"shape: kv_heads must be a positive integer, got {kv!r}")
+        if kv == 0:
+            object.__setattr__(self, "kv_heads", self.heads)  # one spelling of "no grouping": equal == default
+        elif kv > self.heads or self.heads % kv:
+            raise UsageError(f"shape: {kv} K/V heads for {self.heads} query heads: the K/V heads must divide "
+                             f"the query heads (1 <= kv <= heads)")
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per K/V head (1 without grouped-query attention)."""
+        return self.heads // self.kv_heads
 
     @property
     def spec(self) -> str:
         """The canonical `--shape` spelling of this shape."""
         dims = [self.batch, self.heads, self.seq_q] + ([self.seq_k] if self.seq_k != self.seq_q else []) + [self.head_dim]
         flags = [self.dtype] + (["causal"] if self.causal else []) + (["bshd"] if self.layout == "bshd" else [])
+        flags += [f"kv{self.kv_heads}"] if self.kv_heads != self.heads else []
         return ",".join(map(str, dims)) + ":" + ":".join(flags)
 
     @property
@@ -70,20 +90,26 @@ class Shape:
         return f / 2 if self.causal else f
 
     def min_bytes(self) -> int:
-        """Fewest bytes moved through device memory: Q, K, V read once and O written once."""
+        """Fewest bytes moved through device memory: Q, K, V read once and O written once (K and V
+        once per K/V head: a group's query heads share them)."""
         q_and_o = 2 * self.batch * self.heads * self.seq_q * self.head_dim
-        k_and_v = 2 * self.batch * self.heads * self.seq_k * self.head_dim
+        k_and_v = 2 * self.batch * self.kv_heads * self.seq_k * self.head_dim
         return (q_and_o + k_and_v) * self.dtype_bytes
 
     def as_dict(self) -> dict:
-        return {
+        """The fields; kv_heads only where it differs from heads (records without grouping stay as they were)."""
+        d = {
             "batch": self.batch, "heads": self.heads, "seq_q": self.seq_q, "seq_k": self.seq_k,
             "head_dim": self.head_dim, "dtype": self.dtype, "causal": self.causal, "layout": self.layout,
         }
+        if self.kv_heads != self.heads:
+            d["kv_heads"] = self.kv_heads
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Shape":
-        return cls(**{k: d[k] for k in ("batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "causal", "layout")})
+        fields = {k: d[k] for k in ("batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "causal", "layout")}
+        return cls(**fields, kv_heads=d.get("kv_heads") or 0)
 
 
 PRESETS: dict[str, tuple[Shape, str]] = {
@@ -98,6 +124,7 @@ PRESETS: dict[str, tuple[Shape, str]] = {
 
 _DIMS = re.compile(r"^\s*[0-9]+(\s*,\s*[0-9]+){3,4}\s*$")
 _FLAG_KINDS = {**{d: "dtype" for d in DTYPES}, "causal": "causal", **{lay: "layout" for lay in LAYOUTS}}
+_KV_FLAG = re.compile(r"^kv([0-9]+)$")  # kvN: N K/V heads (grouped-query attention)
 _MAX_DIGITS = 12  # far above any bound in MAX_DIMS; stops int() on thousands of digits
 
 
@@ -114,12 +141,13 @@ def parse_shape(text: str) -> Shape:
     if name in PRESETS:  # a preset with flags, e.g. mission:bf16: the flags override its own
         p = PRESETS[name][0]
         return Shape(p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim,
-                     **{"dtype": p.dtype, "causal": p.causal, "layout": p.layout, **fields})
+                     **{"dtype": p.dtype, "causal": p.causal, "layout": p.layout, "kv_heads": p.kv_heads, **fields})
     if not _DIMS.match(dims_part):
         if re.match(r"^[A-Za-z][\w-]*$", name):
             raise UsageError(f"shape: unknown preset {_shown(name)}; presets: {', '.join(PRESETS)}")
         raise UsageError(
-            f"shape: cannot read {_shown(text)}; write B,H,S,D or B,H,Sq,Sk,D with optional :fp16|:bf16|:causal|:bshd"
+            f"shape: cannot read {_shown(text)}; write B,H,S,D or B,H,Sq,Sk,D with optional "
+            f":fp16|:bf16|:causal|:bshd|:kvN"
         )
     dims = _parse_dims(dims_part.split(","))
     b, h, sq, sk, d = (dims[0], dims[1], dims[2], dims[2], dims[3]) if len(dims) == 4 else dims
@@ -145,26 +173,39 @@ def parse_dim(digits: str, name: str, limit: int, why: str) -> int:
     return int(digits)
 
 
-def parse_flags(flag_texts: list[str], kinds: dict[str, str], text: str) -> dict[str, str]:
-    """kind -> flag for the `:`-separated flags of `text`; `kinds` maps each flag (lower case) to its kind.
-    A flag not in `kinds` and a kind given twice are UsageErrors: the last one does not silently win."""
+def parse_flags(flag_texts: list[str], kinds: dict[str, str], text: str,
+                patterns: tuple[tuple[re.Pattern, str, str], ...] = ()) -> dict[str, str]:
+    """kind -> flag for the `:`-separated flags of `text`; `kinds` maps each flag (lower case) to its kind,
+    `patterns` holds (regex, kind, how it is written) for flags that carry a value (`kv8`). A flag not in
+    `kinds` nor matching a pattern, and a kind given twice, are UsageErrors: the last one does not silently win."""
     given: dict[str, str] = {}
     for flag in (f.strip().lower() for f in flag_texts):
         kind = kinds.get(flag)
         if kind is None:
-            raise UsageError(f"shape: unknown flag {_shown(flag, 20)} in {_shown(text)}; flags: {', '.join(kinds)}")
+            kind = next((k for pattern, k, _ in patterns if pattern.match(flag)), None)
+        if kind is None:
+            known = ", ".join([*kinds, *(spelled for _, _, spelled in patterns)])
+            raise UsageError(f"shape: unknown flag {_shown(flag, 20)} in {_shown(text)}; flags: {known}")
         if kind in given:
             said = "repeats" if given[kind] == flag else "conflicts with"
+            every = dict.fromkeys([*kinds.values(), *(k for _, k, _ in patterns)])
             raise UsageError(f"shape: flag {flag!r} {said} {given[kind]!r} in {_shown(text)}: give each of "
-                             f"{', '.join(dict.fromkeys(kinds.values()))} once")
+                             f"{', '.join(every)} once")
         given[kind] = flag
     return given
 
 
 def _parse_flags(flag_texts: list[str], text: str) -> dict:
     """Shape fields from the `:`-separated flags (each kind is the Shape field it sets)."""
-    given = parse_flags(flag_texts, _FLAG_KINDS, text)
-    return {kind: True if kind == "causal" else flag for kind, flag in given.items()}
+    given = parse_flags(flag_texts, _FLAG_KINDS, text, ((_KV_FLAG, "kv_heads", "kvN"),))
+    fields: dict = {kind: True if kind == "causal" else flag for kind, flag in given.items()}
+    if "kv_heads" in fields:
+        digits = _KV_FLAG.match(fields["kv_heads"]).group(1)
+        kv = parse_dim(digits, "kv_heads", MAX_DIMS["heads"], _WHY_MAX["heads"])
+        if kv < 1:
+            raise UsageError(f"shape: {fields['kv_heads']!r} in {_shown(text)}: at least one K/V head")
+        fields["kv_heads"] = kv
+    return fields
 
 
 def with_dtype(shape: Shape, dtype: str) -> Shape:

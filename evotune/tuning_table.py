@@ -6,7 +6,8 @@ A table is one versioned JSON file that `evotune.torch.attention` reads (EVOTUNE
 
     {"version": 1, "family": "attention", "entries": [
        {"key": {"gpu": "NVIDIA H100 80GB HBM3", "cc": "9.0", "dtype": "fp16", "head_dim": 64,
-                "causal": false, "layout": "bhsd", "seq_q_bucket": 1024, "seq_k_bucket": 1024},
+                "causal": false, "layout": "bhsd", "seq_q_bucket": 1024, "seq_k_bucket": 1024
+                [, "kv_group": 4]},
         "config": {...}, "space": "attention-hopper", "shape": {the shape the run measured},
         "evotune_us": 130.8, "sdpa": {"backend": "cudnn", "time_us": 121.6} or null,
         "route": "evotune" | "sdpa", "reason": "why, in words",
@@ -22,9 +23,17 @@ Rounding up, not to the nearest: a bucket is named by the longest length it hold
 shapes runs tune (512, 1024, 4096, ...) sit at the top of their bucket. Batch and heads are not
 in the key (the issue's key); the entry keeps the measured shape, and `explain` shows it.
 
+Grouped-query attention. The key holds the group size, `kv_group` = query heads / K/V heads, written
+only where it is above 1 (a key without it is group 1, so every table written before grouped-query
+attention loads unchanged, still version 1). The group size and not the K/V head count: like batch and
+heads, the count of K/V heads is an amount of work, while the group size sets how many query heads
+share one K/V head, hence the K/V bytes each CTA's tile reads per FLOP, which is what moves a tile
+choice and the race against SDPA (H32 KV8 reads a quarter of H32's K/V). A grouped call never takes an
+entry of another group size, not even a nearest bucket: it is "missing" until its group is tuned.
+
 Selection (`select`), in order:
-1. Only entries of the call's GPU (name and compute capability), dtype, head dim, causal flag and
-   query layout are candidates; the exact bucket first, then the nearest buckets by
+1. Only entries of the call's GPU (name and compute capability), dtype, head dim, causal flag,
+   query layout and K/V group size are candidates; the exact bucket first, then the nearest buckets by
    |log2 Sq-bucket difference| + |log2 Sk-bucket difference| up to MAX_BUCKET_DISTANCE (ties: the
    longer bucket, then the key's spelling, so the choice is deterministic).
 2. A candidate whose config is not admitted by its search space on the call's actual shape
@@ -63,6 +72,7 @@ MAX_BUCKET_DISTANCE = 2
 BASELINES_FILE = "baselines.json"  # a run's SDPA times measured beside its trials (evaluate.measure_baselines)
 
 KEY_FIELDS = ("gpu", "cc", "dtype", "head_dim", "causal", "layout", "seq_q_bucket", "seq_k_bucket")
+OPTIONAL_KEY_FIELDS = ("kv_group",)  # written only where not 1 (grouped-query attention)
 ENTRY_FIELDS = ("key", "config", "space", "shape", "evotune_us", "sdpa", "route", "reason", "evidence",
                 "provenance")
 PROVENANCE_FIELDS = ("run", "trial", "git_sha", "evotune_version", "device", "source_digest")
@@ -97,19 +107,23 @@ class TableKey:
     layout: str
     seq_q_bucket: int
     seq_k_bucket: int
+    kv_group: int = 1     # query heads per K/V head (grouped-query attention; 1 without)
 
     @classmethod
     def for_shape(cls, shape, gpu: str, cc: str) -> "TableKey":
         """The key of an attention Shape on GPU `gpu` of compute capability `cc` ("9.0")."""
         return cls(gpu, cc, shape.dtype, shape.head_dim, shape.causal, shape.layout,
-                   seq_bucket(shape.seq_q), seq_bucket(shape.seq_k))
+                   seq_bucket(shape.seq_q), seq_bucket(shape.seq_k), shape.kv_group)
 
     def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name in KEY_FIELDS}
+        d = {name: getattr(self, name) for name in KEY_FIELDS}
+        if self.kv_group != 1:
+            d["kv_group"] = self.kv_group
+        return d
 
     def group(self) -> tuple:
         """Everything but the buckets: the entries a nearest-bucket search may choose among."""
-        return self.gpu, self.cc, self.dtype, self.head_dim, self.causal, self.layout
+        return self.gpu, self.cc, self.dtype, self.head_dim, self.causal, self.layout, self.kv_group
 
     def distance(self, other: "TableKey") -> int:
         """Bucket distance in doublings: |log2 Sq ratio| + |log2 Sk ratio|."""
@@ -118,7 +132,8 @@ class TableKey:
 
     def spec(self) -> str:
         mask = "causal" if self.causal else "non-causal"
-        return (f"{self.gpu} (sm {self.cc}) {self.dtype} d{self.head_dim} {mask} {self.layout} "
+        group = f" kv-group {self.kv_group}" if self.kv_group != 1 else ""
+        return (f"{self.gpu} (sm {self.cc}) {self.dtype} d{self.head_dim} {mask} {self.layout}{group} "
                 f"Sq<={self.seq_q_bucket} Sk<={self.seq_k_bucket}")
 
 
@@ -200,7 +215,7 @@ def _fields(obj, where: str, required: tuple[str, ...], optional: tuple[str, ...
 
 
 def _parse_key(obj, where: str) -> TableKey:
-    _fields(obj, where, KEY_FIELDS)
+    _fields(obj, where, KEY_FIELDS, OPTIONAL_KEY_FIELDS)
     for name in ("gpu", "cc", "dtype", "layout"):
         _expect(obj[name], "string", f"{where}.{name}")
     _expect(obj["causal"], "boolean", f"{where}.causal")
@@ -212,7 +227,10 @@ def _parse_key(obj, where: str) -> TableKey:
         raise _Fault(f"{where}.dtype: {obj['dtype']!r} is not fp16 or bf16")
     if obj["layout"] not in ("bhsd", "bshd"):
         raise _Fault(f"{where}.layout: {obj['layout']!r} is not bhsd or bshd")
-    return TableKey(**{name: obj[name] for name in KEY_FIELDS})
+    kv_group = _expect(obj.get("kv_group", 1), "integer", f"{where}.kv_group")
+    if kv_group < 1:
+        raise _Fault(f"{where}.kv_group: {kv_group} is not positive")
+    return TableKey(**{name: obj[name] for name in KEY_FIELDS}, kv_group=kv_group)
 
 
 def _parse_provenance(obj, where: str) -> dict:

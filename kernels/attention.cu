@@ -674,7 +674,20 @@ __device__ __forceinline__ void compute_sync() {
 
 // ------------------------------------------------------------------ kernel
 
+// Grouped-query attention: the K/V head that query head `head` reads, head / group, where the launch
+// passes kv_magic = ceil(2^32 / group) for a group of 2 or more query heads per K/V head and 0 for none
+// (then the K/V head is the query head, the code path of every ungrouped shape). A multiply-high, not a
+// division: exact for head < 2^16 (shapes.MAX_DIMS) and cheap enough for the compiler to recompute
+// rather than hold; `head / kv_group` cost up to 16 registers on mma.sync (attention-small.yaml on
+// mission, 32x32 tiles of 2 warps: 80 -> 96), this costs none.
+__device__ __forceinline__ int kv_head_of(int head, unsigned kv_magic) {
+    return kv_magic ? static_cast<int>(__umulhi(static_cast<unsigned>(head), kv_magic)) : head;
+}
+
 // Strides are in elements: *_sb batch, *_sh head, *_ss sequence (the head-dim stride is 1).
+// kv_magic: grouped-query attention, query head h reads K/V head h / group (kv_head_of; 0 without
+// grouping), so K and V hold heads / group heads and are never copied per query head. A shape, not a
+// tile knob, hence a launch argument: one cubin serves every group size.
 // Split-KV workspace (KV_SPLITS > 1 only; null otherwise), per (batch, head, query tile):
 //   ws_o   [KV_SPLITS][BLOCK_M][HEAD_DIM] fp32 partial outputs
 //   ws_lse [KV_SPLITS][BLOCK_M]           fp32 log2-sum-exp of the scaled scores
@@ -685,7 +698,8 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
                                               long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh,
                                               long long k_ss, long long v_sb, long long v_sh, long long v_ss, long long o_sb,
                                               long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
-                                              float* __restrict__ ws_o, float* __restrict__ ws_lse, int* __restrict__ ws_count) {
+                                              float* __restrict__ ws_o, float* __restrict__ ws_lse, int* __restrict__ ws_count,
+                                              unsigned kv_magic) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
     unsigned short* sK = sQ + T::kQElems;
@@ -700,8 +714,9 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     const int batch = blockIdx.z / T::kKVSplits;
     const int split = blockIdx.z % T::kKVSplits;
     const unsigned short* gQ = q + batch * q_sb + head * q_sh;
-    const unsigned short* gK = k + batch * k_sb + head * k_sh;
-    const unsigned short* gV = v + batch * v_sb + head * v_sh;
+    const int kv_head = kv_head_of(head, kv_magic);  // the split-KV workspace and O stay per query head
+    const unsigned short* gK = k + batch * k_sb + kv_head * k_sh;
+    const unsigned short* gV = v + batch * v_sb + kv_head * v_sh;
     unsigned short* gO = o + batch * o_sb + head * o_sh;
 
     // Causal: tiles wholly after this CTA's last query row contribute nothing; skip them.

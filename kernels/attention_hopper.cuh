@@ -317,6 +317,8 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
 // batch) with boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows. They point at the entry
 // point's __grid_constant__ parameters (kernel parameter space, as FlashAttention-3 and CUTLASS pass
 // them): a launch carries them by value, so nothing is uploaded per call and a CUDA graph records them.
+// K's and V's maps describe heads / group heads (grouped-query attention): query head h loads K/V
+// head h / group (kv_head_of; kv_magic is 0 without grouping).
 //
 // Consumer loop, per warpgroup (FlashAttention-3's intra-warpgroup pipelining): iteration t
 // issues S(t) = Q K(t)^T and then O += P(t-1) V(t-1), waits for S(t) only, runs the softmax
@@ -326,7 +328,7 @@ template <class T>
 __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                     const CUtensorMap* v_map, unsigned short* __restrict__ o,
                                                     long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k,
-                                                    float scale_log2) {
+                                                    float scale_log2, unsigned kv_magic) {
     // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
     // shared memory to 1024 bytes as well.
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -339,6 +341,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     const int tid = threadIdx.x;
     const int q_row0 = blockIdx.x * T::kBlockM;
     const int head = blockIdx.y;
+    const int kv_head = kv_head_of(head, kv_magic);  // the K/V maps' head coordinate
     const int batch = blockIdx.z;
     int kv_end = seq_k;
     if constexpr (T::kIsCausal) kv_end = min(seq_k, q_row0 + T::kBlockM);
@@ -367,8 +370,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
 #pragma unroll
         for (int r = 0; r < T::kRegions; ++r) tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, q_row0, head, batch);
         for (int t = 0; t < min(n_tiles, T::kStages); ++t) {
-            load_kv<T, 0>(k_map, sK, &bars, t, t, head, batch);
-            load_kv<T, 1>(v_map, sV, &bars, t, t, head, batch);
+            load_kv<T, 0>(k_map, sK, &bars, t, t, kv_head, batch);
+            load_kv<T, 1>(v_map, sV, &bars, t, t, kv_head, batch);
         }
     }
     __syncwarp();  // the warp reconverges before the .aligned instructions below
@@ -377,7 +380,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         if (tid >= T::kConsumerThreads) {
             if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
             if (tid == loader)
-                for (int t = 0; t + T::kStages < n_tiles; ++t) refill<T>(k_map, v_map, sK, sV, &bars, t, head, batch);
+                for (int t = 0; t + T::kStages < n_tiles; ++t) refill<T>(k_map, v_map, sK, sV, &bars, t, kv_head, batch);
             return;
         }
         if constexpr (T::kSetMaxNReg) setmaxnreg_inc<T::kConsumerRegs>();
@@ -451,7 +454,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         fence_a_regs(p);
         if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[prev]));
         if constexpr (!T::kHasProducer) {
-            if (tid == loader && t - 1 + T::kStages < n_tiles) refill<T>(k_map, v_map, sK, sV, &bars, t - 1, head, batch);
+            if (tid == loader && t - 1 + T::kStages < n_tiles) refill<T>(k_map, v_map, sK, sV, &bars, t - 1, kv_head, batch);
             __syncwarp();
         }
         rescale_and_pack<T>(o_acc, s_acc, alpha, p);

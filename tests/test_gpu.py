@@ -75,6 +75,52 @@ def test_kernel_matches_reference(attention, space, shape_text, cfg):
         assert res.verification["gate_ratio"] <= 1.0
 
 
+# Grouped-query attention (kvN: N K/V heads): groups 2, 4 and 8 (one K/V head), both dtypes, causal, BSHD,
+# ragged Sq != Sk both ways, d64 and d128. Every config above, split-KV and key groups included: each
+# indexes K/V by head. The gate's perturbation moves one row of the last K/V head, so it checks that
+# exactly that head's group of query heads changes.
+GQA_SHAPES = ["2,8,257,64:kv4", "1,8,300,197,128:bf16:causal:kv2", "2,8,200,333,64:causal:bshd:kv1",
+              "1,16,1000,128:bf16:kv2", "3,4,77,300,64:bf16:bshd:kv2", "1,8,512,64:causal:kv4"]
+
+
+@pytest.mark.parametrize("shape_text", GQA_SHAPES)
+@pytest.mark.parametrize("cfg", CONFIGS + HOPPER_CONFIGS,
+                         ids=lambda c: _hopper_id(c) if c.get("mma") == "wgmma" else (
+                             f"M{c['block_m']}N{c['block_n']}pw{c['producer_warps']}st{c['stages']}"
+                             f"kv{c.get('kv_splits', 1)}kg{c.get('warp_key_groups', 1)}"))
+def test_gqa_matches_reference(attention, space, shape_text, cfg):
+    """Grouped K/V heads read through the head-group index pass the gate (perturbation included) in both variants."""
+    shape = parse_shape(shape_text)
+    assert shape.kv_heads < shape.heads
+    if not space.admitted(space.config(cfg), attention.context(shape)):
+        pytest.skip("config not admitted for this shape")
+    res = _evaluate(attention, space, shape, cfg, time_it=False)
+    assert res.status in (R.OK, R.PRUNED), res.message
+    if res.status == R.OK:
+        assert res.verification["nonfinite"] == 0
+        assert res.verification["gate_ratio"] <= 1.0
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[4], CONFIGS[7], HOPPER_CONFIGS[0], HOPPER_CONFIGS[3]],
+                         ids=["M64N64", "M32N64kv4", "M16N64kg4", "wgmma-pw0", "wgmma-pingpong"])
+def test_gate_catches_a_wrong_head_group(attention, space, cfg):
+    """A kernel that maps query head h to K/V head h % kv_heads (repeat, not repeat_interleave) fails the gate."""
+    from evotune.compile import load_kernel
+    from evotune.evaluate import kernel_runner, verify
+
+    shape = parse_shape("1,8,256,64:kv2")
+    config = space.config(dict(cfg))
+    src = instantiate(attention, config, shape)
+    # 2 K/V heads: the right map is h // 4 (0,0,0,0,1,1,1,1), the wrong one h % 2 (0,1,0,1,...), still in bounds.
+    wrong = src.code.replace("const int kv_head = kv_head_of(head, kv_magic);", "const int kv_head = head % 2;")
+    assert wrong != src.code
+    smem = attention.geometry(config, shape).dynamic_smem
+    good = kernel_runner(attention, shape, config, load_kernel(compile_source(src.code, src.entry), smem))
+    bad = kernel_runner(attention, shape, config, load_kernel(compile_source(wrong, src.entry), smem))
+    assert verify(attention, shape, good).passed
+    assert not verify(attention, shape, bad).passed
+
+
 def _random_shapes(n: int, seed: int = 2026) -> list[str]:
     """A fixed, seeded list of ragged shapes across head dim, dtype, mask and layout (S=1 and Sq != Sk included)."""
     import random
@@ -110,7 +156,7 @@ def test_ragged_matrix(attention, space, shape_text, cfg):
 
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[7], HOPPER_CONFIGS[0], HOPPER_CONFIGS[3]],
                          ids=["M64N64", "M64N32pw1", "M32N64kv4", "M16N64kg4", "wgmma-pw0", "wgmma-pingpong"])
-@pytest.mark.parametrize("shape_text", ["mission", "2,3,333,257,128:bf16:causal"])
+@pytest.mark.parametrize("shape_text", ["mission", "2,3,333,257,128:bf16:causal", "1,8,333,64:bf16:causal:kv2"])
 def test_bitwise_deterministic(attention, space, shape_text, cfg):
     """100 launches on the same inputs give bitwise identical outputs (split-KV merges in a fixed order)."""
     from evotune.compile import load_kernel
@@ -124,11 +170,14 @@ def test_bitwise_deterministic(attention, space, shape_text, cfg):
     assert ok, detail
 
 
-def test_sdpa_passes_the_gate_by_a_margin(attention):
-    """Each SDPA backend's own error is well inside the gate (ratio <= 0.5) on the mission shape, stress inputs included."""
+@pytest.mark.parametrize("shape_text", ["mission", "mission:kv2"])
+def test_sdpa_passes_the_gate_by_a_margin(attention, shape_text):
+    """Each SDPA backend's own error is well inside the gate (ratio <= 0.5) on the mission shape (and its grouped
+    form, SDPA called with enable_gqa), stress inputs included."""
     from evotune.evaluate import measure_baselines
 
-    report = measure_baselines(attention, parse_shape("mission"), names=["flash", "cudnn", "efficient"], reps=5)
+    report = measure_baselines(attention, parse_shape(shape_text), names=["flash", "cudnn", "efficient"], reps=5)
+    assert any(b.get("available") for b in report.values()), report
     for name, b in report.items():
         if b.get("available"):
             assert b["verification"]["gate_ratio"] <= 0.5, (name, b["verification"])

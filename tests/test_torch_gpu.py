@@ -1,6 +1,6 @@
 """GPU tests of evotune.torch.attention: the tuned kernel against an fp32 reference across dtype, head
 dim, causal, layout and Sq != Sk; CUDA-graph capture and replay; torch.compile(fullgraph=True); side
-streams; and the SDPA routes (grouped heads, missing keys) on a real GPU. The tables are fixtures that
+streams; grouped-query attention (enable_gqa) against SDPA; and the SDPA routes (missing keys) on a real GPU. The tables are fixtures that
 route this GPU's keys to a chosen config, so every test runs the kernel it names (checked with explain)."""
 
 from __future__ import annotations
@@ -76,12 +76,12 @@ def assert_close(out, q, k, v, shape: Shape) -> None:
     assert torch.isfinite(out).all() and bool((err <= bound).all()), f"max error {err.max().item():.3g} on {shape.spec}"
 
 
-def run_tuned(q, k, v, causal):
+def run_tuned(q, k, v, causal, enable_gqa=False):
     """The op, refusing any SDPA route (so a pass is the kernel's)."""
-    assert et.explain(q, k, v, is_causal=causal).kind == "tuned"
+    assert et.explain(q, k, v, is_causal=causal, enable_gqa=enable_gqa).kind == "tuned"
     with warnings.catch_warnings():
         warnings.simplefilter("error", et.EvotuneFallbackWarning)
-        return et.attention(q, k, v, is_causal=causal, fallback="error")
+        return et.attention(q, k, v, is_causal=causal, enable_gqa=enable_gqa, fallback="error")
 
 
 @pytest.mark.parametrize("variant", ["sync", "wgmma"])
@@ -221,16 +221,37 @@ def test_torch_compile_fullgraph(gpu, mode):
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
-def test_gqa_routes_to_sdpa_with_a_reason(gpu):
-    """Fewer K/V heads (enable_gqa) run SDPA, said once with the reason, and match SDPA; fallback='error' refuses."""
+@pytest.mark.parametrize("variant", ["sync", "split", "wgmma"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_runs_the_kernel_and_matches_sdpa(gpu, variant, dtype, causal):
+    """Grouped K/V heads (enable_gqa; groups 2, 4, 8; both layouts; ragged) run the kernel on un-repeated K/V,
+    pass the gate against the fp32 reference and agree with SDPA's enable_gqa."""
+    shapes = [Shape(2, 8, 197, 300, 64, dtype, causal, "bhsd", kv_heads=4),
+              Shape(1, 8, 300, 197, 128, dtype, causal, "bshd", kv_heads=2),
+              Shape(2, 8, 257, 257, 64, dtype, causal, "bshd", kv_heads=1)]
+    use_variant(gpu, variant, shapes)
+    for shape in shapes:
+        q, k, v = make_qkv(shape, kv_heads=shape.kv_heads)
+        assert k.shape[1] == shape.kv_heads
+        out = run_tuned(q, k, v, causal, enable_gqa=True)
+        assert out.shape == (shape.batch, 8, shape.seq_q, shape.head_dim)
+        assert_close(out, q, k, v, shape)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        atol, rtol = TOLERANCE[dtype]
+        torch.testing.assert_close(out, want, atol=2 * atol, rtol=2 * rtol)
+
+
+def test_gqa_key_needs_its_group_size(gpu):
+    """A table tuned for the ungrouped shape does not serve a grouped call (the key holds the group size): SDPA, told once."""
     shape = Shape(1, 8, 256, 256, 64, "fp16", False)
     use_variant(gpu, "sync", [shape])
     q, k, v = make_qkv(shape, kv_heads=2)
-    with pytest.warns(et.EvotuneFallbackWarning, match="grouped-query"):
+    with pytest.warns(et.EvotuneFallbackWarning, match="kv-group 4"):
         out = et.attention(q, k, v, enable_gqa=True)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     torch.testing.assert_close(out, want)
-    with pytest.raises(UsageError, match="grouped-query"):
+    with pytest.raises(UsageError, match="no tuned kernel"):
         et.attention(q, k, v, enable_gqa=True, fallback="error")
 
 

@@ -147,7 +147,7 @@ def cuda_call(**changes) -> Call:
     ({"dtype": "float32"}, (9, 0), "dtype float32"),
     ({"head_dim": 96, "v_head_dim": 96}, (9, 0), "head dim 96"),
     ({"v_head_dim": 128}, (9, 0), "value head dim 128"),
-    ({"kv_heads": 2}, (9, 0), "grouped-query attention is not in the kernel"),
+    ({"kv_heads": 3}, (9, 0), "3 K/V heads for 8 query heads"),
     ({"seq_k": 0}, (9, 0), "empty tensor"),
     ({"strides": ((1, 1, 1, 2),) * 3}, (9, 0), "unit head-dim stride"),
     ({"strides": ((8, 8, 68, 1),) * 3}, (9, 0), "multiples of 8"),
@@ -159,10 +159,20 @@ def test_coverage_names_what_the_kernel_cannot_do(changes, cc, fault):
     assert fault in coverage(cuda_call(**changes), cc)
 
 
+def test_grouped_calls_are_covered_with_their_kv_heads():
+    """A grouped call (kv heads dividing the query heads) is covered, and its Shape and spelling carry the K/V heads."""
+    for kv in (1, 2, 4):
+        call = cuda_call(kv_heads=kv)
+        assert coverage(call, (9, 0)) is None
+        assert call.shape().kv_heads == kv and call.shape().kv_group == 8 // kv
+        assert call.as_dict()["shape"] == f"2,8,1000,64:fp16:kv{kv}"
+    assert "kv" not in cuda_call().as_dict()["shape"]
+
+
 def test_kernel_features():
-    """Today the kernel has neither grouped-query attention nor a log-sum-exp output; unknown features are refused."""
-    assert not et.supports("gqa") and not et.supports("lse")
-    assert "head-group index" in kernels.unsupported("gqa")
+    """The kernel reads grouped K/V heads but writes no log-sum-exp; unknown features are refused."""
+    assert et.supports("gqa") and not et.supports("lse")
+    assert kernels.unsupported("gqa") == "" and "gqa" not in kernels.MISSING_FEATURES
     with pytest.raises(UsageError, match="unknown kernel feature"):
         et.supports("fp8")
 
@@ -193,6 +203,39 @@ def test_decisions_through_the_table(on_h100, tmp_path):
     et.use_table(path)
     foreign = routing.decide(call)
     assert foreign.kind == "missing" and f"{path} has entries for NVIDIA A100-SXM4-80GB (sm 8.0) only" in foreign.reason
+
+
+def test_grouped_calls_route_by_their_group_size(on_h100):
+    """A grouped call takes only an entry of its own group size (exact or nearest bucket); ungrouped entries do not serve it."""
+    ungrouped, grouped = cuda_call(), cuda_call(kv_heads=2)  # group 4
+    et.use_table(table(entry(shape_of(ungrouped))))
+    miss = routing.decide(grouped)
+    assert (miss.route, miss.kind, miss.key.kv_group) == ("sdpa", "missing", 4)
+    assert "kv-group 4" in miss.notice() and "--shape 2,8,1000,64:fp16:kv2" in miss.notice()
+    et.use_table(table(entry(shape_of(ungrouped)), entry(Shape(1, 32, 2048, 2048, 64, kv_heads=8))))
+    tuned = routing.decide(grouped)
+    assert (tuned.route, tuned.kind, tuned.match) == ("evotune", "tuned", "nearest")
+    assert tuned.shape.kv_heads == 2 and tuned.entry.key.kv_group == 4
+    assert routing.decide(ungrouped).match == "exact" and routing.decide(ungrouped).entry.key.kv_group == 1
+    assert routing.decide(cuda_call(kv_heads=4)).kind == "missing"  # group 2: no entry of that group
+
+
+def test_explain_grouped_call_on_meta():
+    """explain() on meta tensors with enable_gqa names the K/V heads and the reason it is not the kernel (device), not GQA."""
+    q, k, v = qkv(b=1, h=8, sq=64, sk=64, dtype=torch.float16, device="meta", kv_heads=2)
+    info = et.explain(q, k, v, enable_gqa=True)
+    assert info.call["kv_heads"] == 2 and info.call["shape"] == "1,8,64,64:fp16:kv2"
+    assert info.kind == "uncovered" and "device meta" in info.reason and "grouped" not in info.reason
+    out = OP(q, k, v, False, None, True, "sdpa")  # the fake on meta: query heads, query layout
+    assert out.shape == (1, 8, 64, 64) and out.device.type == "meta"
+
+
+def test_grouped_call_on_cpu_matches_sdpa_enable_gqa():
+    """On the CPU a grouped call runs SDPA with enable_gqa and gives its answer."""
+    q, k, v = qkv(h=8, kv_heads=2, dtype=torch.float32)
+    got = quiet(et.attention, q, k, v, enable_gqa=True, is_causal=True)
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
+    assert torch.equal(got, want)
 
 
 def test_missing_key_notice_warns_once_and_error_refuses(on_h100):

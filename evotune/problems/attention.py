@@ -18,13 +18,14 @@ from . import LaunchGeometry, Problem
 SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
 
 # Names the search space's expressions may read: the shape, then the device limits.
-CONTEXT_NAMES = ("batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "dtype_bytes", "causal") + DEVICE_CONTEXT_NAMES
+CONTEXT_NAMES = ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "dtype", "dtype_bytes",
+                 "causal") + DEVICE_CONTEXT_NAMES
 
 
 def shape_context(shape: Shape) -> dict:
     """The names CONTEXT_NAMES for `shape` on an H100."""
     return {
-        "batch": shape.batch, "heads": shape.heads, "seq_q": shape.seq_q, "seq_k": shape.seq_k,
+        "batch": shape.batch, "heads": shape.heads, "kv_heads": shape.kv_heads, "seq_q": shape.seq_q, "seq_k": shape.seq_k,
         "head_dim": shape.head_dim, "dtype": shape.dtype, "dtype_bytes": shape.dtype_bytes,
         "causal": shape.causal, **device_context(),
     }
@@ -91,8 +92,9 @@ class AttentionProblem(Problem):
     baseline_kind = "SDPA"
     rate_unit = "TFLOP/s"
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
-    # another; head_dim, dtype, the mask and the layout must match (warm start).
-    size_fields = frozenset({"batch", "heads", "seq_q", "seq_k"})
+    # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
+    # amount (of K/V traffic): the kernel's code is the same for every group size.
+    size_fields = frozenset({"batch", "heads", "kv_heads", "seq_q", "seq_k"})
 
     # ------------------------------------------------------------ shapes
     def parse_shape(self, text: str) -> Shape:
@@ -109,13 +111,17 @@ class AttentionProblem(Problem):
                 "D": str(shape.head_dim), "dtype": shape.dtype, "causal": "yes" if shape.causal else "no"}
 
     def describe_shape(self, shape: Shape) -> str:
-        return f"B={shape.batch} H={shape.heads} Sq={shape.seq_q} Sk={shape.seq_k} D={shape.head_dim}"
+        kv = f" KV={shape.kv_heads}" if shape.kv_heads != shape.heads else ""
+        return f"B={shape.batch} H={shape.heads}{kv} Sq={shape.seq_q} Sk={shape.seq_k} D={shape.head_dim}"
 
     def sanitize_shape(self, shape: Shape) -> Shape:
-        """A small ragged shape of the same class (head dim, dtype, mask, layout)."""
+        """A small ragged shape of the same class (head dim, dtype, mask, layout, K/V group size:
+        two K/V heads then, so a head-group index that is off by one group shows)."""
         from dataclasses import replace
 
-        return replace(shape, batch=1, heads=2, seq_q=197, seq_k=300 if not shape.causal else 197)
+        grouped = shape.kv_heads != shape.heads
+        return replace(shape, batch=1, heads=2 * shape.kv_group if grouped else 2, kv_heads=2 if grouped else 0,
+                       seq_q=197, seq_k=300 if not shape.causal else 197)
 
     def rate(self, shape: Shape, time_us: float) -> float:
         return shape.flops() / time_us / 1e6  # TFLOP/s
@@ -175,13 +181,15 @@ class AttentionProblem(Problem):
 // memory EvotuneTraits::kSmemBytes. q_map, k_map, v_map: the CUtensorMaps of Q, K, V by value (4-D:
 // head_dim, seq, head, batch; 128-byte swizzle; boxes of 64 columns x kBlockM or BLOCK_N rows), kernel
 // parameters, so a launch uploads nothing and a CUDA graph records them with the launch.
-// o: fp16/bf16 bit patterns; strides in elements (b = batch, h = head, s = sequence).
+// o: fp16/bf16 bit patterns; strides in elements (b = batch, h = head, s = sequence). kv_magic: 0, or with
+// grouped-query attention ceil(2^32 / group) for group = heads / kv_heads; the K and V maps span kv_heads.
 extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 {self.entry_name}(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                   const __grid_constant__ CUtensorMap v_map, unsigned short* __restrict__ o,
-                  long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2) {{
+                  long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
+                  unsigned kv_magic) {{
     evotune::hopper::attention_fwd_wgmma<EvotuneTraits>(&q_map, &k_map, &v_map, o, o_sb, o_sh, o_ss, seq_q, seq_k,
-                                                        scale_log2);
+                                                        scale_log2, kv_magic);
 }}
 """
         return f"""using EvotuneTraits = evotune::AttnTraits<
@@ -192,14 +200,17 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 // strides are in elements (b = batch, h = head, s = sequence; the head-dim stride is 1).
 // With KV_SPLITS > 1 the fp32 workspace ws_o / ws_lse and the int counters ws_count
 // (zeroed once; the kernel leaves them zero) hold one slice per (batch, head, query tile).
+// kv_magic: 0, or with grouped-query attention ceil(2^32 / group) for group = heads / kv_heads (k and v hold
+// kv_heads heads; query head h reads K/V head h / group).
 extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 {self.entry_name}(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                   const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
                   long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
                   long long v_sb, long long v_sh, long long v_ss, long long o_sb, long long o_sh, long long o_ss,
-                  int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count) {{
+                  int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, unsigned kv_magic) {{
     evotune::attention_fwd<EvotuneTraits>(q, k, v, o, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
-                                          o_sb, o_sh, o_ss, seq_q, seq_k, scale_log2, ws_o, ws_lse, ws_count);
+                                          o_sb, o_sh, o_ss, seq_q, seq_k, scale_log2, ws_o, ws_lse, ws_count,
+                                          kv_magic);
 }}
 """
 
@@ -235,11 +246,12 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         if config is not None and is_wgmma(config):
             return ("evotune_attention(const __grid_constant__ CUtensorMap q_map, k_map, v_map  /* by value: 3 x 128 B "
                     "kernel parameters */, unsigned short* o, int64 o_sb, o_sh, o_ss, int seq_q, int seq_k, "
-                    "float scale_log2)")
+                    "float scale_log2, uint32 kv_magic)  // kv_magic = kv_head_magic(heads / kv_heads): 0 without grouping")
         return ("evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, "
                 "int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, "
-                "int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count)"
-                "  // strides in elements; scale_log2 = scale*log2(e); workspace only for kv_splits > 1")
+                "int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, uint32 kv_magic)"
+                "  // strides in elements; scale_log2 = scale*log2(e); workspace only for kv_splits > 1; "
+                "kv_magic = 0, or ceil(2^32 / (heads / kv_heads)) with grouped-query attention")
 
     def launch_notes(self, config, shape: Shape) -> list[str]:
         """Extra launch requirements for an export header."""
@@ -289,17 +301,18 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         dt = self.torch_dtype(shape)
-        b, h, d = shape.batch, shape.heads, shape.head_dim
+        b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
 
-        def randn(seq):  # (B, H, seq, D) in fp32
-            return torch.randn(b, h, seq, d, generator=gen, device=device)
+        def randn(seq, heads=h):  # (B, heads, seq, D) in fp32
+            return torch.randn(b, heads, seq, d, generator=gen, device=device)
 
-        q, k, v = randn(shape.seq_q), randn(shape.seq_k), randn(shape.seq_k)
+        # K and V have kv_heads heads (grouped-query attention): never expanded per query head here.
+        q, k, v = randn(shape.seq_q), randn(shape.seq_k, hk), randn(shape.seq_k, hk)
         if pattern == "large":
             q, k, v = q * 4, k * 4, v * 30
         elif pattern in ("dominant_key", "very_negative"):
-            u = torch.randn(b, h, 1, d, generator=gen, device=device)  # one direction per head
-            q = u + 0.3 * q
+            u = torch.randn(b, hk, 1, d, generator=gen, device=device)  # one direction per K/V head
+            q = u.repeat_interleave(shape.kv_group, dim=1) + 0.3 * q  # ... shared by its group's queries
             if pattern == "dominant_key":
                 j = int(torch.randint(shape.seq_k, (1,), generator=gen, device=device).item())
                 k[:, :, j, :] = 4 * u[:, :, 0, :]
@@ -317,8 +330,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         return {"q": place(q), "k": place(k), "v": place(v), "scale": 1.0 / math.sqrt(shape.head_dim)}
 
     def perturb(self, shape: Shape, inputs: dict) -> tuple[dict, object]:
-        """Inputs with one key/value row of the last (batch, head) changed, and the boolean
-        (B, H, Sq) mask of output rows that must change (all others must stay bitwise equal)."""
+        """Inputs with one key/value row of the last (batch, K/V head) changed, and the boolean
+        (B, H, Sq) mask of output rows that must change (all others must stay bitwise equal): those of
+        every query head of the last K/V head's group."""
         import torch
 
         # A key some query can see: with top-left causal and Sq < Sk, keys past Sq-1 are seen by none.
@@ -327,10 +341,11 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         k[-1, -1, j, :] += 1.0
         v[-1, -1, j, :] += 8.0
         must_change = torch.zeros(shape.batch, shape.heads, shape.seq_q, dtype=torch.bool, device=k.device)
+        group = slice(shape.heads - shape.kv_group, shape.heads)  # the query heads that read K/V head -1
         if shape.causal:
-            must_change[-1, -1, j:] = True  # top-left causal: query i sees key j iff j <= i
+            must_change[-1, group, j:] = True  # top-left causal: query i sees key j iff j <= i
         else:
-            must_change[-1, -1, :] = True
+            must_change[-1, group, :] = True
         return {**inputs, "k": k, "v": v}, must_change
 
     def new_output(self, inputs: dict):
@@ -357,11 +372,14 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                 raise UsageError(f"attention: {name} must have unit head-dim stride and 16-byte aligned rows")
         scale_log2 = np.float32(inputs["scale"] * math.log2(math.e))
         o_strides = out.stride()
+        if k.shape[1] != shape.kv_heads or v.shape[1] != shape.kv_heads or q.shape[1] != shape.heads:
+            raise UsageError(f"attention: q, k, v have {q.shape[1]}, {k.shape[1]}, {v.shape[1]} heads; the shape "
+                             f"{shape.spec} has {shape.heads} query and {shape.kv_heads} K/V heads")
         tail = (np.int64(o_strides[0]), np.int64(o_strides[1]), np.int64(o_strides[2]), plan.seq_q, plan.seq_k,
                 scale_log2)
         if plan.wgmma:
             # The maps go by value into the kernel's parameters (__grid_constant__): nothing to upload or keep.
-            args = self.tensor_maps(config, shape, inputs) + (np.uint64(out.data_ptr()),) + tail
+            args = self.tensor_maps(config, shape, inputs) + (np.uint64(out.data_ptr()),) + tail + (plan.kv_magic,)
             return torch_stream_launcher(kernel, plan.grid, plan.block, args, plan.dynamic_smem)
         args = [np.uint64(t.data_ptr()) for t in (q, k, v, out)]
         for t in (q, k, v):
@@ -381,6 +399,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
             args += [np.uint64(t.data_ptr()) for t in workspace]
         else:
             args += [np.uint64(0)] * 3
+        args.append(plan.kv_magic)
         # The workspace is kept alive by the launcher (its first default argument).
         return torch_stream_launcher(kernel, plan.grid, plan.block, tuple(args), plan.dynamic_smem, keep=workspace)
 
@@ -399,7 +418,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         return tuple(map_param(t.data_ptr(), a) for t, a in zip((q, k, v), args))
 
     def reference(self, shape: Shape, inputs: dict):
-        """softmax(scale·QKᵀ + mask)·V in fp32 (no TF32), one (batch, head-chunk) at a time to bound memory."""
+        """softmax(scale·QKᵀ + mask)·V in fp32 (no TF32), one (batch, head-chunk) at a time to bound memory.
+        Grouped K/V heads are expanded per query head here only, one chunk at a time."""
         import torch
 
         q, k, v = (inputs[n].float() for n in ("q", "k", "v"))
@@ -415,10 +435,12 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
             for b in range(shape.batch):
                 for h0 in range(0, shape.heads, heads_per_chunk):
                     sl = (b, slice(h0, h0 + heads_per_chunk))
-                    s = torch.matmul(q[sl], k[sl].transpose(-1, -2)) * inputs["scale"]
+                    kv_sl = (b, torch.arange(h0, min(h0 + heads_per_chunk, shape.heads), device=q.device)
+                             // shape.kv_group) if shape.kv_group > 1 else sl
+                    s = torch.matmul(q[sl], k[kv_sl].transpose(-1, -2)) * inputs["scale"]
                     if mask is not None:
                         s = s.masked_fill(~mask, float("-inf"))
-                    out[sl] = torch.matmul(torch.softmax(s, dim=-1), v[sl])
+                    out[sl] = torch.matmul(torch.softmax(s, dim=-1), v[kv_sl])
         finally:
             torch.backends.cuda.matmul.allow_tf32 = prev
         return out
@@ -429,6 +451,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
     def baseline_skip_reason(self, name: str, shape: Shape) -> str | None:
         if name == "math" and shape.seq_q * shape.seq_k * shape.batch * shape.heads > (1 << 28):
             return "skipped: the math backend's S matrix is too large"
+        if shape.kv_heads != shape.heads and not sdpa_has_gqa():
+            import torch
+
+            return f"skipped: torch {torch.__version__} SDPA has no enable_gqa (torch >= 2.5 reads grouped K/V heads)"
         return None
 
     def baseline_launcher(self, name: str, shape: Shape, inputs: dict, probe: bool = True):
@@ -441,9 +467,13 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                    "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
 
+        # Grouped K/V heads go in un-repeated (enable_gqa); the keyword only where needed, so SDPA's path
+        # for ungrouped shapes is the one it always was.
+        gqa = {"enable_gqa": True} if shape.kv_heads != shape.heads else {}
+
         def run():
             with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, scale=inputs["scale"])
+                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, scale=inputs["scale"], **gqa)
 
         return self.probed(run, probe)
 
@@ -459,6 +489,7 @@ class LaunchPlan:
     seq_q: object         # np.int32, ready to pass
     seq_k: object
     workspace: tuple      # (ws_o floats, ws_lse floats, ws_count ints); zeros without a K/V split
+    kv_magic: object      # np.uint32 kv_head_magic(shape.kv_group): 0 without grouped-query attention
 
 
 @lru_cache(maxsize=1024)
@@ -467,18 +498,42 @@ def _launch_plan(problem, config, shape: Shape) -> LaunchPlan:
 
     geo = problem.geometry(config, shape)
     return LaunchPlan(is_wgmma(config), tuple(geo.grid), tuple(geo.block), int(geo.dynamic_smem),
-                      np.int32(shape.seq_q), np.int32(shape.seq_k), problem.workspace_elems(config, shape))
+                      np.int32(shape.seq_q), np.int32(shape.seq_k), problem.workspace_elems(config, shape),
+                      np.uint32(kv_head_magic(shape.kv_group)))
 
 
 @lru_cache(maxsize=1024)
 def _map_args(config, shape: Shape, q_strides: tuple, k_strides: tuple, v_strides: tuple) -> tuple:
-    """(Q, K, V) TiledMapArgs of a wgmma launch on tensors with these (B, H, S, D) element strides."""
+    """(Q, K, V) TiledMapArgs of a wgmma launch on tensors with these (B, H, S, D) element strides. K's and
+    V's maps span the K/V heads (kv_heads): the kernel reads head h / kv_group of them."""
     from ..tma import tiled_map_args
 
     block_m, block_n = wgmma_block_m(config), int(knob(config, "block_n"))
-    return tuple(tiled_map_args(shape.dtype, (shape.batch, shape.heads, seq, shape.head_dim), strides, rows)
-                 for strides, seq, rows in ((q_strides, shape.seq_q, block_m), (k_strides, shape.seq_k, block_n),
-                                            (v_strides, shape.seq_k, block_n)))
+    return tuple(tiled_map_args(shape.dtype, (shape.batch, heads, seq, shape.head_dim), strides, rows)
+                 for strides, heads, seq, rows in ((q_strides, shape.heads, shape.seq_q, block_m),
+                                                   (k_strides, shape.kv_heads, shape.seq_k, block_n),
+                                                   (v_strides, shape.kv_heads, shape.seq_k, block_n)))
+
+
+def kv_head_magic(group: int) -> int:
+    """The kernels' kv_magic launch argument for `group` query heads per K/V head: 0 for 1 (no grouping: the
+    K/V head is the query head), else ceil(2^32 / group), with which __umulhi(head, magic) == head // group for
+    every head < 2^16 (MAX_DIMS) (kernels/attention.cu kv_head_of says why not a division)."""
+    if not 1 <= group < 1 << 16:
+        raise UsageError(f"attention: a K/V group of {group} query heads is out of range (1 to 65535)")
+    return 0 if group == 1 else -(-(1 << 32) // group)
+
+
+def sdpa_has_gqa() -> bool:
+    """Whether the installed torch's SDPA takes enable_gqa (torch >= 2.5)."""
+    import inspect
+
+    import torch.nn.functional as F
+
+    try:
+        return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: ask the docstring
+        return "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 PROBLEM = AttentionProblem()

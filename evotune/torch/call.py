@@ -3,9 +3,9 @@ and whether the kernel can compute the call at all.
 
 Two kinds of fault. Arguments SDPA itself would refuse (not 4-D, mismatched sizes, dtypes or
 devices, fewer K/V heads without enable_gqa) are a UsageError. Arguments SDPA computes but the
-kernel does not (a CPU tensor, fp32, head dim 96, a strided head dim, grouped K/V heads) make the
-call "uncovered": `coverage` names what, and the op's fallback policy decides between SDPA and
-an error.
+kernel does not (a CPU tensor, fp32, head dim 96, a strided head dim) make the call "uncovered": `coverage` names what, and the op's fallback policy decides between SDPA and
+an error. Grouped K/V heads (enable_gqa, fewer K/V heads than query heads) are covered: the kernel
+reads K/V head h // (heads / kv_heads) for query head h, and K/V go in un-repeated.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class Call:
             return None
         try:
             return Shape(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim, self.dtype, self.causal,
-                         self.layout)
+                         self.layout, self.kv_heads)
         except UsageError:
             return None
 
@@ -109,9 +109,9 @@ class Call:
 
 
 def coverage(call: Call, gpu_cc: tuple[int, int] | None) -> str | None:
-    """Why the kernel cannot compute `call` (device, dtype, head dim, grouped heads, stride, size), or None.
+    """Why the kernel cannot compute `call` (device, dtype, head dim, stride, size), or None.
     `gpu_cc` is the compute capability of the call's GPU (None off CUDA)."""
-    from .kernels import unsupported
+    from .kernels import supports, unsupported
 
     if not call.device.startswith("cuda"):
         return f"device {call.device}: the kernel runs on CUDA GPUs"
@@ -123,7 +123,7 @@ def coverage(call: Call, gpu_cc: tuple[int, int] | None) -> str | None:
     if call.head_dim not in HEAD_DIMS or call.v_head_dim != call.head_dim:
         return (f"head dim {call.head_dim} (value head dim {call.v_head_dim}): the kernel is written for "
                 f"{' and '.join(map(str, HEAD_DIMS))}, the same for q, k and v")
-    if call.kv_heads != call.heads:
+    if call.kv_heads != call.heads and not supports("gqa"):
         return f"{call.kv_heads} k/v heads for {call.heads} query heads: {unsupported('gqa')}"
     if 0 in (call.batch, call.heads, call.seq_q, call.seq_k):
         return "an empty tensor (a size is 0)"
@@ -135,7 +135,8 @@ def coverage(call: Call, gpu_cc: tuple[int, int] | None) -> str | None:
         from ..shapes import Shape
 
         try:
-            Shape(call.batch, call.heads, call.seq_q, call.seq_k, call.head_dim, call.dtype, call.causal, call.layout)
+            Shape(call.batch, call.heads, call.seq_q, call.seq_k, call.head_dim, call.dtype, call.causal, call.layout,
+                  call.kv_heads)
         except UsageError as e:
             return str(e)
     return None

@@ -16,9 +16,9 @@ PROBLEM = get_problem("attention")
 FEATURES = ("gqa", "lse")
 # Features the kernel lacks today, and why: the op routes such calls per its fallback policy, saying
 # this. When kernels/attention.cu grows a feature, its entry goes (and the op's path for it with it).
+# "gqa" (grouped-query attention) is supported: both variants read K/V head h // (heads / kv_heads) through
+# the kv_group launch argument, never a per-query-head copy of K/V.
 MISSING_FEATURES = {
-    "gqa": "grouped-query attention is not in the kernel yet (it reads one K/V head per query head; "
-           "no head-group index), and evotune never copies K/V per query head",
     "lse": "the kernel does not write the row log-sum-exp, which a backward pass needs",
 }
 
@@ -37,7 +37,7 @@ def unsupported(feature: str) -> str:
 
 def shape_class(shape) -> tuple:
     """What of an attention shape the compiled code depends on (AttentionProblem.template_args reads
-    head_dim, dtype and causal; sizes and strides are launch arguments)."""
+    head_dim, dtype and causal; sizes, strides and the K/V group size are launch arguments)."""
     return shape.dtype, shape.head_dim, shape.causal
 
 

@@ -2,8 +2,8 @@
 
 A call's route is decided once per distinct call (sizes, dtype, strides, device, mask) and cached:
 
-  uncovered  the kernel cannot compute it (device, dtype, head dim, grouped K/V heads, strides, a
-             backward): SDPA where fallback="sdpa", UsageError where fallback="error"
+  uncovered  the kernel cannot compute it (device, dtype, head dim, strides, a backward); grouped
+             K/V heads (enable_gqa) are computed, keyed by their group size in the tuning table: SDPA where fallback="sdpa", UsageError where fallback="error"
   missing    no usable table entry for its key (no table, no entry, not admitted, stale, another
              GPU's table): likewise, and the notice names the key and the command that would tune it
   table      the table routes the key to SDPA (evotune's best was slower, or SDPA was not measured
