@@ -55,7 +55,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import uuid
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -338,17 +337,10 @@ def load_table(path: str | os.PathLike) -> Table:
 
 
 def save_table(table: Table, path: str | os.PathLike) -> Path:
-    """Write `table` to `path` atomically (a uniquely named temporary file, then os.replace)."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise UsageError(f"{path}: folder {path.parent} does not exist")
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        tmp.write_text(json.dumps(table.as_dict(), indent=1) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    """Write `table` to `path` whole (outputs.write_output: a temporary file, then a rename)."""
+    from .outputs import write_output
+
+    return write_output(path, json.dumps(table.as_dict(), indent=1) + "\n", str(path))
 
 
 # --------------------------------------------------------------------------- selection

@@ -127,17 +127,11 @@ class BenchJob(Job):
 
 
 @dataclass(frozen=True, eq=False)
-class BesideJob(Job):
-    """search.measure_beside_best: the baselines, then the run's best config, in one process on the same inputs."""
+class BesideJob(BenchJob):
+    """search.measure_beside_best: the baselines, then the run's best config, in one process on the same
+    inputs (a bench job's fields; dispatch is by exact type, so its handler is its own)."""
 
     kind: ClassVar[str] = "beside"
-    family: str
-    shape: dict
-    config: Config
-    compiled: Compiled
-    reps: int = 100
-    seeds: tuple = DEFAULT_SEEDS
-    names: list | None = None
 
 
 def _plain(value):

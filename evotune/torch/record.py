@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
-import uuid
 from pathlib import Path
 
-from ..errors import UsageError
 
 SHAPES_VERSION = 1
 SHAPES_KIND = "evotune-attention-shapes"
@@ -58,17 +55,10 @@ class ShapeRecorder:
         return {"version": SHAPES_VERSION, "kind": SHAPES_KIND, "shapes": self.shapes}
 
     def save(self, path) -> Path:
-        """Write to_json() to `path` atomically."""
-        path = Path(path)
-        if not path.parent.is_dir():
-            raise UsageError(f"{path}: folder {path.parent} does not exist")
-        tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        """Write to_json() to `path` whole (outputs.write_output: a temporary file, then a rename)."""
+        from ..outputs import write_output
+
+        return write_output(path, json.dumps(self.to_json(), indent=1) + "\n", str(path))
 
 
 def observe(decision) -> None:
