@@ -33,7 +33,7 @@ def export_source(problem, shape, config, record: dict | None = None, meta: dict
     res = result.get("resources") or {}
     flags = " ".join(o for o in nvrtc_options(arch) if not o.startswith("-I"))
     lines = [
-        f"evotune export: {getattr(problem, 'title', problem.family + ' kernel')}, configuration baked in",
+        f"evotune export: {problem.title}, configuration baked in",
         "",
         f"shape        {shape.spec}  ({problem.describe_shape(shape)})",
         f"config       {json.dumps(config.as_dict(), sort_keys=True)}",

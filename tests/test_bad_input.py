@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from evotune import cli as cli_module
+from evotune.cli import family as cli_family
 from evotune.runs import Run
 from _paths import REPO_ROOT
 from test_cli import assert_one_line_error, cli, failed_record, make_run, passing_record  # noqa: F401 (cli: a fixture)
@@ -213,7 +213,7 @@ def test_ctrl_c_prints_interrupted(main_in_process, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_module, "_load", interrupted)
+    monkeypatch.setattr(cli_family, "load_problem", interrupted)
     proc = main_in_process("check")
     assert (proc.returncode, proc.stderr, proc.stdout) == (130, "evotune: interrupted\n", "")
 

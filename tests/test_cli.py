@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from evotune import cli as cli_module
 from evotune.cli import app
+from evotune.cli import common as cli_common
 from evotune.runs import Run
 
 # A record that passed, as the search writes it (numbers are made up; the config is the default one).
@@ -183,7 +184,7 @@ def test_shapes_json():
 
 def test_shapes_table(monkeypatch):
     """`shapes` without --json prints a table naming every preset."""
-    monkeypatch.setattr(cli_module.console, "width", 200)  # the runner is not a terminal: rich would use 80 columns
+    monkeypatch.setattr(cli_common.console, "width", 200)  # the runner is not a terminal: rich would use 80 columns
     result = CliRunner().invoke(app, ["shapes"])
     assert result.exit_code == 0
     for name in ("mission", "gpt2", "long-16k-causal"):
@@ -305,11 +306,11 @@ def test_search_gpus_and_storage_usage_errors(main_in_process, runs_root, args, 
 
 def test_search_gpus_beyond_visible_devices(main_in_process, runs_root, monkeypatch):
     """--gpus naming a device index at or past the number of visible GPUs exits 2 saying how many are visible."""
-    monkeypatch.setattr(cli_module, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(cli_common, "gpu_count", lambda: 2)
     line = assert_one_line_error(main_in_process("search", "--run", "g", "--gpus", "0,2,1,3"), 2,
                                  "--gpus names GPU 2, 3", "2 CUDA devices visible (indices 0-1)")
     assert "CUDA_VISIBLE_DEVICES" in line
-    monkeypatch.setattr(cli_module, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(cli_common, "gpu_count", lambda: 1)
     assert_one_line_error(main_in_process("search", "--run", "g", "--gpus", "0,0,1"), 2,
                           "--gpus names GPU 1", "there is 1 CUDA device visible (indices 0-0)")
     assert not runs_root.exists() or list(runs_root.iterdir()) == []

@@ -316,6 +316,7 @@ def test_cli_search_gpus_runs_one_agent_per_entry(space_path, mission, tmp_path,
 
     from evotune import agents as agents_module
     from evotune import cli as cli_module
+    from evotune.cli import common as cli_common
     from evotune import workers as workers_module
 
     class InfoWorker:
@@ -335,7 +336,7 @@ def test_cli_search_gpus_runs_one_agent_per_entry(space_path, mission, tmp_path,
             return {"name": "CPU stand-in", "device": self.device}
 
     real_specs = agents_module.specs_for
-    monkeypatch.setattr(cli_module, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(cli_common, "gpu_count", lambda: 2)
     monkeypatch.setattr(workers_module, "GPUWorker", InfoWorker)
     monkeypatch.setattr(agents_module, "specs_for",
                         lambda devices, **kw: real_specs(devices, **kw, evaluator=_shared_agent.cpu_evaluator))

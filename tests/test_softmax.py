@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from evotune import cli as cli_module
 from evotune import result as R
 from evotune.cli import app
+from evotune.cli import common as cli_common
 from evotune.compile import compile_source, static_violations
 from evotune.errors import UsageError
 from evotune.export import export_source
@@ -369,7 +370,7 @@ def test_search_end_to_end_writes_a_run_that_exports(softmax, runs_root, tmp_pat
 
 def test_shapes_command(monkeypatch):
     """`shapes --family softmax` lists the softmax presets (table and JSON); attention stays the default."""
-    monkeypatch.setattr(cli_module.console, "width", 200)
+    monkeypatch.setattr(cli_common.console, "width", 200)
     table = CliRunner().invoke(app, ["shapes", "--family", "softmax"])
     assert table.exit_code == 0 and all(name in table.stdout for name in PRESETS)
     assert "rows" in table.stdout and "cols" in table.stdout and "mission" not in table.stdout

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from evotune import cli
+from evotune.cli import common as cli_common
 from evotune.shapes import Shape
 from evotune.tuning_table import load_table
 
@@ -79,7 +79,7 @@ def test_build_into_a_missing_folder_is_exit_2(two_runs, main_in_process, tmp_pa
 def test_show_never_cuts_the_key(two_runs, main_in_process, tmp_path, monkeypatch, width):
     out = tmp_path / "t.json"
     assert main_in_process("table", "build", "-o", str(out)).returncode == 0
-    monkeypatch.setattr(cli.console, "width", width)
+    monkeypatch.setattr(cli_common.console, "width", width)
     proc = main_in_process("table", "show", str(out))
     assert proc.returncode == 0, proc.stderr
     for e in load_table(out).entries:

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from evotune import result as R
-from evotune.cli import _warm_start
+from evotune.cli.search import warm_start_configs
 from evotune.errors import UsageError
 from evotune.runs import Run
 from evotune.search import SearchOptions, run_search
@@ -137,9 +137,9 @@ def test_warm_start_option_seeds_new_runs_only(attention, attention_small, missi
     with --resume it is a usage error."""
     configs = [c.as_dict() for c in attention_small.admitted_configs(attention.context(mission))[:30]]
     recorded_run("earlier", mission.as_dict(), [(c, 10.0 + i) for i, c in enumerate(configs)])
-    warm, meta = _warm_start("auto", False, "new", attention, mission, attention_small, 4, json_out=True)
+    warm, meta = warm_start_configs("auto", False, "new", attention, mission, attention_small, 4, json_out=True)
     assert list(warm) == configs[:4]
     assert meta["warm_start"]["runs"] == ["earlier"] and meta["warm_start"]["configs"] == 4
-    assert _warm_start(None, False, "new", attention, mission, attention_small, 4, json_out=True) == ((), {})
+    assert warm_start_configs(None, False, "new", attention, mission, attention_small, 4, json_out=True) == ((), {})
     with pytest.raises(UsageError, match="new run"):
-        _warm_start("auto", True, "earlier", attention, mission, attention_small, 4, json_out=True)
+        warm_start_configs("auto", True, "earlier", attention, mission, attention_small, 4, json_out=True)

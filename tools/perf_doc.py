@@ -14,7 +14,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from evotune.cli import _cfg_short as cfg_short  # noqa: E402  (the CLI's own config abbreviation)
+from evotune.cli.display import cfg_short  # noqa: E402  (the CLI's own config abbreviation)
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 

@@ -1,7 +1,7 @@
 """`evotune table build|show` and `evotune tune`: the command-line side of the tuning table
 (evotune/tuning_table.py holds the logic; evotune.torch.attention reads the table).
 
-Registered on cli.app when cli.py is imported.
+Registered on the app when the evotune.cli package is imported.
 """
 
 from __future__ import annotations
@@ -12,19 +12,20 @@ from typing import Optional
 import typer
 from rich.table import Table as RichTable
 
-from . import cli
-from .errors import EvotuneError, UsageError
+from ..errors import EvotuneError, UsageError
+from .common import app, console, emit_json, err_console, load_problem, require_gpu
+from .search import new_meta_for, resume_command, search_one, warm_start_configs
 
 table_app = typer.Typer(no_args_is_help=True, help="Build and show the tuning table that "
                         "evotune.torch.attention reads (EVOTUNE_TABLE, else the default in evotune's cache).")
-cli.app.add_typer(table_app, name="table")
+app.add_typer(table_app, name="table")
 
 _TABLE_HELP = "Tuning table file (default: $EVOTUNE_TABLE, else tuning-table.json in $EVOTUNE_CACHE or ~/.cache/evotune)."
 
 
 def _table_path(given: Optional[str]) -> Path:
     """The table file to write: the one given (its folder must exist), else the default (its folder is made)."""
-    from .tuning_table import default_table_path
+    from ..tuning_table import default_table_path
 
     if given:
         return Path(given)
@@ -34,15 +35,15 @@ def _table_path(given: Optional[str]) -> Path:
 
 
 def _report_build(table, notes, path: Path, json_out: bool, extra: dict | None = None) -> None:
-    from .tuning_table import note_line
+    from ..tuning_table import note_line
 
     if json_out:
-        cli._emit_json({**(extra or {}), "path": str(path), "entries": len(table.entries),
-                        "notes": [{"run": n.run, "action": n.action, "key": n.key, "reason": n.reason} for n in notes]})
+        emit_json({**(extra or {}), "path": str(path), "entries": len(table.entries),
+                   "notes": [{"run": n.run, "action": n.action, "key": n.key, "reason": n.reason} for n in notes]})
         return
     for note in notes:
-        cli.console.print(note_line(note, table), highlight=False, markup=False, soft_wrap=True)
-    cli.console.print(f"table: {len(table.entries)} entries written to {path}", highlight=False, soft_wrap=True)
+        console.print(note_line(note, table), highlight=False, markup=False, soft_wrap=True)
+    console.print(f"table: {len(table.entries)} entries written to {path}", highlight=False, soft_wrap=True)
 
 
 @table_app.command("build")
@@ -55,11 +56,11 @@ def build(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Build or update the tuning table from runs: one entry per key, routed to evotune only where it beat SDPA."""
-    from .tuning_table import family_runs, update_table
+    from ..tuning_table import family_runs, update_table
 
     chosen = list(runs) if runs else family_runs()
     if not chosen:
-        from .runs import runs_dir
+        from ..runs import runs_dir
 
         raise UsageError(f"no attention run under {runs_dir()}: run `evotune search` or `evotune tune` first")
     table, notes, path = update_table(chosen, _table_path(out), bench or ())
@@ -77,12 +78,12 @@ def show(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Print the table's entries: key, route, evotune's and the best SDPA backend's time, run/trial."""
-    from .tuning_table import default_table_path, load_table
+    from ..tuning_table import default_table_path, load_table
 
     path = Path(file) if file else default_table_path()
     table = load_table(path)
     if json_out:
-        cli._emit_json({"path": str(path), **table.as_dict()})
+        emit_json({"path": str(path), **table.as_dict()})
         return
     headers = ["key", "route", "evotune us", "best SDPA", "run/trial"]
     rows = [_entry_row(e) for e in sorted(table.entries, key=lambda e: e.key)]
@@ -92,44 +93,44 @@ def show(
 def _print_rows(title: str, headers: list[str], rows: list[list[str]]) -> None:
     """A table where it fits the console whole; else a block per row (the key on its own line). No cell is cut."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    if sum(widths) + 3 * len(widths) + 1 <= cli.console.width:
+    if sum(widths) + 3 * len(widths) + 1 <= console.width:
         table = RichTable(title=title)
         for h in headers:
             table.add_column(h, no_wrap=True)
         for r in rows:
             table.add_row(*r)
-        cli.console.print(table)
+        console.print(table)
         return
-    cli.console.print(title, highlight=False, markup=False, soft_wrap=True)
+    console.print(title, highlight=False, markup=False, soft_wrap=True)
     for r in rows:
-        cli.console.print(r[0], highlight=False, markup=False, soft_wrap=True)
-        cli.console.print("    " + "; ".join(f"{h} {v}" for h, v in zip(headers[1:], r[1:])),
-                          highlight=False, markup=False, soft_wrap=True)
+        console.print(r[0], highlight=False, markup=False, soft_wrap=True)
+        console.print("    " + "; ".join(f"{h} {v}" for h, v in zip(headers[1:], r[1:])),
+                      highlight=False, markup=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------- tune
 def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool) -> str:
     """One key's search: `evotune search --shape SPEC --trials N --warm-start auto` on GPU `gpu`, the best then
     timed beside SDPA; returns the run id (EvotuneError where no candidate passed the gate)."""
-    from .search import SearchOptions
+    from ..search import SearchOptions
 
-    problem, shp, spc = cli._load(shape.spec, None, "attention")
-    warm, warm_meta = cli._warm_start("auto", False, None, problem, shp, spc, SearchOptions.population, json_out)
+    problem, shp, spc = load_problem(shape.spec, None, "attention")
+    warm, warm_meta = warm_start_configs("auto", False, None, problem, shp, spc, SearchOptions.population, json_out)
     options = SearchOptions(trials=trials, warm_start=warm)
-    new_meta = cli._meta_for(problem, shp, spc, options, None, [gpu], warm_meta)
-    summary, rn = cli._search_one(None, new_meta, None, gpu, None, options, problem, shp, spc, timeout, json_out,
-                                  lambda rn: cli._resume_hint(rn, shp.spec, trials, None, None))
+    new_meta = new_meta_for(problem, shp, spc, options, None, [gpu], warm_meta)
+    summary, rn = search_one(None, new_meta, None, gpu, None, options, problem, shp, spc, timeout, json_out,
+                             lambda rn: resume_command(rn, shp.spec, trials, None, None))
     best = summary["best"]
     if best is None:
         raise EvotuneError(f"run {rn.run_id}: no candidate passed the correctness gate")
     if not json_out:
-        cli.err_console.print(f"run {rn.run_id}: best trial {best['number']} {best['result']['time_us']:.2f} us",
-                              highlight=False, soft_wrap=True)
+        err_console.print(f"run {rn.run_id}: best trial {best['number']} {best['result']['time_us']:.2f} us",
+                          highlight=False, soft_wrap=True)
     return rn.run_id
 
 
 def _tune_specs(shape: Optional[list[str]], shapes: Optional[str]) -> list[str]:
-    from .tuning_table import read_shapes_file
+    from ..tuning_table import read_shapes_file
 
     if shape and shapes:
         raise UsageError("give --shape (repeatable) or --shapes FILE, not both")
@@ -141,7 +142,7 @@ def _tune_specs(shape: Optional[list[str]], shapes: Optional[str]) -> list[str]:
     return list(shape)
 
 
-@cli.app.command()
+@app.command()
 def tune(
     shape: Optional[list[str]] = typer.Option(None, "--shape", help="Attention shape to tune (repeatable)."),
     shapes: Optional[str] = typer.Option(None, "--shapes", help="Shapes file saved by evotune.torch.record_shapes()."),
@@ -152,7 +153,7 @@ def tune(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Search each distinct table key of the shapes (warm-started from earlier runs), then update the table."""
-    from .tuning_table import load_table, tune_keys, tune_plan, update_table
+    from ..tuning_table import load_table, tune_keys, tune_plan, update_table
 
     plan, merged = tune_plan(_tune_specs(shape, shapes))
     path = _table_path(table)
@@ -160,19 +161,19 @@ def tune(
         load_table(path)  # a damaged table fails now, not after the searches
     elif not path.parent.is_dir():
         raise UsageError(f"{path}: folder {path.parent} does not exist")
-    cli._require_gpu("tune")
+    require_gpu("tune")
     if not json_out:
         for note in merged:
-            cli.err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+            err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
     def progress(i: int, n: int, shp) -> None:
         if not json_out:
-            cli.err_console.print(f"key {i}/{n}: {shp.spec} ...", highlight=False, soft_wrap=True)
+            err_console.print(f"key {i}/{n}: {shp.spec} ...", highlight=False, soft_wrap=True)
 
     outcomes = tune_keys(plan, lambda shp: _search_key(shp, trials, timeout, gpu, json_out), progress)
     for o in outcomes:
         if o["error"] and not json_out:
-            cli.err_console.print(f"key {o['shape']}: not tuned: {o['error']}", highlight=False, soft_wrap=True)
+            err_console.print(f"key {o['shape']}: not tuned: {o['error']}", highlight=False, soft_wrap=True)
     tuned = [o["run"] for o in outcomes if o["run"]]
     if not tuned:
         raise EvotuneError(f"no key was tuned ({len(outcomes)} searched); the table at {path} is unchanged")

@@ -1,6 +1,6 @@
 """Progress of a search on the console: the live bar and best-so-far table, or a line per trial.
 
-Part of the command line (typer + rich); cli.py and cli_table.py use it.
+Part of the command line (rich); `evotune search` and `evotune tune` use it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from ..runs import best_record
 
 
 def cfg_short(cfg: dict) -> str:
@@ -51,17 +53,29 @@ def trial_line(record: dict, agent: str = "") -> str:
 
 class SearchDisplay:
     """A search's progress on stderr: on a terminal, a live bar with ETA over the best-so-far table;
-    elsewhere a line per trial (none with --json)."""
+    elsewhere a line per trial (none with --json). Used as a context manager: the live view is drawn inside.
 
-    def __init__(self, label: str, total: int, completed: int, json_out: bool, console: Console):
+    `records` are the run's records so far: a resumed run's bar starts at its counted trials."""
+
+    def __init__(self, label: str, total: int, records: list[dict], json_out: bool, console: Console):
         self.console = console
         self.json_out = json_out
         self.recent: list[dict] = []
+        self.best = best_record(records)
         self.progress = Progress(TextColumn("[bold]search[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TimeRemainingColumn(), console=self.console)
-        self.task = self.progress.add_task(label, total=total, completed=completed)
+        self.task = self.progress.add_task(label, total=total, completed=sum(1 for r in records if r.get("counted")))
         self.live = (Live(Group(self.progress), console=self.console, refresh_per_second=4)
                      if self.console.is_terminal and not json_out else None)
+
+    def __enter__(self) -> SearchDisplay:
+        if self.live is not None:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
 
     def show(self, record: dict, best: Optional[dict], agent: str = "") -> None:
         self.recent.append(record)
@@ -71,3 +85,9 @@ class SearchDisplay:
             self.live.update(Group(self.progress, best_table(best, self.recent)))
         elif not self.json_out:
             self.console.print(trial_line(record, agent), markup=False, highlight=False)
+
+    def follow(self, records: list[dict]) -> None:
+        """Show records read from the run's log, as several agents write it: the best so far is kept here."""
+        for record in records:
+            self.best = best_record([r for r in (self.best, record) if r is not None])
+            self.show(record, self.best, record.get("agent", ""))

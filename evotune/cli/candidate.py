@@ -1,0 +1,324 @@
+"""The commands on one candidate, a run's trial or a `--config` on a shape: `replay`, `bench`, `verify`,
+`sanitize` (on the GPU, in worker processes) and `sass` (no GPU)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..errors import EvotuneError, UsageError
+from ..outputs import check_output_path, write_output
+from .common import FAMILY_HELP, app, console, emit_json, load_problem, require_gpu
+from .display import cfg_short
+
+REPLAY_SEEDS = (101, 102, 103)  # not the search's seeds: replay checks on inputs the search never saw
+
+
+@app.command()
+def replay(
+    which: str = typer.Argument("best", help="'best' or a trial number."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
+    baselines: bool = typer.Option(True, "--baselines/--no-baselines",
+                                   help="Time the family's baselines beside it (SDPA backends, torch.softmax)."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Recompile a recorded config, re-verify on fresh inputs, re-time beside the baselines, report drift."""
+    from ..runs import Run
+    from ..search import worker_evaluator
+    from ..space import Config
+    from ..workers import BaselinesJob, GPUWorker
+
+    rn = Run.open(run)
+    problem, shp = rn.problem_and_shape()
+    rec = rn.select(which, "replay")
+    config = Config.from_dict(rec["config"])
+    require_gpu("replay")
+    src, compiled = _compile_candidate(problem, shp, config)
+    with GPUWorker() as worker:
+        res = worker_evaluator(worker, problem, shp, seeds=REPLAY_SEEDS)(config, compiled)
+        base = worker.call(BaselinesJob(family=problem.family, shape=shp.as_dict()), timeout_s=600) if baselines else {}
+    recorded = rec["result"]["time_us"]
+    out = {"run_id": rn.run_id, "trial": rec["number"], "config": rec["config"], "shape": shp.spec,
+           "status": res.status, "message": res.message, "time_us": res.time_us, "recorded_time_us": recorded,
+           "drift_pct": (100.0 * (res.time_us - recorded) / recorded) if res.time_us else None,
+           "max_abs": res.max_abs, "timing": res.timing, "verification": res.verification,
+           "source_changed": rec.get("source_digest") not in (None, src.digest), "baselines": base}
+    if json_out:
+        emit_json(out)
+    else:
+        _print_comparison(out, shp, problem)
+    if res.status != "ok":
+        raise EvotuneError(f"replay of trial {rec['number']} failed: {res.status}: {res.message}")
+
+
+def _print_comparison(out: dict, shp, problem) -> None:
+    def rate(time_us):
+        value = problem.rate(shp, time_us) if time_us else None
+        return f"{value:.1f}" if value is not None else "-"
+
+    kind = problem.baseline_kind
+    table = Table(title=f"{shp.spec}: run {out['run_id']} trial {out['trial']}")
+    for col in ("kernel", "median us", "p10-p90 us", problem.rate_unit, "max abs err", "vs ours"):
+        table.add_column(col)
+    t = out["time_us"]
+    tim = out.get("timing") or {}
+    table.add_row("evotune (replay)", f"{t:.2f}" if t else "-",
+                  f"{tim.get('p10_us', 0):.2f}-{tim.get('p90_us', 0):.2f}" if tim else "-", rate(t),
+                  f"{out['max_abs']:.2e}" if out.get("max_abs") is not None else "-", "1.00x")
+    table.add_row("evotune (recorded)", f"{out['recorded_time_us']:.2f}", "", "", "", "")
+    for name, b in (out.get("baselines") or {}).items():
+        if not b.get("available"):
+            table.add_row(f"{kind} {name}", "n/a", b.get("reason", ""), "", "", "")
+            continue
+        bt = b["timing"]
+        table.add_row(f"{kind} {name}", f"{b['time_us']:.2f}", f"{bt['p10_us']:.2f}-{bt['p90_us']:.2f}",
+                      rate(b["time_us"]), f"{b['verification']['max_abs']:.2e}",
+                      f"{b['time_us'] / t:.2f}x" if t else "-")
+    console.print(table)
+    if out.get("drift_pct") is not None:
+        console.print(f"drift from the record: {out['drift_pct']:+.1f}%")
+    if out.get("source_changed"):
+        console.print("note: the kernel template changed since this trial was recorded")
+
+
+def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str], shape_text: Optional[str],
+                       space_path: Optional[str], family: Optional[str], purpose: str):
+    """(problem, shape, config) from a run record (of the run's family), or from --config JSON on --shape
+    (of --family, else the --space file's, else attention); --shape overrides a run's."""
+    from ..runs import Run
+
+    if config_json is not None:
+        problem, shp, spc = load_problem(shape_text, space_path, family)
+        try:
+            cfg_dict = json.loads(config_json)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--config is not valid JSON: {e}") from None
+        except RecursionError:  # json gives up on deep nesting this way, not with a JSONDecodeError
+            raise UsageError("--config is nested too deeply: give one JSON object of knob values") from None
+        if not isinstance(cfg_dict, dict):
+            raise UsageError("--config must be a JSON object of knob values")
+        config = spc.config(cfg_dict)
+        why = spc.violations(config, problem.context(shp))
+        if why:
+            raise UsageError(f"--config is not admitted on {shp.spec}: {'; '.join(why)}")
+        return problem, shp, config
+    from ..space import Config
+
+    rn = Run.open(run)
+    problem, shp = rn.problem_and_shape()
+    rec = rn.select(which, purpose, require_pass=False)
+    if family is not None and family != problem.family:
+        raise UsageError(f"run {rn.run_id!r} is of family {problem.family!r}, not {family!r}")
+    shp = problem.parse_shape(shape_text) if shape_text else shp
+    problem.check_shape(shp)
+    return problem, shp, Config.from_dict(rec["config"])
+
+
+def _compile_candidate(problem, shp, config):
+    from ..compile import compile_source
+    from ..template import instantiate
+
+    src = instantiate(problem, config, shp)
+    return src, compile_source(src.code, src.entry)
+
+
+@app.command()
+def bench(
+    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
+    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Shape to bench on (default: the run's)."),
+    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A run's is its own."),
+    reps: int = typer.Option(100, "--reps", min=5, help="Timed CUDA-graph replays per kernel (median, p10, p90)."),
+    baselines: Optional[str] = typer.Option(None, "--baselines", help="Comma list of baselines (default: all of the family's)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Also write the full JSON record to this file."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """The tuned kernel beside every SDPA backend on one shape: same inputs, same gate, same timing."""
+    from ..bench import flops_and_bytes, header, summarize
+    from ..workers import BenchJob, GPUWorker
+
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "bench")
+    names = [n.strip() for n in baselines.split(",") if n.strip()] if baselines else None
+    if names:
+        unknown = sorted(set(names) - set(problem.baselines()))
+        if unknown:
+            raise UsageError(f"unknown baseline(s) {', '.join(unknown)}; {problem.family} has {', '.join(problem.baselines())}")
+    if out is not None:
+        check_output_path(out, "--out")
+    require_gpu("bench")
+    src, compiled = _compile_candidate(problem, shp, cfg)
+    with GPUWorker(timeout_s=900) as worker:
+        raw = worker.call(BenchJob(family=problem.family, shape=shp.as_dict(), config=cfg, compiled=compiled,
+                                   reps=reps, seeds=REPLAY_SEEDS, names=names))
+    flops, nbytes = flops_and_bytes(shp)
+    summary = summarize(raw, flops, nbytes)
+    from ..runs import base_meta
+
+    meta = base_meta()
+    record = {**header(raw["device"], meta["command_line"], meta.get("git_sha")), "versions": meta["versions"],
+              "family": problem.family, "shape": shp.spec, "shape_dict": shp.as_dict(), "config": cfg.as_dict(),
+              "source_digest": src.digest, "flops": flops, "min_bytes": nbytes, "reps": reps,
+              "source": {"run": run, "trial": which} if config is None else {"config": config},
+              **summary, "raw": raw}
+    if out is not None:
+        write_output(out, json.dumps(record, indent=1, default=str), "--out")
+    if json_out:
+        emit_json(record)
+    else:
+        _print_bench(record)
+    if record["rows"][0]["time_us"] is None:
+        raise EvotuneError(f"the kernel did not pass on {shp.spec}: {record['rows'][0]['reason']}")
+
+
+def _print_bench(rec: dict) -> None:
+    dev = rec["device"]
+    clocks = dev.get("clocks") or {}
+    console.print(f"{rec['date']}  {dev.get('name')}  SM clock {clocks.get('sm', '?')} (max {clocks.get('max_sm', '?')}), "
+                  f"mem {clocks.get('mem', '?')}  driver {dev.get('driver')}  torch {dev.get('torch')} "
+                  f"(CUDA {dev.get('torch_cuda')}, cuDNN {dev.get('cudnn')})  cupy {dev.get('cupy')}  "
+                  f"evotune {rec.get('git_sha') or '?'}")
+    console.print(f"config: {cfg_short(rec['config'])}")
+    table = Table(title=f"{rec['shape']}  ({rec['reps']} CUDA-graph replays each, median)")
+    for col in ("kernel", "median us", "p10-p90 us", "TFLOP/s", "GB/s", "gate ratio", "ours faster by"):
+        table.add_column(col, justify="right" if col != "kernel" else "left")
+
+    def f(x, fmt):
+        return format(x, fmt) if x is not None else "-"
+
+    for r in rec["rows"]:
+        if not r["available"]:
+            table.add_row(r["name"], "n/a", r["reason"][:60], "", "", "", "")
+            continue
+        table.add_row(r["name"], f(r["time_us"], ".2f"), f"{f(r['p10_us'], '.2f')}-{f(r['p90_us'], '.2f')}",
+                      f(r["tflop_s"], ".1f"), f(r["gb_s"], ".0f"), f(r["gate_ratio"], ".3f"),
+                      f"{r['ours_speedup']:.2f}x" if r["ours_speedup"] else "-")
+    console.print(table)
+    fl, ce = rec["floor"], rec["ceilings"]
+    console.print(f"ceilings (same process): copy {ce['copy']['gb_s']:.0f} GB/s, {ce['matmul']['dtype']} matmul "
+                  f"{ce['matmul']['n']}^3 {ce['matmul']['tflop_s']:.0f} TFLOP/s, empty kernel {ce['empty_kernel']['time_us']:.2f} us")
+    console.print(f"floor: memory {f(fl['memory_us'], '.2f')} us, compute {f(fl['compute_us'], '.2f')} us "
+                  f"({fl['bound'] or '?'}-bound), launch {fl['launch_us']:.2f} us; "
+                  f"ours is {f(rec['rows'][0]['vs_floor'], '.2f')}x its floor")
+    if rec.get("ours_over_best_baseline"):
+        console.print(f"ours / best baseline ({rec['best_baseline']}): {rec['ours_over_best_baseline']:.3f} of its time")
+
+
+@app.command("verify")
+def verify_cmd(
+    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
+    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Shape to check on (default: the run's)."),
+    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A run's is its own."),
+    launches: int = typer.Option(100, "--launches", min=2, help="Launches for the bitwise determinism check."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Deep check of one config: the gate (seeds + stress inputs + dependency) and bitwise determinism."""
+    from ..workers import GPUWorker, VerifyJob
+
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "verify")
+    require_gpu("verify")
+    _, compiled = _compile_candidate(problem, shp, cfg)
+    with GPUWorker(timeout_s=600) as worker:
+        rep = worker.call(VerifyJob(family=problem.family, shape=shp.as_dict(), config=cfg, compiled=compiled,
+                                    launches=launches, seeds=REPLAY_SEEDS))
+    ver, det = rep["verification"], rep["determinism"]
+    ok = ver["passed"] and det["passed"]
+    if json_out:
+        emit_json({"shape": shp.spec, "config": cfg.as_dict(), "passed": ok, **rep})
+    else:
+        console.print(f"{shp.spec}  {cfg_short(cfg.as_dict())}")
+        console.print(f"  gate         {'pass' if ver['passed'] else 'FAIL'}: ratio {ver['gate_ratio']:.3g} (worst: "
+                      f"{ver['worst_case']}), max abs {ver['max_abs']:.3g}, non-finite {ver['nonfinite']}, "
+                      f"patterns {', '.join(ver['patterns'])}")
+        console.print(f"  dependency   {ver['dependency']}")
+        for label, key in (("guard bands", "guards"), ("inputs", "inputs_intact"), ("repeat", "repeat"),
+                           ("timed output", "timed_output")):
+            console.print(f"  {label:<12} {ver.get(key, 'not checked')}")
+        console.print(f"  determinism  {'pass' if det['passed'] else 'FAIL'}: {det['detail']}")
+        if not ver["passed"] and rep.get("message"):
+            console.print(f"  failed: {rep['message']}")
+    if not ok:
+        raise EvotuneError(f"{cfg_short(cfg.as_dict())} failed the deep check on {shp.spec}")
+
+
+@app.command()
+def sanitize(
+    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
+    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Shape (default: a small ragged one of the run's class)."),
+    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A run's is its own."),
+    tool: list[str] = typer.Option(["memcheck", "racecheck", "synccheck"], "--tool", help="Sanitizer tool(s)."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Run compute-sanitizer (memcheck, racecheck, synccheck) on one config and report clean or the finding."""
+    from ..sanitize import TOOLS, run_tool
+
+    for t in tool:
+        if t not in TOOLS:
+            raise UsageError(f"unknown sanitizer tool {t!r}; tools: {', '.join(TOOLS)}")
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "sanitize")
+    if shape is None:  # sanitizers run ~100x slower: a small shape of the same class
+        shp = problem.sanitize_shape(shp)
+    require_gpu("sanitize")
+    _, compiled = _compile_candidate(problem, shp, cfg)
+    job = {"family": problem.family, "shape": shp.as_dict(), "config": cfg.as_dict(),
+           "compiled": compiled.as_dict()}
+    reports = [run_tool(t, job) for t in tool]
+    if json_out:
+        emit_json({"shape": shp.spec, "config": cfg.as_dict(), "reports": reports})
+    else:
+        console.print(f"{shp.spec}  {cfg_short(cfg.as_dict())}")
+        for r in reports:
+            console.print(f"  {r['tool']:<10} {r['summary']}")
+            if not r["clean"]:
+                console.print(r["output_tail"], markup=False, highlight=False)
+    bad = [r["tool"] for r in reports if not r["clean"]]
+    if bad:
+        raise EvotuneError(f"compute-sanitizer reported findings ({', '.join(bad)}) for {cfg_short(cfg.as_dict())} on {shp.spec}")
+
+
+@app.command()
+def sass(
+    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
+    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Shape (default: the run's)."),
+    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="Also write the whole SASS listing here."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Disassemble one config's kernel (no GPU): tensor-core instructions (HGMMA/HMMA), TMA and cp.async loads,
+    local memory, with ptxas's registers and spills."""
+    from ..sass import CLASSES, disassemble, summary
+
+    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "sass")
+    if output is not None:
+        check_output_path(output, "-o")
+    _, compiled = _compile_candidate(problem, shp, cfg)
+    text = disassemble(compiled.cubin_path)
+    info = summary(text)
+    res = compiled.resources
+    info.update({"shape": shp.spec, "config": cfg.as_dict(), "registers": res.registers,
+                 "spill_bytes": res.spill_stores + res.spill_loads, "stack_frame": res.stack_frame, "arch": compiled.arch})
+    if output is not None:
+        write_output(output, text, "-o")
+    if json_out:
+        emit_json(info)
+        return
+    console.print(f"{shp.spec}  {cfg_short(cfg.as_dict())}  ({compiled.arch}, {info['instructions']} instructions)")
+    for op, what in CLASSES.items():
+        console.print(f"  {op:<8} {info['classes'][op]:>5}  {what}")
+    console.print(f"tensor cores: {info['tensor_core']}; local memory instructions: {info['local_memory']}; "
+                  f"{res.registers} registers, {info['spill_bytes']} B spilled, {res.stack_frame} B stack frame")
+    if output is not None:
+        console.print(f"wrote {output}")

@@ -1,0 +1,110 @@
+"""What the command modules share: the typer app they register on, the consoles, loading a family's
+problem, shape and space, JSON output, the GPU checks, and a table that fits the console.
+
+The app lives here, not in the package's __init__, so that the command modules import it from beside
+them and the package imports them (to register their commands) without a cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import NoGPUError, UsageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Autotune and evolve templated CUDA kernels (fused attention forward on the H100).")
+console = Console()
+err_console = Console(stderr=True)
+
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+INTERRUPTED = "evotune: interrupted"
+FAMILY_HELP = ("Kernel family: attention, softmax or package.module:ATTR (a plugin: allow its module with "
+               "--plugin or EVOTUNE_PLUGINS; default: the one the --space file names, else attention).")
+SHAPE_HELP = "Preset name (`evotune shapes --family F`) or the family's spelling (default: the family's)."
+
+
+def emit_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def load_problem(shape_text: Optional[str], space_path: Optional[str], family: Optional[str] = None):
+    """(problem, shape, space): the family is --family, else the one the --space file names, else attention;
+    the shape is parsed by that family (its default shape when none is given)."""
+    from ..problems import get_problem
+    from ..space import check_nonempty, load_builtin, load_space, space_family
+
+    # A space file names its family, so `--space` alone picks it (a plugin `package.module:ATTR` too).
+    declared = space_family(space_path) if space_path else None
+    problem = get_problem(family or declared or "attention")
+    if declared is not None and declared != problem.family:
+        raise UsageError(f"{space_path}: space is for family {declared!r}, not {problem.family!r}")
+    shape = problem.parse_shape(shape_text if shape_text is not None else problem.default_shape)
+    problem.check_shape(shape)
+    # The space's expressions may read exactly the names the family's context gives.
+    names = tuple(problem.context(shape))
+    space = (load_space(space_path, names, problem.knob_domains()) if space_path
+             else load_builtin(problem.default_space, names))
+    if space.family != problem.family:
+        raise UsageError(f"{space.path}: space is for family {space.family!r}, not {problem.family!r}")
+    check_nonempty(space, problem.context(shape))
+    return problem, shape, space
+
+
+def gpu_count() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def require_gpu(command: str) -> None:
+    if gpu_count() < 1:
+        raise NoGPUError(f"no CUDA GPU is visible: `evotune {command}` needs one "
+                         f"(`evotune check` compiles and reports resources without a GPU)")
+
+
+def check_devices(devices: list[int]) -> None:
+    """UsageError where --gpus names a device index at or past the number of visible GPUs."""
+    count = gpu_count()
+    missing = sorted({d for d in devices if d >= count})
+    if missing:
+        seen = f"{count} CUDA device{'s' if count != 1 else ''} visible (indices 0-{count - 1})"
+        raise UsageError(f"--gpus names GPU {', '.join(map(str, missing))}, but there {'are' if count != 1 else 'is'} "
+                         f"{seen}; CUDA_VISIBLE_DEVICES renumbers them")
+
+
+_FOLD_MIN = 24  # narrowest a folded description stays readable
+
+
+def print_fit_table(title: str, headers: list[str], rows: list[list[str]], drop_order: tuple[str, ...] = ()) -> None:
+    """Print `rows` as a table that fits this console. The first column holds the names a user types (a preset,
+    a run): it is never wrapped or cut. Columns of `drop_order` may fold down to _FOLD_MIN characters; where even
+    that does not fit they are left out, in that order. A name wider than the console gets plain lines instead."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    if widths[0] + 4 > console.width:
+        console.print(title, highlight=False)
+        for r in [headers, *rows]:
+            console.print("  ".join(r), highlight=False, markup=False, soft_wrap=True)
+        return
+    foldable = {headers.index(name) for name in drop_order}
+    shown = list(range(len(headers)))
+    for name in drop_order:
+        needed = sum(min(widths[i], _FOLD_MIN) if i in foldable else widths[i] for i in shown)
+        if needed + 3 * len(shown) + 1 <= console.width:
+            break
+        shown.remove(headers.index(name))
+    table = Table(title=title)
+    for i in shown:
+        first = i == 0
+        table.add_column(headers[i], no_wrap=first, min_width=widths[i] if first else None, overflow="fold")
+    for r in rows:
+        table.add_row(*(r[i] for i in shown))
+    console.print(table)

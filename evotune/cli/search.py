@@ -1,0 +1,268 @@
+"""`evotune search`: one agent in this process, or one agent process per `--gpus` entry on one run; then the
+run's best timed beside the family's baselines. `evotune tune` (table.py) runs search_one per table key."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import typer
+
+from ..errors import EvotuneError, UsageError
+from ..search import SAMPLERS  # the one list --sampler takes (importing it does not import Optuna)
+from .common import (FAMILY_HELP, INTERRUPTED, INTERRUPTED_EXIT, SHAPE_HELP, app, check_devices, console,
+                     emit_json, err_console, load_problem, require_gpu)
+from .display import SearchDisplay, cfg_short
+
+
+@app.command()
+def search(
+    shape: Optional[str] = typer.Option(None, "--shape", help=SHAPE_HELP),
+    trials: int = typer.Option(60, "--trials", min=1, help="Candidates to compile and evaluate."),
+    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: timestamp + shape)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the named run."),
+    sampler: str = typer.Option("nsga2", "--sampler", help=f"Search strategy: {', '.join(SAMPLERS)} "
+                                "(nsga2: evolutionary; exhaustive: every admitted config once, in order)."),
+    population: int = typer.Option(16, "--population", min=2,
+                                   help="NSGA-II population: parents kept per generation (elites of parents + children)."),
+    mutation_prob: Optional[float] = typer.Option(None, "--mutation-prob", min=0.0, max=1.0,
+                                                  help="NSGA-II: chance each knob of a child is redrawn (default: 1 / knobs)."),
+    crossover_prob: float = typer.Option(0.9, "--crossover-prob", min=0.0, max=1.0,
+                                         help="NSGA-II: chance a child mixes two parents' knobs (else copies one)."),
+    steer: bool = typer.Option(True, "--steer/--no-steer", help="NSGA-II: breed children inside the space's "
+                               "constraints and away from configs already tried (--no-steer: Optuna's NSGA-II as is)."),
+    warm_start: Optional[str] = typer.Option(None, "--warm-start", help="Ask these runs' best configs first "
+                                             "(RUN[,RUN...], or 'auto': runs of the same family on the same or a "
+                                             "similar shape). New runs only."),
+    seed: int = typer.Option(0, "--seed"),
+    space: Optional[str] = typer.Option(None, "--space", help="YAML search space (default: the family's)."),
+    family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A resumed run keeps its own."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds a candidate may take on the GPU before it is killed."),
+    gpu: int = typer.Option(0, "--gpu", help="GPU index for the worker."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="GPUs to search on, one agent each, all on one run "
+                                       "and one study: e.g. 0,1 (0,0: two agents on GPU 0). Default: --gpu."),
+    storage: Optional[str] = typer.Option(None, "--storage", help="Keep the study in this database (e.g. "
+                                          "postgresql://user@host:5432/evotune) so that agents on several hosts "
+                                          "share it; default: the run's SQLite file."),
+    compile_workers: Optional[int] = typer.Option(None, "--compile-workers", min=1,
+                                                  help="Processes compiling candidates ahead (default: CPU count)."),
+    lookahead: Optional[int] = typer.Option(None, "--lookahead", min=0,
+                                            help="Proposals compiled ahead of the GPU (default: 2 x compile workers; 0: serial)."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Search the space on the GPU; record every trial, the Pareto front and the best in runs/<run>, then the best beside SDPA."""
+    from ..runs import check_storage_url, remote_meta, resumed_family, run_to_continue
+    from ..search import SearchOptions
+
+    if sampler not in SAMPLERS:
+        raise UsageError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+    devices = _parse_gpus(gpus, gpu)
+    storage = check_storage_url(storage)
+    remote = remote_meta(run, resume, storage)  # a run another host started in --storage: joined below
+    problem, shp, spc = load_problem(shape, space, family or resumed_family(run, resume) or (remote or {}).get("family"))
+    rn = run_to_continue(run, resume, storage, remote, shp.spec)
+    warm, warm_meta = warm_start_configs(warm_start, resume, run, problem, shp, spc, population, json_out)
+    require_gpu("search")
+    check_devices(devices)
+    options = SearchOptions(trials=trials, sampler=sampler, population=population, seed=seed,
+                            compile_workers=compile_workers, lookahead=lookahead, mutation_prob=mutation_prob,
+                            crossover_prob=crossover_prob, steer=steer, warm_start=warm)
+
+    new_meta = new_meta_for(problem, shp, spc, options, storage, devices, warm_meta)
+
+    def resume_hint(rn) -> str:
+        return resume_command(rn, shape or shp.spec, trials, gpus, storage)
+
+    if len(devices) > 1:
+        summary = _search_agents(rn, new_meta, run, devices, storage, options, problem, shp, spc, timeout, json_out,
+                                 resume_hint)
+        rn = summary.pop("_run")
+        return _search_report(summary, rn, json_out)
+    summary, rn = search_one(rn, new_meta, run, devices[0], storage, options, problem, shp, spc, timeout, json_out,
+                             resume_hint)
+    _search_report(summary, rn, json_out)
+
+
+def _parse_gpus(gpus: Optional[str], gpu: int) -> list[int]:
+    """--gpus as a list of device indices, one search agent each (a repeated index: several agents on one GPU)."""
+    if gpus is None:
+        return [gpu]
+    if gpu != 0:
+        raise UsageError("give --gpus or --gpu, not both")
+    parts = [p.strip() for p in gpus.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise UsageError(f"--gpus {gpus!r}: give device indices separated by commas, e.g. 0,1 "
+                         f"(0,0: two agents on GPU 0)")
+    return [int(p) for p in parts]
+
+
+def resume_command(rn, shape_text: str, trials: int, gpus: Optional[str], storage: Optional[str]) -> str:
+    """The command that continues run `rn`, as the line after a Ctrl-C shows it."""
+    extra = (f" --gpus {gpus}" if gpus else "") + (" --storage URL" if storage else "")
+    return (f"`evotune search --shape {shape_text} --run {rn.run_id} --resume --trials {trials}{extra}`")
+
+
+def _stopped(rn, resume_hint) -> None:
+    """After Ctrl-C: bring pareto.json and best.json up to date, say how to go on, exit 130."""
+    rn.update_summary()
+    err_console.print(f"{INTERRUPTED}: finished trials are recorded in {rn.path}; continue with {resume_hint(rn)}",
+                      highlight=False, soft_wrap=True)
+    raise typer.Exit(INTERRUPTED_EXIT)
+
+
+def _repo_relative(path: str) -> str:
+    from ..template import REPO_ROOT
+
+    try:
+        return str(os.path.relpath(path, REPO_ROOT)) if os.path.abspath(path).startswith(str(REPO_ROOT)) else path
+    except ValueError:
+        return path
+
+
+def new_meta_for(problem, shp, spc, options, storage, devices, warm_meta: dict):
+    """new_meta(device info) -> the meta.json of a new search run."""
+    from ..runs import base_meta, storage_meta
+
+    def new_meta(info: dict) -> dict:
+        return {**base_meta(), "family": problem.family, "shape": shp.as_dict(), "shape_spec": shp.spec,
+                "space": _repo_relative(spc.path), "options": options.__dict__, "device": info,
+                **storage_meta(storage, devices), **warm_meta}
+
+    return new_meta
+
+
+def _beside(rn, problem, shp, call, json_out: bool) -> dict:
+    """The run's best timed again beside the family's baselines (search.measure_beside_best), said in one line."""
+    from ..search import measure_beside_best
+
+    note = measure_beside_best(rn, problem, shp, call)
+    if not json_out:
+        err_console.print(f"baselines: {note['status']}: {note['message']}", highlight=False, soft_wrap=True)
+    return note
+
+
+def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, spc, timeout, json_out,
+               resume_hint):
+    """`search` on one GPU in this process: (summary, run)."""
+    from ..agents import agent_label
+    from ..runs import new_run
+    from ..search import SearchLoop, worker_evaluator
+    from ..workers import GPUWorker, InfoJob
+
+    with GPUWorker(device=device, timeout_s=timeout) as worker:
+        info = worker.call(InfoJob())
+        if rn is None:
+            rn = new_run(run_name, new_meta(info), storage)
+        evaluate = worker_evaluator(worker, problem, shp)
+        display = SearchDisplay(rn.run_id, options.trials, rn.trials(), json_out, err_console)
+        try:
+            with display:
+                summary = SearchLoop(problem, spc, shp, rn, evaluate, options, on_trial=display.show,
+                                     should_stop=lambda: False, agent=agent_label(device)).run()
+        except KeyboardInterrupt:
+            _stopped(rn, resume_hint)
+        baselines = _beside(rn, problem, shp, worker.call, json_out)
+    return {**summary.as_dict(), "baselines": baselines}, rn
+
+
+def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, shp, spc, timeout, json_out,
+                   resume_hint) -> dict:
+    """`search --gpus` with several entries: one agent process per entry on one run and one study; this
+    process shows their progress from the run's records and passes Ctrl-C on."""
+    from ..agents import Agents, specs_for
+    from ..runs import best_record, new_run
+    from ..search import status_counts
+    from ..workers import GPUWorker, InfoJob
+
+    if rn is None:
+        with GPUWorker(device=devices[0], timeout_s=timeout) as worker:  # the run records the device it ran on
+            info = worker.call(InfoJob())
+        rn = new_run(run_name, new_meta(info), storage)
+    started = time.time()
+    tail = rn.tail()
+    display = SearchDisplay(f"{rn.run_id} ({len(devices)} agents)", options.trials, tail.read(), json_out, err_console)
+    agents = Agents(specs_for(devices, run_path=str(rn.path), storage=storage, problem=problem, shape=shp,
+                              space=spc, options=options, timeout_s=timeout))
+    try:
+        with display:
+            agents.start()
+            while not agents.wait(0.5):
+                display.follow(tail.read())
+            display.follow(tail.read())
+    except KeyboardInterrupt:
+        _stop_agents(agents)
+        _stopped(rn, resume_hint)
+    finally:
+        if agents.alive():
+            agents.kill()
+    failures = agents.failures()
+    for label, why in failures.items():
+        err_console.print(f"agent {label}: {why}", highlight=False, soft_wrap=True)
+    if len(failures) == len(devices):
+        raise EvotuneError(f"every agent failed; agent {next(iter(failures))}: {next(iter(failures.values()))}")
+    records = rn.trials()
+    with GPUWorker(device=devices[0], timeout_s=timeout) as worker:
+        beside = _beside(rn, problem, shp, worker.call, json_out)
+    return {"run_id": rn.run_id, "evaluated": sum(1 for r in records if r.get("counted")), "proposals": len(records),
+            "statuses": status_counts(records), "seconds": time.time() - started, "best": best_record(records),
+            "_run": rn, "baselines": beside,
+            "agents": {label: (status if status != "done" else {"measured": payload.measured,
+                                                                "proposals": payload.proposals})
+                       for label, (status, payload) in agents.outcomes.items()}}
+
+
+def _stop_agents(agents) -> None:
+    """After Ctrl-C: let each agent finish the candidate it is measuring; a second Ctrl-C stops them at once."""
+    agents.interrupt()
+    err_console.print("stopping: each agent finishes and records the candidate it is measuring "
+                      "(Ctrl-C again to stop at once)")
+    try:
+        agents.wait()
+    except KeyboardInterrupt:
+        agents.interrupt()  # the second SIGINT: the agents drop what is in flight and close its trials
+        if not agents.wait(60):
+            agents.kill()
+
+
+def _search_report(summary: dict, rn, json_out: bool) -> None:
+    if json_out:
+        emit_json({**summary, "path": str(rn.path)})
+        return
+    best = summary["best"]
+    console.print(f"run {rn.run_id}: {summary['evaluated']} candidates evaluated ({summary['statuses']}) "
+                  f"in {summary['seconds']:.0f} s; records in {rn.path}")
+    if best:
+        res = best["result"]
+        console.print(f"best: trial {best['number']} {res['time_us']:.2f} us (p10 {res['timing']['p10_us']:.2f}, "
+                      f"p90 {res['timing']['p90_us']:.2f}), max abs err {res['max_abs']:.2e}: {cfg_short(best['config'])}")
+    else:
+        raise EvotuneError(f"run {rn.run_id}: no candidate passed the correctness gate")
+
+
+def warm_start_configs(spec: Optional[str], resume: bool, run: Optional[str], problem, shp, spc, population: int,
+                       json_out: bool) -> tuple[tuple, dict]:
+    """The configs --warm-start asks first (admitted on this shape), and what meta.json records of it."""
+    if not spec:
+        return (), {}
+    if resume:
+        raise UsageError("--warm-start seeds a new run; a resumed run goes on from its own trials")
+    from ..warmstart import admitted, configs_from, pick_runs
+
+    sources = pick_runs(spec, problem, shp, exclude=run)
+    # At most a population's worth: NSGA-II's first generation, from which the first elites are chosen.
+    configs, notes = admitted(spc, problem.context(shp), configs_from(sources, limit=None))
+    configs = configs[:population]
+    if not json_out:
+        if sources:
+            names = ", ".join(f"{s.run.run_id} ({'same shape' if s.same_shape else 'similar shape'})" for s in sources)
+            err_console.print(f"warm start: {len(configs)} configs from {names}", highlight=False)
+        else:
+            err_console.print(f"warm start: no earlier run of {problem.family} on a shape like {shp.spec}", highlight=False)
+        for note in notes[:5]:
+            err_console.print(f"  dropped {note}", highlight=False)
+        if len(notes) > 5:
+            err_console.print(f"  ... and {len(notes) - 5} more dropped", highlight=False)
+    meta = {"warm_start": {"spec": spec, "runs": [s.run.run_id for s in sources], "configs": len(configs),
+                           "dropped": notes}}
+    return tuple(c.as_dict() for c in configs), meta
