@@ -15,6 +15,21 @@ shape) plus the device limits below. Where the family declares its knobs
 template accepts. Every number an expression reads or computes stays within
 ±2**64, and expressions are bounded in length and depth, so no file can stall or
 exhaust the tuner.
+
+A file may start from another space, so that a variant or a subset of a family's space
+states only how it differs (search_spaces/attention-small.yaml, attention-hopper.yaml):
+
+    extends: attention        # a built-in space's name (<spaces_dir()>/attention.yaml), from any folder
+    params:                   # override a knob by name (what an entry leaves out, e.g. doc, is the parent's;
+      block_m: {values: [64, 128], default: 128}   # the parent's default stays where still allowed), or add one
+    pin: {mma: wgmma}         # the knob keeps only that value, one of the parent's
+    omit: [kv_splits]         # the knob leaves the configs (the template then uses its own default) and becomes
+                              # a derived constant, first of all: the parent's default, which must be that same value
+    derived: {...}            # redefine by name (in the parent's place) or add (last)
+    constraints: [...]        # appended to the parent's, which all stay
+
+`family` is still stated and must be the parent's; `description` and `variant` replace the parent's (whose
+variant knob, left one value or omitted, is none). The parent may extend another in turn; a cycle is an error.
 """
 
 from __future__ import annotations
@@ -27,15 +42,16 @@ import json
 import keyword
 import operator
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional, Iterable, Iterator, Mapping
+from typing import Callable, Optional, Iterable, Iterator, Mapping
 
 import yaml
 
-from .errors import UsageError
+from .errors import EvotuneError, UsageError
 from .paths import package_data_dir
 
 # Opt-in dynamic shared memory per block on H100 (227 KB), and threads per block.
@@ -50,37 +66,47 @@ def device_context() -> dict:
     return {"smem_limit": SMEM_LIMIT, "max_threads": MAX_THREADS}
 
 
-def family_context_names(family: str) -> tuple[str, ...] | None:
-    """The context names a space of `family` may read when its loader is not told them: a built-in
-    family's own; for a plugin family (`package.module:ATTR`, not imported here) None, meaning any
-    name, checked when evaluated; for any other family every built-in family's names."""
-    # The one import of the families from here: only for a loader that was not told the names.
-    from .problems import FAMILIES, get_problem
+# The kernel families the loader knows: name -> a function returning the family's Problem (read for its
+# `context_names` and `knob_domains()`). evotune.problems registers each built-in family when it is imported;
+# the families import this module, so it must not import them back.
+_FAMILIES: dict[str, Callable[[], object]] = {}
 
-    if family in FAMILIES:
-        return tuple(get_problem(family).context_names)
+
+def register_family(name: str, problem: Callable[[], object]) -> None:
+    """Make family `name` known to the loader; `problem()` returns its Problem (called only when a space needs it)."""
+    _FAMILIES[name] = problem
+
+
+def family_context_names(family: str) -> tuple[str, ...] | None:
+    """The context names a space of `family` may read when its loader is not told them: a registered family's
+    own; for a plugin family (`package.module:ATTR`, not imported here) None, meaning any name, checked when
+    evaluated; for any other family every registered family's names."""
+    if family in _FAMILIES:
+        return tuple(_FAMILIES[family]().context_names)
     if ":" in family:
         return None
-    return tuple(dict.fromkeys(n for f in FAMILIES for n in get_problem(f).context_names))
+    if not _FAMILIES:  # checking against no names at all would call every shape name unknown
+        raise EvotuneError(f"no kernel family is registered to check the names of a {family!r} space against: "
+                           f"import evotune.problems first, or pass the context names")
+    return tuple(dict.fromkeys(n for problem in _FAMILIES.values() for n in problem().context_names))
 
 
 def family_knob_domains(family: str) -> Mapping[str, tuple | range] | None:
     """The knobs a space of `family` may have, with their allowed values, when its loader is not told them:
-    a built-in family's `knob_domains()`; None (not checked) for any other family, plugins included."""
-    from .problems import FAMILIES, get_problem
-
-    return get_problem(family).knob_domains() if family in FAMILIES else None
+    a registered family's `knob_domains()`; None (not checked) for any other family, plugins included."""
+    return _FAMILIES[family]().knob_domains() if family in _FAMILIES else None
 
 
 def __getattr__(name: str):
-    # The attention family's CONTEXT_NAMES and shape_context() lived here before families owned their shapes.
-    if name in ("CONTEXT_NAMES", "shape_context"):
-        from .problems import attention
-
-        return getattr(attention, name)
+    # The attention family's CONTEXT_NAMES and shape_context() lived here before families owned their shapes;
+    # old imports of them reach the family through the registry.
+    if name in ("CONTEXT_NAMES", "shape_context") and "attention" in _FAMILIES:
+        attention = _FAMILIES["attention"]()
+        return attention.context_names if name == "CONTEXT_NAMES" else attention.context
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-TOP_KEYS = ("family", "description", "params", "derived", "constraints", "variant")
+
+TOP_KEYS = ("family", "extends", "description", "params", "pin", "omit", "derived", "constraints", "variant")
 PARAM_KEYS = ("values", "default", "doc")
 CONSTRAINT_KEYS = ("expr", "why")
 
@@ -391,6 +417,8 @@ class SearchSpace:
     # its value uniformly before the other knobs, so a variant that the constraints leave few admitted
     # configs is proposed as often as one with many.
     variant: Optional[str] = None
+    # The space this one extends, or None: its derived values and constraints are stated in that file.
+    parent: Optional["SearchSpace"] = None
 
     def param_names(self) -> list[str]:
         return [p.name for p in self.params]
@@ -446,7 +474,18 @@ class SearchSpace:
         try:
             return safe_eval(expr, env)
         except ExpressionError as exc:
-            raise UsageError(f"{self.path}:{line}: {what}: {_short(expr)}: {exc}") from None
+            raise UsageError(f"{self._file_stating(expr, line)}:{line}: {what}: {_short(expr)}: {exc}") from None
+
+    def _file_stating(self, expr: str, line: int) -> str:
+        """The file whose line `line` states `expr`: for a derived value or constraint inherited from an
+        extended space, that space's."""
+        space = self
+        while space.parent is not None and (expr, line) in space.parent._stated():
+            space = space.parent
+        return space.path
+
+    def _stated(self) -> set[tuple[str, int]]:
+        return {(expr, line) for _, expr, line in self.derived} | {(c.expr, c.line) for c in self.constraints}
 
 
 def check_nonempty(space: SearchSpace, context: Mapping[str, object]) -> None:
@@ -469,10 +508,11 @@ class _Reader:
     """Builds a SearchSpace from the composed YAML node tree, so each error can name its node's line."""
 
     def __init__(self, path: str, context_names: Iterable[str] | None = None,
-                 knob_domains: Mapping[str, tuple | range] | None = None):
+                 knob_domains: Mapping[str, tuple | range] | None = None, extended_by: tuple[str, ...] = ()):
         self.path = path
         self.context_names = None if context_names is None else tuple(context_names)
         self.knob_domains = knob_domains
+        self.extended_by = extended_by  # the files that extend this one, outermost first (to refuse cycles)
         self.any_context = False  # set by space(): True where the context names are not known
         self.constructor = yaml.constructor.SafeConstructor()
 
@@ -537,15 +577,21 @@ class _Reader:
         if not isinstance(root, yaml.MappingNode):
             self.fail(root, f"the top level must be a mapping with {_fmt(TOP_KEYS)}")
         top = {key: value for key, _, value in self.mapping(root, "the top level", TOP_KEYS)}
-        for required in ("family", "params"):
+        # A space that extends another takes its params from there.
+        for required in ("family",) if "extends" in top else ("family", "params"):
             if required not in top:
                 self.fail(root, f"missing top-level key {required!r}")
         return top
 
     def space(self, root: yaml.Node | None) -> SearchSpace:
         top = self.top(root)
+        parent = self.parent(top["extends"]) if "extends" in top else None
         family = self.string(top["family"], "family")
-        description = self.string(top["description"], "description") if "description" in top else ""
+        if parent is not None and family != parent.family:
+            self.fail(top["family"], f"family {family!r} is not {parent.family!r}, the family of the space it "
+                                     f"extends ({parent.path})")
+        description = self.string(top["description"], "description") if "description" in top else \
+            (parent.description if parent else "")
 
         names = self.context_names if self.context_names is not None else family_context_names(family)
         self.any_context = names is None
@@ -553,54 +599,166 @@ class _Reader:
         # `taken`: names a parameter or derived value may not reuse, and why; `known`: names expressions may read.
         taken = {name: "a context name" for name in context}
         taken.update({name: "a function" for name in _FUNCTIONS})
+        taken.update({name: "a derived name" for name, _, _ in (parent.derived if parent else ())})
         known = set(context)
 
-        domains = self.knob_domains if self.knob_domains is not None else family_knob_domains(family)
-        params = self.params(top["params"], taken)
-        if domains is not None:
-            self.check_knobs(top["params"], params, family, domains)
+        params, omitted = self.all_params(top, parent, taken, family)
         taken.update({p.name: "a parameter" for p in params})
+        taken.update({name: "an omitted parameter" for name, _, _ in omitted})
         known.update(p.name for p in params)
+        derived = self.derived(top.get("derived"), omitted, parent, taken, known)
+        constraints = (parent.constraints if parent else ()) + \
+            (() if _is_empty(top.get("constraints")) else tuple(self.constraints(top["constraints"], known)))
+        variant = self.variant(top.get("variant"), params, parent)
+        return SearchSpace(family, self.path, description, tuple(params), tuple(derived), constraints, variant,
+                           parent)
 
-        derived = []
-        if not _is_empty(top.get("derived")):
-            for name, key_node, value_node in self.mapping(top["derived"], "derived"):
-                self.new_name(key_node, name, "derived", taken)
-                expr = self.expression(value_node, f"derived {name!r}", known)
-                derived.append((name, expr, key_node.start_mark.line + 1))
-                taken[name] = "a derived name"
-                known.add(name)
+    def parent(self, node: yaml.Node) -> SearchSpace:
+        """The space `extends:` names: a built-in space (`<spaces_dir()>/<name>.yaml`), read as this file is."""
+        name = self.string(node, "extends")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or name.endswith((".yaml", ".yml")):
+            self.fail(node, f"extends {_short(name)!r}: write a built-in space name, such as attention (not a path)")
+        path = spaces_dir() / f"{name}.yaml"
+        if not path.is_file():
+            self.fail(node, f"extends {name!r}: no such built-in space; available: "
+                            f"{_fmt(builtin_names()) or 'none'} (in {spaces_dir()})")
+        chain = self.extended_by + (self.path,)
+        if any(Path(p).resolve() == path.resolve() for p in chain):
+            self.fail(node, f"extends {name!r} makes a cycle: {' -> '.join(chain + (str(path),))}")
+        return _read(path, lambda reader, root: reader.space(root), self.context_names, self.knob_domains, chain)
 
-        constraints = [] if _is_empty(top.get("constraints")) else self.constraints(top["constraints"], known)
-        variant = None
-        if "variant" in top:
-            variant = self.string(top["variant"], "variant")
-            if variant not in {p.name for p in params}:
-                self.fail(top["variant"], f"variant {variant!r} is not a parameter")
-        return SearchSpace(family, self.path, description, tuple(params), tuple(derived), tuple(constraints), variant)
+    def all_params(self, top: dict, parent: SearchSpace | None, taken: Mapping[str, str],
+                   family: str) -> tuple[list[Param], list[tuple[str, str, int]]]:
+        """The parameters (the parent's, in order, as this file overrides, pins and omits them, then its own new
+        ones), and the omitted ones as derived constants."""
+        own = [] if parent is not None and _is_empty(top.get("params")) else self.params(top["params"], taken, parent)
+        domains = self.knob_domains if self.knob_domains is not None else family_knob_domains(family)
+        if domains is not None and own:
+            self.check_knobs(top["params"], own, family, domains)
+        if parent is None:
+            for key in ("pin", "omit"):
+                if key in top:
+                    self.fail(top[key], f"{key}: only a space that extends another can {key} its knobs")
+            return own, []
+        merged = {p.name: p for p in parent.params}
+        merged.update({p.name: p for p in own})  # an override keeps the parent's place; a new knob comes last
+        pins = [] if _is_empty(top.get("pin")) else self.pins(top["pin"], parent, own)
+        merged.update({p.name: p for p in pins})
+        omitted = [] if _is_empty(top.get("omit")) else self.omitted(top["omit"], parent, own + pins)
+        for name, _, _ in omitted:
+            del merged[name]
+        if not merged:
+            self.fail(top["omit"], "omit leaves no parameter; a space needs at least one")
+        return list(merged.values()), omitted
 
-    def params(self, node: yaml.Node, taken: Mapping[str, str]) -> list[Param]:
+    def params(self, node: yaml.Node, taken: Mapping[str, str], parent: SearchSpace | None = None) -> list[Param]:
+        """The parameters under `node`; one that the extended space `parent` has takes what `node` leaves out of
+        it (values, default, doc) from there."""
         if _is_empty(node):
             self.fail(node, "params is empty; a space needs at least one parameter")
+        inherited = {p.name: p for p in parent.params} if parent else {}
         params = []
         for name, key_node, value_node in self.mapping(node, "params"):
-            self.new_name(key_node, name, "parameter", taken)
+            base = inherited.get(name)
+            if base is None:
+                self.new_name(key_node, name, "parameter", taken)
             what = f"parameter {name!r}"
             fields = {key: value for key, _, value in self.mapping(value_node, what, PARAM_KEYS)}
-            if "values" not in fields:
+            if "values" not in fields and base is None:
                 self.fail(key_node, f"{what} has no `values`")
-            values = self.values(fields["values"], what)
-            default = values[0]
+            values = self.values(fields["values"], what) if "values" in fields else base.values
             if "default" in fields:
                 default = self.scalar(fields["default"], f"default of {what}")
                 if not any(_same_value(default, v) for v in values):
                     self.fail(fields["default"], f"default {default!r} of {what} is not one of {_fmt(values)}")
-            doc = self.string(fields["doc"], f"doc of {what}") if "doc" in fields else ""
+            elif base is None:
+                default = values[0]
+            elif any(_same_value(base.default, v) for v in values):
+                default = base.default
+            else:
+                self.fail(fields["values"], f"default {base.default!r} of {what} in {parent.path} is not one of "
+                                            f"{_fmt(values)}; give a default")
+            doc = self.string(fields["doc"], f"doc of {what}") if "doc" in fields else (base.doc if base else "")
             params.append(Param(name, values, doc, default, key_node.start_mark.line + 1))
         return params
 
+    def pins(self, node: yaml.Node, parent: SearchSpace, overridden: list[Param]) -> list[Param]:
+        """The parent's knobs that `pin:` leaves one value each, one of the parent's values."""
+        inherited = {p.name: p for p in parent.params}
+        pinned = []
+        for name, key_node, value_node in self.mapping(node, "pin"):
+            if any(p.name == name for p in overridden):
+                self.fail(key_node, f"pin {name!r}: the knob is also under params; pin it or override it, not both")
+            if name not in inherited:
+                self.fail(key_node, f"pin {name!r}: {parent.path} has no parameter {name!r}; "
+                                    f"its parameters: {_fmt(inherited)}")
+            value = self.scalar(value_node, f"pin of {name!r}")
+            base = inherited[name]
+            if not any(_same_value(value, v) for v in base.values):
+                self.fail(value_node, f"pin {name!r}: {value!r} is not one of its values in {parent.path}: "
+                                      f"{_fmt(base.values)}")
+            pinned.append(Param(name, (value,), base.doc, value, key_node.start_mark.line + 1))
+        return pinned
+
+    def omitted(self, node: yaml.Node, parent: SearchSpace, kept: list[Param]) -> list[tuple[str, str, int]]:
+        """The knobs `omit:` names, which leave the configs, as derived constants (name, the parent's default, line):
+        derived rather than a new kind of name, so what reads a space's derived values needs nothing more."""
+        if not isinstance(node, yaml.SequenceNode):
+            self.fail(node, "omit must be a list of parameter names")
+        inherited = {p.name: p for p in parent.params}
+        omitted: dict[str, tuple[str, str, int]] = {}
+        for item in node.value:
+            name = self.string(item, "a name under omit")
+            if name not in inherited:
+                self.fail(item, f"omit {name!r}: {parent.path} has no parameter {name!r}; "
+                                f"its parameters: {_fmt(inherited)}")
+            if any(p.name == name for p in kept):
+                self.fail(item, f"omit {name!r}: the knob is also pinned or under params: omit it or keep it")
+            if name in omitted:
+                self.fail(item, f"omit {name!r}: named twice")
+            omitted[name] = (name, repr(inherited[name].default), item.start_mark.line + 1)
+            try:
+                expression_names(omitted[name][1])
+            except ExpressionError as exc:  # a string default too long to be an expression
+                self.fail(item, f"omit {name!r}: its default cannot be a derived constant: {exc}")
+        return list(omitted.values())
+
+    def derived(self, node: yaml.Node | None, omitted: list[tuple[str, str, int]], parent: SearchSpace | None,
+                taken: dict[str, str], known: set[str]) -> list[tuple[str, str, int]]:
+        """The derived values in evaluation order: the knobs this file omits (the parent's expressions read them),
+        the parent's (one this file redefines keeps its place, so it reads only the names before it), then this
+        file's new ones."""
+        merged = {entry[0]: entry for entry in omitted + list(parent.derived if parent else ())}
+        # What this file may redefine: the parent's derived values, each with the names before it.
+        before = {name: set(list(merged)[:i]) for i, name in enumerate(merged) if i >= len(omitted)}
+        known.update(merged)
+        for name, key_node, value_node in ([] if _is_empty(node) else self.mapping(node, "derived")):
+            if name in before:
+                visible = (known - merged.keys()) | before[name]
+            else:
+                self.new_name(key_node, name, "derived", taken)
+                visible = known
+            expr = self.expression(value_node, f"derived {name!r}", visible)
+            merged[name] = (name, expr, key_node.start_mark.line + 1)
+            taken[name] = "a derived name"
+            known.add(name)
+        return list(merged.values())
+
+    def variant(self, node: yaml.Node | None, params: list[Param], parent: SearchSpace | None) -> str | None:
+        """The variant knob this file names, else the parent's where this file leaves it more than one value."""
+        by_name = {p.name: p for p in params}
+        if node is not None:
+            variant = self.string(node, "variant")
+            if variant not in by_name:
+                self.fail(node, f"variant {variant!r} is not a parameter")
+            return variant
+        inherited = parent.variant if parent else None
+        # Pinned or omitted, the knob selects nothing any more.
+        return inherited if inherited in by_name and len(by_name[inherited].values) > 1 else None
+
     def check_knobs(self, node: yaml.Node, params: list[Param], family: str, domains: Mapping) -> None:
-        """Each parameter is a knob the family's template reads, and each of its values one the template accepts."""
+        """Each parameter is a knob the family's template reads, and each value this file lists one the template
+        accepts."""
         nodes = {name: value_node for name, _, value_node in self.mapping(node, "params")}
         for param in params:
             if param.name not in domains:
@@ -610,7 +768,8 @@ class _Reader:
                                  f"family (its knobs: {_fmt(domains)}){hint}")
             domain = domains[param.name]
             fields = {key: value for key, _, value in self.mapping(nodes[param.name], "parameter")}
-            for value, item in zip(param.values, fields["values"].value):
+            listed = fields["values"].value if "values" in fields else ()  # values an override inherits were checked
+            for value, item in zip(param.values, listed):
                 if not _in_domain(value, domain):
                     self.fail(item, f"{value!r} is not a value of knob {param.name!r} that the {family} template "
                                     f"accepts: {_describe(domain)}")
@@ -684,6 +843,7 @@ def load_space(path: str | os.PathLike, context_names: Iterable[str] | None = No
     limits, which are always there); by default those `family_context_names` gives the file's family.
     The parameters must be knobs of `knob_domains` (a Problem's `knob_domains()`) with values in
     their domains; by default those `family_knob_domains` gives (a plugin's are not checked then).
+    A space the file extends is read with the same names and domains.
     """
     return _read(path, lambda reader, root: reader.space(root), context_names, knob_domains)
 
@@ -693,7 +853,7 @@ def space_family(path: str | os.PathLike) -> str:
     return _read(path, lambda reader, root: reader.string(reader.top(root)["family"], "family"))
 
 
-def _read(path, parse, context_names=None, knob_domains=None):
+def _read(path, parse, context_names=None, knob_domains=None, extended_by=()):
     path = str(path)
     try:
         size = Path(path).stat().st_size
@@ -704,7 +864,7 @@ def _read(path, parse, context_names=None, knob_domains=None):
         raise UsageError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path}: cannot read: {exc}") from None
-    reader = _Reader(path, context_names, knob_domains)
+    reader = _Reader(path, context_names, knob_domains, extended_by)
     try:
         _vet_yaml(path, text)
         root = yaml.compose(text, Loader=yaml.SafeLoader)

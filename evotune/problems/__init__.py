@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from ..errors import UsageError
+from ..space import register_family
 
 # The environment variable that lists the modules plugin families may be loaded from.
 PLUGINS_ENV = "EVOTUNE_PLUGINS"
@@ -56,12 +57,12 @@ class Problem(ABC):
     entry_name: str                       # the extern "C" entry point of an instantiation
     default_space: str                    # the built-in space, search_spaces/<default_space>.yaml
     default_shape: str                    # the `--shape` of a command given none
-    title = "kernel"                      # what an export header calls the kernel
+    title: str = "kernel"                 # what an export header calls the kernel
     context_names: tuple[str, ...] = ()   # the names context() gives a space's expressions
     PATTERNS: tuple[str, ...] = ("normal",)  # input patterns of the gate ("normal" first)
     perturbed = "input"                   # what perturb() changes, in the dependency check's words
-    baseline_kind = "baseline"            # the word before a baseline's name in reports
-    rate_unit = "GB/s"                    # the unit of rate()
+    baseline_kind: str = "baseline"       # the word before a baseline's name in reports
+    rate_unit: str = "GB/s"               # the unit of rate(), a column heading in reports
     # Shape fields that only change the problem's size (warm start takes runs that differ only in these).
     size_fields: frozenset[str] = frozenset()
 
@@ -112,8 +113,9 @@ class Problem(ABC):
 
     # ------------------------------------------------------------ code (CPU)
     @abstractmethod
-    def instantiation(self, config, shape) -> str:
-        """The explicit instantiation appended to the template: one extern "C" entry point."""
+    def instantiation(self, config, shape, **options) -> str:
+        """The explicit instantiation appended to the template: one extern "C" entry point. `options`:
+        family-defined output variants that are not knobs (attention's `write_lse`); none by default."""
 
     @abstractmethod
     def geometry(self, config, shape) -> LaunchGeometry:
@@ -199,6 +201,11 @@ def get_problem(family: str) -> Problem:
     if module is None:
         raise UsageError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
     return importlib.import_module(f"{__name__}.{module}").PROBLEM
+
+
+# The space loader checks a file's names against its family's; it sits below the families, so they tell it.
+for _name in REGISTRY:
+    register_family(_name, lambda name=_name: get_problem(name))
 
 
 # What the search, the workers and the CLI use first of a Problem: named when a plugin's object is not a Problem.
