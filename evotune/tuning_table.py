@@ -6,8 +6,8 @@ A table is one versioned JSON file that `evotune.torch.attention` reads (EVOTUNE
 
     {"version": 1, "family": "attention", "entries": [
        {"key": {"gpu": "NVIDIA H100 80GB HBM3", "cc": "9.0", "dtype": "fp16", "head_dim": 64,
-                "causal": false, "layout": "bhsd", "seq_q_bucket": 1024, "seq_k_bucket": 1024
-                [, "kv_group": 4]},
+                "causal": false, "layout": "bhsd", "seq_q_bucket": 1024, "seq_k_bucket": 1024,
+                "bh_bucket": 256 [, "kv_group": 4]},
         "config": {...}, "space": "attention-hopper", "shape": {the shape the run measured},
         "evotune_us": 130.8, "sdpa": {"backend": "cudnn", "time_us": 121.6} or null,
         "route": "evotune" | "sdpa", "reason": "why, in words",
@@ -20,8 +20,27 @@ number of query tiles per SM and the length of the K/V loop, which change by fac
 steps of a few rows, so a geometric grid keeps a table small (about 20 buckets span 1..2^20
 rows) without putting very different work in one bucket; it is also how Triton users bucket.
 Rounding up, not to the nearest: a bucket is named by the longest length it holds, and the
-shapes runs tune (512, 1024, 4096, ...) sit at the top of their bucket. Batch and heads are not
-in the key (the issue's key); the entry keeps the measured shape, and `explain` shows it.
+shapes runs tune (512, 1024, 4096, ...) sit at the top of their bucket.
+
+Work buckets. The key also holds batch x query heads rounded up the same way, `bh_bucket`
+(`bh_bucket` helper; 16 x 12 = 192 -> 256, spelled "BH<=256" in `spec()`). Why: the kernel launches
+one CTA per (batch, head, query tile), so batch x heads times the query tiles is the number of CTAs
+the 132 SMs of an H100 share. Few CTAs (batch 1, 12 heads, 512 rows: 96 CTAs of 64 rows, under one
+wave) make a call launch- and latency-bound: launch overhead, prologue and pipeline depth decide;
+many (batch 16 at 1024 rows: 3072 CTAs, over 23 waves at one CTA per SM) make it compute-bound: the
+tile's MMA efficiency and the quantisation of the last wave decide, and cuDNN's kernels are at their
+best. Measured on the H100: a config tuned at 1 x 12 x 512 (6.27 us vs cuDNN 9.63 us) ran 0.94x
+SDPA's speed at 16 x 12 x 1024, when the key had no batch or heads and the nearest-bucket rule took
+it. The work size is a bucket, not exact batch and heads, for the same reason as the sequence
+buckets: the CTA count changes the choice by factors. Query heads, not K/V heads: the grid is over
+query heads (a K/V group's heads share K/V, see below).
+
+Tables written before `bh_bucket` (version 1 keys without it) load unchanged, still version 1: every
+entry records the shape it measured ("shape", batch and heads included; the schema requires it and the
+key is checked against it), so a key without `bh_bucket` takes the bucket of that shape's batch x heads.
+That is exact information, not a guess, so such an entry can be an exact match like a new one. A table
+written now has `bh_bucket` in every key; an evotune from before the field refuses it with one line
+("unknown field 'bh_bucket'"), never a wrong choice.
 
 Grouped-query attention. The key holds the group size, `kv_group` = query heads / K/V heads, written
 only where it is above 1 (a key without it is group 1, so every table written before grouped-query
@@ -31,16 +50,27 @@ share one K/V head, hence the K/V bytes each CTA's tile reads per FLOP, which is
 choice and the race against SDPA (H32 KV8 reads a quarter of H32's K/V). A grouped call never takes an
 entry of another group size, not even a nearest bucket: it is "missing" until its group is tuned.
 
-Selection (`select`), in order:
+Selection (`select(table, key, shape, allow_nearest=False)`), in order:
 1. Only entries of the call's GPU (name and compute capability), dtype, head dim, causal flag,
-   query layout and K/V group size are candidates; the exact bucket first, then the nearest buckets by
-   |log2 Sq-bucket difference| + |log2 Sk-bucket difference| up to MAX_BUCKET_DISTANCE (ties: the
-   longer bucket, then the key's spelling, so the choice is deterministic).
+   query layout and K/V group size are candidates; the exact key first, then the nearest buckets by
+   |log2 Sq-bucket ratio| + |log2 Sk-bucket ratio| + |log2 BH-bucket ratio| up to MAX_BUCKET_DISTANCE
+   (ties: the longer sequence bucket, then the larger batch x heads bucket, then the key's spelling,
+   so the choice is deterministic).
 2. A candidate whose config is not admitted by its search space on the call's actual shape
    (evotune.space constraints, with the family Problem's context) is skipped, never used; so is a
    candidate whose kernel source is no longer the one that was measured (the template changed).
-3. The first usable candidate decides: its route is "evotune" or "sdpa", and its reason says why.
-   No usable candidate: route "sdpa", match "none" (the op's fallback policy applies).
+   This holds whether or not nearest entries are allowed.
+3. The first usable candidate decides. An exact match (match "exact", `Selection.verified`): its
+   entry's own route, "evotune" or "sdpa" as measured at this key, and its reason says why.
+4. A nearest match (match "nearest", not verified) was measured at another key, so it says nothing
+   certain about this one (a launch-bound winner can lose a compute-bound call). By default it is
+   never routed to evotune: route "sdpa" with that nearest entry, and a reason naming it, what it
+   measured there and the shape to tune ("unverified at this key: the nearest tuned key ... measured
+   evotune X us vs cudnn Y us there; tune this key: evotune tune --shape SPEC"). The opt-in
+   `allow_nearest=True` uses it as before (its own route, reason prefixed "nearest tuned bucket ...").
+   Callers that take the opt-in from the user read `nearest_allowed()`: the environment variable
+   EVOTUNE_NEAREST, "1" allows, unset, "" or "0" keeps the guard, anything else is a UsageError.
+5. No usable candidate: route "sdpa", match "none", entry None (the op's fallback policy applies).
 
 Routing rule (`build_table`): an entry routes to evotune only where the run (or a bench record
 of that run's best config, which times the kernel and every SDPA backend in one process) measured
@@ -65,23 +95,52 @@ TABLE_VERSION = 1
 FAMILY = "attention"
 ROUTES = ("evotune", "sdpa")
 EVIDENCE_KINDS = ("bench", "run", "none")
-# Two doublings of one length, or one of each: a decision measured further away says little about
-# whether evotune still beats cuDNN (gpt2 1k d64: 1.08x cuDNN's time; mission 512 B1 H8: 0.56x).
+# Two doublings of one dimension (Sq, Sk or batch x heads), or one of each of two: a decision measured
+# further away says little about whether evotune still beats cuDNN (gpt2 1k d64: 1.08x cuDNN's time;
+# mission 512 B1 H8: 0.56x). It bounds the candidates a nearest match is named from (and, with
+# allow_nearest, used from); without the opt-in a nearest entry never routes to evotune.
 MAX_BUCKET_DISTANCE = 2
+NEAREST_ENV = "EVOTUNE_NEAREST"  # "1": select() may use nearest-bucket entries (see nearest_allowed)
 BASELINES_FILE = "baselines.json"  # a run's SDPA times measured beside its trials (evaluate.measure_baselines)
 
 KEY_FIELDS = ("gpu", "cc", "dtype", "head_dim", "causal", "layout", "seq_q_bucket", "seq_k_bucket")
-OPTIONAL_KEY_FIELDS = ("kv_group",)  # written only where not 1 (grouped-query attention)
+# bh_bucket: always written; a key read without it (a table from before the field) takes its entry's
+# measured shape's. kv_group: written only where not 1 (grouped-query attention).
+OPTIONAL_KEY_FIELDS = ("bh_bucket", "kv_group")
 ENTRY_FIELDS = ("key", "config", "space", "shape", "evotune_us", "sdpa", "route", "reason", "evidence",
                 "provenance")
 PROVENANCE_FIELDS = ("run", "trial", "git_sha", "evotune_version", "device", "source_digest")
 
 
+def _pow2_bucket(n: int, what: str) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise UsageError(f"tuning table: {what} must be a positive integer, got {n!r}")
+    return 1 << (n - 1).bit_length()
+
+
 def seq_bucket(n: int) -> int:
     """The bucket of a sequence length: the smallest power of two >= n (n >= 1)."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise UsageError(f"tuning table: a sequence length must be a positive integer, got {n!r}")
-    return 1 << (n - 1).bit_length()
+    return _pow2_bucket(n, "a sequence length")
+
+
+def bh_bucket(batch: int, heads: int) -> int:
+    """The work bucket of a call: the smallest power of two >= batch x query heads (the seq_bucket rule)."""
+    _pow2_bucket(batch, "a batch size")
+    _pow2_bucket(heads, "a head count")
+    return _pow2_bucket(batch * heads, "batch x heads")
+
+
+def nearest_allowed() -> bool:
+    """Whether the user opted in to nearest-bucket entries: $EVOTUNE_NEAREST is "1" (pass the answer to
+    `select(..., allow_nearest=...)`). Unset, "" or "0": no; any other value is a UsageError, so a typo
+    is not taken silently either way."""
+    value = os.environ.get(NEAREST_ENV, "").strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise UsageError(f"{NEAREST_ENV}={value!r}: use 1 (run evotune's kernel with the nearest tuned bucket's config, "
+                     f"unverified at the call's key) or 0 / unset (PyTorch SDPA wherever the call's key was not tuned)")
 
 
 def default_table_path() -> Path:
@@ -106,16 +165,19 @@ class TableKey:
     layout: str
     seq_q_bucket: int
     seq_k_bucket: int
+    bh_bucket: int        # batch x query heads, rounded up to a power of two (the work size: CTAs vs SMs)
     kv_group: int = 1     # query heads per K/V head (grouped-query attention; 1 without)
 
     @classmethod
     def for_shape(cls, shape, gpu: str, cc: str) -> "TableKey":
         """The key of an attention Shape on GPU `gpu` of compute capability `cc` ("9.0")."""
         return cls(gpu, cc, shape.dtype, shape.head_dim, shape.causal, shape.layout,
-                   seq_bucket(shape.seq_q), seq_bucket(shape.seq_k), shape.kv_group)
+                   seq_bucket(shape.seq_q), seq_bucket(shape.seq_k), bh_bucket(shape.batch, shape.heads),
+                   shape.kv_group)
 
     def as_dict(self) -> dict:
         d = {name: getattr(self, name) for name in KEY_FIELDS}
+        d["bh_bucket"] = self.bh_bucket
         if self.kv_group != 1:
             d["kv_group"] = self.kv_group
         return d
@@ -125,15 +187,15 @@ class TableKey:
         return self.gpu, self.cc, self.dtype, self.head_dim, self.causal, self.layout, self.kv_group
 
     def distance(self, other: "TableKey") -> int:
-        """Bucket distance in doublings: |log2 Sq ratio| + |log2 Sk ratio|."""
-        return (abs(self.seq_q_bucket.bit_length() - other.seq_q_bucket.bit_length())
-                + abs(self.seq_k_bucket.bit_length() - other.seq_k_bucket.bit_length()))
+        """Bucket distance in doublings: |log2 Sq ratio| + |log2 Sk ratio| + |log2 BH ratio|."""
+        return sum(abs(getattr(self, name).bit_length() - getattr(other, name).bit_length())
+                   for name in ("seq_q_bucket", "seq_k_bucket", "bh_bucket"))
 
     def spec(self) -> str:
         mask = "causal" if self.causal else "non-causal"
         group = f" kv-group {self.kv_group}" if self.kv_group != 1 else ""
         return (f"{self.gpu} (sm {self.cc}) {self.dtype} d{self.head_dim} {mask} {self.layout}{group} "
-                f"Sq<={self.seq_q_bucket} Sk<={self.seq_k_bucket}")
+                f"Sq<={self.seq_q_bucket} Sk<={self.seq_k_bucket} BH<={self.bh_bucket}")
 
 
 @dataclass(frozen=True)
@@ -213,7 +275,20 @@ def _fields(obj, where: str, required: tuple[str, ...], optional: tuple[str, ...
     return obj
 
 
-def _parse_key(obj, where: str) -> TableKey:
+def _measured_shape(obj, where: str):
+    """The entry's "shape" object as an attention Shape; a _Fault at `where` where it is not one."""
+    from .shapes import Shape
+
+    _expect(obj, "object", where)
+    try:
+        return Shape.from_dict(obj)
+    except (KeyError, TypeError, UsageError) as e:
+        raise _Fault(f"{where}: not an attention shape ({e})") from None
+
+
+def _parse_key(obj, where: str, shape_obj, shape_where: str) -> TableKey:
+    """The key at `where`; one without bh_bucket (written before the field) takes the bucket of the entry's
+    measured shape `shape_obj` (at `shape_where`), which holds its batch and heads."""
     _fields(obj, where, KEY_FIELDS, OPTIONAL_KEY_FIELDS)
     for name in ("gpu", "cc", "dtype", "layout"):
         _expect(obj[name], "string", f"{where}.{name}")
@@ -229,7 +304,14 @@ def _parse_key(obj, where: str) -> TableKey:
     kv_group = _expect(obj.get("kv_group", 1), "integer", f"{where}.kv_group")
     if kv_group < 1:
         raise _Fault(f"{where}.kv_group: {kv_group} is not positive")
-    return TableKey(**{name: obj[name] for name in KEY_FIELDS}, kv_group=kv_group)
+    if "bh_bucket" in obj:
+        bh = _expect(obj["bh_bucket"], "integer", f"{where}.bh_bucket")
+        if bh < 1 or bh & (bh - 1):
+            raise _Fault(f"{where}.bh_bucket: {bh} is not a power of two")
+    else:
+        measured = _measured_shape(shape_obj, shape_where)
+        bh = bh_bucket(measured.batch, measured.heads)
+    return TableKey(**{name: obj[name] for name in KEY_FIELDS}, bh_bucket=bh, kv_group=kv_group)
 
 
 def _parse_provenance(obj, where: str) -> dict:
@@ -245,7 +327,7 @@ def _parse_provenance(obj, where: str) -> dict:
 
 def _parse_entry(obj, where: str) -> Entry:
     _fields(obj, where, ENTRY_FIELDS)
-    key = _parse_key(obj["key"], f"{where}.key")
+    key = _parse_key(obj["key"], f"{where}.key", obj["shape"], f"{where}.shape")
     config = _expect(obj["config"], "object", f"{where}.config")
     for name, value in config.items():
         if type(value) not in (int, str, bool):
@@ -284,12 +366,7 @@ def _check_consistent(entry: Entry, where: str) -> None:
     if (device["name"], device["sm"]) != (entry.key.gpu, entry.key.cc):
         raise _Fault(f"{where}: key is for {entry.key.gpu} (sm {entry.key.cc}) but it was measured on "
                      f"{device['name']} (sm {device['sm']})")
-    try:
-        from .shapes import Shape
-
-        measured = TableKey.for_shape(Shape.from_dict(entry.shape), entry.key.gpu, entry.key.cc)
-    except (KeyError, TypeError, UsageError) as e:
-        raise _Fault(f"{where}.shape: not an attention shape ({e})") from None
+    measured = TableKey.for_shape(_measured_shape(entry.shape, f"{where}.shape"), entry.key.gpu, entry.key.cc)
     if measured != entry.key:
         raise _Fault(f"{where}: key ({entry.key.spec()}) is not the key of the measured shape ({measured.spec()})")
 
@@ -348,14 +425,22 @@ def save_table(table: Table, path: str | os.PathLike) -> Path:
 
 @dataclass(frozen=True)
 class Selection:
-    """What the table says for one call: the entry used (None where none is usable), the route, how
-    the entry matched ("exact", "nearest" or "none"), why, and the candidates skipped and why."""
+    """What the table says for one call: the entry chosen (None where none is usable), the route, how
+    the entry matched ("exact", "nearest" or "none"), why, and the candidates skipped and why. A
+    "nearest" entry routes to SDPA unless select() was given allow_nearest=True: the entry is then the
+    one named in the reason, not a measured decision for this call."""
 
     entry: Entry | None
     route: str
     match: str
     reason: str
     skipped: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def verified(self) -> bool:
+        """Whether the entry was measured at this call's key (an exact match): its route, evotune or SDPA,
+        is the table's measured decision here. False for a nearest entry (not measured here) and for none."""
+        return self.match == "exact" and self.entry is not None
 
 
 @lru_cache(maxsize=32)
@@ -417,20 +502,26 @@ def unusable_reason(entry: Entry, shape) -> str | None:
 def candidates(table: Table, key: TableKey) -> list[Entry]:
     """The entries `select` may use for `key`, in the order it tries them."""
     group = [e for e in table.entries if e.key.group() == key.group() and key.distance(e.key) <= MAX_BUCKET_DISTANCE]
-    return sorted(group, key=lambda e: (key.distance(e.key), -e.key.seq_q_bucket, -e.key.seq_k_bucket, e.key.spec()))
+    return sorted(group, key=lambda e: (key.distance(e.key), -e.key.seq_q_bucket, -e.key.seq_k_bucket,
+                                        -e.key.bh_bucket, e.key.spec()))
 
 
-def select(table: Table, key: TableKey, shape) -> Selection:
-    """The entry and route for a call of `shape` whose key is `key` (rules in the module docstring)."""
+def select(table: Table, key: TableKey, shape, allow_nearest: bool = False) -> Selection:
+    """The entry and route for a call of `shape` whose key is `key` (rules in the module docstring). A nearest
+    entry routes to SDPA, named in the reason, unless `allow_nearest` (the user's opt-in: nearest_allowed())."""
     skipped = []
     for entry in candidates(table, key):
         why = unusable_reason(entry, shape)
         if why:
             skipped.append((entry.key.spec(), why))
             continue
-        match = "exact" if entry.key == key else "nearest"
-        where = "" if match == "exact" else f"nearest tuned bucket {entry.key.spec()}: "
-        return Selection(entry, entry.route, match, where + entry.reason, tuple(skipped))
+        if entry.key == key:
+            return Selection(entry, entry.route, "exact", entry.reason, tuple(skipped))
+        if allow_nearest:
+            return Selection(entry, entry.route, "nearest",
+                             f"nearest tuned bucket {entry.key.spec()} (nearest allowed, unverified at this key): "
+                             f"{entry.reason}", tuple(skipped))
+        return Selection(entry, "sdpa", "nearest", _unverified_reason(entry, shape), tuple(skipped))
     if skipped:
         reason = "no usable entry: " + "; ".join(f"{spec}: {why}" for spec, why in skipped)
     elif table.entries and not table.has_gpu(key.gpu, key.cc):
@@ -439,6 +530,20 @@ def select(table: Table, key: TableKey, shape) -> Selection:
     else:
         reason = f"no entry within {MAX_BUCKET_DISTANCE} bucket doublings of {key.spec()}"
     return Selection(None, "sdpa", "none", reason, tuple(skipped))
+
+
+def _unverified_reason(entry: Entry, shape) -> str:
+    """Why a nearest entry does not run a call of `shape`: where it was measured, what it measured there,
+    and what would measure this key."""
+    from .shapes import Shape
+
+    there = Shape.from_dict(entry.shape).spec
+    ours = f"evotune {entry.evotune_us:.2f} us"
+    measured = (f"{ours} vs {entry.sdpa['backend']} {entry.sdpa['time_us']:.2f} us" if entry.sdpa
+                else f"{ours} with no SDPA time beside it")
+    return (f"unverified at this key: the nearest tuned key {entry.key.spec()} ({there}) measured {measured} there "
+            f"(route {entry.route} there); tune this key: evotune tune --shape {shape.spec} "
+            f"(or {NEAREST_ENV}=1 to use the nearest entry unverified)")
 
 
 # --------------------------------------------------------------------------- building from runs
@@ -751,7 +856,8 @@ def tune_keys(shapes, search_one, progress=None) -> list[dict]:
     return outcomes
 
 
-__all__ = ["TABLE_VERSION", "MAX_BUCKET_DISTANCE", "TableKey", "Entry", "Table", "Selection", "BuildNote",
-           "seq_bucket", "default_table_path", "parse_table", "load_table", "save_table", "select", "candidates",
+__all__ = ["TABLE_VERSION", "MAX_BUCKET_DISTANCE", "NEAREST_ENV", "TableKey", "Entry", "Table", "Selection",
+           "BuildNote", "seq_bucket", "bh_bucket", "nearest_allowed", "default_table_path", "parse_table", "load_table",
+           "save_table", "select", "candidates",
            "unusable_reason", "build_table", "clear_caches", "family_runs", "update_table", "note_line",
            "read_shapes_file", "tune_plan", "tune_keys"]

@@ -1,5 +1,5 @@
 """`evotune tune` on the CPU: argument handling, --shapes file checks, and the per-key loop with the
-per-key search (cli_table._search_key, which needs a GPU) replaced by one that writes a run folder."""
+per-key search (evotune.cli.table._search_key, which needs a GPU) replaced by one that writes a run folder."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from evotune import cli, cli_table
+from evotune.cli import common as cli_common
+from evotune.cli import table as cli_table
 from evotune.errors import EvotuneError
 from evotune.shapes import parse_shape
 from evotune.tuning_table import load_table
@@ -30,7 +31,7 @@ def fake_search(runs_root, monkeypatch):
         return name
 
     fake_search_fails: set[str] = set()
-    monkeypatch.setattr(cli, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(cli_common, "gpu_count", lambda: 1)
     monkeypatch.setattr(cli_table, "_search_key", search_key)
     return calls, fake_search_fails
 
@@ -89,7 +90,7 @@ def test_damaged_table_fails_before_any_search(fake_search, main_in_process, tmp
 
 def test_without_gpu_fails_in_one_line_before_searching(runs_root, main_in_process, tmp_path, monkeypatch):
     searched = []
-    monkeypatch.setattr(cli, "_gpu_count", lambda: 0)
+    monkeypatch.setattr(cli_common, "gpu_count", lambda: 0)
     monkeypatch.setattr(cli_table, "_search_key", lambda *a: searched.append(a))
     proc = main_in_process("tune", "--shape", "mission", "--table", str(tmp_path / "t.json"))
     assert proc.returncode == 1 and "no CUDA GPU is visible: `evotune tune` needs one" in proc.stderr
@@ -99,13 +100,14 @@ def test_without_gpu_fails_in_one_line_before_searching(runs_root, main_in_proce
 def test_each_distinct_key_is_searched_once_then_the_table_is_updated(fake_search, main_in_process, tmp_path):
     calls, _ = fake_search
     table = tmp_path / "t.json"
-    # 1000 and 1024 rows share the bucket 1024: one key, tuned as the first shape given.
-    path = shapes_file(tmp_path, rec("2,8,1000,64:bf16", "2,8,4096,128:fp16:causal", "4,8,1024,64:bf16"))
+    # 1000 and 1024 rows share the bucket 1024, 2x8 and 1x12 heads the batch x heads bucket 16: one key,
+    # tuned as the first shape given.
+    path = shapes_file(tmp_path, rec("2,8,1000,64:bf16", "2,8,4096,128:fp16:causal", "1,12,1024,64:bf16"))
     proc = main_in_process("tune", "--shapes", path, "--trials", "7", "--table", str(table))
     assert proc.returncode == 0, proc.stderr
     assert calls == [("2,8,1000,64:bf16", 7), ("2,8,4096,128:fp16:causal", 7)]
     assert "key 1/2: 2,8,1000,64:bf16 ..." in proc.stderr and "key 2/2: 2,8,4096,128:fp16:causal ..." in proc.stderr
-    assert "4,8,1024,64:bf16 has the key of 2,8,1000,64:bf16" in proc.stderr
+    assert "1,12,1024,64:bf16 has the key of 2,8,1000,64:bf16" in proc.stderr
     assert proc.stdout.splitlines()[-1] == f"table: 2 entries written to {table}"
     entries = load_table(table).entries
     assert sorted(e.provenance["run"] for e in entries) == ["r1", "r2"] and {e.route for e in entries} == {"evotune"}
@@ -133,6 +135,14 @@ def test_a_failed_key_does_not_stop_the_others(fake_search, main_in_process, tmp
 def test_tune_plan_keeps_the_first_shape_of_each_key():
     from evotune.tuning_table import tune_plan
 
-    plan, notes = tune_plan(["1,8,512,64", "2,8,300,64", "1,8,512,64:causal", "1,8,512,64"])
+    plan, notes = tune_plan(["1,8,512,64", "1,6,300,64", "1,8,512,64:causal", "1,8,512,64"])
     assert [s.spec for s in plan] == ["1,8,512,64:fp16", "1,8,512,64:fp16:causal"]
-    assert len(notes) == 2 and parse_shape("2,8,300,64").spec in notes[0]
+    assert len(notes) == 2 and parse_shape("1,6,300,64").spec in notes[0]
+
+
+def test_tune_plan_tunes_each_batch_heads_bucket():
+    """One sequence bucket at batch 1 and at batch 16 is two keys, so two searches (the work differs 16x)."""
+    from evotune.tuning_table import tune_plan
+
+    plan, notes = tune_plan(["1,12,512,64", "16,12,512,64", "16,16,512,64"])
+    assert [s.spec for s in plan] == ["1,12,512,64:fp16", "16,12,512,64:fp16"] and len(notes) == 1

@@ -14,7 +14,8 @@ from evotune.problems import get_problem
 from evotune.shapes import Shape
 from evotune.space import load_builtin, spaces_dir
 from evotune.template import instantiate
-from evotune.tuning_table import TableKey, build_table, load_table, save_table, select, seq_bucket
+from evotune.tuning_table import (TableKey, bh_bucket, build_table, load_table, parse_table, save_table, select,
+                                  seq_bucket)
 
 from _tables import H100, entry, table
 
@@ -40,6 +41,30 @@ def test_seq_bucket_refuses_non_lengths(bad):
     """Zero, negatives, booleans and floats are not sequence lengths."""
     with pytest.raises(UsageError, match="positive integer"):
         seq_bucket(bad)
+
+
+@pytest.mark.parametrize("batch, heads, bucket", [(1, 1, 1), (1, 8, 8), (1, 12, 16), (2, 8, 16), (16, 12, 256),
+                                                   (4, 32, 128)])
+def test_bh_bucket_rounds_batch_times_heads_up(batch, heads, bucket):
+    """The work bucket is batch x query heads rounded up to a power of two."""
+    assert bh_bucket(batch, heads) == bucket
+
+
+@pytest.mark.parametrize("batch, heads", [(0, 8), (2, 0), (True, 8), (2, 8.0)])
+def test_bh_bucket_refuses_non_sizes(batch, heads):
+    """A batch or head count that is not a positive integer is refused."""
+    with pytest.raises(UsageError, match="positive integer"):
+        bh_bucket(batch, heads)
+
+
+def test_key_holds_the_batch_heads_bucket():
+    """Batch 1 and batch 16 of one sequence bucket are two keys; the bucket is in as_dict and spec, and in the distance."""
+    small, big = key_of(Shape(1, 12, 512, 512, 64)), key_of(Shape(16, 12, 512, 512, 64))
+    assert (small.bh_bucket, big.bh_bucket) == (16, 256) and small != big and small.group() == big.group()
+    assert small.as_dict()["bh_bucket"] == 16 and small.spec().endswith("Sq<=512 Sk<=512 BH<=16")
+    assert key_of(Shape(2, 6, 500, 500, 64)) == small  # 12 -> 16 and 500 -> 512: the same buckets
+    assert small.distance(big) == 4 and big.distance(key_of(Shape(16, 12, 1024, 1024, 64))) == 2
+    assert key_of(Shape(1, 32, 512, 512, 64, kv_heads=8)).bh_bucket == 32  # query heads, not K/V heads
 
 
 def test_default_path_follows_env(monkeypatch, tmp_path):
@@ -105,6 +130,10 @@ BAD_TABLES = [
     (_set("entries.0.key.head_dim", "64"), r"entries\[0\].key.head_dim: expected an integer, got a string"),
     (_set("entries.0.key.colour", "red"), r"entries\[0\].key: unknown field 'colour'"),
     (_set("entries.0.key.seq_q_bucket", 1000), "not a power of two"),
+    (_set("entries.0.key.bh_bucket", 200), r"key.bh_bucket: 200 is not a power of two"),
+    (_set("entries.0.key.bh_bucket", "256"), r"key.bh_bucket: expected an integer, got a string"),
+    (_set("entries.0.key.bh_bucket", 16), "not the key of the measured shape"),
+    (_set("entries.0.shape.batch", 1), "not the key of the measured shape"),
     (_set("entries.0.key.dtype", "fp32"), "not fp16 or bf16"),
     (_set("entries.0.route", "maybe"), "'maybe' is not one of evotune, sdpa"),
     (_set("entries.0.sdpa", None), "routes to evotune but records no SDPA time"),
@@ -128,6 +157,40 @@ def test_bad_tables_are_one_line_naming_file_and_fault(tmp_path, content, fault)
     assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
 
 
+def test_version_1_tables_without_bh_bucket_load(tmp_path):
+    """A table written before bh_bucket loads unchanged (still version 1): each key takes the bucket of its measured
+    shape's batch x heads, exact information, so its entry matches exactly; saving it again writes the field."""
+    small, big = entry(Shape(1, 12, 512, 512, 64)), entry(Shape(16, 12, 512, 512, 64))
+    obj = table(small, big).as_dict()
+    for raw in obj["entries"]:
+        del raw["key"]["bh_bucket"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(obj))
+    loaded = load_table(path)
+    assert loaded.entries == (small, big) and [e.key.bh_bucket for e in loaded.entries] == [16, 256]
+    for call, want in ((Shape(1, 12, 512, 512, 64), small), (Shape(16, 12, 512, 512, 64), big)):
+        chosen = select(loaded, key_of(call), call)
+        assert (chosen.entry, chosen.match, chosen.route, chosen.verified) == (want, "exact", "evotune", True)
+    between = Shape(4, 12, 512, 512, 64)  # BH 64: two doublings from each; not measured here
+    chosen = select(loaded, key_of(between), between)
+    assert (chosen.entry, chosen.match, chosen.route) == (big, "nearest", "sdpa")
+    again = json.loads(save_table(loaded, tmp_path / "new.json").read_text())
+    assert again["version"] == 1 and [e["key"]["bh_bucket"] for e in again["entries"]] == [16, 256]
+    del obj["entries"][0]["shape"]["batch"]  # without bh_bucket the shape must say the work size
+    with pytest.raises(UsageError, match=r"entries\[0\].shape: not an attention shape"):
+        parse_table(obj)
+
+
+def test_committed_version_1_table_loads_with_its_work_bucket():
+    """The committed H100 model table (written before bh_bucket) loads; its 1x12x512 entry is BH<=16."""
+    path = REPO / "docs/data/model/2026-11-23-h100-table.json"
+    if not path.exists():
+        pytest.skip("the committed model table is not in this checkout")
+    (e,) = load_table(path).entries
+    assert "bh_bucket" not in json.loads(path.read_text())["entries"][0]["key"]
+    assert (e.shape["batch"], e.shape["heads"], e.key.bh_bucket) == (1, 12, 16) and e.key.spec().endswith("BH<=16")
+
+
 def test_unreadable_tables(tmp_path):
     """A missing file and a file that is not JSON each give one line naming the file."""
     with pytest.raises(UsageError, match="no such tuning table"):
@@ -143,23 +206,100 @@ def test_unreadable_tables(tmp_path):
 def test_exact_key_is_used():
     """A call whose key is in the table gets that entry, as an exact match, with its route and reason."""
     e = entry(Shape(16, 12, 1024, 1024, 64))
-    chosen = select(table(e), key_of(Shape(2, 8, 1000, 1000, 64)), Shape(2, 8, 1000, 1000, 64))
-    assert (chosen.entry, chosen.route, chosen.match) == (e, "evotune", "exact")
+    call = Shape(16, 10, 1000, 1000, 64)  # 160 -> 256 and 1000 -> 1024: the entry's buckets
+    chosen = select(table(e), key_of(call), call)
+    assert (chosen.entry, chosen.route, chosen.match, chosen.verified) == (e, "evotune", "exact", True)
     assert chosen.reason == e.reason
 
 
+def test_exact_or_nearest_by_batch():
+    """The same sequence bucket at another batch is not the entry's key: a nearest match, not verified, SDPA by default."""
+    e = entry(Shape(1, 12, 512, 512, 64), evotune_us=6.27, sdpa=("cudnn", 9.63))
+    same = select(table(e), key_of(Shape(1, 12, 512, 512, 64)), Shape(1, 12, 512, 512, 64))
+    assert (same.match, same.route, same.verified) == ("exact", "evotune", True)
+    call = Shape(2, 12, 512, 512, 64)  # BH 24 -> 32: one doubling from the entry's 16
+    other = select(table(e), key_of(call), call)
+    assert (other.entry, other.match, other.route, other.verified) == (e, "nearest", "sdpa", False)
+    far = Shape(16, 12, 1024, 1024, 64)  # the measured case: BH 256 and Sq/Sk 1024, 6 doublings away
+    missing = select(table(e), key_of(far), far)
+    assert (missing.entry, missing.match, missing.verified) == (None, "none", False)
+
+
+def test_nearest_routes_sdpa_by_default_naming_the_nearest_key():
+    """An unverified nearest entry never routes to evotune by default; the reason names it, its times and the tune command."""
+    e = entry(Shape(1, 12, 512, 512, 64), evotune_us=6.27, sdpa=("cudnn", 9.63))
+    call = Shape(4, 12, 512, 512, 64)
+    chosen = select(table(e), key_of(call), call)
+    assert (chosen.entry, chosen.route, chosen.match, chosen.verified) == (e, "sdpa", "nearest", False)
+    assert chosen.reason.startswith(f"unverified at this key: the nearest tuned key {e.key.spec()} "
+                                    f"(1,12,512,64:fp16) measured evotune 6.27 us vs cudnn 9.63 us there")
+    assert "tune this key: evotune tune --shape 4,12,512,64:fp16" in chosen.reason
+    assert "EVOTUNE_NEAREST=1" in chosen.reason
+    unmeasured = entry(Shape(1, 12, 512, 512, 64), route="sdpa", sdpa=None)
+    said = select(table(unmeasured), key_of(call), call).reason
+    assert "measured evotune 1.00 us with no SDPA time beside it there (route sdpa there)" in said
+
+
+def test_allow_nearest_uses_the_nearest_entry():
+    """allow_nearest=True uses a nearest entry with its own route, as a nearest (unverified) match."""
+    e = entry(Shape(1, 12, 512, 512, 64))
+    call = Shape(4, 12, 512, 512, 64)
+    chosen = select(table(e), key_of(call), call, allow_nearest=True)
+    assert (chosen.entry, chosen.route, chosen.match, chosen.verified) == (e, "evotune", "nearest", False)
+    assert chosen.reason.startswith(f"nearest tuned bucket {e.key.spec()}") and chosen.reason.endswith(e.reason)
+    slower = entry(Shape(1, 12, 512, 512, 64), route="sdpa", evotune_us=3.0)
+    assert select(table(slower), key_of(call), call, allow_nearest=True).route == "sdpa"
+
+
+@pytest.mark.parametrize("value, allowed", [(None, False), ("", False), ("0", False), ("1", True), (" 1 ", True)])
+def test_nearest_allowed_reads_evotune_nearest(monkeypatch, value, allowed):
+    """EVOTUNE_NEAREST=1 is the opt-in callers pass to select(); unset, empty or 0 keep the guard."""
+    if value is None:
+        monkeypatch.delenv("EVOTUNE_NEAREST", raising=False)
+    else:
+        monkeypatch.setenv("EVOTUNE_NEAREST", value)
+    assert tt.nearest_allowed() is allowed
+    e = entry(Shape(1, 12, 512, 512, 64))
+    call = Shape(4, 12, 512, 512, 64)
+    assert select(table(e), key_of(call), call, allow_nearest=tt.nearest_allowed()).route == (
+        "evotune" if allowed else "sdpa")
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2"])
+def test_nearest_allowed_refuses_other_values(monkeypatch, value):
+    """A value other than 1, 0 or empty is one UsageError naming the variable, not taken silently either way."""
+    monkeypatch.setenv("EVOTUNE_NEAREST", value)
+    with pytest.raises(UsageError, match=f"EVOTUNE_NEAREST='{value}': use 1"):
+        tt.nearest_allowed()
+
+
 def test_nearest_bucket_and_its_limit():
-    """Without the exact key the nearest bucket is used (ties to the longer one); past two doublings none is."""
+    """Allowed, without the exact key the nearest bucket is used (ties to the longer one); past two doublings none is."""
     short, long_ = entry(Shape(1, 8, 1024, 1024, 64)), entry(Shape(1, 8, 4096, 4096, 64))
     tbl = table(short, long_)
     call = Shape(1, 8, 2048, 2048, 64)
-    chosen = select(tbl, key_of(call), call)
+    chosen = select(tbl, key_of(call), call, allow_nearest=True)
     assert chosen.entry == long_ and chosen.match == "nearest" and "nearest tuned bucket" in chosen.reason
+    assert chosen.route == "evotune"
+    guarded = select(tbl, key_of(call), call)  # the same entry is named, but not run
+    assert (guarded.entry, guarded.route, guarded.match) == (long_, "sdpa", "nearest")
     call = Shape(1, 8, 512, 512, 64)
-    assert select(tbl, key_of(call), call).entry == short
+    assert select(tbl, key_of(call), call, allow_nearest=True).entry == short
     call = Shape(1, 8, 16384, 16384, 64)
-    far = select(tbl, key_of(call), call)
+    far = select(tbl, key_of(call), call, allow_nearest=True)
     assert far.entry is None and far.match == "none" and far.route == "sdpa" and "within 2 bucket doublings" in far.reason
+    call = Shape(4, 8, 4096, 4096, 64)  # BH 32: two doublings from the entries' 8 ...
+    assert select(tbl, key_of(call), call, allow_nearest=True).entry == long_
+    call = Shape(4, 8, 2048, 2048, 64)  # ... plus one of Sq and one of Sk: too far
+    assert select(tbl, key_of(call), call, allow_nearest=True).entry is None
+
+
+def test_nearest_ties_prefer_the_larger_work_bucket():
+    """Two entries as near in batch x heads: the larger bucket is the one chosen, whatever their order."""
+    few, many = entry(Shape(1, 8, 1024, 1024, 64)), entry(Shape(4, 8, 1024, 1024, 64))
+    call = Shape(2, 8, 1024, 1024, 64)
+    for tbl in (table(few, many), table(many, few)):
+        assert select(tbl, key_of(call), call, allow_nearest=True).entry == many
 
 
 def test_other_dtype_mask_layout_or_head_dim_never_match():
@@ -167,7 +307,7 @@ def test_other_dtype_mask_layout_or_head_dim_never_match():
     tbl = table(entry(Shape(1, 8, 1024, 1024, 64)))
     for call in (Shape(1, 8, 1024, 1024, 64, "bf16"), Shape(1, 8, 1024, 1024, 128), Shape(1, 8, 1024, 1024, 64, causal=True),
                  Shape(1, 8, 1024, 1024, 64, layout="bshd")):
-        assert select(tbl, key_of(call), call).entry is None
+        assert select(tbl, key_of(call), call, allow_nearest=True).entry is None
 
 
 @pytest.fixture
@@ -185,11 +325,17 @@ def test_a_config_not_admitted_on_the_call_is_never_used(seq_space):
     refused = entry(Shape(1, 8, 512, 512, 64), load_builtin("attention-small").default_config().as_dict(), space=seq_space)
     fallback = entry(Shape(1, 8, 1024, 1024, 64))
     call = Shape(1, 8, 300, 300, 64)
-    chosen = select(table(refused, fallback), key_of(call), call)
-    assert chosen.entry == fallback and chosen.match == "nearest"
+    assert key_of(call) == refused.key  # the exact key, refused on this call's seq_k
+    chosen = select(table(refused, fallback), key_of(call), call, allow_nearest=True)
+    assert (chosen.entry, chosen.match, chosen.route) == (fallback, "nearest", "evotune")
     assert chosen.skipped[0][0] == refused.key.spec() and "test: whole 512-key blocks" in chosen.skipped[0][1]
-    alone = select(table(refused), key_of(call), call)
-    assert alone.entry is None and "not admitted by space" in alone.reason
+    guarded = select(table(refused, fallback), key_of(call), call)
+    assert (guarded.entry, guarded.match, guarded.route) == (fallback, "nearest", "sdpa") and guarded.skipped == chosen.skipped
+    for allow in (False, True):
+        alone = select(table(refused), key_of(call), call, allow_nearest=allow)
+        assert alone.entry is None and "not admitted by space" in alone.reason
+        nearest_only = Shape(2, 8, 300, 300, 64)  # BH 16: the refused entry is only a nearest candidate
+        assert select(table(refused), key_of(nearest_only), nearest_only, allow_nearest=allow).entry is None
     whole = Shape(1, 8, 512, 512, 64)  # admitted where seq_k is a multiple of 512
     assert select(table(refused), key_of(whole), whole).entry == refused
 
@@ -305,7 +451,7 @@ def test_runs_that_give_no_entry_are_noted(runs_root):
 def test_one_key_many_runs_and_an_existing_table(runs_root):
     """Per key the run with the larger measured speedup wins; given runs replace existing entries, others stay."""
     make_run(runs_root, "a", Shape(2, 8, 1024, 1024, 64), baselines={"cudnn": base(12.0)})
-    make_run(runs_root, "b", Shape(4, 8, 1000, 1000, 64), baselines={"cudnn": base(20.0)})
+    make_run(runs_root, "b", Shape(2, 8, 1000, 1000, 64), baselines={"cudnn": base(20.0)})
     make_run(runs_root, "c", Shape(2, 8, 1024, 1024, 64))
     kept = entry(Shape(1, 8, 4096, 4096, 128))
     old = entry(Shape(2, 8, 1024, 1024, 64), run="old")
@@ -313,6 +459,17 @@ def test_one_key_many_runs_and_an_existing_table(runs_root):
     assert {e.provenance["run"] for e in tbl.entries} == {"b", "fixture"}
     assert [(n.run, n.action) for n in notes] == [("a", "dropped"), ("b", "replaced"), ("c", "dropped")]
     assert notes[0].reason.startswith("run b won this key")
+
+
+def test_runs_of_one_sequence_bucket_at_two_batches_are_two_entries(runs_root):
+    """1x512 and 16x512 give two keys (the bucket comes from each run's shape); each run wins its own."""
+    make_run(runs_root, "one", Shape(1, 12, 512, 512, 64), baselines={"cudnn": base(12.0)})
+    make_run(runs_root, "sixteen", Shape(16, 12, 512, 512, 64), baselines={"cudnn": base(9.0)})
+    make_run(runs_root, "also16", Shape(16, 16, 512, 512, 64), baselines={"cudnn": base(30.0)})  # BH 256 too
+    tbl, notes = build_table(["one", "sixteen", "also16"])
+    assert {e.provenance["run"]: e.key.bh_bucket for e in tbl.entries} == {"one": 16, "also16": 256}
+    assert [(n.run, n.action) for n in notes] == [("one", "added"), ("sixteen", "dropped"), ("also16", "added")]
+    assert all(n.key.endswith("BH<=16") for n in notes if n.run == "one")
 
 
 def test_built_table_passes_its_own_validation(runs_root, tmp_path):
@@ -333,7 +490,7 @@ def test_committed_h100_run_with_its_bench_record(tmp_path):
     cudnn = next(r for r in record["rows"] if r["name"] == "cudnn")
     assert e.evotune_us == record["rows"][0]["time_us"] and e.sdpa == {"backend": "cudnn", "time_us": cudnn["time_us"]}
     assert e.evidence == {"kind": "bench", "file": str(bench)} and e.space == "attention-hopper"
-    assert e.key == TableKey("NVIDIA H100 80GB HBM3", "9.0", "fp16", 64, False, "bhsd", 1024, 1024)
+    assert e.key == TableKey("NVIDIA H100 80GB HBM3", "9.0", "fp16", 64, False, "bhsd", 1024, 1024, 256)
     assert e.route == "sdpa" and e.reason.split(":")[0] in ("slower", "stale")
     assert load_table(save_table(table(e), tmp_path / "t.json")).entries == (e,)
 
