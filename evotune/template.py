@@ -60,11 +60,13 @@ def read_template(filename: str, _seen: tuple[str, ...] = ()) -> tuple[Path, str
     return path, _LOCAL_INCLUDE.sub(inline, text)
 
 
-def instantiate(problem, config, shape) -> KernelSource:
-    """Append the problem's instantiation block for (config, shape) to its template."""
+def instantiate(problem, config, shape, **options) -> KernelSource:
+    """Append the problem's instantiation block for (config, shape) to its template. `options` select
+    a family's output variant (e.g. attention's write_lse=True); without them, the searched kernel."""
     path, template = read_template(problem.kernel_file)
-    block = problem.instantiation(config, shape)
+    block = problem.instantiation(config, shape, **options) if options else problem.instantiation(config, shape)
     # Only what changes the code goes in: the same kernel for two shapes is one source and one cache entry.
-    banner = f"\n// ---- evotune instantiation: {problem.family} {config.key()}\n"
+    variant = "".join(f" {k}={v}" for k, v in sorted(options.items()))
+    banner = f"\n// ---- evotune instantiation: {problem.family} {config.key()}{variant}\n"
     return KernelSource(family=problem.family, entry=problem.entry_name, code=template + banner + block,
                         template_path=str(path))

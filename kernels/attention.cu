@@ -211,6 +211,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// ln(2^max_log2 * sum): a row's log-sum-exp from its running max (already in log2 units) and its
+// sum of 2^(x - max); +inf for a row that saw no key, as PyTorch's kernels write it.
+__device__ __forceinline__ float lse_from_log2(float max_log2, float sum) {
+    return sum > 0.f ? (max_log2 + log2f(sum)) * 0.69314718055994531f : __int_as_float(0x7f800000);
+}
+
 template <bool IS_BF16>
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
     if constexpr (IS_BF16) {
@@ -508,6 +514,23 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x;
 }
 
+// Training: the natural-log row log-sum-exp of the scaled scores, ln(sum_j exp(scale * s_ij)), for
+// PyTorch's attention backward (its flash and efficient kernels recompute P from Q, K and this).
+// Only instantiations that ask for it (attention_fwd<T, true>) contain this code. `l` is the
+// per-lane partial sum unless L_REDUCED; m is quad-uniform (online_softmax reduces it).
+template <class T, bool L_REDUCED = false>
+__device__ __forceinline__ void store_lse(const float (&m)[T::kMFrags][2], const float (&l)[T::kMFrags][2], float* gL,
+                                          int q_row0, int warp_row0, int seq_q, float scale_log2, int lane) {
+#pragma unroll
+    for (int mf = 0; mf < T::kMFrags; ++mf)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float sum = L_REDUCED ? l[mf][r] : quad_sum<T>(l[mf][r]);
+            const int q = q_row0 + warp_row0 + mf * 16 + (lane >> 2) + 8 * r;
+            if ((lane & 3) == 0 && q < seq_q) gL[q] = lse_from_log2(m[mf][r] * scale_log2, sum);
+        }
+}
+
 // Normalise O by the row sums, stage this warp's rows in its own slice of the
 // Q tile (only this warp ever reads that slice, and it is done with Q), then
 // write them to global memory with 16-byte stores.
@@ -573,9 +596,9 @@ __device__ __forceinline__ void store_partial(float (&o)[T::kMFrags][T::kDFrags]
 
 // Split-KV: merge the KV_SPLITS partials of one query tile, weighting each by
 // 2^(lse_s - max lse), and write O. Run by the compute threads of the last CTA.
-template <class T>
+template <class T, bool WRITE_LSE>
 __device__ __forceinline__ void combine_partials(const float* wo, const float* wlse, unsigned short* gO,
-                                                 long long row_stride, int q_row0, int seq_q, int tid) {
+                                                 long long row_stride, int q_row0, int seq_q, int tid, float* gL) {
     constexpr int kSliceO = T::kBlockM * T::kHeadDim;
     constexpr int kQuads = T::kHeadDim / 4;
     for (int idx = tid; idx < T::kBlockM * kQuads; idx += T::kComputeThreads) {
@@ -595,6 +618,9 @@ __device__ __forceinline__ void combine_partials(const float* wo, const float* w
             wsum += w;
         }
         const float inv = 1.f / wsum;
+        if constexpr (WRITE_LSE) {
+            if (col == 0) gL[q_row0 + row] = lse_from_log2(lse_max, wsum);
+        }
         uint2 packed;
         packed.x = pack2<T::kIsBf16>(acc.x * inv, acc.y * inv);
         packed.y = pack2<T::kIsBf16>(acc.z * inv, acc.w * inv);
@@ -626,9 +652,9 @@ __device__ __forceinline__ void write_key_group_partial(const float (&o)[T::kMFr
 }
 
 // Key groups: the row group's first warp folds the other warps' partials into its own
-// accumulators; afterwards `l` holds the full (quad-reduced) row sums.
+// accumulators; afterwards `l` holds the full (quad-reduced) row sums and `m` the row maxima.
 template <class T>
-__device__ __forceinline__ void merge_key_groups(float (&o)[T::kMFrags][T::kDFrags][4], const float (&m)[T::kMFrags][2],
+__device__ __forceinline__ void merge_key_groups(float (&o)[T::kMFrags][T::kDFrags][4], float (&m)[T::kMFrags][2],
                                                  float (&l)[T::kMFrags][2], const float* slots, int warp_row0,
                                                  float scale_log2, int lane) {
 #pragma unroll
@@ -662,6 +688,7 @@ __device__ __forceinline__ void merge_key_groups(float (&o)[T::kMFrags][T::kDFra
                 }
             }
             l[mf][r] = sum;
+            m[mf][r] = mx;
         }
 }
 
@@ -692,14 +719,17 @@ __device__ __forceinline__ int kv_head_of(int head, unsigned kv_magic) {
 //   ws_o   [KV_SPLITS][BLOCK_M][HEAD_DIM] fp32 partial outputs
 //   ws_lse [KV_SPLITS][BLOCK_M]           fp32 log2-sum-exp of the scaled scores
 //   ws_count                              int, zero before a launch; the kernel leaves it zero
-template <class T>
+// WRITE_LSE (training, not a knob): also write each query row's natural-log log-sum-exp, fp32, to
+// lse[batch * lse_sb + head * lse_sh + row]; otherwise lse is unused and no code reads it.
+template <class T, bool WRITE_LSE = false>
 __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                                               const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
                                               long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh,
                                               long long k_ss, long long v_sb, long long v_sh, long long v_ss, long long o_sb,
                                               long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
                                               float* __restrict__ ws_o, float* __restrict__ ws_lse, int* __restrict__ ws_count,
-                                              unsigned kv_magic) {
+                                              unsigned kv_magic, float* __restrict__ lse = nullptr, long long lse_sb = 0,
+                                              long long lse_sh = 0) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
     unsigned short* sK = sQ + T::kQElems;
@@ -718,6 +748,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     const unsigned short* gK = k + batch * k_sb + kv_head * k_sh;
     const unsigned short* gV = v + batch * v_sb + kv_head * v_sh;
     unsigned short* gO = o + batch * o_sb + head * o_sh;
+    float* gL = WRITE_LSE ? lse + batch * lse_sb + head * lse_sh : nullptr;
 
     // Causal: tiles wholly after this CTA's last query row contribute nothing; skip them.
     int kv_end = seq_k;
@@ -848,8 +879,10 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         compute_sync<T>();
         if (key_group > 0) return;
         merge_key_groups<T>(o_acc, m_run, l_run, slots, warp_row0, scale_log2, lane);
+        if constexpr (WRITE_LSE) store_lse<T, true>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
         store_o<T, true>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
     } else if constexpr (T::kKVSplits == 1) {
+        if constexpr (WRITE_LSE) store_lse<T>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
         store_o<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
     } else {
         const long long tile_index = ((long long)(batch * gridDim.y + head)) * gridDim.x + m_tile;
@@ -870,7 +903,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         compute_sync<T>();
         if (!is_last) return;
         __threadfence();
-        combine_partials<T>(wo, wlse, gO, o_ss, q_row0, seq_q, tid);
+        combine_partials<T, WRITE_LSE>(wo, wlse, gO, o_ss, q_row0, seq_q, tid, gL);
     }
 }
 

@@ -278,6 +278,21 @@ __device__ __forceinline__ void store_out(const float (&o)[T::kOAcc], const floa
     }
 }
 
+// Training (attention_fwd_wgmma<T, true> only): each row's natural-log log-sum-exp to gL[row]; m is
+// quad-uniform (softmax_scores reduces it), l the thread's partial sum.
+template <class T>
+__device__ __forceinline__ void store_row_lse(const float (&m)[2], const float (&l)[2], float* gL, int q_row, int seq_q,
+                                              float scale_log2, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int row = q_row + 8 * r;
+        if ((lane & 3) == 0 && row < seq_q) gL[row] = lse_from_log2(m[r] * scale_log2, sum);
+    }
+}
+
 // Shared-memory bookkeeping of one CTA.
 struct Barriers {
     unsigned long long q_full;
@@ -324,11 +339,14 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
 // issues S(t) = Q K(t)^T and then O += P(t-1) V(t-1), waits for S(t) only, runs the softmax
 // of tile t while P V runs on the tensor cores, then waits for P V, rescales O and packs
 // P(t). K(t)'s slot is released as soon as S(t) is done, V(t-1)'s after P V.
-template <class T>
+// WRITE_LSE (training, not a knob): also write each row's log-sum-exp to lse[batch * lse_sb + head *
+// lse_sh + row] (see attention_fwd).
+template <class T, bool WRITE_LSE = false>
 __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                     const CUtensorMap* v_map, unsigned short* __restrict__ o,
                                                     long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k,
-                                                    float scale_log2, unsigned kv_magic) {
+                                                    float scale_log2, unsigned kv_magic, float* __restrict__ lse = nullptr,
+                                                    long long lse_sb = 0, long long lse_sh = 0) {
     // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
     // shared memory to 1024 bytes as well.
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -472,6 +490,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
 
     unsigned short* gO = o + batch * o_sb + head * o_sh;
     store_out<T>(o_acc, l_run, gO, o_ss, q_row, seq_q, lane);
+    if constexpr (WRITE_LSE) store_row_lse<T>(m_run, l_run, lse + batch * lse_sb + head * lse_sh, q_row, seq_q, scale_log2, lane);
 }
 
 }  // namespace hopper

@@ -170,9 +170,9 @@ def test_grouped_calls_are_covered_with_their_kv_heads():
 
 
 def test_kernel_features():
-    """The kernel reads grouped K/V heads but writes no log-sum-exp; unknown features are refused."""
-    assert et.supports("gqa") and not et.supports("lse")
-    assert kernels.unsupported("gqa") == "" and "gqa" not in kernels.MISSING_FEATURES
+    """The kernel reads grouped K/V heads and writes the log-sum-exp when asked; unknown features are refused."""
+    assert et.supports("gqa") and et.supports("lse")
+    assert kernels.unsupported("gqa") == kernels.unsupported("lse") == "" and not kernels.MISSING_FEATURES
     with pytest.raises(UsageError, match="unknown kernel feature"):
         et.supports("fp8")
 
@@ -206,18 +206,39 @@ def test_decisions_through_the_table(on_h100, tmp_path):
 
 
 def test_grouped_calls_route_by_their_group_size(on_h100):
-    """A grouped call takes only an entry of its own group size (exact or nearest bucket); ungrouped entries do not serve it."""
+    """A grouped call takes only an entry of its own group size; ungrouped entries do not serve it, and a
+    nearest entry of its group is named but not run (unverified at the call's key)."""
     ungrouped, grouped = cuda_call(), cuda_call(kv_heads=2)  # group 4
     et.use_table(table(entry(shape_of(ungrouped))))
     miss = routing.decide(grouped)
     assert (miss.route, miss.kind, miss.key.kv_group) == ("sdpa", "missing", 4)
     assert "kv-group 4" in miss.notice() and "--shape 2,8,1000,64:fp16:kv2" in miss.notice()
-    et.use_table(table(entry(shape_of(ungrouped)), entry(Shape(1, 32, 2048, 2048, 64, kv_heads=8))))
+    # 1 x 16 heads in groups of 4 (4 K/V heads) at 1024 rows: the grouped call's key (BH 16, Sq/Sk 1024, group 4)
+    et.use_table(table(entry(shape_of(ungrouped)), entry(Shape(1, 16, 1024, 1024, 64, kv_heads=4))))
     tuned = routing.decide(grouped)
-    assert (tuned.route, tuned.kind, tuned.match) == ("evotune", "tuned", "nearest")
+    assert (tuned.route, tuned.kind, tuned.match) == ("evotune", "tuned", "exact")
     assert tuned.shape.kv_heads == 2 and tuned.entry.key.kv_group == 4
+    et.use_table(table(entry(shape_of(ungrouped)), entry(Shape(1, 32, 1024, 1024, 64, kv_heads=8))))  # BH 32: nearest
+    near = routing.decide(grouped)
+    assert (near.route, near.match, near.entry.key.kv_group) == ("sdpa", "nearest", 4)
     assert routing.decide(ungrouped).match == "exact" and routing.decide(ungrouped).entry.key.kv_group == 1
     assert routing.decide(cuda_call(kv_heads=4)).kind == "missing"  # group 2: no entry of that group
+
+
+def test_nearest_entry_is_unverified_unless_opted_in(on_h100, monkeypatch):
+    """A call whose key has only a nearer key's entry (batch 16 where batch 1 was tuned: the H100 case where
+    that config ran 0.94x SDPA) runs SDPA, told with the nearest entry and the tune command; fallback="error"
+    refuses it; EVOTUNE_NEAREST=1 runs the nearest entry's config."""
+    call = cuda_call(batch=16, seq_q=1024, seq_k=1024)
+    et.use_table(table(entry(Shape(8, 8, 1024, 1024, 64))))  # BH 64 against the call's 128
+    near = routing.decide(call)
+    assert (near.route, near.kind, near.match) == ("sdpa", "unverified", "nearest")
+    assert near.refused_by_error_fallback and near.notice().count("evotune tune --shape 16,8,1024,64") == 1
+    assert "BH<=64" in near.notice() and "BH<=128" in near.notice()
+    monkeypatch.setenv("EVOTUNE_NEAREST", "1")
+    et.use_table(table(entry(Shape(8, 8, 1024, 1024, 64))))
+    opted = routing.decide(call)
+    assert (opted.route, opted.kind, opted.match) == ("evotune", "tuned", "nearest")
 
 
 def test_explain_grouped_call_on_meta():
@@ -287,16 +308,24 @@ def test_cpu_calls_warn_once_and_error_fallback_raises():
         et.attention(q, k, v, fallback="error")
 
 
-def test_grad_inputs_run_sdpa_with_its_backward():
-    """Inputs that require grad run SDPA (told once, with why) and backpropagate as SDPA does."""
+def test_grad_inputs_run_the_training_op_with_pytorchs_backward(monkeypatch):
+    """Inputs that require grad run evotune::attention_lse (on the CPU: PyTorch's CPU flash forward with its
+    log-sum-exp, told once) and backpropagate through PyTorch's attention backward to SDPA's gradients."""
+    from evotune.torch import autograd
+
+    backwards = []
+    real_backward = autograd.attention_backward
+    monkeypatch.setattr(autograd, "attention_backward", lambda *a: backwards.append(1) or real_backward(*a))
     q, k, v = (t.float().requires_grad_() for t in qkv())
-    with pytest.warns(et.EvotuneFallbackWarning, match="inputs require grad"):
+    with pytest.warns(et.EvotuneFallbackWarning, match="device cpu"):
         out = et.attention(q, k, v, is_causal=True)
     out.sum().backward()
-    q2 = q.detach().clone().requires_grad_()
-    F.scaled_dot_product_attention(q2, k.detach(), v.detach(), is_causal=True).sum().backward()
-    torch.testing.assert_close(q.grad, q2.grad)
-    with pytest.raises(UsageError, match="inputs require grad"):
+    assert backwards == [1]
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    F.scaled_dot_product_attention(q2, k2, v2, is_causal=True).sum().backward()
+    for got, want in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(UsageError, match="device cpu"):
         et.attention(q, k, v, fallback="error")
 
 

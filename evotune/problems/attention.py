@@ -170,9 +170,13 @@ class AttentionProblem(Problem):
             ("WARP_KEY_GROUPS", int(knob(config, "warp_key_groups"))),
         ] + problem_args
 
-    def instantiation(self, config, shape: Shape) -> str:
+    def instantiation(self, config, shape: Shape, write_lse: bool = False) -> str:
+        """The entry point; with `write_lse` (training: the op's autograd path, never searched) it also takes
+        `float* lse, long long lse_sb, long long lse_sh` and writes each query row's natural-log log-sum-exp."""
         args = self.template_args(config, shape)
         targs = ",\n    ".join(f"/* {name} = */ {value}" for name, value in args)
+        lse_params = ",\n                  float* __restrict__ lse, long long lse_sb, long long lse_sh" if write_lse else ""
+        lse_args, lse_targ = (", lse, lse_sb, lse_sh", ", true") if write_lse else ("", "")
         if is_wgmma(config):
             return f"""using EvotuneTraits = evotune::hopper::HopperTraits<
     {targs}>;
@@ -187,9 +191,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 {self.entry_name}(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                   const __grid_constant__ CUtensorMap v_map, unsigned short* __restrict__ o,
                   long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
-                  unsigned kv_magic) {{
-    evotune::hopper::attention_fwd_wgmma<EvotuneTraits>(&q_map, &k_map, &v_map, o, o_sb, o_sh, o_ss, seq_q, seq_k,
-                                                        scale_log2, kv_magic);
+                  unsigned kv_magic{lse_params}) {{
+    evotune::hopper::attention_fwd_wgmma<EvotuneTraits{lse_targ}>(&q_map, &k_map, &v_map, o, o_sb, o_sh, o_ss, seq_q, seq_k,
+                                                        scale_log2, kv_magic{lse_args});
 }}
 """
         return f"""using EvotuneTraits = evotune::AttnTraits<
@@ -207,10 +211,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                   const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
                   long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
                   long long v_sb, long long v_sh, long long v_ss, long long o_sb, long long o_sh, long long o_ss,
-                  int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, unsigned kv_magic) {{
-    evotune::attention_fwd<EvotuneTraits>(q, k, v, o, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
+                  int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, unsigned kv_magic{lse_params}) {{
+    evotune::attention_fwd<EvotuneTraits{lse_targ}>(q, k, v, o, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
                                           o_sb, o_sh, o_ss, seq_q, seq_k, scale_log2, ws_o, ws_lse, ws_count,
-                                          kv_magic);
+                                          kv_magic{lse_args});
 }}
 """
 
@@ -359,49 +363,60 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         call after call, and each call then only packs pointers and strides."""
         return _launch_plan(self, config, shape)
 
-    def launcher(self, kernel, config, shape: Shape, inputs: dict, out):
-        """A zero-argument callable that launches the kernel on torch's current stream."""
-        import numpy as np
+    def entry_params(self, config, write_lse: bool = False) -> tuple:
+        """The entry point's parameters in order, (name, kind), kind one of "ptr" (u64), "i64", "i32",
+        "f32", "u32" and "map" (a 128-byte CUtensorMap by value): the one list both launch paths (CuPy's
+        call here, the PyTorch op's reusable parameter packet) read, matching `instantiation`."""
+        return _entry_params(is_wgmma(config), write_lse)
 
+    def launch_values(self, config, shape: Shape, q, k, v, out, scale: float, lse=None, workspace=()) -> dict:
+        """name -> value of every entry parameter for these tensors (ints, floats, map records).
+        `lse`: the (B, H, Sq) fp32 log-sum-exp output of a write_lse kernel (any strides, unit last one)."""
+        plan = self.launch_plan(config, shape)
+        for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
+            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+                raise UsageError(f"attention: {name} must have unit head-dim stride and 16-byte aligned rows")
+        if k.shape[1] != shape.kv_heads or v.shape[1] != shape.kv_heads or q.shape[1] != shape.heads:
+            raise UsageError(f"attention: q, k, v have {q.shape[1]}, {k.shape[1]}, {v.shape[1]} heads; the shape "
+                             f"{shape.spec} has {shape.heads} query and {shape.kv_heads} K/V heads")
+        values = {"o": out.data_ptr(), "o_sb": out.stride(0), "o_sh": out.stride(1), "o_ss": out.stride(2),
+                  "seq_q": shape.seq_q, "seq_k": shape.seq_k, "scale_log2": scale * math.log2(math.e),
+                  "kv_magic": int(plan.kv_magic)}
+        if plan.wgmma:
+            values.update(zip(("q_map", "k_map", "v_map"), self.tensor_maps(config, shape, {"q": q, "k": k, "v": v})))
+        else:
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                values.update({name: t.data_ptr(), f"{name}_sb": t.stride(0), f"{name}_sh": t.stride(1),
+                               f"{name}_ss": t.stride(2)})
+            values.update(zip(("ws_o", "ws_lse", "ws_count"), [t.data_ptr() for t in workspace] or (0, 0, 0)))
+        if lse is not None:
+            values.update(lse=lse.data_ptr(), lse_sb=lse.stride(0), lse_sh=lse.stride(1))
+        return values
+
+    def new_workspace(self, config, shape: Shape, device) -> tuple:
+        """The split-KV workspace of one launch ((ws_o, ws_lse, ws_count) tensors; () without a split). Per
+        launch, not per plan: two streams may run the same config at once. Counters start at zero and the
+        kernel re-zeroes them."""
+        n_o, n_lse, n_count = self.launch_plan(config, shape).workspace
+        if not n_count:
+            return ()
+        import torch
+
+        return (torch.empty(n_o, dtype=torch.float32, device=device),
+                torch.empty(n_lse, dtype=torch.float32, device=device),
+                torch.zeros(n_count, dtype=torch.int32, device=device))
+
+    def launcher(self, kernel, config, shape: Shape, inputs: dict, out, lse=None):
+        """A zero-argument callable that launches the kernel on torch's current stream (`lse`: see launch_values)."""
         from ..compile import torch_stream_launcher
 
         plan = self.launch_plan(config, shape)
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
-        for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
-            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
-                raise UsageError(f"attention: {name} must have unit head-dim stride and 16-byte aligned rows")
-        scale_log2 = np.float32(inputs["scale"] * math.log2(math.e))
-        o_strides = out.stride()
-        if k.shape[1] != shape.kv_heads or v.shape[1] != shape.kv_heads or q.shape[1] != shape.heads:
-            raise UsageError(f"attention: q, k, v have {q.shape[1]}, {k.shape[1]}, {v.shape[1]} heads; the shape "
-                             f"{shape.spec} has {shape.heads} query and {shape.kv_heads} K/V heads")
-        tail = (np.int64(o_strides[0]), np.int64(o_strides[1]), np.int64(o_strides[2]), plan.seq_q, plan.seq_k,
-                scale_log2)
-        if plan.wgmma:
-            # The maps go by value into the kernel's parameters (__grid_constant__): nothing to upload or keep.
-            args = self.tensor_maps(config, shape, inputs) + (np.uint64(out.data_ptr()),) + tail + (plan.kv_magic,)
-            return torch_stream_launcher(kernel, plan.grid, plan.block, args, plan.dynamic_smem)
-        args = [np.uint64(t.data_ptr()) for t in (q, k, v, out)]
-        for t in (q, k, v):
-            st = t.stride()
-            args += [np.int64(st[0]), np.int64(st[1]), np.int64(st[2])]
-        args += tail
-        workspace = ()
-        if plan.workspace[2]:
-            import torch
-
-            n_o, n_lse, n_count = plan.workspace
-            # Per launch, not per plan: two streams may run the same config at once. Counters start at
-            # zero and the kernel re-zeroes them.
-            workspace = (torch.empty(n_o, dtype=torch.float32, device=out.device),
-                         torch.empty(n_lse, dtype=torch.float32, device=out.device),
-                         torch.zeros(n_count, dtype=torch.int32, device=out.device))
-            args += [np.uint64(t.data_ptr()) for t in workspace]
-        else:
-            args += [np.uint64(0)] * 3
-        args.append(plan.kv_magic)
+        workspace = self.new_workspace(config, shape, out.device)
+        values = self.launch_values(config, shape, q, k, v, out, inputs["scale"], lse, workspace)
+        args = tuple(as_kernel_arg(kind, values[name]) for name, kind in self.entry_params(config, lse is not None))
         # The workspace is kept alive by the launcher (its first default argument).
-        return torch_stream_launcher(kernel, plan.grid, plan.block, tuple(args), plan.dynamic_smem, keep=workspace)
+        return torch_stream_launcher(kernel, plan.grid, plan.block, args, plan.dynamic_smem, keep=workspace)
 
     def tensor_map_args(self, config, shape: Shape, strides: dict) -> dict:
         """name -> TiledMapArgs of the Q, K and V maps a wgmma launch needs; `strides` maps each name
@@ -513,6 +528,27 @@ def _map_args(config, shape: Shape, q_strides: tuple, k_strides: tuple, v_stride
                  for strides, heads, seq, rows in ((q_strides, shape.heads, shape.seq_q, block_m),
                                                    (k_strides, shape.kv_heads, shape.seq_k, block_n),
                                                    (v_strides, shape.kv_heads, shape.seq_k, block_n)))
+
+
+@lru_cache(maxsize=4)
+def _entry_params(wgmma: bool, write_lse: bool) -> tuple:
+    """AttentionProblem.entry_params (kernels/attention.cu and attention_hopper.cuh entry points)."""
+    tail = (("o_sb", "i64"), ("o_sh", "i64"), ("o_ss", "i64"), ("seq_q", "i32"), ("seq_k", "i32"), ("scale_log2", "f32"))
+    lse = (("lse", "ptr"), ("lse_sb", "i64"), ("lse_sh", "i64")) if write_lse else ()
+    if wgmma:
+        return (("q_map", "map"), ("k_map", "map"), ("v_map", "map"), ("o", "ptr")) + tail + (("kv_magic", "u32"),) + lse
+    strides = tuple((f"{t}_s{d}", "i64") for t in "qkv" for d in "bhs")
+    return ((("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "ptr")) + strides + tail
+            + (("ws_o", "ptr"), ("ws_lse", "ptr"), ("ws_count", "ptr"), ("kv_magic", "u32")) + lse)
+
+
+def as_kernel_arg(kind: str, value):
+    """`value` as the numpy scalar CuPy passes for a parameter of `kind` (a map record is already one)."""
+    import numpy as np
+
+    if kind == "map":
+        return value
+    return {"ptr": np.uint64, "i64": np.int64, "i32": np.int32, "f32": np.float32, "u32": np.uint32}[kind](value)
 
 
 def kv_head_magic(group: int) -> int:

@@ -1,6 +1,7 @@
-"""What the attention kernel can do, and the process-wide kernel cache: each (config, shape class)
-is compiled once (compile.compile_source, itself cached on disk by source hash) and loaded once per
-device (compile.load_kernel); launches go through the family's own launcher, on the current stream.
+"""What the attention kernel can do, the process-wide kernel cache, and the op's launches: each (config,
+shape class, write_lse) is compiled once (compile.compile_source, itself cached on disk by source hash) and
+loaded once per device (compile.load_kernel); a launch goes through a PreparedLaunch (the family's entry
+parameters in a reusable packet, evotune.packet) on torch's current stream.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ PROBLEM = get_problem("attention")
 FEATURES = ("gqa", "lse")
 # Features the kernel lacks today, and why: the op routes such calls per its fallback policy, saying
 # this. When kernels/attention.cu grows a feature, its entry goes (and the op's path for it with it).
-# "gqa" (grouped-query attention) is supported: both variants read K/V head h // (heads / kv_heads) through
-# the kv_group launch argument, never a per-query-head copy of K/V.
-MISSING_FEATURES = {
-    "lse": "the kernel does not write the row log-sum-exp, which a backward pass needs",
-}
+# "gqa": both variants read K/V head h // (heads / kv_heads) through the kv_magic launch argument, never
+# a per-query-head copy of K/V. "lse": an instantiation asked for it (write_lse) also writes each row's
+# log-sum-exp, which the op's autograd hands to PyTorch's attention backward.
+MISSING_FEATURES: dict[str, str] = {}
 
 
 def supports(feature: str) -> bool:
@@ -46,13 +46,19 @@ class LoadedKernel:
     kernel: object            # CuPy RawKernel, bound to its device's context
     config: object            # evotune.space.Config
     device_index: int
-    source_digest: str
+    source_digest: str        # of the searched kernel (what the table measured), also for a write_lse variant
     cubin_path: str
+    write_lse: bool = False   # the variant that also writes the row log-sum-exp (training)
+
+    @property
+    def function(self) -> int:
+        """The CUfunction handle, for cuLaunchKernel."""
+        return self.kernel.kernel.ptr
 
 
 class KernelCache:
-    """(config, shape class, device) -> LoadedKernel, filled once under a lock; reads take no lock.
-    `loader(compiled, dynamic_smem, device_index)` loads a cubin on a device (injectable for tests)."""
+    """(config, shape class, write_lse, device) -> LoadedKernel, filled once under a lock; reads take no
+    lock. `loader(compiled, dynamic_smem, device_index)` loads a cubin on a device (injectable for tests)."""
 
     def __init__(self, loader=None):
         self._kernels: dict[tuple, LoadedKernel] = {}
@@ -60,36 +66,44 @@ class KernelCache:
         self._loader = loader or _load_on_device
 
     @staticmethod
-    def key(config, shape, device_index: int) -> tuple:
-        return (config.items,) + shape_class(shape) + (device_index,)
+    def key(config, shape, device_index: int, write_lse: bool = False) -> tuple:
+        return (config.items,) + shape_class(shape) + (bool(write_lse), device_index)
 
-    def loaded(self, config, shape, device_index: int) -> LoadedKernel | None:
-        return self._kernels.get(self.key(config, shape, device_index))
+    def loaded(self, config, shape, device_index: int, write_lse: bool = False) -> LoadedKernel | None:
+        return self._kernels.get(self.key(config, shape, device_index, write_lse))
 
-    def get(self, config, shape, device_index: int, expected_digest: str | None = None) -> LoadedKernel:
+    def get(self, config, shape, device_index: int, expected_digest: str | None = None,
+            write_lse: bool = False) -> LoadedKernel:
         """The loaded kernel, compiling and loading it on first use."""
-        key = self.key(config, shape, device_index)
+        key = self.key(config, shape, device_index, write_lse)
         found = self._kernels.get(key)
         if found is not None:
             return found
         with self._lock:
             if key not in self._kernels:
-                source, compiled, geometry = compile_for(config, shape, expected_digest)
+                source, compiled, geometry = compile_for(config, shape, expected_digest, write_lse)
                 kernel = self._loader(compiled, geometry.dynamic_smem, device_index)
-                self._kernels[key] = LoadedKernel(kernel, config, device_index, source.digest, compiled.cubin_path)
+                self._kernels[key] = LoadedKernel(kernel, config, device_index, source.digest, compiled.cubin_path,
+                                                  write_lse)
             return self._kernels[key]
 
     def __len__(self) -> int:
         return len(self._kernels)
 
     def clear(self) -> None:
+        from . import routing
+
         with self._lock:
             self._kernels.clear()
+        PREPARED.clear()
+        routing.FAST_ROUTES.clear()  # its closures hold loaded kernels
 
 
-def compile_for(config, shape, expected_digest: str | None = None):
-    """(KernelSource, Compiled, LaunchGeometry) of `config` on `shape` (no GPU needed). EvotuneError where
-    the source is not the one the table measured, or ptxas reports what the search's gate refuses."""
+def compile_for(config, shape, expected_digest: str | None = None, write_lse: bool = False):
+    """(KernelSource, Compiled, LaunchGeometry) of `config` on `shape` (no GPU needed); with `write_lse`
+    the variant that also writes the row log-sum-exp. EvotuneError where the searched kernel's source is not
+    the one the table measured, or ptxas reports what the search's gate refuses. The KernelSource is the
+    searched kernel's (its digest is the table's); the Compiled is the variant asked for."""
     from ..compile import compile_source, static_violations
     from ..template import instantiate
 
@@ -97,7 +111,8 @@ def compile_for(config, shape, expected_digest: str | None = None):
     if expected_digest is not None and source.digest != expected_digest:
         raise EvotuneError(f"kernel source {source.digest} for {config.key()} is not the measured {expected_digest}: "
                            f"rebuild the tuning table")
-    compiled = compile_source(source.code, source.entry)
+    built = instantiate(PROBLEM, config, shape, write_lse=True) if write_lse else source
+    compiled = compile_source(built.code, built.entry)
     geometry = PROBLEM.geometry(config, shape)
     why = static_violations(compiled.resources, geometry.threads, geometry.dynamic_smem)
     if why:
@@ -115,15 +130,105 @@ def _load_on_device(compiled, dynamic_smem: int, device_index: int):
         return load_kernel(compiled, dynamic_smem)
 
 
-def launch(loaded: LoadedKernel, shape, q, k, v, out, scale: float) -> None:
-    """Run `loaded` on q, k, v into `out` on torch's current stream; the caller has made the tensors'
-    device current (the family's launcher reads the stream at the launch, so graph capture and side
-    streams see it)."""
-    import cupy
+# --------------------------------------------------------------------------- launching
 
-    inputs = {"q": q, "k": k, "v": v, "scale": scale}
-    with cupy.cuda.Device(loaded.device_index):
-        PROBLEM.launcher(loaded.kernel, loaded.config, shape, inputs, out)()
+
+class PreparedLaunch:
+    """A loaded kernel on one shape with one set of strides and scale, ready to launch again and again:
+    grid, block and shared memory worked out once, and per thread a ParamPacket (evotune.packet) in which
+    a call rewrites only the buffer addresses (and, for the Hopper variant, copies in the tensor maps of
+    the new addresses, each encoded once per address) before cuLaunchKernel on torch's current stream."""
+
+    def __init__(self, loaded: LoadedKernel, shape, strides: tuple, scale: float):
+        plan = PROBLEM.launch_plan(loaded.config, shape)
+        self.loaded, self.shape, self.scale = loaded, shape, scale
+        self.grid, self.block, self.smem = plan.grid, plan.block, plan.dynamic_smem
+        self.wgmma = plan.wgmma
+        self.split = bool(plan.workspace[2])
+        self.params = PROBLEM.entry_params(loaded.config, loaded.write_lse)
+        if self.wgmma:
+            self.map_args = tuple(PROBLEM.tensor_map_args(loaded.config, shape, dict(zip("qkv", strides))).values())
+        self._local = threading.local()
+
+    def __call__(self, q, k, v, out, lse=None) -> None:
+        from ..packet import launch_packet
+
+        workspace = PROBLEM.new_workspace(self.loaded.config, self.shape, out.device) if self.split else ()
+        packet = getattr(self._local, "packet", None)
+        if packet is None:
+            packet = self._local.packet = self._new_packet(q, k, v, out, lse, workspace)
+        else:
+            self._patch(packet, q, k, v, out, lse, workspace)
+        launch_packet(self.loaded.function, self.grid, self.block, self.smem, current_stream_handle(out.device.index),
+                      packet)
+
+    def _new_packet(self, q, k, v, out, lse, workspace):
+        from ..packet import ParamPacket
+
+        values = PROBLEM.launch_values(self.loaded.config, self.shape, q, k, v, out, self.scale, lse, workspace)
+        packet = ParamPacket(self.params, values)
+        packet.addresses = {}  # per map parameter: the address its bytes were made for
+        return packet
+
+    def _patch(self, packet, q, k, v, out, lse, workspace) -> None:
+        packet.slot("o").value = out.data_ptr()
+        if lse is not None:
+            packet.slot("lse").value = lse.data_ptr()
+        if self.wgmma:
+            from ..tma import map_param
+
+            for name, t, args in zip(("q_map", "k_map", "v_map"), (q, k, v), self.map_args):
+                address = t.data_ptr()
+                if packet.addresses.get(name) != address:
+                    packet.set_map(name, map_param(address, args))
+                    packet.addresses[name] = address
+            return
+        packet.slot("q").value = q.data_ptr()
+        packet.slot("k").value = k.data_ptr()
+        packet.slot("v").value = v.data_ptr()
+        for name, t in zip(("ws_o", "ws_lse", "ws_count"), workspace):
+            packet.slot(name).value = t.data_ptr()
+
+
+class _PreparedCache:
+    """(loaded kernel, shape, strides, scale) -> PreparedLaunch."""
+
+    def __init__(self):
+        self._prepared: dict[tuple, PreparedLaunch] = {}
+
+    def get(self, loaded: LoadedKernel, shape, q, k, v, out, scale: float) -> PreparedLaunch:
+        strides = (q.stride(), k.stride(), v.stride())
+        key = (id(loaded), shape, strides, out.stride(), scale)
+        found = self._prepared.get(key)
+        if found is None or found.loaded is not loaded:
+            found = self._prepared[key] = PreparedLaunch(loaded, shape, strides, scale)
+        return found
+
+    def clear(self) -> None:
+        self._prepared.clear()
+
+
+PREPARED = _PreparedCache()
+
+
+def current_stream_handle(device_index: int) -> int:
+    """torch's current stream on `device_index`, as a raw handle (what torch.cuda.current_stream().cuda_stream
+    gives, without making a Stream object: the per-call cost the op keeps small)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def launch(loaded: LoadedKernel, shape, q, k, v, out, scale: float, lse=None) -> None:
+    """Run `loaded` on q, k, v into `out` (and `lse` for a write_lse kernel) on torch's current stream of
+    the tensors' device, which the caller has made current."""
+    if loaded.write_lse != (lse is not None):
+        raise EvotuneError(f"internal: a {'write_lse' if loaded.write_lse else 'forward-only'} kernel launched "
+                           f"{'without' if lse is None else 'with'} a log-sum-exp output")
+    PREPARED.get(loaded, shape, q, k, v, out, scale)(q, k, v, out, lse)
 
 
 CACHE = KernelCache()

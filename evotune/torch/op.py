@@ -20,13 +20,19 @@ from ..errors import UsageError
 from ..shapes import Shape
 from . import record, routing
 from .call import Call, check_args, misaligned, new_output
-from .kernels import CACHE, launch
+from .autograd import lse_backend
+from .kernels import CACHE, PREPARED, launch
 
 
 @torch.library.custom_op("evotune::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
                  scale: Optional[float] = None, enable_gqa: bool = False, fallback: str = "sdpa") -> torch.Tensor:
-    return _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback)
+    # A compiled graph calls this at run time, call after call: the same cached routes as eager code.
+    if not record.active():
+        fast = routing.FAST_ROUTES.get(_facts(q, k, v, is_causal, scale, enable_gqa, fallback))
+        if fast is not None:
+            return fast(q, k, v)
+    return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback)
 
 
 def _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback):
@@ -60,8 +66,8 @@ def _run_evotune(decision, q, k, v, scale):
         return _launch_here(decision, q, k, v, scale)
 
 
-def _launch_here(decision, q, k, v, scale):
-    """Launch on the current device, the tensors' (compiling and loading on first use, never in a capture)."""
+def _loaded(decision):
+    """The decision's kernel, compiling and loading it on first use (never inside a CUDA graph capture)."""
     config, index = decision.config, decision.call.device_index
     loaded = CACHE.loaded(config, decision.shape, index)
     if loaded is None:
@@ -70,6 +76,12 @@ def _launch_here(decision, q, k, v, scale):
             raise UsageError(f"evotune.torch.attention: cannot capture {decision.key.spec()} in a CUDA graph: its "
                              f"kernel is not loaded yet: call evotune.torch.warmup() (or the op once) before capture")
         loaded = CACHE.get(config, decision.shape, index, decision.entry.provenance["source_digest"])
+    return loaded
+
+
+def _launch_here(decision, q, k, v, scale):
+    """Launch on the current device, the tensors'."""
+    loaded = _loaded(decision)
     out = new_output(q, v)
     launch(loaded, decision.shape, q, k, v, out, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     return out
@@ -106,28 +118,102 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, e
     the tuning table has one for this GPU and key, else PyTorch SDPA if `fallback` is "sdpa" (told once
     per key) or a UsageError if it is "error" (where the table itself routes a key to SDPA, SDPA runs).
     q (B, H, Sq, D), k and v (B, Hk, Sk, D): any strides with a unit last one; the output has the
-    query's layout. Forward only: inputs that require grad run SDPA (its autograd) per `fallback`."""
+    query's layout. Inputs that require grad run `evotune::attention_lse` (the kernel with its
+    log-sum-exp epilogue, then PyTorch's attention backward: evotune.torch.autograd)."""
+    fast = _fast_route(q, k, v, is_causal, scale, enable_gqa, fallback)
+    if fast is not None:
+        return fast(q, k, v)
     _check_options(q, k, v, is_causal, scale, enable_gqa)
     scale = None if scale is None else float(scale)
     routing.check_fallback(fallback)
     if _needs_grad(q, k, v):
         return _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback)
+    if _eager(q, k, v):
+        return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback)
     return torch.ops.evotune.attention(q, k, v, is_causal, scale, enable_gqa, fallback)
 
 
 def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback):
-    """SDPA with its autograd. The op has no backward (the kernel writes no log-sum-exp): in eager code
-    this is told once (or refused with fallback="error"); while torch.compile traces, a notice would
-    break the graph, so only fallback="error" is enforced there."""
+    """The training op where a PyTorch backward takes (O, LSE) on this device; elsewhere SDPA with its own
+    autograd, told once (in eager code; while torch.compile traces, a notice would break the graph)."""
+    if lse_backend(q, k, is_causal) is not None:
+        return torch.ops.evotune.attention_lse(q, k, v, is_causal, scale, enable_gqa, fallback)[0]
     if not torch.compiler.is_compiling():
         check_args(q, k, v, enable_gqa)
-        decision = routing.decide(Call.of(q, k, v, is_causal), needs_grad=True)
+        decision = routing.uncovered(routing.decide(Call.of(q, k, v, is_causal), needs_grad=True),
+                                     f"no PyTorch attention backward takes a log-sum-exp on {q.device.type}")
         record.observe(decision)
         routing.notify(decision, fallback)
     elif fallback == "error":
-        raise UsageError("evotune.torch.attention: inputs require grad and the op has no backward [fallback='error']")
+        raise UsageError(f"evotune.torch.attention: no attention backward on {q.device.type} [fallback='error']")
     gqa = {"enable_gqa": True} if enable_gqa else {}
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa)
+
+
+# --------------------------------------------------------------------------- the eager fast path
+#
+# In eager code the op's implementation is called directly, not through the dispatcher (whose Python
+# custom-op layers cost more than SDPA's whole call: tools/op_host_overhead.py); torch.compile, export and
+# any tensor subclass or mode still go through torch.ops.evotune.attention. After a call's first run its
+# route is kept per call facts (sizes, strides, dtype, device, options) as a small closure, so a repeated
+# call costs a dict lookup, an alignment check, the output's allocation and a packet launch, in eager code
+# and inside a compiled graph alike (the op's body looks the closure up first).
+
+
+def _eager(q, k, v) -> bool:
+    return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled()
+            and not torch._C._len_torch_dispatch_stack())
+
+
+def _facts(q, k, v, is_causal, scale, enable_gqa, fallback) -> tuple:
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
+            enable_gqa, fallback)
+
+
+def _fast_route(q, k, v, is_causal, scale, enable_gqa, fallback):
+    """The cached route of a call seen before (None: take the full path), for plain eager forward calls."""
+    if torch.compiler.is_compiling():  # first: dynamo then reads nothing below (no guards on the cache)
+        return None
+    if record.active() or not routing.FAST_ROUTES or not _eager(q, k, v) or _needs_grad(q, k, v):
+        return None
+    try:
+        return routing.FAST_ROUTES.get(_facts(q, k, v, is_causal, scale, enable_gqa, fallback))
+    except TypeError:  # unhashable arguments: the full path says what is wrong with them
+        return None
+
+
+def _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback):
+    out = _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback)
+    route = _route_for(q, k, v, is_causal, scale, enable_gqa, fallback)
+    if route is not None:
+        routing.FAST_ROUTES[_facts(q, k, v, is_causal, scale, enable_gqa, fallback)] = route
+    return out
+
+
+def _route_for(q, k, v, is_causal, scale, enable_gqa, fallback):
+    """The closure that repeats this (just completed) call's route, or None where each call must decide."""
+    decision = routing.decide(Call.of(q, k, v, is_causal))
+    if decision.route != "evotune":
+        if fallback == "error" and decision.refused_by_error_fallback:
+            return None
+        return lambda q, k, v: _run_sdpa(q, k, v, is_causal, scale, enable_gqa)
+    if misaligned(q, k, v):
+        return None
+    index = decision.call.device_index
+    loaded = _loaded(decision)
+    shape = decision.shape
+    prepared = PREPARED.get(loaded, shape, q, k, v, new_output(q, v), scale if scale is not None
+                            else 1.0 / math.sqrt(q.shape[-1]))
+
+    def run(q, k, v):
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or torch.cuda.current_device() != index:
+            return _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback)
+        out = new_output(q, v)
+        prepared(q, k, v, out)
+        return out
+
+    return run
 
 
 # --------------------------------------------------------------------------- explain and warmup

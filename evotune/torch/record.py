@@ -61,6 +61,11 @@ class ShapeRecorder:
         return write_output(path, json.dumps(self.to_json(), indent=1) + "\n", str(path))
 
 
+def active() -> bool:
+    """Whether a recorder is active (the op's fast path then steps aside, so every call is seen)."""
+    return bool(_ACTIVE)
+
+
 def observe(decision) -> None:
     """Tell every active recorder about one call (free when none is active)."""
     if _ACTIVE:

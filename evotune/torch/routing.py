@@ -6,6 +6,8 @@ A call's route is decided once per distinct call (sizes, dtype, strides, device,
              K/V heads (enable_gqa) are computed, keyed by their group size in the tuning table: SDPA where fallback="sdpa", UsageError where fallback="error"
   missing    no usable table entry for its key (no table, no entry, not admitted, stale, another
              GPU's table): likewise, and the notice names the key and the command that would tune it
+  unverified only a nearer key's entry (another sequence or batch x heads bucket), measured there, not
+             here: likewise (EVOTUNE_NEAREST=1 opts in to using it; tuning_table.select says why not by default)
   table      the table routes the key to SDPA (evotune's best was slower, or SDPA was not measured
              beside it): SDPA whatever the fallback, since that is the table's measured decision
   tuned      evotune's kernel
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
-from ..tuning_table import Entry, Table, TableKey, default_table_path, load_table, select
+from ..tuning_table import Entry, Table, TableKey, default_table_path, load_table, nearest_allowed, select
 from .call import Call, coverage
 
 FALLBACKS = ("sdpa", "error")
@@ -50,13 +52,15 @@ class Decision:
     @property
     def refused_by_error_fallback(self) -> bool:
         """Whether fallback="error" makes this call raise (no evotune kernel, and not the table's choice)."""
-        return self.kind in ("missing", "uncovered")
+        return self.kind in ("missing", "unverified", "uncovered")
 
     def notice(self) -> str:
         """The one line said when this call runs SDPA."""
         head = "evotune.torch.attention"
         if self.kind == "uncovered":
             return f"{head}: the evotune kernel cannot run this call ({self.reason})"
+        if self.kind == "unverified":  # the reason names the nearest entry and the tune command
+            return f"{head}: no tuned kernel for {self.key.spec()}: {self.reason}"
         if self.kind == "missing":
             return f"{head}: no tuned kernel for {self.key.spec()} ({self.reason}); tune it: {tune_command(self.shape)}"
         return f"{head}: the tuning table routes {self.key.spec()} to PyTorch SDPA ({self.reason})"
@@ -115,6 +119,9 @@ class _TableState:
 
 _STATE = _TableState()
 _DECISIONS: dict[tuple, Decision] = {}
+# The op's eager fast path (op._fast_route): call facts -> a callable, valid while the table is; emptied with
+# _DECISIONS by use_table().
+FAST_ROUTES: dict[tuple, object] = {}
 _WARNED: set = set()
 _WARN_LOCK = threading.Lock()
 
@@ -127,6 +134,7 @@ def use_table(source=None) -> Table | None:
     with _STATE.lock:
         _STATE.reset(source)
     _DECISIONS.clear()
+    FAST_ROUTES.clear()
     with _WARN_LOCK:
         _WARNED.clear()
     clear_caches()
@@ -163,10 +171,8 @@ def decide(call: Call, needs_grad: bool = False) -> Decision:
 
 
 def _decide(call: Call, needs_grad: bool) -> Decision:
-    from .kernels import unsupported
-
-    if needs_grad:
-        return Decision("sdpa", "uncovered", f"inputs require grad: {unsupported('lse')}", call)
+    """`needs_grad` (the op's training path) decides as a forward call does: a tuned key runs the tuned config
+    with its log-sum-exp epilogue (evotune.torch.autograd), which only adds the row stores after the loop."""
     index = call.device_index
     why = coverage(call, gpu_identity(index)[2] if index is not None else None)
     if why:
@@ -178,9 +184,11 @@ def _decide(call: Call, needs_grad: bool) -> Decision:
     if table is None:
         return Decision("sdpa", "missing", f"no tuning table at {table_path()}; set EVOTUNE_TABLE or build one "
                                            f"with `evotune table build RUN... -o FILE`", call, key, shape)
-    chosen = select(table, key, shape)
+    chosen = select(table, key, shape, allow_nearest=nearest_allowed())
     if chosen.entry is None:
         return Decision("sdpa", "missing", chosen.reason, call, key, shape)
+    if chosen.route == "sdpa" and not chosen.verified:  # a nearer key's entry, not measured at this one
+        return Decision("sdpa", "unverified", chosen.reason, call, key, shape, chosen.entry, chosen.match)
     from ..space import Config
 
     kind = "tuned" if chosen.route == "evotune" else "table"
