@@ -298,6 +298,40 @@ def measure_compile(model, ids, args, torch, timer, ref_logits):
     return result
 
 
+def fp32_reference(model, ids, grads, torch) -> dict:
+    """Both half-precision gradients against the same step in fp32 (the model cast up, sdpa's math): two fp16
+    attentions differ by their rounding, so evotune's gradients pass where, for every parameter, their error
+    from fp32 is at most twice sdpa's plus 1e-3 of the tensor's largest fp32 gradient (the GPU tests' rule)."""
+    import copy
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # A copy: casting the model itself up and back would also cast its fp32 buffers (Llama's rotary inv_freq)
+    # to fp16, and every later measurement would run another model (seen: compiled logits then differed).
+    exact_model = copy.deepcopy(model).float()
+    try:
+        exact_model.set_attn_implementation("sdpa")
+        with sdpa_kernel(SDPBackend.MATH):
+            exact_model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        exact = {n: p.grad.detach() for n, p in exact_model.named_parameters() if p.grad is not None}
+        worst = {"evotune": (0.0, None), "sdpa": (0.0, None)}
+        failing = []
+        for n, g in exact.items():
+            scale = g.abs().max().item() or 1.0
+            errs = {impl: (grads[impl][n].float() - g).abs().max().item() for impl in ("evotune", "sdpa")}
+            for impl, err in errs.items():
+                if err / scale > worst[impl][0]:
+                    worst[impl] = (err / scale, n)
+            if errs["evotune"] > 2 * errs["sdpa"] + 1e-3 * scale:
+                failing.append(n)
+        return {"grad_vs_fp32_evotune": worst["evotune"][0], "grad_vs_fp32_evotune_param": worst["evotune"][1],
+                "grad_vs_fp32_sdpa": worst["sdpa"][0], "grad_vs_fp32_sdpa_param": worst["sdpa"][1],
+                "grad_vs_fp32_failing": failing[:5], "grad_vs_fp32_ok": not failing}
+    finally:
+        del exact_model
+        free(torch)
+
+
 def train_step(model, family, args, torch, grad_tol):
     from evotune.torch import hf, record_shapes
 
@@ -331,7 +365,12 @@ def train_step(model, family, args, torch, grad_tol):
                 worst, worst_name = d, n
         res.update(loss_abs_diff=abs(res["loss_evotune"] - res["loss_sdpa"]), grad_max_rel=worst,
                    grad_worst_param=worst_name, grad_tensors=len(grads["sdpa"]), grad_tol=grad_tol)
-        res["ok"] = bool(worst <= grad_tol and res["loss_abs_diff"] <= grad_tol * max(1.0, abs(res["loss_sdpa"])))
+        loss_ok = res["loss_abs_diff"] <= grad_tol * max(1.0, abs(res["loss_sdpa"]))
+        if next(model.parameters()).dtype == torch.float32:
+            res["ok"] = bool(worst <= grad_tol and loss_ok)
+        else:
+            res.update(fp32_reference(model, ids, grads, torch))
+            res["ok"] = bool(res["grad_vs_fp32_ok"] and loss_ok)
     except Exception as e:
         res.update(error=short(e), ok=False)
     finally:
@@ -424,14 +463,19 @@ def markdown(result) -> str:
                      f"{x['rel']:.2e} |" if e and x else
                      f"| {row['model']} | {row['size']} | {e['rel']:.2e} | {e['tol']:.0e} | {e['ok']} | skipped |" if e
                      else f"| {row['model']} | {row['size']} | - | - | {c.get('error', '-')} | - |")
-    lines += ["", "Training step (loss.backward()), evotune against sdpa:", "",
-              "| model | BxS | loss sdpa | loss evotune | max rel grad diff | ok | op route |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "Training step (loss.backward()), evotune against sdpa, and both against the same step in fp32 "
+              "(max over parameters of max |grad - fp32 grad| / max |fp32 grad|; ok: every parameter's evotune error "
+              "<= 2x sdpa's + 1e-3):", "",
+              "| model | BxS | loss sdpa | loss evotune | max rel grad diff evotune-sdpa | evotune vs fp32 | "
+              "sdpa vs fp32 | ok | op route |", "|---|---|---|---|---|---|---|---|---|"]
     for fam, t in result["train"].items():
         if "loss_evotune" in t:
+            fp32 = (f"{t['grad_vs_fp32_evotune']:.2e} | {t['grad_vs_fp32_sdpa']:.2e}" if "grad_vs_fp32_ok" in t
+                    else "- | -")
             lines.append(f"| {fam} | {t['size']} | {t['loss_sdpa']:.5f} | {t['loss_evotune']:.5f} | "
-                         f"{t['grad_max_rel']:.2e} | {t['ok']} | {t.get('routing')} |")
+                         f"{t['grad_max_rel']:.2e} | {fp32} | {t['ok']} | {t.get('routing')} |")
         else:
-            lines.append(f"| {fam} | {t.get('size')} | - | - | - | {t.get('error', t.get('skipped'))} | |")
+            lines.append(f"| {fam} | {t.get('size')} | - | - | - | - | - | {t.get('error', t.get('skipped'))} | |")
     failures = [f"{r['model']} {r['size']} {impl} {mode}: {m['error']}" for r in result["rows"]
                 for impl, modes in r["timings"].items() for mode, m in modes.items() if m and "error" in m]
     skipped = [f"{r['model']} {r['size']} {impl} {mode}: {m['skipped']}" for r in result["rows"]
@@ -455,7 +499,9 @@ def short_table(result) -> str:
                        f"{fmt(m.get('compile')):>9}  {row['route'][:70] if impl == 'evotune' else ''}")
     for fam, t in result["train"].items():
         out.append(f"train {fam}: ok={t.get('ok')} loss {t.get('loss_sdpa')} vs {t.get('loss_evotune')}, "
-                   f"grad rel {t.get('grad_max_rel')}" + (f" error {t['error']}" if "error" in t else ""))
+                   f"grad rel {t.get('grad_max_rel')}, vs fp32: evotune {t.get('grad_vs_fp32_evotune')} sdpa "
+                   f"{t.get('grad_vs_fp32_sdpa')} failing {t.get('grad_vs_fp32_failing')}"
+                   + (f" error {t['error']}" if "error" in t else ""))
     out.append("CHECKS: " + ("ok" if not result["failed_checks"] else "FAILED: " + "; ".join(result["failed_checks"])))
     return "\n".join(out)
 
