@@ -102,6 +102,33 @@ def test_torch_compile_fullgraph_on_cpu():
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2)
 
 
+def test_compile_traces_an_sdpa_route_as_sdpa():
+    """Where the route is SDPA by facts fixed at trace time (here: a CPU call), the compiled graph calls SDPA,
+    not the opaque op; the notice is told once, while tracing; fallback="error" raises while tracing."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    q, k, v = qkv(layout="bshd")
+    fn = torch.compile(lambda q, k, v: et.attention(q, k, v, is_causal=True), fullgraph=True, backend=backend)
+    with pytest.warns(et.EvotuneFallbackWarning, match="device cpu"):
+        got = fn(q, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", et.EvotuneFallbackWarning)
+        fn(q, k, v)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes]
+    assert any("scaled_dot_product_attention" in t for t in targets)
+    assert not any("evotune" in t for t in targets)
+    torch._dynamo.reset()
+    strict = torch.compile(lambda q, k, v: et.attention(q, k, v, fallback="error"), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="device cpu"):
+        strict(q, k, v)
+
+
 def test_output_matches_sdpa_and_takes_the_query_layout():
     """Through the fallback the op returns SDPA's values, dense in the query's layout, for Sq != Sk and causal."""
     for layout, heads in (("bhsd", 4), ("bshd", 4), ("bshd", 1)):  # one head: SDPA's strides differ from ours there

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..errors import UsageError
 from ..shapes import Shape
 from . import record, routing
-from .call import Call, check_args, misaligned, new_output
+from .call import DTYPES, Call, check_args, misaligned, new_output
 from .autograd import lse_backend
 from .kernels import CACHE, PREPARED, launch
 
@@ -130,7 +130,44 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, e
         return _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback)
     if _eager(q, k, v):
         return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback)
+    if torch.compiler.is_compiling() and _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback):
+        return _run_sdpa(q, k, v, is_causal, scale, enable_gqa)
     return torch.ops.evotune.attention(q, k, v, is_causal, scale, enable_gqa, fallback)
+
+
+# --------------------------------------------------------------------------- SDPA routes decided while tracing
+#
+# Where a call's route is SDPA by facts fixed when torch.compile traces it (sizes, strides, dtype, device,
+# the table: a key the table routes to SDPA, one it lacks, one the kernel cannot compute), the compiled graph
+# calls SDPA itself rather than the opaque op, so the compiler plans it as it plans SDPA in any model (on the
+# H100, GPT-2 16x1024 under torch.compile read 0.95x sdpa's speed with the opaque op around its SDPA route;
+# docs/PERFORMANCE.md). Shapes the trace keeps
+# symbolic (dynamic=True) and evotune routes keep the op: its body decides at run time.
+
+
+def _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback) -> bool:
+    sizes = tuple(q.shape) + tuple(k.shape) + tuple(v.shape) + q.stride() + k.stride() + v.stride()
+    if not all(type(n) is int for n in sizes) or record.active():  # symbolic, or every call must be recorded
+        return False
+    return _sdpa_route_of((tuple(q.shape), tuple(k.shape), tuple(v.shape)), (q.stride(), k.stride(), v.stride()),
+                          DTYPES.get(q.dtype, str(q.dtype).replace("torch.", "")), q.device.type, q.device.index,
+                          bool(is_causal), bool(enable_gqa), fallback)
+
+
+@torch.compiler.assume_constant_result
+def _sdpa_route_of(shapes, strides, dtype, device_type, device_index, is_causal, enable_gqa, fallback) -> bool:
+    """Whether this call's route is SDPA whatever its data (run once, while tracing; its notice is told then,
+    and fallback="error" raises then)."""
+    (b, h, sq, d), (_, hk, sk, _), (_, _, _, dv) = shapes
+    if device_type == "cuda" and device_index is None:
+        device_index = 0
+    device = device_type if device_index is None else f"{device_type}:{device_index}"
+    layout = "bshd" if strides[0][1] < strides[0][2] else "bhsd"
+    decision = routing.decide(Call(b, h, hk, sq, sk, d, dv, dtype, is_causal, layout, device, strides))
+    if decision.route == "evotune":
+        return False
+    routing.notify(decision, fallback)
+    return True
 
 
 def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback):
