@@ -11,16 +11,17 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from . import limits
 from .errors import EvotuneError, UsageError
 
 DEFAULT_ARCH = "sm_90a"
-# Per-block opt-in shared memory and register file of an SM on sm_90.
-SMEM_LIMIT_BYTES = 227 * 1024
-REGISTERS_PER_SM = 65536
-MAX_REGISTERS_PER_THREAD = 255
+# Per-block opt-in shared memory and register file of an SM on sm_90, under their old names (evotune.limits).
+SMEM_LIMIT_BYTES = limits.SMEM_PER_BLOCK
+REGISTERS_PER_SM = limits.REGISTERS_PER_SM
+MAX_REGISTERS_PER_THREAD = limits.REGISTERS_PER_THREAD
 
 
 class CompileError(EvotuneError):
@@ -57,19 +58,27 @@ class Compiled:
     resources: Resources
     compile_seconds: float
     cached: bool = field(default=False, compare=False)
+    # The static gate's reasons (static_violations), None until judged. It travels with the kernel (as_dict) so
+    # that the search's verdict reaches the GPU worker and the gate runs once per candidate. A verdict holds for
+    # every launch of this cubin: the instantiation's static_asserts fix its threads and shared memory.
+    static_verdict: tuple[str, ...] | None = field(default=None, compare=False)
 
     def as_dict(self) -> dict:
         """Plain data (JSON, the worker pipe); from_dict reads it back."""
+        verdict = None if self.static_verdict is None else list(self.static_verdict)
         return {"key": self.key, "entry": self.entry, "arch": self.arch, "cubin_path": self.cubin_path,
                 "options": list(self.options), "log": self.log, "resources": self.resources.as_dict(),
-                "compile_seconds": self.compile_seconds, "cached": self.cached}
+                "compile_seconds": self.compile_seconds, "cached": self.cached, "static_verdict": verdict}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Compiled":
-        """The Compiled that as_dict wrote; a payload without `cached` (an older record) reads as not cached."""
+        """The Compiled that as_dict wrote; a payload without `cached` or `static_verdict` (an older record)
+        reads as not cached and not judged."""
+        verdict = d.get("static_verdict")
         return cls(key=d["key"], entry=d["entry"], arch=d["arch"], cubin_path=d["cubin_path"],
                    options=tuple(d["options"]), log=d["log"], resources=Resources(**d["resources"]),
-                   compile_seconds=d["compile_seconds"], cached=d.get("cached", False))
+                   compile_seconds=d["compile_seconds"], cached=d.get("cached", False),
+                   static_verdict=None if verdict is None else tuple(verdict))
 
 
 def cache_dir() -> Path:
@@ -307,6 +316,14 @@ def static_violations(res: Resources, threads: int, dynamic_smem: int) -> list[s
     if res.static_smem + dynamic_smem > SMEM_LIMIT_BYTES:
         why.append(f"shared memory {res.static_smem + dynamic_smem} B exceeds {SMEM_LIMIT_BYTES} B")
     return why
+
+
+def judged(compiled: Compiled, threads: int, dynamic_smem: int) -> Compiled:
+    """`compiled` with its static verdict: the one it carries, else static_violations' reasons, computed here
+    once. The search judges a candidate before a GPU worker evaluates it; the worker then reads the verdict."""
+    if compiled.static_verdict is not None:
+        return compiled
+    return replace(compiled, static_verdict=tuple(static_violations(compiled.resources, threads, dynamic_smem)))
 
 
 def load_kernel(compiled: Compiled, dynamic_smem: int = 0):

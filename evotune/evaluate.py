@@ -30,7 +30,7 @@ from dataclasses import replace
 from typing import Callable
 
 from . import result as R
-from .compile import Compiled, load_kernel, static_violations
+from .compile import Compiled, judged, load_kernel
 from .result import Result, Timing, Verification
 
 DEFAULT_SEEDS = (1, 2, 3)
@@ -600,7 +600,7 @@ def evaluate_compiled(problem, shape, config, compiled: Compiled, seeds=DEFAULT_
                       time_it: bool = True) -> Result:
     """Gate and time one compiled candidate. Raises on CUDA faults (the worker decides what they poison)."""
     geo = problem.geometry(config, shape)
-    why = static_violations(compiled.resources, geo.threads, geo.dynamic_smem)
+    why = list(judged(compiled, geo.threads, geo.dynamic_smem).static_verdict)  # the search's, where it judged
     resources = compiled.resources.as_dict()
     if why:
         return Result(status=R.PRUNED, message="; ".join(why), resources=resources,

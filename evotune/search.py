@@ -28,7 +28,7 @@ from typing import Callable, Protocol
 
 from . import compile as compile_module  # the pool submits compile_module.compile_source (picklable by name)
 from . import result as R
-from .compile import CompileError, compile_pool, compile_source, static_violations
+from .compile import CompileError, compile_pool, compile_source, judged
 from .errors import UsageError
 from .result import Result
 from .runs import Run, best_record
@@ -540,7 +540,8 @@ def _compile_and_evaluate(problem, shape, item: _Pending, evaluate: Evaluator, c
     except CompileError as e:
         return Result(status=R.COMPILE_ERROR, message=str(e))
     geo = problem.geometry(config, shape)
-    static = static_violations(compiled.resources, geo.threads, geo.dynamic_smem)
+    compiled = judged(compiled, geo.threads, geo.dynamic_smem)  # the worker reads this verdict, not again
+    static = list(compiled.static_verdict)
     if static:
         return Result(status=R.PRUNED, message="static: " + "; ".join(static),
                       resources=compiled.resources.as_dict(), compile_seconds=compiled.compile_seconds)

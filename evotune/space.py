@@ -51,19 +51,20 @@ from typing import Callable, Optional, Iterable, Iterator, Mapping
 
 import yaml
 
+from . import limits
 from .errors import EvotuneError, UsageError
 from .paths import package_data_dir
 
-# Opt-in dynamic shared memory per block on H100 (227 KB), and threads per block.
-SMEM_LIMIT = 232448
-MAX_THREADS = 1024
+# Kept under their old names for callers that import them from here; the numbers live in limits.
+SMEM_LIMIT = limits.SMEM_PER_BLOCK
+MAX_THREADS = limits.THREADS_PER_BLOCK
 # Context names of every family: the device limits. A family adds its shape's names.
-DEVICE_CONTEXT_NAMES = ("smem_limit", "max_threads")
+DEVICE_CONTEXT_NAMES = tuple(limits.DEVICE_LIMITS)
 
 
 def device_context() -> dict:
-    """The DEVICE_CONTEXT_NAMES on an H100."""
-    return {"smem_limit": SMEM_LIMIT, "max_threads": MAX_THREADS}
+    """The DEVICE_CONTEXT_NAMES on an H100 (evotune.limits)."""
+    return dict(limits.DEVICE_LIMITS)
 
 
 # The kernel families the loader knows: name -> a function returning the family's Problem (read for its

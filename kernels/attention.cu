@@ -136,13 +136,13 @@ struct AttnTraits {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
     static_assert(kStages >= 1 && kStages <= 4, "1 to 4 pipeline stages");
     static_assert(kProducerWarps >= 0 && kProducerWarps <= 4, "0 to 4 producer warps");
-    static_assert(kThreads <= 1024, "at most 1024 threads per CTA");
     static_assert(kSmemLayout != kSwizzled || kChunksPerRow >= 8, "the XOR swizzle needs 8 chunks per row");
     static_assert(!kHasProducers || 2 + 2 * kStages <= 16, "named barriers: 2 + 2*STAGES must fit the 16 per CTA");
     static_assert(kKVSplits >= 1 && kKVSplits <= 16, "1 to 16 KV splits");
     // With producer warps, the compute warps alone synchronise on this named barrier.
     static constexpr int kComputeBarrier = 1 + 2 * kStages;
-    static_assert(kSmemBytes <= 227 * 1024, "Q tile + STAGES*(K,V) tiles exceed the 227 KB per-CTA shared memory");
+    // The device limits (threads and shared memory per CTA) are asserted by the instantiation against
+    // evotune/limits.py, the one place they are written, together with the host's launch geometry.
 };
 
 // ---------------------------------------------------------------- PTX wrappers

@@ -70,7 +70,7 @@ struct HopperTraits {
     static_assert(kHasProducer || kStages >= 2,
                   "without a producer the loader refills a slot mid-tile: one stage would wait on itself");
     static_assert(kKVBytes % 1024 == 0, "K/V tiles must keep the 1024-byte swizzle alignment");
-    static_assert(kSmemBytes <= 227 * 1024, "Q tile + STAGES*(K,V) tiles exceed the 227 KB per-CTA shared memory");
+    // The per-CTA shared memory and thread limits: asserted by the instantiation (evotune/limits.py).
 };
 
 // ---------------------------------------------------------------- PTX wrappers

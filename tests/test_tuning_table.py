@@ -181,14 +181,25 @@ def test_version_1_tables_without_bh_bucket_load(tmp_path):
         parse_table(obj)
 
 
-def test_committed_version_1_table_loads_with_its_work_bucket():
-    """The committed H100 model table (written before bh_bucket) loads; its 1x12x512 entry is BH<=16."""
-    path = REPO / "docs/data/model/2026-11-23-h100-table.json"
-    if not path.exists():
-        pytest.skip("the committed model table is not in this checkout")
+def test_version_1_table_without_work_bucket_loads_with_it():
+    """A table written before bh_bucket (the H100 model table of 2026-11-23's first run, kept as test data)
+    loads; its 1x12x512 entry is BH<=16."""
+    path = REPO / "tests/data/h100-table-before-bh-bucket.json"
     (e,) = load_table(path).entries
     assert "bh_bucket" not in json.loads(path.read_text())["entries"][0]["key"]
     assert (e.shape["batch"], e.shape["heads"], e.key.bh_bucket) == (1, 12, 16) and e.key.spec().endswith("BH<=16")
+
+
+def test_committed_model_table_loads():
+    """The committed H100 model table (five keys, written with bh_bucket) loads, each key's bucket its shape's."""
+    path = REPO / "docs/data/model/2026-11-23-h100-table.json"
+    if not path.exists():
+        pytest.skip("the committed model table is not in this checkout")
+    entries = load_table(path).entries
+    assert len(entries) == 5
+    for e in entries:
+        assert e.key.bh_bucket == bh_bucket(e.shape["batch"], e.shape["heads"])
+    assert sum(e.route == "sdpa" for e in entries) == 1  # GPT-2 16x1024: evotune measured slower there
 
 
 def test_unreadable_tables(tmp_path):

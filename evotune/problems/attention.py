@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import UsageError
+from ..limits import THREADS_PER_BLOCK, launch_asserts
 from ..shapes import PRESETS, Shape, parse_shape
 from ..space import DEVICE_CONTEXT_NAMES, device_context
 from . import LaunchGeometry, Problem
@@ -42,7 +43,7 @@ KNOB_DOMAINS = {
     "mma": ("sync", "wgmma"),
     "block_m": range(16, 2049, 16),      # whole 16-row mma tiles; at most 4 per warp of at most 32 warps
     "block_n": range(16, 257, 16),       # whole 16-key ldmatrix steps, at most 256
-    "compute_warps": range(1, 33),       # at most 1024 threads per CTA
+    "compute_warps": range(1, THREADS_PER_BLOCK // 32 + 1),  # at most 1024 threads per CTA
     "producer_warps": range(0, 5),
     "stages": range(1, 5),
     "smem_layout": tuple(SMEM_LAYOUTS),
@@ -66,6 +67,11 @@ def is_wgmma(config) -> bool:
 def wgmma_block_m(config) -> int:
     """Query rows per CTA of the Hopper variant: 64 (wgmma's M) per consumer warpgroup of 4 compute warps."""
     return 16 * int(knob(config, "compute_warps"))
+
+
+def rows_per_cta(config) -> int:
+    """Query rows per CTA (the traits' kBlockM): wgmma_block_m for the Hopper variant, else the block_m knob."""
+    return wgmma_block_m(config) if is_wgmma(config) else int(knob(config, "block_m"))
 
 # Correctness gate, elementwise against an fp32 reference: |out - ref| <= ATOL*rms(V) + RTOL*|ref|.
 # The relative term is needed because |O| grows where a row attends few keys (causal
@@ -177,10 +183,12 @@ class AttentionProblem(Problem):
         targs = ",\n    ".join(f"/* {name} = */ {value}" for name, value in args)
         lse_params = ",\n                  float* __restrict__ lse, long long lse_sb, long long lse_sh" if write_lse else ""
         lse_args, lse_targ = (", lse, lse_sb, lse_sh", ", true") if write_lse else ("", "")
+        geo = self.geometry(config, shape)
+        asserts = launch_asserts(geo.threads, geo.dynamic_smem, ("kBlockM", rows_per_cta(config)))
         if is_wgmma(config):
             return f"""using EvotuneTraits = evotune::hopper::HopperTraits<
     {targs}>;
-
+{asserts}
 // Launch: grid (ceil(seq_q / kBlockM), heads, batch), block (EvotuneTraits::kThreads), dynamic shared
 // memory EvotuneTraits::kSmemBytes. q_map, k_map, v_map: the CUtensorMaps of Q, K, V by value (4-D:
 // head_dim, seq, head, batch; 128-byte swizzle; boxes of 64 columns x kBlockM or BLOCK_N rows), kernel
@@ -198,7 +206,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 """
         return f"""using EvotuneTraits = evotune::AttnTraits<
     {targs}>;
-
+{asserts}
 // Launch: grid (ceil(seq_q / BLOCK_M), heads, batch * KV_SPLITS), block (EvotuneTraits::kThreads),
 // dynamic shared memory EvotuneTraits::kSmemBytes. Pointers are fp16/bf16 bit patterns;
 // strides are in elements (b = batch, h = head, s = sequence; the head-dim stride is 1).
@@ -219,10 +227,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 """
 
     def geometry(self, config, shape: Shape) -> LaunchGeometry:
-        block_m, block_n = int(knob(config, "block_m")), int(knob(config, "block_n"))
+        """The launch; the instantiation asserts that the traits derive the same threads and shared memory."""
+        block_m, block_n = rows_per_cta(config), int(knob(config, "block_n"))
         if is_wgmma(config):
             # HopperTraits: Q + STAGES (K, V) tiles + 1024 B to align them; consumer and producer warps.
-            block_m = wgmma_block_m(config)
             smem = 2 * shape.head_dim * (block_m + 2 * int(knob(config, "stages")) * block_n) + 1024
             threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
             return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads, shape.batch),

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..limits import THREADS_PER_BLOCK, launch_asserts
 from ..shapes import parse_dim, parse_flags
 from ..space import DEVICE_CONTEXT_NAMES, device_context
 from . import LaunchGeometry, Problem
@@ -27,8 +28,8 @@ KNOB_DEFAULTS = {"threads_per_row": 128, "rows_per_cta": 1, "vec": 8, "strategy"
 
 # The values each knob may take: what SoftmaxTraits' static_asserts accept for it alone.
 KNOB_DOMAINS = {
-    "threads_per_row": tuple(2**i for i in range(11)),  # powers of two up to 1024
-    "rows_per_cta": range(1, 1025),
+    "threads_per_row": tuple(2**i for i in range(THREADS_PER_BLOCK.bit_length())),  # powers of two up to 1024
+    "rows_per_cta": range(1, THREADS_PER_BLOCK + 1),
     "vec": (2, 4, 8),
     "strategy": tuple(STRATEGIES),
     "unroll": range(1, 9),
@@ -189,9 +190,11 @@ class SoftmaxProblem(Problem):
 
     def instantiation(self, config, shape: SoftmaxShape) -> str:
         targs = ",\n    ".join(f"/* {name} = */ {value}" for name, value in self.template_args(config, shape))
+        geo = self.geometry(config, shape)
+        asserts = launch_asserts(geo.threads, geo.dynamic_smem, ("kRowsPerCta", int(knob(config, "rows_per_cta"))))
         return f"""using EvotuneTraits = evotune::SoftmaxTraits<
     {targs}>;
-
+{asserts}
 // Launch: grid (ceil(rows / ROWS_PER_CTA)), block (EvotuneTraits::kThreads), no dynamic shared memory.
 // x and y are fp16/bf16 bit patterns, 16-byte aligned, rows `row_stride` elements apart (both tensors).
 // Launch bounds say one CTA per SM at least: with the thread bound alone, ptxas 13.0 capped streaming
