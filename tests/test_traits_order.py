@@ -1,0 +1,39 @@
+"""The order of the traits' template parameters is what AttentionProblem.template_args passes them in.
+
+The instantiation writes positional template arguments with a comment naming each (`/* STAGES = */ 2`);
+the compiler reads only the positions. Two ints swapped in template_args (say STAGES and PRODUCER_WARPS)
+would still compile and run another kernel than the one the config names, so this parses the traits'
+declarations from the kernel templates and compares names and order (and bool/int kinds)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from evotune.problems import get_problem
+from evotune.shapes import parse_shape
+from evotune.space import load_builtin
+from evotune.template import read_template
+
+ATTENTION = get_problem("attention")
+
+
+def declared_parameters(filename: str, struct: str) -> list[tuple[str, str]]:
+    """(kind, NAME) of `template <...> struct <struct>` in a kernel template, the trailing underscore dropped."""
+    _, text = read_template(filename)
+    match = re.search(r"template\s*<([^>]*)>\s*struct\s+" + struct + r"\b", text)
+    assert match, f"{struct} not declared in {filename}"
+    params = [p.split() for p in match.group(1).replace("\n", " ").split(",")]
+    return [(kind, name.rstrip("_")) for kind, name in params]
+
+
+@pytest.mark.parametrize("space, struct", [("attention", "AttnTraits"), ("attention-hopper", "HopperTraits")])
+@pytest.mark.parametrize("spec", ["1,8,512,64", "2,4,300,128:bf16:causal"])
+def test_template_args_follow_the_declared_order(space, struct, spec):
+    declared = declared_parameters("attention.cu", struct)
+    passed = ATTENTION.template_args(load_builtin(space).default_config(), parse_shape(spec))
+    assert [name for _, name in declared] == [name for name, _ in passed]
+    for (kind, name), (_, value) in zip(declared, passed):
+        is_bool = value in ("true", "false")
+        assert (kind == "bool") == is_bool, f"{struct}::{name} is {kind}, passed {value!r}"
