@@ -5,6 +5,7 @@ Part of the command line (rich); `evotune search` and `evotune tune` use it.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 from rich.console import Console, Group
@@ -12,19 +13,26 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ..problems import FAMILIES, get_problem
 from ..runs import best_record
 
 
+@lru_cache(maxsize=1)
+def _knob_abbrev() -> dict:
+    """Every built-in family's knob spellings (a config summary does not know its family; names do not clash)."""
+    merged: dict = {}
+    for family in FAMILIES:
+        merged.update(get_problem(family).knob_abbrev)
+    return merged
+
+
 def cfg_short(cfg: dict) -> str:
-    abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
-              "smem_layout": "", "q_in_regs": "qreg", "kv_splits": "kv",
-              "threads_per_row": "tpr", "rows_per_cta": "rows", "strategy": "", "unroll": "u"}
+    """A config on one line, in its family's spelling (Problem.knob_abbrev)."""
+    abbrev = _knob_abbrev()
     parts = []
     for k, v in cfg.items():
-        if k == "q_in_regs":
-            parts.append("qreg" if v else "qsmem")
-        else:
-            parts.append(f"{abbrev.get(k, k)}{v}")
+        spelled = abbrev.get(k, k)
+        parts.append((spelled[0] if v else spelled[1]) if isinstance(spelled, tuple) else f"{spelled}{v}")
     return " ".join(parts)
 
 

@@ -65,6 +65,9 @@ class Problem(ABC):
     rate_unit: str = "GB/s"               # the unit of rate(), a column heading in reports
     # Shape fields that only change the problem's size (warm start takes runs that differ only in these).
     size_fields: frozenset[str] = frozenset()
+    # How a one-line config summary spells each knob: a prefix for its value ("" = the value alone), or for
+    # a bool knob (text if true, text if false); a knob not named here is spelled by name and value.
+    knob_abbrev: Mapping[str, str | tuple[str, str]] = {}
 
     # ------------------------------------------------------------ shapes (CPU)
     @abstractmethod

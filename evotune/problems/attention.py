@@ -97,6 +97,8 @@ class AttentionProblem(Problem):
     perturbed = "key"
     baseline_kind = "SDPA"
     rate_unit = "TFLOP/s"
+    knob_abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
+                   "smem_layout": "", "q_in_regs": ("qreg", "qsmem"), "kv_splits": "kv"}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.

@@ -132,6 +132,7 @@ class SoftmaxProblem(Problem):
     perturbed = "element"
     baseline_kind = "torch"
     rate_unit = "GB/s"
+    knob_abbrev = {"threads_per_row": "tpr", "rows_per_cta": "rows", "strategy": "", "unroll": "u"}
     # Rows only repeat the work: a tiling tuned for 4096 rows of 1024 is a good start for 16384 rows.
     size_fields = frozenset({"rows"})
 
