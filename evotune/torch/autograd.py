@@ -25,8 +25,8 @@ import torch
 
 from ..errors import UsageError
 from . import record, routing
-from .call import Call, check_args, misaligned, new_output
-from .kernels import CACHE, launch
+from .call import check_args, new_output
+from .kernels import launch, load_for
 
 aten = torch.ops.aten
 LSE_ALIGN = 32  # rows of PyTorch's memory-efficient kernels' log-sum-exp (kAlignLSE)
@@ -74,9 +74,7 @@ def _forward_impl(q, k, v, is_causal, scale, enable_gqa, fallback):
     backend = lse_backend(q, k, is_causal)
     if backend is None:
         raise UsageError(f"evotune.torch.attention: no attention backward for {q.device.type} tensors")
-    decision = routing.decide(Call.of(q, k, v, is_causal), needs_grad=True)
-    if decision.route == "evotune" and misaligned(q, k, v):
-        decision = routing.uncovered(decision, misaligned(q, k, v))
+    decision = routing.decide_for(q, k, v, is_causal)
     record.observe(decision)
     if decision.route == "evotune":
         return _run_kernel(decision, q, k, v, scale, backend)
@@ -87,13 +85,7 @@ def _forward_impl(q, k, v, is_causal, scale, enable_gqa, fallback):
 def _run_kernel(decision, q, k, v, scale, backend):
     index = decision.call.device_index
     with torch.cuda.device(index):
-        loaded = CACHE.loaded(decision.config, decision.shape, index, write_lse=True)
-        if loaded is None:
-            if torch.cuda.is_current_stream_capturing():
-                raise UsageError(f"evotune.torch.attention: cannot capture {decision.key.spec()} (training) in a CUDA "
-                                 f"graph: its log-sum-exp kernel is not loaded yet: run one step before capture")
-            loaded = CACHE.get(decision.config, decision.shape, index, decision.entry.provenance["source_digest"],
-                               write_lse=True)
+        loaded = load_for(decision, write_lse=True)
         out, lse = new_output(q, v), new_lse(q, backend)
         launch(loaded, decision.shape, q, k, v, out, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
                lse=lse)

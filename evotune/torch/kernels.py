@@ -130,6 +130,23 @@ def _load_on_device(compiled, dynamic_smem: int, device_index: int):
         return load_kernel(compiled, dynamic_smem)
 
 
+def load_for(decision, write_lse: bool = False) -> LoadedKernel:
+    """A routing decision's kernel (the write_lse variant for training), compiled and loaded on first use,
+    never inside a CUDA graph capture (loading a module there would break it)."""
+    config, index = decision.config, decision.call.device_index
+    loaded = CACHE.loaded(config, decision.shape, index, write_lse)
+    if loaded is not None:
+        return loaded
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        # Both variants capture (the Hopper one's tensor maps are kernel parameters); loading does not.
+        first = "run the training step once" if write_lse else "call evotune.torch.warmup() (or the op once)"
+        raise UsageError(f"evotune.torch.attention: cannot capture {decision.key.spec()} in a CUDA graph: its "
+                         f"{'log-sum-exp ' if write_lse else ''}kernel is not loaded yet: {first} before capture")
+    return CACHE.get(config, decision.shape, index, decision.entry.provenance["source_digest"], write_lse)
+
+
 # --------------------------------------------------------------------------- launching
 
 

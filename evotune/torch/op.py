@@ -21,7 +21,7 @@ from ..shapes import Shape
 from . import record, routing
 from .call import DTYPES, Call, check_args, misaligned, new_output
 from .autograd import lse_backend
-from .kernels import CACHE, PREPARED, launch
+from .kernels import CACHE, PREPARED, launch, load_for
 
 
 @torch.library.custom_op("evotune::attention", mutates_args=())
@@ -39,11 +39,7 @@ def _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback):
     """The op's real implementation: route, then run evotune's kernel or SDPA."""
     routing.check_fallback(fallback)
     check_args(q, k, v, enable_gqa)
-    decision = routing.decide(Call.of(q, k, v, is_causal))
-    if decision.route == "evotune":
-        why = misaligned(q, k, v)
-        if why:
-            decision = routing.uncovered(decision, why)
+    decision = routing.decide_for(q, k, v, is_causal)
     record.observe(decision)
     if decision.route == "evotune":
         return _run_evotune(decision, q, k, v, scale)
@@ -66,22 +62,9 @@ def _run_evotune(decision, q, k, v, scale):
         return _launch_here(decision, q, k, v, scale)
 
 
-def _loaded(decision):
-    """The decision's kernel, compiling and loading it on first use (never inside a CUDA graph capture)."""
-    config, index = decision.config, decision.call.device_index
-    loaded = CACHE.loaded(config, decision.shape, index)
-    if loaded is None:
-        if torch.cuda.is_current_stream_capturing():
-            # Both variants capture (the Hopper one's tensor maps are kernel parameters); loading does not.
-            raise UsageError(f"evotune.torch.attention: cannot capture {decision.key.spec()} in a CUDA graph: its "
-                             f"kernel is not loaded yet: call evotune.torch.warmup() (or the op once) before capture")
-        loaded = CACHE.get(config, decision.shape, index, decision.entry.provenance["source_digest"])
-    return loaded
-
-
 def _launch_here(decision, q, k, v, scale):
     """Launch on the current device, the tensors'."""
-    loaded = _loaded(decision)
+    loaded = load_for(decision)
     out = new_output(q, v)
     launch(loaded, decision.shape, q, k, v, out, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     return out
@@ -177,7 +160,7 @@ def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback):
         return torch.ops.evotune.attention_lse(q, k, v, is_causal, scale, enable_gqa, fallback)[0]
     if not torch.compiler.is_compiling():
         check_args(q, k, v, enable_gqa)
-        decision = routing.uncovered(routing.decide(Call.of(q, k, v, is_causal), needs_grad=True),
+        decision = routing.uncovered(routing.decide(Call.of(q, k, v, is_causal)),
                                      f"no PyTorch attention backward takes a log-sum-exp on {q.device.type}")
         record.observe(decision)
         routing.notify(decision, fallback)
@@ -238,7 +221,7 @@ def _route_for(q, k, v, is_causal, scale, enable_gqa, fallback):
     if misaligned(q, k, v):
         return None
     index = decision.call.device_index
-    loaded = _loaded(decision)
+    loaded = load_for(decision)
     shape = decision.shape
     prepared = PREPARED.get(loaded, shape, q, k, v, new_output(q, v), scale if scale is not None
                             else 1.0 / math.sqrt(q.shape[-1]))
@@ -286,9 +269,7 @@ def explain(q, k, v, *, is_causal: bool = False, scale: float | None = None, ena
     """Which kernel attention(q, k, v, ...) would use and why, without running it or warning."""
     _check_options(q, k, v, is_causal, scale, enable_gqa)
     check_args(q, k, v, enable_gqa)
-    decision = routing.decide(Call.of(q, k, v, is_causal), needs_grad=_needs_grad(q, k, v))
-    if decision.route == "evotune" and misaligned(q, k, v):
-        decision = routing.uncovered(decision, misaligned(q, k, v))
+    decision = routing.decide_for(q, k, v, is_causal)
     return Explanation(decision.route, decision.kind, decision.reason, decision.call.as_dict(),
                        decision.key.as_dict() if decision.key else None, decision.match,
                        decision.entry.as_dict() if decision.entry else None, decision.refused_by_error_fallback)

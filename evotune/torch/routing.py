@@ -28,7 +28,7 @@ import torch
 
 from ..errors import UsageError
 from ..tuning_table import Entry, Table, TableKey, default_table_path, load_table, nearest_allowed, select
-from .call import Call, coverage
+from .call import Call, coverage, misaligned
 
 FALLBACKS = ("sdpa", "error")
 
@@ -161,18 +161,25 @@ def gpu_identity(index: int) -> tuple[str, str, tuple[int, int]]:
 # --------------------------------------------------------------------------- deciding and telling
 
 
-def decide(call: Call, needs_grad: bool = False) -> Decision:
-    """The route of `call` (cached per distinct call until use_table())."""
-    cache_key = (call, needs_grad)
-    found = _DECISIONS.get(cache_key)
+def decide(call: Call) -> Decision:
+    """The route of `call` (cached per distinct call until use_table()). A training call decides as a forward
+    one does: a tuned key runs the tuned config with its log-sum-exp epilogue (evotune.torch.autograd), which
+    only adds the row stores after the loop."""
+    found = _DECISIONS.get(call)
     if found is None:
-        found = _DECISIONS[cache_key] = _decide(call, needs_grad)
+        found = _DECISIONS[call] = _decide(call)
     return found
 
 
-def _decide(call: Call, needs_grad: bool) -> Decision:
-    """`needs_grad` (the op's training path) decides as a forward call does: a tuned key runs the tuned config
-    with its log-sum-exp epilogue (evotune.torch.autograd), which only adds the row stores after the loop."""
+def decide_for(q, k, v, is_causal: bool) -> Decision:
+    """decide() for these tensors, turned to SDPA where the kernel's route meets a view that starts off a
+    16-byte boundary (an address, not a call fact: checked every call, never cached)."""
+    decision = decide(Call.of(q, k, v, is_causal))
+    why = misaligned(q, k, v) if decision.route == "evotune" else None
+    return uncovered(decision, why) if why else decision
+
+
+def _decide(call: Call) -> Decision:
     index = call.device_index
     why = coverage(call, gpu_identity(index)[2] if index is not None else None)
     if why:
