@@ -1,4 +1,4 @@
-"""Stand-ins for evotune.workers._worker_main, for tests/test_workers.py.
+"""Stand-ins for evotune.gpu.workers._worker_main, for tests/test_workers.py.
 
 They live in their own importable module because the spawn start method pickles a
 process target by its qualified name, and the child then imports it: keeping them
@@ -71,7 +71,7 @@ def fault_worker(conn, device: int) -> None:
     gate on `wrong_values` and `unwritten`, passes on `none`. The fault named by the environment
     variable EVOTUNE_FAKE_CRASH_ON kills the process instead (a driver segfault). Every answer
     carries the answering process id in `extra`, so a test can tell a fresh worker from the old one."""
-    from evotune.result import Result
+    from evotune.records.result import Result
 
     conn.send(("ready", None))
     crash_on = os.environ.get("EVOTUNE_FAKE_CRASH_ON")

@@ -15,7 +15,7 @@ import _fake_workers as fake
 
 def gate_fault_answer(fault: str) -> dict:
     """The Result (as a dict) the real worker gives for a fault the launch-integrity checks catch."""
-    from evotune.result import WRONG, Result
+    from evotune.records.result import WRONG, Result
     from tests.fault_family import CAUGHT_AS
 
     return Result(status=WRONG, message=CAUGHT_AS[fault] + "(as the GPU worker words it)",

@@ -10,7 +10,7 @@ cheating kernel looks as fast as it did on the GPU in issue 11.
 
 from __future__ import annotations
 
-from evotune.result import Timing
+from evotune.records.result import Timing
 
 CORRECT = "none"
 GATE_FAULTS = ("skip_on_repeat", "stateful_counter", "input_mutation", "write_past_o", "write_before_o",

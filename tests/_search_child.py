@@ -13,8 +13,8 @@ import os
 import sys
 import time
 
-from evotune import result as R
-from evotune.result import Result
+from evotune.records import result as R
+from evotune.records.result import Result
 
 
 class SlowEvaluator:
@@ -35,17 +35,17 @@ class SlowEvaluator:
 
 
 def options(trials: int):
-    from evotune.search import SearchOptions
+    from evotune.search.loop import SearchOptions
 
     return SearchOptions(trials=trials, sampler="random", seed=0, compile_workers=2, lookahead=3)
 
 
 def main(space_path: str, run_name: str, trials: str, log_path: str, sleep_s: str) -> None:
     from evotune.problems import get_problem
-    from evotune.runs import Run
-    from evotune.search import run_search
-    from evotune.shapes import parse_shape
-    from evotune.space import load_space
+    from evotune.records.runs import Run
+    from evotune.search.loop import run_search
+    from evotune.problems.shapes import parse_shape
+    from evotune.space.searchspace import load_space
 
     problem, shape = get_problem("attention"), parse_shape("mission")
     run = Run.create(run_name, {"shape_spec": shape.spec})

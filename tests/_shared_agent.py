@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import time
 
-from evotune import result as R
-from evotune.result import Result
+from evotune.records import result as R
+from evotune.records.result import Result
 
 
 class LoggingEvaluator:
@@ -40,10 +40,10 @@ def agent(space_path: str, run_path: str, storage: str | None, trials: int, samp
     import json
 
     from evotune.problems import get_problem
-    from evotune.runs import Run
-    from evotune.search import SearchOptions, run_search
-    from evotune.shapes import parse_shape
-    from evotune.space import load_space
+    from evotune.records.runs import Run
+    from evotune.search.loop import SearchOptions, run_search
+    from evotune.problems.shapes import parse_shape
+    from evotune.space.searchspace import load_space
 
     problem, shape, space = get_problem("attention"), parse_shape("mission"), load_space(space_path)
     run = Run(run_path, storage)
@@ -59,7 +59,7 @@ def agent(space_path: str, run_path: str, storage: str | None, trials: int, samp
 
 
 def cpu_evaluator(spec):
-    """An evotune.agents evaluator factory: a LoggingEvaluator (log and sleep from EVOTUNE_TEST_EVAL_LOG and
+    """An evotune.search.agents evaluator factory: a LoggingEvaluator (log and sleep from EVOTUNE_TEST_EVAL_LOG and
     EVOTUNE_TEST_EVAL_SLEEP) in place of a GPU worker."""
     return LoggingEvaluator(os.environ["EVOTUNE_TEST_EVAL_LOG"], spec.label,
                             float(os.environ.get("EVOTUNE_TEST_EVAL_SLEEP", "0.2"))), (lambda: None)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from evotune.problems import get_problem
-from evotune.shapes import Shape
-from evotune.space import Config, load_builtin
-from evotune.template import instantiate
-from evotune.tuning_table import Entry, Table, TableKey
+from evotune.problems.shapes import Shape
+from evotune.space.searchspace import Config, load_builtin
+from evotune.build.template import instantiate
+from evotune.records.tuning_table import Entry, Table, TableKey
 
 H100 = ("NVIDIA H100 80GB HBM3", "9.0")
 

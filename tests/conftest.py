@@ -13,8 +13,8 @@ import pytest
 
 from evotune import cli
 from evotune.problems import get_problem
-from evotune.shapes import parse_shape
-from evotune.space import load_builtin
+from evotune.problems.shapes import parse_shape
+from evotune.space.searchspace import load_builtin
 
 # evotune loads a plugin family only from a module EVOTUNE_PLUGINS allows. The suite allows the modules its
 # tests load families from (`tests` covers tests.fault_family), at import so that the CLI and worker
@@ -104,7 +104,7 @@ def require_or_skip(why, env: str) -> None:
 def cuobjdump():
     """The cuobjdump `evotune sass` uses; skipped where none is installed, unless EVOTUNE_REQUIRE_CUOBJDUMP=1 (CI)."""
     from evotune.errors import EvotuneError
-    from evotune.sass import cuobjdump_path
+    from evotune.build.sass import cuobjdump_path
 
     try:
         return cuobjdump_path()

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from evotune.cli import family as cli_family
-from evotune.runs import Run
+from evotune.records.runs import Run
 from _paths import REPO_ROOT
 from test_cli import assert_one_line_error, cli, failed_record, make_run, passing_record  # noqa: F401 (cli: a fixture)
 
@@ -134,7 +134,7 @@ def _damage(run: Run, how: str) -> str:
 
 
 def passing_record_with(**changes) -> dict:
-    from evotune.space import load_builtin
+    from evotune.space.searchspace import load_builtin
 
     rec = passing_record(load_builtin("attention"), changes.pop("number", 0))
     rec["result"].update(changes)

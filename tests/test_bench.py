@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from evotune.bench import floor_analysis, summarize
+from evotune.gpu.bench import floor_analysis, summarize
 from evotune.cli import app
 
 CEIL = {"copy": {"gb_s": 3000.0, "bytes": 1, "time_us": 1.0},

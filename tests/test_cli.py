@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from evotune import cli as cli_module
 from evotune.cli import app
 from evotune.cli import common as cli_common
-from evotune.runs import Run
+from evotune.records.runs import Run
 
 # A record that passed, as the search writes it (numbers are made up; the config is the default one).
 MEASURED_US = 23.456

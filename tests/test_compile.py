@@ -1,4 +1,4 @@
-"""Tests for evotune.compile: real NVRTC compiles of the attention template (no GPU needed),
+"""Tests for evotune.build.compile: real NVRTC compiles of the attention template (no GPU needed),
 the cubin cache, the ptxas resource report, and the static checks made before any launch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from evotune.compile import (
+from evotune.build.compile import (
     DEFAULT_ARCH,
     REGISTERS_PER_SM,
     SMEM_LIMIT_BYTES,
@@ -19,9 +19,9 @@ from evotune.compile import (
     parse_resources,
     static_violations,
 )
-from evotune.shapes import parse_shape
-from evotune.space import shape_context
-from evotune.template import instantiate
+from evotune.problems.shapes import parse_shape
+from evotune.space.searchspace import shape_context
+from evotune.build.template import instantiate
 
 ELF_MAGIC = b"\x7fELF"
 

@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from evotune import result as R
-from evotune.compile import static_violations
-from evotune.runs import Run
-from evotune.space import load_space
+from evotune.records import result as R
+from evotune.build.compile import static_violations
+from evotune.records.runs import Run
+from evotune.space.searchspace import load_space
 from _paths import REPO_ROOT
 from test_search import REDUCED_SPACE
 
@@ -130,8 +130,8 @@ def test_attention_small_is_a_subset_of_attention(attention, mission):
     admit/reject decision as the full space, on the mission shape and a causal d128 bf16 one; it admits the 456
     configs its header and the README promise on the mission shape."""
     from evotune.problems.attention import KNOB_DEFAULTS
-    from evotune.shapes import parse_shape
-    from evotune.space import load_builtin
+    from evotune.problems.shapes import parse_shape
+    from evotune.space.searchspace import load_builtin
 
     full, small = load_builtin("attention"), load_builtin("attention-small")
     domains = {p.name: set(p.values) for p in full.params}

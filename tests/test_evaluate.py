@@ -1,4 +1,4 @@
-"""The correctness gate's launch-integrity checks (evotune/evaluate.py) on the CPU: guarded output,
+"""The correctness gate's launch-integrity checks (evotune/gpu/evaluate.py) on the CPU: guarded output,
 unchanged inputs, repeated launches, and the timed-output check with its audit replay, against
 launches written in Python that cheat each check (tests/_planted.py). The real planted CUDA
 kernels go through the same checks on the GPU in tests/test_gpu_faults.py.
@@ -13,10 +13,10 @@ import torch
 from _planted import (CORRECT, REPLAY_LAUNCHES, REPLAYS, STATEFUL_LAUNCHES, WARMUP_LAUNCHES, Planted, cpu_timer,
                       on_cpu)
 
-from evotune import evaluate as E
-from evotune import result as R
+from evotune.gpu import evaluate as E
+from evotune.records import result as R
 from evotune.problems import get_problem
-from evotune.result import Verification
+from evotune.records.result import Verification
 from _paths import REPO_ROOT
 
 ATTENTION_SHAPE = "1,2,40,56,64:bshd"  # (B, S, H, D) memory viewed as (B, H, S, D): O keeps those strides

@@ -1,4 +1,4 @@
-"""Tests for evotune.export: a standalone .cu file with the config baked in and a header on how to launch it."""
+"""Tests for evotune.build.export: a standalone .cu file with the config baked in and a header on how to launch it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from evotune.export import export_source, write_export
-from evotune.template import instantiate
+from evotune.build.export import export_source, write_export
+from evotune.build.template import instantiate
 
 RECORD = {
     "result": {
@@ -97,7 +97,7 @@ def test_export_compiles_with_nvcc_alone(attention, space, mission, tmp_path):
 
 def test_export_says_when_the_template_changed(attention, space, mission):
     """A record measured on other kernel source gets a NOTE line; one measured on this source does not."""
-    from evotune.template import instantiate
+    from evotune.build.template import instantiate
 
     cfg = space.default_config()
     current = instantiate(attention, cfg, mission).digest

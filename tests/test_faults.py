@@ -22,20 +22,20 @@ import _gate_fault_workers as gate_workers
 import pytest
 from _planted import Planted, cpu_timer, on_cpu
 
-from evotune import result as R
-from evotune import workers
-from evotune.compile import DEFAULT_ARCH, CompileError, compile_source, static_violations
+from evotune.records import result as R
+from evotune.gpu import workers
+from evotune.build.compile import DEFAULT_ARCH, CompileError, compile_source, static_violations
 from evotune.errors import UsageError
-from evotune.evaluate import evaluate_launches
+from evotune.gpu.evaluate import evaluate_launches
 from evotune.problems import get_problem
 from evotune.problems.attention import AttentionProblem
-from evotune.result import Result
-from evotune.runs import Run
-from evotune.search import SearchOptions, run_search, worker_evaluator
-from evotune.space import load_space
-from evotune.template import instantiate
+from evotune.records.result import Result
+from evotune.records.runs import Run
+from evotune.search.loop import SearchOptions, run_search, worker_evaluator
+from evotune.space.searchspace import load_space
+from evotune.build.template import instantiate
 from _paths import REPO_ROOT
-from evotune.workers import GPUWorker
+from evotune.gpu.workers import GPUWorker
 
 FAMILY = "tests.fault_family:PROBLEM"
 FAULT_SPACE = REPO_ROOT / "tests" / "data" / "attention-faults.yaml"

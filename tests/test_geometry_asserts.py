@@ -9,13 +9,13 @@ from dataclasses import replace
 import pytest
 
 from evotune import limits
-from evotune.compile import CompileError, Compiled, Resources, compile_source, judged, static_violations
+from evotune.build.compile import CompileError, Compiled, Resources, compile_source, judged, static_violations
 from evotune.problems import attention as attention_module
 from evotune.problems import get_problem
 from evotune.problems.softmax import parse_shape as parse_softmax_shape
-from evotune.shapes import parse_shape
-from evotune.space import device_context, load_builtin
-from evotune.template import instantiate
+from evotune.problems.shapes import parse_shape
+from evotune.space.searchspace import device_context, load_builtin
+from evotune.build.template import instantiate
 
 SYNC = dict(mma="sync", block_m=64, block_n=64, compute_warps=4, producer_warps=0, stages=2)
 WGMMA = dict(mma="wgmma", smem_layout="swizzle", block_m=64, block_n=128, compute_warps=4, producer_warps=0,
@@ -102,7 +102,7 @@ def test_wrong_host_rows_per_cta_fail_to_compile(monkeypatch, cfg):
 
 def test_device_limits_have_one_table():
     """The search spaces' device context and the static gate read the numbers of evotune.limits."""
-    import evotune.compile as C
+    import evotune.build.compile as C
 
     assert device_context() == limits.DEVICE_LIMITS
     assert (C.SMEM_LIMIT_BYTES, C.REGISTERS_PER_SM) == (limits.SMEM_PER_BLOCK, limits.REGISTERS_PER_SM)
@@ -119,7 +119,7 @@ def _compiled(**resources) -> Compiled:
 def test_static_verdict_is_judged_once_and_travels(monkeypatch):
     """judged computes the gate's verdict once; it survives as_dict/from_dict (the worker pipe), and a judged
     kernel is not judged again."""
-    import evotune.compile as C
+    import evotune.build.compile as C
 
     spilling = _compiled(spill_stores=8, spill_loads=8)
     first = judged(spilling, 128, 0)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from evotune import result as R
-from evotune.compile import compile_source
-from evotune.shapes import parse_shape
-from evotune.template import instantiate
+from evotune.records import result as R
+from evotune.build.compile import compile_source
+from evotune.problems.shapes import parse_shape
+from evotune.build.template import instantiate
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +51,7 @@ def _hopper_id(c: dict) -> str:
 
 
 def _evaluate(problem, space, shape, cfg_dict, **kw):
-    from evotune.evaluate import evaluate_compiled
+    from evotune.gpu.evaluate import evaluate_compiled
 
     cfg = space.config(cfg_dict)
     src = instantiate(problem, cfg, shape)
@@ -105,8 +105,8 @@ def test_gqa_matches_reference(attention, space, shape_text, cfg):
                          ids=["M64N64", "M32N64kv4", "M16N64kg4", "wgmma-pw0", "wgmma-pingpong"])
 def test_gate_catches_a_wrong_head_group(attention, space, cfg):
     """A kernel that maps query head h to K/V head h % kv_heads (repeat, not repeat_interleave) fails the gate."""
-    from evotune.compile import load_kernel
-    from evotune.evaluate import kernel_runner, verify
+    from evotune.build.compile import load_kernel
+    from evotune.gpu.evaluate import kernel_runner, verify
 
     shape = parse_shape("1,8,256,64:kv2")
     config = space.config(dict(cfg))
@@ -159,8 +159,8 @@ def test_ragged_matrix(attention, space, shape_text, cfg):
 @pytest.mark.parametrize("shape_text", ["mission", "2,3,333,257,128:bf16:causal", "1,8,333,64:bf16:causal:kv2"])
 def test_bitwise_deterministic(attention, space, shape_text, cfg):
     """100 launches on the same inputs give bitwise identical outputs (split-KV merges in a fixed order)."""
-    from evotune.compile import load_kernel
-    from evotune.evaluate import check_determinism, kernel_runner
+    from evotune.build.compile import load_kernel
+    from evotune.gpu.evaluate import check_determinism, kernel_runner
 
     shape = parse_shape(shape_text)
     config = space.config(dict(cfg))
@@ -174,7 +174,7 @@ def test_bitwise_deterministic(attention, space, shape_text, cfg):
 def test_sdpa_passes_the_gate_by_a_margin(attention, shape_text):
     """Each SDPA backend's own error is well inside the gate (ratio <= 0.5) on the mission shape (and its grouped
     form, SDPA called with enable_gqa), stress inputs included."""
-    from evotune.evaluate import measure_baselines
+    from evotune.gpu.evaluate import measure_baselines
 
     report = measure_baselines(attention, parse_shape(shape_text), names=["flash", "cudnn", "efficient"], reps=5)
     assert any(b.get("available") for b in report.values()), report
@@ -187,8 +187,8 @@ def test_gate_catches_a_wrong_kernel(attention, space, mission, monkeypatch):
     """A kernel launched with the wrong softmax scale fails the gate instead of passing."""
     import math
 
-    from evotune.evaluate import kernel_runner, verify
-    from evotune.compile import load_kernel
+    from evotune.gpu.evaluate import kernel_runner, verify
+    from evotune.build.compile import load_kernel
 
     cfg = space.default_config()
     src = instantiate(attention, cfg, mission)
@@ -206,7 +206,7 @@ def test_gate_catches_a_wrong_kernel(attention, space, mission, monkeypatch):
 
 def test_unwritten_output_is_caught(attention, mission):
     """An implementation that leaves one element unwritten fails through the NaN poison."""
-    from evotune.evaluate import verify
+    from evotune.gpu.evaluate import verify
 
     def partial(inputs, out):
         ref = attention.reference(mission, inputs)
@@ -222,8 +222,8 @@ def test_split_kv_counters_are_left_zero(attention, space, mission):
     """After many split-KV launches the arrival counters are back at zero and the output still passes."""
     import torch
 
-    from evotune.compile import load_kernel
-    from evotune.evaluate import output_errors
+    from evotune.build.compile import load_kernel
+    from evotune.gpu.evaluate import output_errors
 
     cfg = space.config(dict(CONFIGS[-3]))
     src = instantiate(attention, cfg, mission)
@@ -253,8 +253,8 @@ def test_timing_is_stable(attention, space, mission):
 
 def test_worker_survives_an_illegal_address(attention, space, mission, tmp_path):
     """A candidate that faults is recorded as launch_error and the next job runs in a fresh worker."""
-    from evotune.search import worker_evaluator
-    from evotune.workers import GPUWorker
+    from evotune.search.loop import worker_evaluator
+    from evotune.gpu.workers import GPUWorker
 
     cfg = space.default_config()
     src = instantiate(attention, cfg, mission)
@@ -273,7 +273,7 @@ def test_worker_survives_an_illegal_address(attention, space, mission, tmp_path)
 
 
 def _sanitize_job(attention, space, shape, code_edit=None, cfg_dict=CONFIGS[1]):
-    from evotune.workers import compiled_to_dict
+    from evotune.gpu.workers import compiled_to_dict
 
     cfg = space.config(dict(cfg_dict))
     src = instantiate(attention, cfg, shape)
@@ -291,7 +291,7 @@ def test_sanitizer_clean_on_a_producer_config(attention, space, tool):
     consumers released with bar.arrive, a handoff the PTX ISA orders; tools/racecheck_probe.py
     reproduces that report on a 20-line race-free kernel (docs/CORRECTNESS.md).
     """
-    from evotune.sanitize import run_tool
+    from evotune.gpu.sanitize import run_tool
 
     report = run_tool(tool, _sanitize_job(attention, space, parse_shape("1,2,197,300,128:bf16:causal")))
     assert report["clean"], report
@@ -301,7 +301,7 @@ def test_sanitizer_clean_on_a_producer_config(attention, space, tool):
 @pytest.mark.parametrize("shape_text", ["1,2,197,197,64:fp16:causal", "1,2,197,300,128:bf16"])
 def test_racecheck_clean_without_producers(attention, space, shape_text):
     """racecheck finds no hazard in a compute-warps-only config (the __syncwarp before staging O is needed on causal)."""
-    from evotune.sanitize import run_tool
+    from evotune.gpu.sanitize import run_tool
 
     job = _sanitize_job(attention, space, parse_shape(shape_text), cfg_dict=CONFIGS[0])
     report = run_tool("racecheck", job)
@@ -311,7 +311,7 @@ def test_racecheck_clean_without_producers(attention, space, shape_text):
 @pytest.mark.slow
 def test_sanitizer_reports_a_planted_out_of_bounds_write(attention, space):
     """memcheck reports a kernel that writes far outside any allocation."""
-    from evotune.sanitize import run_tool
+    from evotune.gpu.sanitize import run_tool
 
     def plant(code):
         return code.replace("evotune::attention_fwd<EvotuneTraits>(q, k, v, o,",
@@ -327,7 +327,7 @@ def test_sanitizer_reports_a_planted_out_of_bounds_write(attention, space):
 def test_sanitizer_clean_on_hopper_configs(attention, space, tool, cfg):
     """memcheck, synccheck and racecheck find nothing in the Hopper variant (TMA on mbarriers, setmaxnreg,
     ping-pong named barriers) on a ragged causal bf16 d128 shape."""
-    from evotune.sanitize import run_tool
+    from evotune.gpu.sanitize import run_tool
 
     report = run_tool(tool, _sanitize_job(attention, space, parse_shape("1,2,197,300,128:bf16:causal"), cfg_dict=cfg))
     assert report["clean"], report

@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from evotune import result as R
-from evotune.bench import summarize
-from evotune.compile import compile_source
+from evotune.records import result as R
+from evotune.gpu.bench import summarize
+from evotune.build.compile import compile_source
 from evotune.problems import get_problem
-from evotune.runs import Run
-from evotune.search import worker_evaluator
-from evotune.space import load_space
-from evotune.template import instantiate
+from evotune.records.runs import Run
+from evotune.search.loop import worker_evaluator
+from evotune.space.searchspace import load_space
+from evotune.build.template import instantiate
 from _paths import REPO_ROOT
-from evotune.workers import GPUWorker, compiled_to_dict
+from evotune.gpu.workers import GPUWorker, compiled_to_dict
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from evotune import result as R
-from evotune.compile import compile_source
+from evotune.records import result as R
+from evotune.build.compile import compile_source
 from evotune.problems import get_problem
-from evotune.space import load_builtin
-from evotune.template import instantiate
+from evotune.space.searchspace import load_builtin
+from evotune.build.template import instantiate
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +40,7 @@ def _sample(sspace, n=24, seed=2026):
 
 
 def _evaluate(problem, shape, cfg, **kw):
-    from evotune.evaluate import evaluate_compiled
+    from evotune.gpu.evaluate import evaluate_compiled
 
     src = instantiate(problem, cfg, shape)
     return evaluate_compiled(problem, shape, cfg, compile_source(src.code, src.entry), **kw)
@@ -74,7 +74,7 @@ def test_evaluate_compiled_times_the_default(softmax, sspace):
 @pytest.mark.parametrize("shape_text", ["softmax-1k", "37,1003:bf16"])
 def test_baselines_measure(softmax, shape_text):
     """torch.softmax is measured like a candidate and passes the gate."""
-    from evotune.evaluate import measure_baselines
+    from evotune.gpu.evaluate import measure_baselines
 
     report = measure_baselines(softmax, softmax.parse_shape(shape_text), reps=5)
     assert set(report) == {"softmax"}
@@ -85,8 +85,8 @@ def test_baselines_measure(softmax, shape_text):
 
 def test_bitwise_deterministic(softmax, sspace):
     """100 launches of a multi-warp online config give bitwise identical outputs."""
-    from evotune.compile import load_kernel
-    from evotune.evaluate import check_determinism, kernel_runner
+    from evotune.build.compile import load_kernel
+    from evotune.gpu.evaluate import check_determinism, kernel_runner
 
     shape = softmax.parse_shape("129,4097:bf16")
     cfg = sspace.config({"strategy": "online", "threads_per_row": 256, "unroll": 2})
@@ -98,7 +98,7 @@ def test_bitwise_deterministic(softmax, sspace):
 
 def test_gate_catches_a_wrong_kernel(softmax, sspace):
     """A cached kernel whose normaliser is 1% off fails the gate instead of passing."""
-    from evotune.evaluate import evaluate_compiled
+    from evotune.gpu.evaluate import evaluate_compiled
 
     shape = softmax.parse_shape("300,1024")
     cfg = sspace.config({"strategy": "cached", "threads_per_row": 128})
@@ -111,8 +111,8 @@ def test_gate_catches_a_wrong_kernel(softmax, sspace):
 
 def test_worker_evaluates_and_measures_baselines(softmax, sspace):
     """A GPU worker process rebuilds the softmax shape from its dict, evaluates a candidate and measures torch.softmax."""
-    from evotune.search import worker_evaluator
-    from evotune.workers import GPUWorker
+    from evotune.search.loop import worker_evaluator
+    from evotune.gpu.workers import GPUWorker
 
     shape = softmax.parse_shape("64,1003:bf16")
     cfg = sspace.config({"strategy": "three_pass", "threads_per_row": 32, "rows_per_cta": 4, "vec": 4})

@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from evotune.compile import compile_source
+from evotune.build.compile import compile_source
 from evotune.errors import UsageError
 from evotune.problems import get_problem
-from evotune.shapes import Shape, parse_shape
-from evotune.space import load_builtin
-from evotune.template import instantiate
-from evotune.tuning_table import TableKey, load_table, parse_table, save_table
+from evotune.problems.shapes import Shape, parse_shape
+from evotune.space.searchspace import load_builtin
+from evotune.build.template import instantiate
+from evotune.records.tuning_table import TableKey, load_table, parse_table, save_table
 
 from _tables import H100, entry, table  # noqa: E402
 
@@ -87,7 +87,7 @@ def test_bad_kv_heads_field():
 
 def test_bytes_count_kv_once_per_kv_head():
     """min_bytes counts K and V once per K/V head; FLOPs do not change with the grouping."""
-    from evotune.bench import flops_and_bytes
+    from evotune.gpu.bench import flops_and_bytes
 
     full, grouped = parse_shape("4,32,4096,128"), parse_shape("4,32,4096,128:kv8")
     q_and_o = 2 * 4 * 32 * 4096 * 128 * 2

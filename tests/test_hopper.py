@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from evotune.compile import compile_source, complete_elf, static_violations
+from evotune.build.compile import compile_source, complete_elf, static_violations
 from evotune.errors import EvotuneError, UsageError
-from evotune.shapes import parse_shape
-from evotune.template import instantiate
+from evotune.problems.shapes import parse_shape
+from evotune.build.template import instantiate
 from _paths import REPO_ROOT
 
 W = dict(mma="wgmma", smem_layout="swizzle")
@@ -110,7 +110,7 @@ def test_tensor_map_arguments_for_both_layouts(attention, space):
 
 def test_tensor_map_rules_are_enforced():
     """TMA's rules come back as one-line errors: contiguous head dim, 16-byte multiple strides, box limits."""
-    from evotune.tma import tiled_map_args
+    from evotune.build.tma import tiled_map_args
 
     ok = tiled_map_args("fp16", (1, 2, 64, 64), (8192, 4096, 64, 1), 64)
     assert ok.strides == (128, 8192, 16384)
@@ -140,7 +140,7 @@ def test_cupy_cubin_is_completed(attention, space, mission):
 def test_sass_shows_wgmma_tma_and_no_local_memory(attention, space, cuobjdump):
     """The Hopper winner's SASS runs HGMMA and TMA loads (UTMALDG) and no HMMA, cp.async or local memory;
     an mma.sync config's runs HMMA, ldmatrix and cp.async and no HGMMA."""
-    from evotune.sass import disassemble, summary
+    from evotune.build.sass import disassemble, summary
 
     *_, compiled = _compile(attention, space, "llama-4k", WINNER)
     hopper = summary(disassemble(compiled.cubin_path))
@@ -167,7 +167,7 @@ def test_sass_command(main_in_process, tmp_path, cuobjdump):
 
 def test_export_of_a_wgmma_config_says_how_to_launch_it(attention, space):
     """An exported Hopper config names its own entry signature (tensor maps, output, strides) and the maps to build."""
-    from evotune.export import export_source
+    from evotune.build.export import export_source
 
     text = export_source(attention, parse_shape("llama-4k"), space.config(WINNER))
     header = [line for line in text.splitlines() if line.startswith("// ")][:12]
@@ -192,7 +192,7 @@ def test_tensor_maps_are_by_value_kernel_parameters(attention, space, cuobjdump)
     """The wgmma entry takes Q, K, V's CUtensorMaps by value: its first three parameters are 128 bytes each on
     128-byte aligned offsets, then o's pointer, three int64 strides, two ints and a float; the SASS reads no
     descriptor from global memory (UTMALDG and prefetch take the parameter-space maps)."""
-    from evotune.sass import disassemble, summary
+    from evotune.build.sass import disassemble, summary
 
     for shape_text, cfg in (SPREAD[0], SPREAD[-1]):
         *_, compiled = _compile(attention, space, shape_text, cfg)
@@ -208,7 +208,7 @@ def test_tensor_map_param_is_a_128_byte_record():
     """tma.param makes a one-element numpy array of 128 bytes (what CuPy passes by value), viewing the map's bytes."""
     import numpy as np
 
-    from evotune.tma import param
+    from evotune.build.tma import param
 
     blob = bytes(range(128))
     arg = param(blob)
@@ -223,7 +223,7 @@ def test_wgmma_export_compiles_with_nvcc_alone(attention, space, tmp_path):
     import shutil
     import subprocess
 
-    from evotune.export import export_source, write_export
+    from evotune.build.export import export_source, write_export
 
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -245,8 +245,8 @@ def test_launch_plan_and_wgmma_args_are_memoised(attention, space, monkeypatch, 
     then the K/V group's magic (0 without grouped-query attention; K's and V's maps then span the K/V heads)."""
     import numpy as np
 
-    import evotune.compile
-    import evotune.tma as tma
+    import evotune.build.compile
+    import evotune.build.tma as tma
 
     shape = parse_shape(shape_text)
     config = space.config(SPREAD[-1][1])
@@ -259,7 +259,7 @@ def test_launch_plan_and_wgmma_args_are_memoised(attention, space, monkeypatch, 
     monkeypatch.setattr(tma, "encode_tiled", lambda address, args: encoded.append((address, args)) or bytes(128))
     tma.map_param.cache_clear()
     launched = []
-    monkeypatch.setattr(evotune.compile, "torch_stream_launcher",
+    monkeypatch.setattr(evotune.build.compile, "torch_stream_launcher",
                         lambda kernel, grid, block, args, smem, keep=(): launched.append((grid, block, args, smem)))
     inputs = attention.make_inputs(shape, 0, device="cpu")  # (B, S, H, D) memory: CPU tensors, never launched
     out = attention.new_output(inputs)

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("kernel_tuner")
 
-from evotune import result as R  # noqa: E402
+from evotune.records import result as R  # noqa: E402
 from _paths import REPO_ROOT  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("kt_compare", REPO_ROOT / "tools" / "kt_compare.py")

@@ -17,7 +17,7 @@ import pytest
 
 from evotune.errors import UsageError
 from evotune.problems import PLUGINS_ENV, allow_plugins, allowed_plugin_modules, get_problem
-from evotune.runs import Run
+from evotune.records.runs import Run
 from _paths import REPO_ROOT
 
 MODULE = "evotune_markerfam"

@@ -22,9 +22,9 @@ import pytest
 from optuna.trial import TrialState
 
 import _search_child as child
-from evotune.runs import Run
-from evotune.search import run_search
-from evotune.space import load_space
+from evotune.records.runs import Run
+from evotune.search.loop import run_search
+from evotune.space.searchspace import load_space
 from test_search import REDUCED_SPACE, check_records
 
 TRIALS = 8

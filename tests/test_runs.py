@@ -1,4 +1,4 @@
-"""Tests for evotune.runs: run folders, the append-only trial log, and the Pareto front and best
+"""Tests for evotune.records.runs: run folders, the append-only trial log, and the Pareto front and best
 record computed from it. Everything is written under a temporary EVOTUNE_RUNS."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from evotune import runs
+from evotune.records import runs
 from evotune.errors import EvotuneError, UsageError
-from evotune.runs import Run, best_record, ok_records, pareto_front
+from evotune.records.runs import Run, best_record, ok_records, pareto_front
 
 
 def rec(number, status="ok", time_us=None, max_abs=None, **extra) -> dict:

@@ -1,4 +1,4 @@
-"""Tests for evotune.search: the search loop end to end on the CPU, with real NVRTC compiles of the
+"""Tests for evotune.search.loop: the search loop end to end on the CPU, with real NVRTC compiles of the
 attention template and an injected evaluator in place of the GPU worker.
 
 The space is a reduced copy of search_spaces/attention.yaml (128 configurations, 96 admitted
@@ -17,14 +17,14 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from evotune import result as R
-from evotune import search as S
+from evotune.records import result as R
+from evotune.search import loop as S
 from evotune.errors import UsageError
-from evotune.result import Result
-from evotune.runs import Run
-from evotune.search import SAMPLERS, SearchOptions, run_search
-from evotune.space import Config, load_space
-from evotune.template import KernelSource
+from evotune.records.result import Result
+from evotune.records.runs import Run
+from evotune.search.loop import SAMPLERS, SearchOptions, run_search
+from evotune.space.searchspace import Config, load_space
+from evotune.build.template import KernelSource
 
 REDUCED_SPACE = """\
 # A reduced attention space for the search tests.
@@ -302,7 +302,7 @@ def test_compile_error_is_recorded(attention, reduced, mission, monkeypatch):
 
 def test_static_gate_prunes_before_evaluation(attention, reduced, mission, monkeypatch):
     """A compiled kernel that fails the static resource gate is a counted PRUNED trial with its resources, not evaluated."""
-    monkeypatch.setattr("evotune.compile.static_violations",
+    monkeypatch.setattr("evotune.build.compile.static_violations",
                         lambda res, threads, smem: ["spills registers (8 B stores, 8 B loads)"])
     run = Run.create("static", {})
     ev = FakeEvaluator(reduced, attention.context(mission))
@@ -536,7 +536,7 @@ def test_repeats_in_flight_wait_for_their_first(attention, reduced, mission, mon
 
 def test_summary_written_once_per_distinct_config(attention, tiny, mission, monkeypatch):
     """Duplicates do not rewrite pareto/best, and the summary equals one computed from trials.jsonl."""
-    from evotune.runs import best_record, pareto_front
+    from evotune.records.runs import best_record, pareto_front
 
     calls = []
     original = Run.update_summary
@@ -567,7 +567,7 @@ class FakeBeside:
         self.jobs: list[dict] = []
 
     def __call__(self, job: dict, timeout_s=None) -> dict:
-        from evotune.workers import WorkerError
+        from evotune.gpu.workers import WorkerError
 
         self.jobs.append({**job, "timeout_s": timeout_s})
         if self.fail:
@@ -587,7 +587,7 @@ def beside_run(name: str, shape, space) -> Run:
 def test_best_is_timed_beside_sdpa_once_per_best(attention, tiny, mission):
     """The run's best is re-timed in the worker job that times the baselines; baselines.json records it; a
     second call for the same best measures nothing; a resume that finds a better config replaces the file."""
-    from evotune.tuning_table import build_table
+    from evotune.records.tuning_table import build_table
 
     run = beside_run("beside", mission, tiny)
     ev = FakeEvaluator(tiny, attention.context(mission))
@@ -637,7 +637,7 @@ def test_beside_skips_without_best_and_survives_worker_failure(attention, tiny, 
 
 def test_worker_times_kernel_after_baselines_in_one_job(monkeypatch, mission):
     """The worker's "beside" job: measure_baselines, then evaluate_compiled of the given config, same process."""
-    from evotune import evaluate, workers
+    from evotune.gpu import evaluate, workers
 
     order = []
     monkeypatch.setattr(evaluate, "measure_baselines",

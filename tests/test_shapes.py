@@ -1,11 +1,11 @@
-"""Tests for evotune.shapes: presets, the `--shape` spelling, and the work a shape represents."""
+"""Tests for evotune.problems.shapes: presets, the `--shape` spelling, and the work a shape represents."""
 
 from __future__ import annotations
 
 import pytest
 
 from evotune.errors import UsageError
-from evotune.shapes import PRESETS, Shape, parse_shape
+from evotune.problems.shapes import PRESETS, Shape, parse_shape
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

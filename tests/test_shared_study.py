@@ -1,4 +1,4 @@
-"""Tests for several search agents sharing one run and one study (evotune.shared through run_search).
+"""Tests for several search agents sharing one run and one study (evotune.search.shared through run_search).
 
 Each agent is a real process (multiprocessing spawn, tests/_shared_agent.py) running run_search on the
 same run folder and the same Optuna study, with real NVRTC compiles of the reduced attention space of
@@ -23,8 +23,8 @@ import pytest
 from optuna.trial import TrialState
 
 import _shared_agent
-from evotune.runs import Run, best_record, pareto_front, redact_url
-from evotune.space import Config, load_space
+from evotune.records.runs import Run, best_record, pareto_front, redact_url
+from evotune.space.searchspace import Config, load_space
 from test_search import REDUCED_SPACE
 
 SPAWN = mp.get_context("spawn")
@@ -260,10 +260,10 @@ def test_second_folder_joins_a_postgres_study(space_path, mission, tmp_path, pos
 
 @needs_proc
 def test_ctrl_c_stops_all_agents_then_resume(space_path, mission, attention, tmp_path, monkeypatch):
-    """One SIGINT to each evotune.agents process (the CLI's Ctrl-C) makes each record what it is measuring and exit
+    """One SIGINT to each evotune.search.agents process (the CLI's Ctrl-C) makes each record what it is measuring and exit
     130 with no RUNNING trial left, and agents started again complete the run without measuring anything twice."""
-    from evotune.agents import INTERRUPTED, Agents, specs_for
-    from evotune.search import SearchOptions
+    from evotune.search.agents import INTERRUPTED, Agents, specs_for
+    from evotune.search.loop import SearchOptions
 
     log = tmp_path / "evaluated.log"
     monkeypatch.setenv("EVOTUNE_TEST_EVAL_LOG", str(log))
@@ -314,10 +314,10 @@ def test_cli_search_gpus_runs_one_agent_per_entry(space_path, mission, tmp_path,
     per entry on one new run and reports the whole run."""
     import sys
 
-    from evotune import agents as agents_module
+    from evotune.search import agents as agents_module
     from evotune import cli as cli_module
     from evotune.cli import common as cli_common
-    from evotune import workers as workers_module
+    from evotune.gpu import workers as workers_module
 
     class InfoWorker:
         def __init__(self, device=0, timeout_s=60.0):

@@ -14,19 +14,19 @@ import pytest
 from typer.testing import CliRunner
 
 from evotune import cli as cli_module
-from evotune import result as R
+from evotune.records import result as R
 from evotune.cli import app
 from evotune.cli import common as cli_common
-from evotune.compile import compile_source, static_violations
+from evotune.build.compile import compile_source, static_violations
 from evotune.errors import UsageError
-from evotune.export import export_source
+from evotune.build.export import export_source
 from evotune.problems import FAMILIES, get_problem
 from evotune.problems.softmax import PRESETS, SoftmaxShape, parse_shape
-from evotune.result import Result
-from evotune.runs import Run
-from evotune.search import SearchOptions, run_search
-from evotune.space import load_builtin, load_space
-from evotune.template import instantiate
+from evotune.records.result import Result
+from evotune.records.runs import Run
+from evotune.search.loop import SearchOptions, run_search
+from evotune.space.searchspace import load_builtin, load_space
+from evotune.build.template import instantiate
 from _paths import REPO_ROOT
 
 BANNER = "// ---- evotune instantiation:"
@@ -171,7 +171,7 @@ def test_space_names_come_from_the_family(tmp_path):
 def test_space_names_of_a_family_outside_evotune(tmp_path):
     """A plugin family's space reads names its Problem gives (the CLI passes them); told none, any name
     loads and fails when evaluated, with file and line."""
-    from evotune.space import space_family
+    from evotune.space.searchspace import space_family
 
     path = tmp_path / "plugin.yaml"
     path.write_text("family: mypkg.gemm:PROBLEM\nparams:\n  tile: {values: [64]}\n"
@@ -419,8 +419,8 @@ def test_usage_errors(runs_root, monkeypatch, capsys, args, fragment):
 # ------------------------------------------------------------------ generality
 
 
-GENERIC_MODULES = ("compile.py", "evaluate.py", "search.py", "runs.py", "workers.py", "template.py", "export.py",
-                   "sanitize.py")
+GENERIC_MODULES = ("build/compile.py", "gpu/evaluate.py", "search/loop.py", "records/runs.py", "gpu/workers.py",
+                   "build/template.py", "build/export.py", "gpu/sanitize.py")
 
 
 def code_words(source: str) -> set[str]:
@@ -458,7 +458,8 @@ def test_generic_modules_know_no_family(module):
     words = code_words(source)
     for word in ("attention", "head_dim", "seq_q", "seq_k", "causal", "sdpa"):
         assert not [w for w in words if word in w], f"evotune/{module} uses {word!r}: {[w for w in words if word in w]}"
-    assert not re.search(r"^\s*(from \.shapes import|from evotune\.shapes import|import evotune\.shapes)", source, re.M)
+    assert not re.search(r"^\s*(from \.+(problems\.)?shapes import|from evotune\.problems\.shapes import|"
+                         r"import evotune\.problems\.shapes)", source, re.M)
 
 
 def test_code_words_sees_code_not_prose():

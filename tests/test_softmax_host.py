@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from evotune.problems import get_problem
-from evotune.space import load_builtin
+from evotune.space.searchspace import load_builtin
 from _paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow

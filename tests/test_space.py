@@ -1,4 +1,4 @@
-"""Tests for evotune.space: the YAML search-space loader, the data model and the safe evaluator."""
+"""Tests for evotune.space.searchspace: the YAML search-space loader, the data model and the safe evaluator."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from evotune.errors import UsageError
-from evotune.shapes import parse_shape
-from evotune.space import (
+from evotune.problems.shapes import parse_shape
+from evotune.space.searchspace import (
     CONTEXT_NAMES,
     Config,
     ExpressionError,
@@ -75,8 +75,8 @@ def test_wgmma_pins_the_knobs_it_does_not_read(space, attention):
     so no two admitted configs compile to the same code; and the mma.sync slice keeps its old producer values."""
     import itertools
 
-    from evotune.shapes import parse_shape
-    from evotune.template import instantiate
+    from evotune.problems.shapes import parse_shape
+    from evotune.build.template import instantiate
 
     shape = parse_shape("4,32,4096,128")
     ctx = attention.context(shape)
@@ -106,7 +106,7 @@ def test_hopper_space_is_the_wgmma_slice(space, attention):
     which it leaves out), with the same shared-memory figure, on a d128 and a d64 shape."""
     import itertools
 
-    from evotune.shapes import parse_shape
+    from evotune.problems.shapes import parse_shape
 
     hopper = load_builtin("attention-hopper")
     for text in ("4,32,4096,128", "16,12,1024,64:bf16:causal"):

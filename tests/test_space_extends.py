@@ -1,4 +1,4 @@
-"""Tests for space files that extend another (`extends`, `pin`, `omit`), and for evotune.space staying below the
+"""Tests for space files that extend another (`extends`, `pin`, `omit`), and for evotune.space.searchspace staying below the
 families."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from evotune.errors import UsageError
-from evotune.shapes import parse_shape
-from evotune.space import load_builtin, load_space
+from evotune.problems.shapes import parse_shape
+from evotune.space.searchspace import load_builtin, load_space
 
 from _paths import REPO_ROOT
 
@@ -281,7 +281,7 @@ def test_a_mistake_in_the_parent_names_the_parent(spaces):
         load_space(spaces("child", CHILD))
 
 
-# --------------------------------------------------------------------------- evotune.space stays below the families
+# --------------------------------------------------------------------------- evotune.space.searchspace stays below the families
 
 
 def _imported_modules(path: Path) -> list[str]:
@@ -297,8 +297,8 @@ def _imported_modules(path: Path) -> list[str]:
 
 
 def test_space_module_never_imports_the_families():
-    """evotune/space.py imports nothing from evotune.problems, at the top or inside a function, nor via importlib."""
-    source = REPO_ROOT / "evotune" / "space.py"
+    """evotune/space/searchspace.py imports nothing from evotune.problems, at the top or inside a function, nor via importlib."""
+    source = REPO_ROOT / "evotune" / "space" / "searchspace.py"
     imported = _imported_modules(source)
     assert not [m for m in imported if "problems" in m.split(".")], imported
     assert "import_module" not in source.read_text() and "__import__" not in source.read_text()
@@ -308,7 +308,7 @@ def test_space_loads_without_the_families():
     """In a fresh interpreter, a space loads given its context names and knob domains without evotune.problems."""
     code = textwrap.dedent(f"""
         import sys
-        from evotune.space import load_space
+        from evotune.space.searchspace import load_space
         names = ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "dtype", "dtype_bytes", "causal")
         space = load_space({str(REPO_ROOT / "search_spaces" / "attention-small.yaml")!r}, names)
         assert len(space.params) == 9, space.params

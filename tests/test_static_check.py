@@ -1,12 +1,12 @@
-"""Tests for evotune.static_check (what `evotune check` runs): enumerating a space with progress reports,
+"""Tests for evotune.search.static_check (what `evotune check` runs): enumerating a space with progress reports,
 and sampling the admitted configs. The compiles themselves are covered by test_cli and test_bad_input."""
 
 from __future__ import annotations
 
 import pytest
 
-from evotune import static_check
-from evotune.space import load_builtin, shape_context
+from evotune.search import static_check
+from evotune.space.searchspace import load_builtin, shape_context
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_pick(small, mission):
 
 def test_compile_nothing_starts_no_pool(small, mission, attention, monkeypatch):
     """With nothing to compile, compile_all returns no rows without starting worker processes."""
-    import evotune.compile as compile_module
+    import evotune.build.compile as compile_module
 
     monkeypatch.setattr(compile_module, "compile_pool", lambda workers: pytest.fail("a pool was started"))
     assert static_check.compile_all(attention, mission, small, [], jobs=4) == []

@@ -1,4 +1,4 @@
-"""Tests for the search strategies behind SAMPLERS, chiefly evotune's own "exhaustive" (evotune/strategies.py):
+"""Tests for the search strategies behind SAMPLERS, chiefly evotune's own "exhaustive" (evotune/search/strategies.py):
 real NVRTC compiles of a small attention space and an injected evaluator, as in tests/test_search.py.
 
 SMALL_SPACE has 8 configurations; its constraint admits 6 on the mission shape.
@@ -11,14 +11,14 @@ import pytest
 from optuna.trial import TrialState
 from typer.testing import CliRunner
 
-from evotune import result as R
-from evotune import search as S
+from evotune.records import result as R
+from evotune.search import loop as S
 from evotune.cli import app
 from evotune.errors import UsageError
-from evotune.result import Result
-from evotune.runs import Run
-from evotune.search import SAMPLERS, SearchOptions, make_sampler, run_search
-from evotune.space import load_builtin, load_space
+from evotune.records.result import Result
+from evotune.records.runs import Run
+from evotune.search.loop import SAMPLERS, SearchOptions, make_sampler, run_search
+from evotune.space.searchspace import load_builtin, load_space
 from test_search import FakeEvaluator, check_records, without_times
 
 SMALL_SPACE = """\
@@ -141,7 +141,7 @@ def model_time(c) -> float:
 
 
 def fake_compiler(config, source):
-    from evotune.compile import Compiled, Resources
+    from evotune.build.compile import Compiled, Resources
 
     return Compiled(config.digest(), source.entry, "none", "", (), "", Resources(64, 0, 0, 0, 0, 1), 0.0)
 
@@ -224,7 +224,7 @@ def test_elites_are_chosen_from_every_completed_trial(attention, attention_small
     """The steered sampler's parents are the best distinct configs of all completed trials, a late-finishing one
     included (Optuna's NSGA-II chooses only from the previous generation and its parents, so a trial that completes
     after the next generation's parents were picked is never a parent), and a repeated config counts once."""
-    from evotune.strategies import SteeredNSGAIISampler
+    from evotune.search.strategies import SteeredNSGAIISampler
 
     context = attention.context(mission)
     admitted = attention_small.admitted_configs(context)
@@ -292,7 +292,7 @@ def test_variant_knob_is_drawn_first(attention):
     times (the H100 run runs/gpt2-h100-fullspace: none in 64). Here the wgmma model is faster, and the elites find it."""
     from dataclasses import replace
 
-    from evotune.shapes import parse_shape
+    from evotune.problems.shapes import parse_shape
 
     full = load_builtin("attention")
     assert full.variant == "mma"
@@ -319,7 +319,7 @@ def test_variant_knob_is_drawn_first(attention):
 def test_variant_must_name_a_parameter(tmp_path):
     """A space whose `variant:` is not one of its parameters is refused with file:line."""
     from evotune.errors import UsageError
-    from evotune.space import load_space
+    from evotune.space.searchspace import load_space
 
     path = tmp_path / "s.yaml"
     path.write_text("family: attention\nvariant: mma\nparams:\n  block_m:\n    values: [64]\n    default: 64\n")
@@ -331,7 +331,7 @@ def test_optuna_internals_the_steered_sampler_reads_are_there():
     """The private NSGA-II attributes SteeredNSGAIISampler reads exist in the installed Optuna, with the shapes it uses."""
     import optuna
 
-    from evotune.strategies import SteeredNSGAIISampler
+    from evotune.search.strategies import SteeredNSGAIISampler
 
     plain = optuna.samplers.NSGAIISampler(population_size=8, seed=0)
     missing = [name for name in SteeredNSGAIISampler.OPTUNA_INTERNALS if not hasattr(plain, name)]

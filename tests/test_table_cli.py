@@ -7,8 +7,8 @@ import json
 import pytest
 
 from evotune.cli import common as cli_common
-from evotune.shapes import Shape
-from evotune.tuning_table import load_table
+from evotune.problems.shapes import Shape
+from evotune.records.tuning_table import load_table
 
 from test_tuning_table import base, make_run
 

@@ -1,4 +1,4 @@
-"""Tests for evotune.template: one kernel source per (config, shape), built from the template file."""
+"""Tests for evotune.build.template: one kernel source per (config, shape), built from the template file."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from evotune.errors import UsageError
-from evotune.shapes import parse_shape
-from evotune.space import load_builtin, shape_context
-from evotune.template import instantiate, kernels_dir
+from evotune.problems.shapes import parse_shape
+from evotune.space.searchspace import load_builtin, shape_context
+from evotune.build.template import instantiate, kernels_dir
 from _paths import REPO_ROOT
 
 BANNER = "// ---- evotune instantiation:"
@@ -38,7 +38,7 @@ def first_admitted_change(space, name, shape, base=None):
 def test_default_instantiation(attention, space, mission):
     """The default mission source is the template text (local headers inlined), a banner, and one extern "C" entry
     with the args in order."""
-    from evotune.template import read_template
+    from evotune.build.template import read_template
 
     _, template = read_template("attention.cu")
     assert '#include "attention_hopper.cuh"' in (REPO_ROOT / "kernels" / "attention.cu").read_text()

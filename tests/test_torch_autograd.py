@@ -1,4 +1,4 @@
-"""CPU tests of the op's training path (evotune.torch.autograd) and its launch packet (evotune.packet):
+"""CPU tests of the op's training path (evotune.torch.autograd) and its launch packet (evotune.gpu.packet):
 the training op's registration (opcheck) and fake implementation, which PyTorch backward takes a call and
 the log-sum-exp layout it reads, gradients against SDPA on the CPU route (grouped K/V heads, Sq != Sk,
 layouts, dtypes), torch.compile(fullgraph=True) with a backward, the log-sum-exp kernels compiling for
@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 
 import evotune.torch as et  # noqa: E402
 from evotune.problems import get_problem  # noqa: E402
-from evotune.shapes import Shape  # noqa: E402
-from evotune.space import Config, load_builtin  # noqa: E402
+from evotune.problems.shapes import Shape  # noqa: E402
+from evotune.space.searchspace import Config, load_builtin  # noqa: E402
 from evotune.torch import autograd  # noqa: E402
 
 F = torch.nn.functional
@@ -148,9 +148,9 @@ LSE_VARIANTS = {  # every code path of the epilogue: plain, key groups, split-KV
 def test_lse_kernels_compile(variant, spec):
     """Each variant compiles with write_lse (NVRTC, no GPU), takes lse, lse_sb, lse_sh last, and costs no
     spill; the searched kernel's source (the table's digest) is unchanged by the option."""
-    from evotune.compile import compile_source
-    from evotune.shapes import parse_shape
-    from evotune.template import instantiate
+    from evotune.build.compile import compile_source
+    from evotune.problems.shapes import parse_shape
+    from evotune.build.template import instantiate
 
     space, knobs = LSE_VARIANTS[variant]
     base = load_builtin(space).default_config()
@@ -174,7 +174,7 @@ def test_packet_holds_the_values_cupy_would_pass():
     address changes only its own slot."""
     import numpy as np
 
-    from evotune.packet import ParamPacket
+    from evotune.gpu.packet import ParamPacket
     from evotune.problems.attention import as_kernel_arg
 
     params = ATTENTION.entry_params(load_builtin("attention").default_config(), write_lse=True)

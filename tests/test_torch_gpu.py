@@ -15,7 +15,7 @@ import evotune.torch as et  # noqa: E402
 from evotune.errors import UsageError  # noqa: E402
 from evotune.problems import get_problem  # noqa: E402
 from evotune.problems.attention import TOLERANCE  # noqa: E402
-from evotune.shapes import Shape  # noqa: E402
+from evotune.problems.shapes import Shape  # noqa: E402
 
 from _tables import entry, table  # noqa: E402
 
@@ -42,7 +42,7 @@ def default_table():
 
 
 def variant_config(variant: str) -> tuple[str, dict]:
-    from evotune.space import load_builtin
+    from evotune.space.searchspace import load_builtin
 
     space, overrides = VARIANTS[variant]
     return space, {**load_builtin(space).default_config().as_dict(), **overrides}
@@ -155,7 +155,7 @@ def test_wgmma_eager_calls_reuse_plan_and_maps(gpu):
     """Repeated eager calls of the Hopper variant on the same buffers reuse the launch plan and the encoded
     tensor maps (no per-call encode or upload), and stay correct when the buffers change."""
     from evotune.problems.attention import _launch_plan
-    from evotune.tma import map_param
+    from evotune.build.tma import map_param
 
     shape = Shape(1, 8, 512, 512, 64, "fp16", False)
     use_variant(gpu, "wgmma", [shape])

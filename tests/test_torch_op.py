@@ -15,11 +15,11 @@ torch = pytest.importorskip("torch")
 
 import evotune.torch as et  # noqa: E402
 from evotune.errors import EvotuneError, UsageError  # noqa: E402
-from evotune.shapes import Shape  # noqa: E402
-from evotune.space import load_builtin  # noqa: E402
+from evotune.problems.shapes import Shape  # noqa: E402
+from evotune.space.searchspace import load_builtin  # noqa: E402
 from evotune.torch import kernels, routing  # noqa: E402
 from evotune.torch.call import Call, coverage, new_output  # noqa: E402
-from evotune.tuning_table import save_table  # noqa: E402
+from evotune.records.tuning_table import save_table  # noqa: E402
 
 from _tables import H100, entry, table  # noqa: E402
 

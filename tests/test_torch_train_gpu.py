@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import evotune.torch as et  # noqa: E402
-from evotune.shapes import Shape  # noqa: E402
+from evotune.problems.shapes import Shape  # noqa: E402
 from evotune.torch import autograd, routing  # noqa: E402
 
 from test_torch_gpu import assert_close, gpu, make_qkv, use_variant  # noqa: E402,F401  (gpu: a fixture)

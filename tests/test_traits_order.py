@@ -12,9 +12,9 @@ import re
 import pytest
 
 from evotune.problems import get_problem
-from evotune.shapes import parse_shape
-from evotune.space import load_builtin
-from evotune.template import read_template
+from evotune.problems.shapes import parse_shape
+from evotune.space.searchspace import load_builtin
+from evotune.build.template import read_template
 
 ATTENTION = get_problem("attention")
 

@@ -10,8 +10,8 @@ import pytest
 from evotune.cli import common as cli_common
 from evotune.cli import table as cli_table
 from evotune.errors import EvotuneError
-from evotune.shapes import parse_shape
-from evotune.tuning_table import load_table
+from evotune.problems.shapes import parse_shape
+from evotune.records.tuning_table import load_table
 
 from test_tuning_table import base, make_run
 
@@ -133,7 +133,7 @@ def test_a_failed_key_does_not_stop_the_others(fake_search, main_in_process, tmp
 
 
 def test_tune_plan_keeps_the_first_shape_of_each_key():
-    from evotune.tuning_table import tune_plan
+    from evotune.records.tuning_table import tune_plan
 
     plan, notes = tune_plan(["1,8,512,64", "1,6,300,64", "1,8,512,64:causal", "1,8,512,64"])
     assert [s.spec for s in plan] == ["1,8,512,64:fp16", "1,8,512,64:fp16:causal"]
@@ -142,7 +142,7 @@ def test_tune_plan_keeps_the_first_shape_of_each_key():
 
 def test_tune_plan_tunes_each_batch_heads_bucket():
     """One sequence bucket at batch 1 and at batch 16 is two keys, so two searches (the work differs 16x)."""
-    from evotune.tuning_table import tune_plan
+    from evotune.records.tuning_table import tune_plan
 
     plan, notes = tune_plan(["1,12,512,64", "16,12,512,64", "16,16,512,64"])
     assert [s.spec for s in plan] == ["1,12,512,64:fp16", "16,12,512,64:fp16"] and len(notes) == 1

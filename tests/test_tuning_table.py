@@ -1,4 +1,4 @@
-"""Tests for evotune.tuning_table: buckets, the file's schema and its faults, the selection rules, and
+"""Tests for evotune.records.tuning_table: buckets, the file's schema and its faults, the selection rules, and
 building a table from run folders (hand-made ones, and a committed H100 run with its bench record)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from evotune import tuning_table as tt
+from evotune.records import tuning_table as tt
 from evotune.errors import UsageError
 from evotune.problems import get_problem
-from evotune.shapes import Shape
-from evotune.space import load_builtin, spaces_dir
-from evotune.template import instantiate
-from evotune.tuning_table import (TableKey, bh_bucket, build_table, load_table, parse_table, save_table, select,
+from evotune.problems.shapes import Shape
+from evotune.space.searchspace import load_builtin, spaces_dir
+from evotune.build.template import instantiate
+from evotune.records.tuning_table import (TableKey, bh_bucket, build_table, load_table, parse_table, save_table, select,
                                   seq_bucket)
 
 from _tables import H100, entry, table

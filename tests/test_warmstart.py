@@ -1,4 +1,4 @@
-"""Tests for evotune.warmstart and the warm start of run_search: which earlier runs and configs seed a new
+"""Tests for evotune.search.warmstart and the warm start of run_search: which earlier runs and configs seed a new
 search, and that the seeds are its first proposals, once, and only those admitted on the new shape.
 
 The searches compile nothing and keep their study in memory (see test_strategies.MemoryRun).
@@ -10,13 +10,13 @@ from dataclasses import replace
 
 import pytest
 
-from evotune import result as R
+from evotune.records import result as R
 from evotune.cli.search import warm_start_configs
 from evotune.errors import UsageError
-from evotune.runs import Run
-from evotune.search import SearchOptions, run_search
-from evotune.space import load_builtin
-from evotune.warmstart import admitted, configs_from, pick_runs, similar
+from evotune.records.runs import Run
+from evotune.search.loop import SearchOptions, run_search
+from evotune.space.searchspace import load_builtin
+from evotune.search.warmstart import admitted, configs_from, pick_runs, similar
 from test_strategies import MemoryRun, fake_compiler, model_evaluate
 
 
@@ -30,7 +30,7 @@ def attention_small():
 
 def recorded_run(name: str, shape_dict: dict, results: list[tuple[dict, float | None]], family: str = "attention") -> Run:
     """A finished run whose trials passed with the given times (None: failed the gate)."""
-    from evotune.space import Config
+    from evotune.space.searchspace import Config
 
     run = Run.create(name, {"family": family, "shape": shape_dict, "shape_spec": name})
     for number, (config, t) in enumerate(results):

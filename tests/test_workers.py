@@ -1,4 +1,4 @@
-"""Tests for evotune.workers on the CPU: the job payload of a compiled kernel, and how
+"""Tests for evotune.gpu.workers on the CPU: the job payload of a compiled kernel, and how
 GPUWorker turns a hang, a crash, a CUDA error and a failed start into a recorded status.
 
 The real worker needs a GPU; here `_worker_main` is replaced by the stand-ins in
@@ -16,13 +16,13 @@ import time
 import _fake_workers as fake
 import pytest
 
-from evotune import result as R
-from evotune import workers
-from evotune.compile import Compiled, Resources
+from evotune.records import result as R
+from evotune.gpu import workers
+from evotune.build.compile import Compiled, Resources
 from evotune.errors import EvotuneError, NoGPUError
-from evotune.search import worker_evaluator
-from evotune.space import Config
-from evotune.workers import GPUWorker, WorkerError, _compiled_from_dict, compiled_to_dict
+from evotune.search.loop import worker_evaluator
+from evotune.space.searchspace import Config
+from evotune.gpu.workers import GPUWorker, WorkerError, _compiled_from_dict, compiled_to_dict
 
 TIMEOUT_S = 1.0
 

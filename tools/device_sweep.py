@@ -19,11 +19,11 @@ from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from evotune.compile import CompileError, compile_source  # noqa: E402
+from evotune.build.compile import CompileError, compile_source  # noqa: E402
 from evotune.problems import get_problem  # noqa: E402
-from evotune.shapes import parse_shape  # noqa: E402
-from evotune.space import load_builtin  # noqa: E402
-from evotune.template import instantiate  # noqa: E402
+from evotune.problems.shapes import parse_shape  # noqa: E402
+from evotune.space.searchspace import load_builtin  # noqa: E402
+from evotune.build.template import instantiate  # noqa: E402
 
 
 def _compile(args):
@@ -68,7 +68,7 @@ def main():
 
     import torch
 
-    from evotune.evaluate import evaluate_compiled, measure_baselines
+    from evotune.gpu.evaluate import evaluate_compiled, measure_baselines
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} cuda {torch.version.cuda}", flush=True)
     rows = []

@@ -1,7 +1,7 @@
 """Search-efficiency report: how fast each strategy closes in on the exhaustive optimum of a small space.
 
 Input: a run recorded with `--sampler exhaustive` (every admitted config of its space measured once).
-Each strategy (several seeds) is replayed through the real search loop (evotune.search.run_search)
+Each strategy (several seeds) is replayed through the real search loop (evotune.search.loop.run_search)
 with an evaluator and a compiler that answer from the exhaustive run's records: a strategy only
 ever sees results, so this is exactly what it would have been told on the GPU, less re-measurement
 noise (a live search re-measures, and its timings scatter by a few tenths of a percent to a few
@@ -30,14 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from evotune import result as R  # noqa: E402
-from evotune.compile import CompileError, Compiled, Resources  # noqa: E402
+from evotune.records import result as R  # noqa: E402
+from evotune.build.compile import CompileError, Compiled, Resources  # noqa: E402
 from evotune.problems import get_problem  # noqa: E402
-from evotune.result import Result  # noqa: E402
-from evotune.runs import Run, runs_dir  # noqa: E402
-from evotune.search import SearchOptions, run_search  # noqa: E402
-from evotune.space import Config, load_space  # noqa: E402
-from evotune.template import REPO_ROOT  # noqa: E402
+from evotune.records.result import Result  # noqa: E402
+from evotune.records.runs import Run, runs_dir  # noqa: E402
+from evotune.search.loop import SearchOptions, run_search  # noqa: E402
+from evotune.space.searchspace import Config, load_space  # noqa: E402
+from evotune.build.template import REPO_ROOT  # noqa: E402
 
 DEFAULT_STRATEGIES = ("nsga2", "nsga2-plain", "tpe", "random")  # nsga2-plain: Optuna's NSGA-II, unsteered
 CHECKPOINTS_PCT = (5, 10, 15, 30)

@@ -33,12 +33,12 @@ except ImportError:  # not installed and not on PYTHONPATH: the checkout this to
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import evotune
 
-from evotune.compile import CompileError, compile_source, static_violations  # noqa: E402
+from evotune.build.compile import CompileError, compile_source, static_violations  # noqa: E402
 from evotune.errors import EvotuneError  # noqa: E402
-from evotune.evaluate import DEFAULT_REPS, evaluate_compiled  # noqa: E402
+from evotune.gpu.evaluate import DEFAULT_REPS, evaluate_compiled  # noqa: E402
 from evotune.problems import get_problem  # noqa: E402
-from evotune.space import load_builtin, load_space  # noqa: E402
-from evotune.template import instantiate  # noqa: E402
+from evotune.space.searchspace import load_builtin, load_space  # noqa: E402
+from evotune.build.template import instantiate  # noqa: E402
 
 MAX_DRAWS_PER_CONFIG = 200  # random draws allowed per wanted config before giving up on a tight space
 

@@ -14,12 +14,12 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
-from evotune.compile import compile_source, load_kernel  # noqa: E402
-from evotune.evaluate import kernel_runner, verify  # noqa: E402
+from evotune.build.compile import compile_source, load_kernel  # noqa: E402
+from evotune.gpu.evaluate import kernel_runner, verify  # noqa: E402
 from evotune.problems import get_problem  # noqa: E402
-from evotune.shapes import parse_shape  # noqa: E402
-from evotune.space import load_builtin  # noqa: E402
-from evotune.template import instantiate  # noqa: E402
+from evotune.problems.shapes import parse_shape  # noqa: E402
+from evotune.space.searchspace import load_builtin  # noqa: E402
+from evotune.build.template import instantiate  # noqa: E402
 
 CONFIGS = {
     "default": {},

@@ -52,7 +52,7 @@ _spec = importlib.util.spec_from_file_location("efficiency_report", ROOT / "tool
 E = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(E)
 
-from evotune import result as R  # noqa: E402
+from evotune.records import result as R  # noqa: E402
 
 KT_STRATEGIES = ("genetic_algorithm", "bayes_opt", "random_sample", "simulated_annealing", "diff_evo", "pso",
                  "basinhopping", "greedy_ils", "mls")

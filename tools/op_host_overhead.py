@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 def _table_for(space_name: str, shape, gpu) -> object:
     from _tables import entry, table
 
-    from evotune.space import load_builtin
+    from evotune.space.searchspace import load_builtin
 
     config = load_builtin(space_name).default_config().as_dict()
     return table(entry(shape, config, space_name, gpu=gpu))
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     import evotune.torch as et
-    from evotune.shapes import parse_shape
+    from evotune.problems.shapes import parse_shape
 
     shape = parse_shape(args.shape)
     gpu = (torch.cuda.get_device_name(0), "%d.%d" % torch.cuda.get_device_capability(0))

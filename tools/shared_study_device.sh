@@ -64,7 +64,7 @@ tar czf "$OUT/shared_study.tgz" -C /tmp runs logs
 python3 - "$TRIALS" <<'PY'
 import collections, json, math, os, sys
 import optuna
-from evotune.runs import Run, best_record
+from evotune.records.runs import Run, best_record
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 trials = int(sys.argv[1])
 for name, want in (("shared", trials), ("single", trials), ("interrupted", 20), ("shared-pg", trials)):

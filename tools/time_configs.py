@@ -11,12 +11,12 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
-from evotune.compile import compile_source  # noqa: E402
-from evotune.evaluate import evaluate_compiled, measure_baselines  # noqa: E402
+from evotune.build.compile import compile_source  # noqa: E402
+from evotune.gpu.evaluate import evaluate_compiled, measure_baselines  # noqa: E402
 from evotune.problems import get_problem  # noqa: E402
-from evotune.shapes import parse_shape  # noqa: E402
-from evotune.space import load_builtin  # noqa: E402
-from evotune.template import instantiate  # noqa: E402
+from evotune.problems.shapes import parse_shape  # noqa: E402
+from evotune.space.searchspace import load_builtin  # noqa: E402
+from evotune.build.template import instantiate  # noqa: E402
 
 
 def main() -> None:

@@ -26,10 +26,10 @@ def replay(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Recompile a recorded config, re-verify on fresh inputs, re-time beside the baselines, report drift."""
-    from ..runs import Run
-    from ..search import worker_evaluator
-    from ..space import Config
-    from ..workers import BaselinesJob, GPUWorker
+    from ..records.runs import Run
+    from ..search.loop import worker_evaluator
+    from ..space.searchspace import Config
+    from ..gpu.workers import BaselinesJob, GPUWorker
 
     rn = Run.open(run)
     problem, shp = rn.problem_and_shape()
@@ -88,7 +88,7 @@ def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str
                        space_path: Optional[str], family: Optional[str], purpose: str):
     """(problem, shape, config) from a run record (of the run's family), or from --config JSON on --shape
     (of --family, else the --space file's, else attention); --shape overrides a run's."""
-    from ..runs import Run
+    from ..records.runs import Run
 
     if config_json is not None:
         problem, shp, spc = load_problem(shape_text, space_path, family)
@@ -105,7 +105,7 @@ def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str
         if why:
             raise UsageError(f"--config is not admitted on {shp.spec}: {'; '.join(why)}")
         return problem, shp, config
-    from ..space import Config
+    from ..space.searchspace import Config
 
     rn = Run.open(run)
     problem, shp = rn.problem_and_shape()
@@ -118,8 +118,8 @@ def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str
 
 
 def _compile_candidate(problem, shp, config):
-    from ..compile import compile_source
-    from ..template import instantiate
+    from ..build.compile import compile_source
+    from ..build.template import instantiate
 
     src = instantiate(problem, config, shp)
     return src, compile_source(src.code, src.entry)
@@ -139,8 +139,8 @@ def bench(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """The tuned kernel beside every SDPA backend on one shape: same inputs, same gate, same timing."""
-    from ..bench import flops_and_bytes, header, summarize
-    from ..workers import BenchJob, GPUWorker
+    from ..gpu.bench import flops_and_bytes, header, summarize
+    from ..gpu.workers import BenchJob, GPUWorker
 
     problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "bench")
     names = [n.strip() for n in baselines.split(",") if n.strip()] if baselines else None
@@ -157,7 +157,7 @@ def bench(
                                    reps=reps, seeds=REPLAY_SEEDS, names=names))
     flops, nbytes = flops_and_bytes(shp)
     summary = summarize(raw, flops, nbytes)
-    from ..runs import base_meta
+    from ..records.runs import base_meta
 
     meta = base_meta()
     record = {**header(raw["device"], meta["command_line"], meta.get("git_sha")), "versions": meta["versions"],
@@ -220,7 +220,7 @@ def verify_cmd(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Deep check of one config: the gate (seeds + stress inputs + dependency) and bitwise determinism."""
-    from ..workers import GPUWorker, VerifyJob
+    from ..gpu.workers import GPUWorker, VerifyJob
 
     problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "verify")
     require_gpu("verify")
@@ -260,7 +260,7 @@ def sanitize(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Run compute-sanitizer (memcheck, racecheck, synccheck) on one config and report clean or the finding."""
-    from ..sanitize import TOOLS, run_tool
+    from ..gpu.sanitize import TOOLS, run_tool
 
     for t in tool:
         if t not in TOOLS:
@@ -299,7 +299,7 @@ def sass(
 ):
     """Disassemble one config's kernel (no GPU): tensor-core instructions (HGMMA/HMMA), TMA and cp.async loads,
     local memory, with ptxas's registers and spills."""
-    from ..sass import CLASSES, disassemble, summary
+    from ..build.sass import CLASSES, disassemble, summary
 
     problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "sass")
     if output is not None:

@@ -37,7 +37,7 @@ def load_problem(shape_text: Optional[str], space_path: Optional[str], family: O
     """(problem, shape, space): the family is --family, else the one the --space file names, else attention;
     the shape is parsed by that family (its default shape when none is given)."""
     from ..problems import get_problem
-    from ..space import check_nonempty, load_builtin, load_space, space_family
+    from ..space.searchspace import check_nonempty, load_builtin, load_space, space_family
 
     # A space file names its family, so `--space` alone picks it (a plugin `package.module:ATTR` too).
     declared = space_family(space_path) if space_path else None

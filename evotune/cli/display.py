@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..problems import FAMILIES, get_problem
-from ..runs import best_record
+from ..records.runs import best_record
 
 
 @lru_cache(maxsize=1)

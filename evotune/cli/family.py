@@ -52,7 +52,7 @@ def check(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Static check of a space without a GPU: constraints, real NVRTC compiles, registers, spills, shared memory."""
-    from ..static_check import admitted_configs, compile_all, pick, summarize
+    from ..search.static_check import admitted_configs, compile_all, pick, summarize
 
     problem, shp, spc = load_problem(shape, space, family)
     with _progress("enumerating") as progress:

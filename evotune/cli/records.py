@@ -19,9 +19,9 @@ def export(
                                "failed to compile, wrong): its header says so."),
 ):
     """Write a standalone .cu with the config baked in (builds with `nvcc -gencode arch=compute_90a,code=sm_90a -c`)."""
-    from ..export import export_source, write_export
-    from ..runs import Run
-    from ..space import Config
+    from ..build.export import export_source, write_export
+    from ..records.runs import Run
+    from ..space.searchspace import Config
 
     check_output_path(output, "-o", create_parents=True)
     rn = Run.open(run)
@@ -37,7 +37,7 @@ def export(
 @app.command("runs")
 def list_runs(json_out: bool = typer.Option(False, "--json")):
     """List recorded runs with their best result; a damaged run is listed with what is wrong."""
-    from ..runs import list_runs as rows_of, runs_dir
+    from ..records.runs import list_runs as rows_of, runs_dir
 
     rows = rows_of()
     if json_out:

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from ..errors import EvotuneError, UsageError
-from ..search import SAMPLERS  # the one list --sampler takes (importing it does not import Optuna)
+from ..search.loop import SAMPLERS  # the one list --sampler takes (importing it does not import Optuna)
 from .common import (FAMILY_HELP, INTERRUPTED, INTERRUPTED_EXIT, SHAPE_HELP, app, check_devices, console,
                      emit_json, err_console, load_problem, require_gpu)
 from .display import SearchDisplay, cfg_short
@@ -52,8 +52,8 @@ def search(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Search the space on the GPU; record every trial, the Pareto front and the best in runs/<run>, then the best beside SDPA."""
-    from ..runs import check_storage_url, remote_meta, resumed_family, run_to_continue
-    from ..search import SearchOptions
+    from ..records.runs import check_storage_url, remote_meta, resumed_family, run_to_continue
+    from ..search.loop import SearchOptions
 
     if sampler not in SAMPLERS:
         raise UsageError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
@@ -112,7 +112,7 @@ def _stopped(rn, resume_hint) -> None:
 
 
 def _repo_relative(path: str) -> str:
-    from ..template import REPO_ROOT
+    from ..build.template import REPO_ROOT
 
     try:
         return str(os.path.relpath(path, REPO_ROOT)) if os.path.abspath(path).startswith(str(REPO_ROOT)) else path
@@ -122,7 +122,7 @@ def _repo_relative(path: str) -> str:
 
 def new_meta_for(problem, shp, spc, options, storage, devices, warm_meta: dict):
     """new_meta(device info) -> the meta.json of a new search run."""
-    from ..runs import base_meta, storage_meta
+    from ..records.runs import base_meta, storage_meta
 
     def new_meta(info: dict) -> dict:
         return {**base_meta(), "family": problem.family, "shape": shp.as_dict(), "shape_spec": shp.spec,
@@ -134,7 +134,7 @@ def new_meta_for(problem, shp, spc, options, storage, devices, warm_meta: dict):
 
 def _beside(rn, problem, shp, call, json_out: bool) -> dict:
     """The run's best timed again beside the family's baselines (search.measure_beside_best), said in one line."""
-    from ..search import measure_beside_best
+    from ..search.loop import measure_beside_best
 
     note = measure_beside_best(rn, problem, shp, call)
     if not json_out:
@@ -145,10 +145,10 @@ def _beside(rn, problem, shp, call, json_out: bool) -> dict:
 def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, spc, timeout, json_out,
                resume_hint):
     """`search` on one GPU in this process: (summary, run)."""
-    from ..agents import agent_label
-    from ..runs import new_run
-    from ..search import SearchLoop, worker_evaluator
-    from ..workers import GPUWorker, InfoJob
+    from ..search.agents import agent_label
+    from ..records.runs import new_run
+    from ..search.loop import SearchLoop, worker_evaluator
+    from ..gpu.workers import GPUWorker, InfoJob
 
     with GPUWorker(device=device, timeout_s=timeout) as worker:
         info = worker.call(InfoJob())
@@ -170,10 +170,10 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
                    resume_hint) -> dict:
     """`search --gpus` with several entries: one agent process per entry on one run and one study; this
     process shows their progress from the run's records and passes Ctrl-C on."""
-    from ..agents import Agents, specs_for
-    from ..runs import best_record, new_run
-    from ..search import status_counts
-    from ..workers import GPUWorker, InfoJob
+    from ..search.agents import Agents, specs_for
+    from ..records.runs import best_record, new_run
+    from ..search.loop import status_counts
+    from ..gpu.workers import GPUWorker, InfoJob
 
     if rn is None:
         with GPUWorker(device=devices[0], timeout_s=timeout) as worker:  # the run records the device it ran on
@@ -247,7 +247,7 @@ def warm_start_configs(spec: Optional[str], resume: bool, run: Optional[str], pr
         return (), {}
     if resume:
         raise UsageError("--warm-start seeds a new run; a resumed run goes on from its own trials")
-    from ..warmstart import admitted, configs_from, pick_runs
+    from ..search.warmstart import admitted, configs_from, pick_runs
 
     sources = pick_runs(spec, problem, shp, exclude=run)
     # At most a population's worth: NSGA-II's first generation, from which the first elites are chosen.

@@ -1,5 +1,5 @@
 """`evotune table build|show` and `evotune tune`: the command-line side of the tuning table
-(evotune/tuning_table.py holds the logic; evotune.torch.attention reads the table).
+(evotune/records/tuning_table.py holds the logic; evotune.torch.attention reads the table).
 
 Registered on the app when the evotune.cli package is imported.
 """
@@ -25,7 +25,7 @@ _TABLE_HELP = "Tuning table file (default: $EVOTUNE_TABLE, else tuning-table.jso
 
 def _table_path(given: Optional[str]) -> Path:
     """The table file to write: the one given (its folder must exist), else the default (its folder is made)."""
-    from ..tuning_table import default_table_path
+    from ..records.tuning_table import default_table_path
 
     if given:
         return Path(given)
@@ -35,7 +35,7 @@ def _table_path(given: Optional[str]) -> Path:
 
 
 def _report_build(table, notes, path: Path, json_out: bool, extra: dict | None = None) -> None:
-    from ..tuning_table import note_line
+    from ..records.tuning_table import note_line
 
     if json_out:
         emit_json({**(extra or {}), "path": str(path), "entries": len(table.entries),
@@ -56,11 +56,11 @@ def build(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Build or update the tuning table from runs: one entry per key, routed to evotune only where it beat SDPA."""
-    from ..tuning_table import family_runs, update_table
+    from ..records.tuning_table import family_runs, update_table
 
     chosen = list(runs) if runs else family_runs()
     if not chosen:
-        from ..runs import runs_dir
+        from ..records.runs import runs_dir
 
         raise UsageError(f"no attention run under {runs_dir()}: run `evotune search` or `evotune tune` first")
     table, notes, path = update_table(chosen, _table_path(out), bench or ())
@@ -78,7 +78,7 @@ def show(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Print the table's entries: key, route, evotune's and the best SDPA backend's time, run/trial."""
-    from ..tuning_table import default_table_path, load_table
+    from ..records.tuning_table import default_table_path, load_table
 
     path = Path(file) if file else default_table_path()
     table = load_table(path)
@@ -112,7 +112,7 @@ def _print_rows(title: str, headers: list[str], rows: list[list[str]]) -> None:
 def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool) -> str:
     """One key's search: `evotune search --shape SPEC --trials N --warm-start auto` on GPU `gpu`, the best then
     timed beside SDPA; returns the run id (EvotuneError where no candidate passed the gate)."""
-    from ..search import SearchOptions
+    from ..search.loop import SearchOptions
 
     problem, shp, spc = load_problem(shape.spec, None, "attention")
     warm, warm_meta = warm_start_configs("auto", False, None, problem, shp, spc, SearchOptions.population, json_out)
@@ -130,7 +130,7 @@ def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool) ->
 
 
 def _tune_specs(shape: Optional[list[str]], shapes: Optional[str]) -> list[str]:
-    from ..tuning_table import read_shapes_file
+    from ..records.tuning_table import read_shapes_file
 
     if shape and shapes:
         raise UsageError("give --shape (repeatable) or --shapes FILE, not both")
@@ -153,7 +153,7 @@ def tune(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Search each distinct table key of the shapes (warm-started from earlier runs), then update the table."""
-    from ..tuning_table import load_table, tune_keys, tune_plan, update_table
+    from ..records.tuning_table import load_table, tune_keys, tune_plan, update_table
 
     plan, merged = tune_plan(_tune_specs(shape, shapes))
     path = _table_path(table)

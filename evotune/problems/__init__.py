@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from ..errors import UsageError
-from ..space import register_family
+from ..space.searchspace import register_family
 
 # The environment variable that lists the modules plugin families may be loaded from.
 PLUGINS_ENV = "EVOTUNE_PLUGINS"

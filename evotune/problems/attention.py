@@ -12,8 +12,8 @@ from functools import lru_cache
 
 from ..errors import UsageError
 from ..limits import THREADS_PER_BLOCK, launch_asserts
-from ..shapes import PRESETS, Shape, parse_shape
-from ..space import DEVICE_CONTEXT_NAMES, device_context
+from .shapes import PRESETS, Shape, parse_shape
+from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
 from . import LaunchGeometry, Problem
 
 SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
@@ -418,7 +418,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def launcher(self, kernel, config, shape: Shape, inputs: dict, out, lse=None):
         """A zero-argument callable that launches the kernel on torch's current stream (`lse`: see launch_values)."""
-        from ..compile import torch_stream_launcher
+        from ..build.compile import torch_stream_launcher
 
         plan = self.launch_plan(config, shape)
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
@@ -436,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
     def tensor_maps(self, config, shape: Shape, inputs: dict) -> tuple:
         """The Q, K, V tensor maps as the kernel's by-value arguments (tma.param: 128-byte numpy records),
         each encoded once per (address, layout) and remembered (tma.map_param)."""
-        from ..tma import map_param
+        from ..build.tma import map_param
 
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
         args = _map_args(config, shape, tuple(q.stride()), tuple(k.stride()), tuple(v.stride()))
@@ -531,7 +531,7 @@ def _launch_plan(problem, config, shape: Shape) -> LaunchPlan:
 def _map_args(config, shape: Shape, q_strides: tuple, k_strides: tuple, v_strides: tuple) -> tuple:
     """(Q, K, V) TiledMapArgs of a wgmma launch on tensors with these (B, H, S, D) element strides. K's and
     V's maps span the K/V heads (kv_heads): the kernel reads head h / kv_group of them."""
-    from ..tma import tiled_map_args
+    from ..build.tma import tiled_map_args
 
     block_m, block_n = wgmma_block_m(config), int(knob(config, "block_n"))
     return tuple(tiled_map_args(shape.dtype, (shape.batch, heads, seq, shape.head_dim), strides, rows)

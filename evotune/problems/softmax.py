@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..limits import THREADS_PER_BLOCK, launch_asserts
-from ..shapes import parse_dim, parse_flags
-from ..space import DEVICE_CONTEXT_NAMES, device_context
+from .shapes import parse_dim, parse_flags
+from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
 from . import LaunchGeometry, Problem
 
 DTYPES = ("fp16", "bf16")
@@ -288,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
         """A zero-argument callable that launches the kernel on torch's current stream."""
         import numpy as np
 
-        from ..compile import torch_stream_launcher
+        from ..build.compile import torch_stream_launcher
 
         x = inputs["x"]
         geo = self.geometry(config, shape)

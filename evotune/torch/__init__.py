@@ -7,8 +7,8 @@
 
 The op is `torch.ops.evotune.attention` (torch.library.custom_op, no mutated arguments, a fake
 implementation), so torch.compile(fullgraph=True) traces it without a graph break. It reads the
-tuning table in $EVOTUNE_TABLE, else evotune.tuning_table.default_table_path(), or one given to
-use_table(); evotune.tuning_table documents the table, its buckets and its selection rules, and
+tuning table in $EVOTUNE_TABLE, else evotune.records.tuning_table.default_table_path(), or one given to
+use_table(); evotune.records.tuning_table documents the table, its buckets and its selection rules, and
 evotune.torch.routing the fallback policy.
 """
 

@@ -90,7 +90,7 @@ class Call:
 
     def shape(self):
         """The evotune Shape of this call, or None where it is not one (dtype, or a size out of range)."""
-        from ..shapes import Shape
+        from ..problems.shapes import Shape
 
         if self.dtype not in DTYPES.values():
             return None
@@ -132,7 +132,7 @@ def coverage(call: Call, gpu_cc: tuple[int, int] | None) -> str | None:
             return (f"{name} strides {strides}: the kernel needs a unit head-dim stride and the others "
                     f"multiples of 8 elements (16-byte rows)")
     if call.shape() is None:
-        from ..shapes import Shape
+        from ..problems.shapes import Shape
 
         try:
             Shape(call.batch, call.heads, call.seq_q, call.seq_k, call.head_dim, call.dtype, call.causal, call.layout,

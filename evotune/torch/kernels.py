@@ -1,7 +1,7 @@
 """What the attention kernel can do, the process-wide kernel cache, and the op's launches: each (config,
 shape class, write_lse) is compiled once (compile.compile_source, itself cached on disk by source hash) and
 loaded once per device (compile.load_kernel); a launch goes through a PreparedLaunch (the family's entry
-parameters in a reusable packet, evotune.packet) on torch's current stream.
+parameters in a reusable packet, evotune.gpu.packet) on torch's current stream.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def shape_class(shape) -> tuple:
 @dataclass(frozen=True)
 class LoadedKernel:
     kernel: object            # CuPy RawKernel, bound to its device's context
-    config: object            # evotune.space.Config
+    config: object            # evotune.space.searchspace.Config
     device_index: int
     source_digest: str        # of the searched kernel (what the table measured), also for a write_lse variant
     cubin_path: str
@@ -104,8 +104,8 @@ def compile_for(config, shape, expected_digest: str | None = None, write_lse: bo
     the variant that also writes the row log-sum-exp. EvotuneError where the searched kernel's source is not
     the one the table measured, or ptxas reports what the search's gate refuses. The KernelSource is the
     searched kernel's (its digest is the table's); the Compiled is the variant asked for."""
-    from ..compile import compile_source, static_violations
-    from ..template import instantiate
+    from ..build.compile import compile_source, static_violations
+    from ..build.template import instantiate
 
     source = instantiate(PROBLEM, config, shape)
     if expected_digest is not None and source.digest != expected_digest:
@@ -123,7 +123,7 @@ def compile_for(config, shape, expected_digest: str | None = None, write_lse: bo
 def _load_on_device(compiled, dynamic_smem: int, device_index: int):
     import cupy
 
-    from ..compile import load_kernel
+    from ..build.compile import load_kernel
 
     # CuPy loads a module into the current device's context: make it the call's device.
     with cupy.cuda.Device(device_index):
@@ -152,7 +152,7 @@ def load_for(decision, write_lse: bool = False) -> LoadedKernel:
 
 class PreparedLaunch:
     """A loaded kernel on one shape with one set of strides and scale, ready to launch again and again:
-    grid, block and shared memory worked out once, and per thread a ParamPacket (evotune.packet) in which
+    grid, block and shared memory worked out once, and per thread a ParamPacket (evotune.gpu.packet) in which
     a call rewrites only the buffer addresses (and, for the Hopper variant, copies in the tensor maps of
     the new addresses, each encoded once per address) before cuLaunchKernel on torch's current stream."""
 
@@ -168,7 +168,7 @@ class PreparedLaunch:
         self._local = threading.local()
 
     def __call__(self, q, k, v, out, lse=None) -> None:
-        from ..packet import launch_packet
+        from ..gpu.packet import launch_packet
 
         workspace = PROBLEM.new_workspace(self.loaded.config, self.shape, out.device) if self.split else ()
         packet = getattr(self._local, "packet", None)
@@ -180,7 +180,7 @@ class PreparedLaunch:
                       packet)
 
     def _new_packet(self, q, k, v, out, lse, workspace):
-        from ..packet import ParamPacket
+        from ..gpu.packet import ParamPacket
 
         values = PROBLEM.launch_values(self.loaded.config, self.shape, q, k, v, out, self.scale, lse, workspace)
         packet = ParamPacket(self.params, values)
@@ -192,7 +192,7 @@ class PreparedLaunch:
         if lse is not None:
             packet.slot("lse").value = lse.data_ptr()
         if self.wgmma:
-            from ..tma import map_param
+            from ..build.tma import map_param
 
             for name, t, args in zip(("q_map", "k_map", "v_map"), (q, k, v), self.map_args):
                 address = t.data_ptr()

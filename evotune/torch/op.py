@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
-from ..shapes import Shape
+from ..problems.shapes import Shape
 from . import record, routing
 from .call import DTYPES, Call, check_args, misaligned, new_output
 from .autograd import lse_backend
@@ -279,8 +279,8 @@ def warmup(devices=None) -> list[dict]:
     """Compile and load, on each CUDA device (default: all visible), every table entry of that GPU that
     routes to evotune, so no call compiles or loads later (do it before CUDA graph capture). Returns one
     row per entry and device: {"key", "device", "status": "loaded" | "skipped", "why"}."""
-    from ..space import Config
-    from ..tuning_table import unusable_reason
+    from ..space.searchspace import Config
+    from ..records.tuning_table import unusable_reason
 
     if not torch.cuda.is_available():
         raise UsageError("evotune.torch.warmup: no CUDA GPU is visible")

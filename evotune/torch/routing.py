@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
-from ..tuning_table import Entry, Table, TableKey, default_table_path, load_table, nearest_allowed, select
+from ..records.tuning_table import Entry, Table, TableKey, default_table_path, load_table, nearest_allowed, select
 from .call import Call, coverage, misaligned
 
 FALLBACKS = ("sdpa", "error")
@@ -44,10 +44,10 @@ class Decision:
     reason: str
     call: Call
     key: TableKey | None = None
-    shape: object = None          # evotune.shapes.Shape where the call is one
+    shape: object = None          # evotune.problems.shapes.Shape where the call is one
     entry: Entry | None = None
     match: str = "none"           # how the entry matched the key: "exact", "nearest" or "none"
-    config: object = None         # the entry's evotune.space.Config, made once for the launches
+    config: object = None         # the entry's evotune.space.searchspace.Config, made once for the launches
 
     @property
     def refused_by_error_fallback(self) -> bool:
@@ -129,7 +129,7 @@ _WARN_LOCK = threading.Lock()
 def use_table(source=None) -> Table | None:
     """Use this tuning table (a path or a Table; None: back to $EVOTUNE_TABLE or the default file), loading
     a path now so a bad file fails here. Forgets cached decisions and the notices already given."""
-    from ..tuning_table import clear_caches
+    from ..records.tuning_table import clear_caches
 
     with _STATE.lock:
         _STATE.reset(source)
@@ -196,7 +196,7 @@ def _decide(call: Call) -> Decision:
         return Decision("sdpa", "missing", chosen.reason, call, key, shape)
     if chosen.route == "sdpa" and not chosen.verified:  # a nearer key's entry, not measured at this one
         return Decision("sdpa", "unverified", chosen.reason, call, key, shape, chosen.entry, chosen.match)
-    from ..space import Config
+    from ..space.searchspace import Config
 
     kind = "tuned" if chosen.route == "evotune" else "table"
     return Decision(chosen.route, kind, chosen.reason, call, key, shape, chosen.entry, chosen.match,

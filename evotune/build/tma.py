@@ -15,7 +15,7 @@ import ctypes
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .errors import EvotuneError
+from ..errors import EvotuneError
 
 # cuda.h enums (CUDA 12/13): CUtensorMapDataType, ...Interleave, ...Swizzle, ...L2promotion, ...FloatOOBfill.
 DATA_TYPE = {"fp16": 6, "bf16": 9}

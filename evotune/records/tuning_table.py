@@ -57,7 +57,7 @@ Selection (`select(table, key, shape, allow_nearest=False)`), in order:
    (ties: the longer sequence bucket, then the larger batch x heads bucket, then the key's spelling,
    so the choice is deterministic).
 2. A candidate whose config is not admitted by its search space on the call's actual shape
-   (evotune.space constraints, with the family Problem's context) is skipped, never used; so is a
+   (evotune.space.searchspace constraints, with the family Problem's context) is skipped, never used; so is a
    candidate whose kernel source is no longer the one that was measured (the template changed).
    This holds whether or not nearest entries are allowed.
 3. The first usable candidate decides. An exact match (match "exact", `Selection.verified`): its
@@ -89,7 +89,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 TABLE_VERSION = 1
 FAMILY = "attention"
@@ -277,7 +277,7 @@ def _fields(obj, where: str, required: tuple[str, ...], optional: tuple[str, ...
 
 def _measured_shape(obj, where: str):
     """The entry's "shape" object as an attention Shape; a _Fault at `where` where it is not one."""
-    from .shapes import Shape
+    from ..problems.shapes import Shape
 
     _expect(obj, "object", where)
     try:
@@ -415,7 +415,7 @@ def load_table(path: str | os.PathLike) -> Table:
 
 def save_table(table: Table, path: str | os.PathLike) -> Path:
     """Write `table` to `path` whole (outputs.write_output: a temporary file, then a rename)."""
-    from .outputs import write_output
+    from ..outputs import write_output
 
     return write_output(path, json.dumps(table.as_dict(), indent=1) + "\n", str(path))
 
@@ -445,7 +445,7 @@ class Selection:
 
 @lru_cache(maxsize=32)
 def _space(ref: str):
-    from .space import load_builtin, load_space
+    from ..space.searchspace import load_builtin, load_space
 
     return load_space(ref) if ref.endswith((".yaml", ".yml")) or os.sep in ref else load_builtin(ref)
 
@@ -455,17 +455,17 @@ def _current_digest(config_items: tuple, dtype: str, head_dim: int, causal: bool
     """The digest of the kernel source the op would compile now for this config and shape class. The
     source depends on the shape only through dtype, head dim and causal (AttentionProblem.template_args;
     the op's kernel cache relies on the same), so a call of new sequence lengths reads no template."""
-    from .problems import get_problem
-    from .shapes import Shape
-    from .space import Config
-    from .template import instantiate
+    from ..problems import get_problem
+    from ..problems.shapes import Shape
+    from ..space.searchspace import Config
+    from ..build.template import instantiate
 
     shape = Shape(1, 1, 1, 1, head_dim, dtype, causal)
     return instantiate(get_problem(FAMILY), Config(config_items), shape).digest
 
 
 def _digest_now(config: dict, shape) -> str:
-    from .space import Config
+    from ..space.searchspace import Config
 
     return _current_digest(Config.from_dict(config).items, shape.dtype, shape.head_dim, shape.causal)
 
@@ -479,7 +479,7 @@ def clear_caches() -> None:
 def unusable_reason(entry: Entry, shape) -> str | None:
     """Why `entry`'s config must not run `shape` (not admitted by its space there, or a kernel source that
     is not the one measured); None where it may."""
-    from .problems import get_problem
+    from ..problems import get_problem
 
     problem = get_problem(FAMILY)
     try:
@@ -535,7 +535,7 @@ def select(table: Table, key: TableKey, shape, allow_nearest: bool = False) -> S
 def _unverified_reason(entry: Entry, shape) -> str:
     """Why a nearest entry does not run a call of `shape`: where it was measured, what it measured there,
     and what would measure this key."""
-    from .shapes import Shape
+    from ..problems.shapes import Shape
 
     there = Shape.from_dict(entry.shape).spec
     ours = f"evotune {entry.evotune_us:.2f} us"
@@ -589,7 +589,7 @@ def build_table(run_paths, existing: Table | None = None, bench_paths=()) -> tup
 def _rank(entry: Entry) -> tuple:
     """How strongly an entry's measurement speaks for its key: of the kernel source compiled now, then
     with an SDPA time beside it, then by its speedup over SDPA."""
-    from .shapes import Shape
+    from ..problems.shapes import Shape
 
     current = _digest_now(entry.config, Shape.from_dict(entry.shape))
     speedup = entry.speedup()
@@ -610,8 +610,8 @@ def _resolve_run(ref):
 def _entry_from_run(ref, benches: list[dict]) -> tuple[Entry | None, BuildNote]:
     """The entry one run gives, or None and the note saying why it gives none."""
     from .runs import best_record
-    from .space import Config
-    from .template import instantiate
+    from ..space.searchspace import Config
+    from ..build.template import instantiate
 
     run = _resolve_run(ref)
     meta = run.meta()
@@ -638,7 +638,7 @@ def _entry_from_run(ref, benches: list[dict]) -> tuple[Entry | None, BuildNote]:
 
 def _space_ref(meta: dict, problem) -> str:
     """The run's space as the table names it: a built-in space's name, else the file's absolute path."""
-    from .space import builtin_names
+    from ..space.searchspace import builtin_names
 
     recorded = meta.get("space")
     if not recorded:
@@ -821,7 +821,7 @@ def read_shapes_file(path) -> list[str]:
 def tune_plan(specs) -> tuple[list, list[str]]:
     """(the shapes to search, one per distinct key, in the order given; a note per shape left out because
     an earlier one has its key). The GPU part of the key is the machine's, the same for all."""
-    from .shapes import parse_shape
+    from ..problems.shapes import parse_shape
 
     chosen: dict[TableKey, object] = {}
     notes = []
@@ -841,7 +841,7 @@ def tune_keys(shapes, search_one, progress=None) -> list[dict]:
     """Search each shape with `search_one(shape) -> run id`, saying `progress(i, n, shape)` first. A key whose
     search fails (an EvotuneError other than no GPU) is reported and the next key goes on; returns one
     {"shape", "run", "error"} per shape."""
-    from .errors import EvotuneError, NoGPUError
+    from ..errors import EvotuneError, NoGPUError
 
     outcomes = []
     for i, shape in enumerate(shapes, 1):

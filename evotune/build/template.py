@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UsageError
-from .paths import REPO_ROOT, package_data_dir  # noqa: F401  (REPO_ROOT: re-exported for callers)
+from ..errors import UsageError
+from ..paths import REPO_ROOT, package_data_dir  # noqa: F401  (REPO_ROOT: re-exported for callers)
 
 
 def kernels_dir() -> Path:

@@ -26,15 +26,15 @@ from concurrent.futures import BrokenExecutor, Future
 from dataclasses import dataclass, fields
 from typing import Callable, Protocol
 
-from . import compile as compile_module  # the pool submits compile_module.compile_source (picklable by name)
-from . import result as R
-from .compile import CompileError, compile_pool, compile_source, judged
-from .errors import UsageError
-from .result import Result
-from .runs import Run, best_record
+from ..build import compile as compile_module  # the pool submits compile_module.compile_source (picklable by name)
+from ..records import result as R
+from ..build.compile import CompileError, compile_pool, compile_source, judged
+from ..errors import UsageError
+from ..records.result import Result
+from ..records.runs import Run, best_record
 from .shared import SharedStudy
-from .space import Config
-from .template import KernelSource, instantiate
+from ..space.searchspace import Config
+from ..build.template import KernelSource, instantiate
 
 SAMPLERS = ("nsga2", "tpe", "random", "exhaustive")
 WAIT_S = 0.25  # poll period while other agents finish the configs this one waits for
@@ -554,7 +554,7 @@ def _compile_and_evaluate(problem, shape, item: _Pending, evaluate: Evaluator, c
 
 def worker_evaluator(worker, problem, shape, seeds=(1, 2, 3), reps: int = 40) -> Evaluator:
     """Evaluate candidates in a GPUWorker process (the search process never touches the GPU)."""
-    from .workers import EvaluateJob
+    from ..gpu.workers import EvaluateJob
 
     def evaluate(config, compiled) -> Result:
         job = EvaluateJob(family=problem.family, shape=shape.as_dict(), config=config, compiled=compiled,
@@ -583,8 +583,8 @@ def measure_beside_best(run: Run, problem, shape, call: Callable[..., dict], rep
     nothing is measured again; a resume that found a better config replaces the file.
     `call(job, timeout_s=...)` is a GPUWorker's call. Returns {"status": "measured" | "kept" | "skipped" |
     "failed", "message", "path"}; a failed measurement never fails the search (the table says "unverified")."""
-    from .tuning_table import BASELINES_FILE
-    from .workers import BesideJob, WorkerError
+    from ..records.tuning_table import BASELINES_FILE
+    from ..gpu.workers import BesideJob, WorkerError
 
     path = run.path / BASELINES_FILE
     best = best_record(run.trials())
@@ -610,7 +610,7 @@ def measure_beside_best(run: Run, problem, shape, call: Callable[..., dict], rep
 
 def _recorded_beside(run: Run) -> dict | None:
     """The run's baselines.json where it is one this function wrote (None where absent or foreign)."""
-    from .tuning_table import BASELINES_FILE
+    from ..records.tuning_table import BASELINES_FILE
 
     try:
         obj = json.loads((run.path / BASELINES_FILE).read_text(encoding="utf-8"))
@@ -627,7 +627,7 @@ def beside_record(run: Run, best: dict, source_digest: str, payload: dict, reps:
     """What baselines.json holds: the baselines' rows, the best config's re-timed result, and what was measured how."""
     import datetime as dt
 
-    from .runs import base_meta
+    from ..records.runs import base_meta
 
     return {"version": BESIDE_VERSION, "kind": BESIDE_KIND, "run": run.run_id,
             "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

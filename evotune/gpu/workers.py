@@ -14,12 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, ClassVar
 
-from . import result as R
-from .result import Result
+from ..records import result as R
+from ..records.result import Result
 
 if TYPE_CHECKING:
-    from .compile import Compiled
-    from .space import Config
+    from ..build.compile import Compiled
+    from ..space.searchspace import Config
 
 # A fresh worker imports torch and CuPy and creates a context: allow for it once.
 STARTUP_GRACE_S = 120.0
@@ -46,7 +46,7 @@ class Job(Mapping):
     @classmethod
     def from_dict(cls, d: dict) -> "Job":
         """The job a plain-data form describes; keys it lacks take the field's default (older senders)."""
-        from .space import Config
+        from ..space.searchspace import Config
 
         parse = {"config": Config.from_dict, "compiled": lambda c: _compiled_from_dict(c), "seeds": tuple}
         kw = {}
@@ -160,7 +160,7 @@ def _wire(job: Job | dict) -> dict:
 
 def _compiled_from_dict(d: dict):
     """Compiled.from_dict, looked up by name when a job is read (the CPU tests swap it)."""
-    from .compile import Compiled
+    from ..build.compile import Compiled
 
     return Compiled.from_dict(d)
 
@@ -224,7 +224,7 @@ def _handle(job: Job | dict) -> dict:
 
 
 def _problem_shape(job: Job):
-    from .problems import get_problem
+    from ..problems import get_problem
 
     problem = get_problem(job.family)
     return problem, problem.shape_from_dict(job.shape)
@@ -273,7 +273,7 @@ def _beside_job(job: BesideJob) -> dict:
 def _verify_job(job: VerifyJob) -> dict:
     """`evotune verify`: the search's gate and timed-output check (evaluate_launches), then bitwise
     determinism over many launches, all on one loaded module. `message` names the check that failed."""
-    from .compile import load_kernel
+    from ..build.compile import load_kernel
     from .evaluate import bind_kernel, check_determinism, evaluate_launches, kernel_runner
 
     problem, shape = _problem_shape(job)
@@ -368,7 +368,7 @@ class GPUWorker:
             raise WorkerError(R.CRASHED, "GPU worker died while starting") from None
         if tag == "fatal":
             proc.join(5)
-            from .errors import NoGPUError
+            from ..errors import NoGPUError
 
             raise NoGPUError(payload)
         self._proc, self._conn = proc, parent

@@ -42,10 +42,10 @@ def pick(admitted: list, sample: int, seed: int) -> list:
 def check_one(args: tuple) -> dict:
     """Compile one config (in a compile-pool process) and judge it by the static gate."""
     family, shape_dict, space_path, cfg_dict = args
-    from .compile import CompileError, compile_source, static_violations
-    from .problems import get_problem
-    from .space import load_space
-    from .template import instantiate
+    from ..build.compile import CompileError, compile_source, static_violations
+    from ..problems import get_problem
+    from ..space.searchspace import load_space
+    from ..build.template import instantiate
 
     problem = get_problem(family)
     shape = problem.shape_from_dict(shape_dict)
@@ -66,7 +66,7 @@ def check_one(args: tuple) -> dict:
 def compile_all(problem, shape, space, configs: list, jobs: int, on_progress: Optional[Progress] = None) -> list[dict]:
     """check_one of each config, in order, on `jobs` processes that die with this one (compile.compile_pool:
     a SIGTERM or SIGKILL here leaves no worker behind). Interrupted, it cancels what has not started."""
-    from .compile import compile_pool
+    from ..build.compile import compile_pool
 
     work = [(problem.family, shape.as_dict(), space.path, c.as_dict()) for c in configs]
     rows: list[dict] = []

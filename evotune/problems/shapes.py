@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from .errors import UsageError
+from ..errors import UsageError
 
 DTYPES = ("fp16", "bf16")
 LAYOUTS = ("bhsd", "bshd")

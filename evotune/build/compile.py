@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import limits
-from .errors import EvotuneError, UsageError
+from .. import limits
+from ..errors import EvotuneError, UsageError
 
 DEFAULT_ARCH = "sm_90a"
 # Per-block opt-in shared memory and register file of an SM on sm_90, under their old names (evotune.limits).

@@ -1,7 +1,7 @@
 """Run one compiled candidate under NVIDIA compute-sanitizer (memcheck, racecheck, synccheck).
 
 The parent process compiles and builds a job; compute-sanitizer starts a fresh Python
-(`python -m evotune.sanitize JOB.json`) that loads the cubin, launches the kernel once
+(`python -m evotune.gpu.sanitize JOB.json`) that loads the cubin, launches the kernel once
 on fresh inputs and synchronises. The tool's summary line decides clean or not.
 """
 
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-from .errors import EvotuneError
+from ..errors import EvotuneError
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
 # memcheck/synccheck: "ERROR SUMMARY: 0 errors"; racecheck: "RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)".
@@ -39,7 +39,7 @@ def run_tool(tool: str, job: dict, timeout_s: float = 900.0) -> dict:
         job_path = f.name
     # Only our kernel is checked: torch's own kernels (randn, fill) are not the subject.
     cmd = [sanitizer_path(), "--tool", tool, "--error-exitcode", "99", "--print-limit", "20",
-           "--kernel-name", f"kns={job['compiled']['entry']}", sys.executable, "-m", "evotune.sanitize", job_path]
+           "--kernel-name", f"kns={job['compiled']['entry']}", sys.executable, "-m", "evotune.gpu.sanitize", job_path]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -69,10 +69,10 @@ def _target(job_path: str) -> None:
     """Inside compute-sanitizer: load the cubin, launch once on fresh inputs, synchronise."""
     import torch
 
-    from .problems import get_problem
-    from .space import Config
+    from ..problems import get_problem
+    from ..space.searchspace import Config
     from .workers import _compiled_from_dict
-    from .compile import load_kernel
+    from ..build.compile import load_kernel
 
     job = json.load(open(job_path))
     problem = get_problem(job["family"])

@@ -51,9 +51,9 @@ from typing import Callable, Optional, Iterable, Iterator, Mapping
 
 import yaml
 
-from . import limits
-from .errors import EvotuneError, UsageError
-from .paths import package_data_dir
+from .. import limits
+from ..errors import EvotuneError, UsageError
+from ..paths import package_data_dir
 
 # Kept under their old names for callers that import them from here; the numbers live in limits.
 SMEM_LIMIT = limits.SMEM_PER_BLOCK

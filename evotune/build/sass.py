@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .errors import EvotuneError
+from ..errors import EvotuneError
 
 # SASS opcode (the mnemonic before the first '.') -> what the summary calls it.
 CLASSES = {

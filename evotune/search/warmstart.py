@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import EvotuneError, UsageError
-from .runs import Run, ok_records, pareto_front, runs_dir
+from ..errors import EvotuneError, UsageError
+from ..records.runs import Run, ok_records, pareto_front, runs_dir
 
 PER_RUN = 8  # fastest passing configs taken from each run, besides its Pareto front
 

@@ -29,9 +29,9 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from . import result as R
-from .compile import Compiled, judged, load_kernel
-from .result import Result, Timing, Verification
+from ..records import result as R
+from ..build.compile import Compiled, judged, load_kernel
+from ..records.result import Result, Timing, Verification
 
 DEFAULT_SEEDS = (1, 2, 3)
 TIMING_SEED = 1000

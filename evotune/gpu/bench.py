@@ -37,7 +37,7 @@ def ceilings(dtype: str = "fp16", reps: int = 20) -> dict:
     """Measured roofs of this GPU (runs on the GPU): copy bandwidth, matmul tensor rate, empty-kernel time."""
     import torch
 
-    from .compile import compile_source, load_kernel, torch_stream_launcher
+    from ..build.compile import compile_source, load_kernel, torch_stream_launcher
 
     out: dict = {}
     src = torch.randn(COPY_BYTES // 2, dtype=torch.float16, device="cuda")

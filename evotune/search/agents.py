@@ -62,8 +62,8 @@ def specs_for(devices: list[int], options, **common) -> list[AgentSpec]:
 
 
 def gpu_evaluator(spec: AgentSpec):
-    from .search import worker_evaluator
-    from .workers import GPUWorker
+    from .loop import worker_evaluator
+    from ..gpu.workers import GPUWorker
 
     worker = GPUWorker(device=spec.device, timeout_s=spec.timeout_s)
     return worker_evaluator(worker, spec.problem, spec.shape), worker.close
@@ -86,9 +86,9 @@ def agent_main(spec: AgentSpec, results) -> None:
     parent = os.getppid()
     os.setpgrp()  # out of the terminal's foreground group: Ctrl-C reaches the parent, which passes it on
     signal.signal(signal.SIGINT, _on_sigint)
-    from .errors import EvotuneError
-    from .runs import Run
-    from .search import SearchLoop
+    from ..errors import EvotuneError
+    from ..records.runs import Run
+    from .loop import SearchLoop
 
     def should_stop() -> bool:
         return _sigints[0] > 0 or os.getppid() != parent

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from .compile import DEFAULT_ARCH, nvrtc_options
-from .outputs import write_output
+from ..outputs import write_output
 from .template import instantiate
 
 

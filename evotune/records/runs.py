@@ -30,9 +30,9 @@ try:
 except ImportError:  # not POSIX: appends are not locked (one agent per run there)
     fcntl = None
 
-from . import __version__
-from .errors import EvotuneError, UsageError
-from .template import REPO_ROOT
+from .. import __version__
+from ..errors import EvotuneError, UsageError
+from ..build.template import REPO_ROOT
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -295,7 +295,7 @@ class Run:
 
     def problem_and_shape(self):
         """(problem, shape) the run searched, from meta.json; DamagedRun naming the field that is wrong."""
-        from .problems import get_problem
+        from ..problems import get_problem
 
         meta, where = self.meta(), self.path / "meta.json"
         why = meta_fault(meta)
@@ -673,7 +673,7 @@ def pareto_front(records: list[dict]) -> list[dict]:
 
 
 def base_meta(command_line: list[str] | None = None) -> dict:
-    from .compile import toolchain
+    from ..build.compile import toolchain
 
     try:
         tc = toolchain()

@@ -1,0 +1,1 @@
+"""Search spaces: YAML files read into SearchSpace, Config and the safe expression language."""
