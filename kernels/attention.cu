@@ -50,11 +50,7 @@ static_assert(sizeof(CUtensorMap) == 128 && alignof(CUtensorMap) >= 64, "CUtenso
 
 namespace evotune {
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-// -inf without <math.h>'s INFINITY, which NVRTC does not provide.
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+#include "device_common.cuh"
 
 enum SmemLayout { kPlain = 0, kPadded = 1, kSwizzled = 2 };
 
@@ -137,19 +133,14 @@ struct AttnTraits {
     static_assert(kStages >= 1 && kStages <= 4, "1 to 4 pipeline stages");
     static_assert(kProducerWarps >= 0 && kProducerWarps <= 4, "0 to 4 producer warps");
     static_assert(kSmemLayout != kSwizzled || kChunksPerRow >= 8, "the XOR swizzle needs 8 chunks per row");
-    static_assert(!kHasProducers || 2 + 2 * kStages <= 16, "named barriers: 2 + 2*STAGES must fit the 16 per CTA");
+    static_assert(kStages <= static_cast<int>(NamedBarrier::kSlotEmpty) - static_cast<int>(NamedBarrier::kSlotFull),
+                  "named barriers: one full and one empty id per K/V slot");
     static_assert(kKVSplits >= 1 && kKVSplits <= 16, "1 to 16 KV splits");
-    // With producer warps, the compute warps alone synchronise on this named barrier.
-    static constexpr int kComputeBarrier = 1 + 2 * kStages;
     // The device limits (threads and shared memory per CTA) are asserted by the instantiation against
     // evotune/limits.py, the one place they are written, together with the host's launch geometry.
 };
 
 // ---------------------------------------------------------------- PTX wrappers
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    return static_cast<u32>(__cvta_generic_to_shared(p));
-}
 
 // 16-byte async copy; src_bytes = 0 zero-fills (used for rows past the sequence end).
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
@@ -181,52 +172,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 
     }
 }
 
-// Named barriers let producer and consumer warps hand tiles over without
-// stopping the whole CTA. Both order prior memory accesses for participants.
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// The thread and lane index (threadIdx.x, threadIdx.x % 32 in these 1-D blocks), read
-// through volatile asm: the compiler may not hoist them, or the per-thread addresses
-// computed from them, out of the K/V loop. Loop-invariant addresses are what it kept
-// live across the whole loop and then spilled first (see the loop).
-__device__ __forceinline__ int thread_id() {
-    u32 tid;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
-    return static_cast<int>(tid);
-}
-__device__ __forceinline__ int lane_id() {
-    u32 lane;
-    asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
-    return static_cast<int>(lane);
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// ln(2^max_log2 * sum): a row's log-sum-exp from its running max (already in log2 units) and its
-// sum of 2^(x - max); +inf for a row that saw no key, as PyTorch's kernels write it.
-__device__ __forceinline__ float lse_from_log2(float max_log2, float sum) {
-    return sum > 0.f ? (max_log2 + log2f(sum)) * 0.69314718055994531f : __int_as_float(0x7f800000);
-}
-
-template <bool IS_BF16>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    if constexpr (IS_BF16) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<u32*>(&v);
-    } else {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<u32*>(&v);
-    }
-}
 
 // ------------------------------------------------------- shared-memory tiles
 
@@ -695,7 +640,7 @@ __device__ __forceinline__ void merge_key_groups(float (&o)[T::kMFrags][T::kDFra
 // Synchronise the compute warps only (producer warps may have exited).
 template <class T>
 __device__ __forceinline__ void compute_sync() {
-    if constexpr (T::kHasProducers) named_bar_sync(T::kComputeBarrier, T::kComputeThreads);
+    if constexpr (T::kHasProducers) named_bar_sync(NamedBarrier::kComputeWarps, 0, T::kComputeThreads);
     else __syncthreads();
 }
 
@@ -780,13 +725,13 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
                 const int next = i + T::kStages - 1;
                 if (next < n_tiles) {
                     // Slot of `next` last held step i-1: wait until the consumers released it.
-                    if (i >= 1) named_bar_sync(1 + T::kStages + (i - 1) % T::kStages, T::kThreads);
+                    if (i >= 1) named_bar_sync(NamedBarrier::kSlotEmpty, (i - 1) % T::kStages, T::kThreads);
                     load_kv_tile<T, T::kProducerThreads>(sK, sV, gK, gV, k_ss, v_ss, next % T::kStages, t_begin + next,
                                                          seq_k, thread_id() - T::kComputeThreads);
                 }
                 cp_async_commit();  // empty groups keep the wait count uniform
                 cp_async_wait<T::kStages - 1>();
-                named_bar_arrive(1 + i % T::kStages, T::kThreads);
+                named_bar_arrive(NamedBarrier::kSlotFull, i % T::kStages, T::kThreads);
             }
             return;
         }
@@ -824,7 +769,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         const int slot = i % T::kStages;
         // ---- wait for step i (and, at i = 0, for Q)
         if constexpr (T::kHasProducers) {
-            named_bar_sync(1 + slot, T::kThreads);
+            named_bar_sync(NamedBarrier::kSlotFull, slot, T::kThreads);
         } else if constexpr (T::kStages == 1) {
             // One slot: everyone must be done with step i-1 before it is overwritten.
             if (i > 0) __syncthreads();
@@ -868,7 +813,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         pv_tile<T>(o_acc, s_acc, p_a, sK_addr + (T::kStages + slot) * (2 * T::kKVElems), v_lane);
 
         if constexpr (T::kHasProducers) {
-            if (i + T::kStages < n_tiles) named_bar_arrive(1 + T::kStages + slot, T::kThreads);
+            if (i + T::kStages < n_tiles) named_bar_arrive(NamedBarrier::kSlotEmpty, slot, T::kThreads);
         }
     }
 

@@ -58,8 +58,6 @@ struct HopperTraits {
     static constexpr bool kSetMaxNReg = kHasProducer && kConsumerWGs == 2;
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
-    // Named barrier ids (0 is __syncthreads): the ping-pong turn of warpgroup w is 1 + w.
-    static constexpr int kTurnBarrier = 1;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
     static_assert(kBlockN == 16 || kBlockN == 32 || kBlockN == 64 || kBlockN == 128, "BLOCK_N: a wgmma N of 16 to 128");
@@ -424,7 +422,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     mbar_wait(smem_addr(&bars.q_full), 0);
     if constexpr (T::kQInRegs) load_q_regs<T>(qr, sQ_wg, warp_in_wg, lane);
     if constexpr (T::kPingPong) {
-        if (wg == 1) named_bar_arrive(T::kTurnBarrier + 0, 256);  // warpgroup 0 takes the first turn
+        if (wg == 1) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 0, 256);  // warpgroup 0 takes the first turn
     }
     float alpha[2];
 
@@ -432,11 +430,11 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     // unconditionally: a conditional wgmma let the compiler sink P's packing into the
     // branch, after wgmma.fence, and ptxas then serialised every wgmma (C7514).
     mbar_wait(smem_addr(&bars.k_full[0]), 0);
-    if constexpr (T::kPingPong) named_bar_sync(T::kTurnBarrier + wg, 256);
+    if constexpr (T::kPingPong) named_bar_sync(NamedBarrier::kWarpgroupTurn, wg, 256);
     fence_regs(s_acc);
     wgmma_fence();
     issue_qk<T>(s_acc, qr, sQ_wg, sK);
-    if constexpr (T::kPingPong) named_bar_arrive(T::kTurnBarrier + (1 - wg), 256);
+    if constexpr (T::kPingPong) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 1 - wg, 256);
     wgmma_wait<0>();
     fence_regs(s_acc);
     if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[0]));
@@ -451,7 +449,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         // fence keeps the spin loop out of the fence-to-wgmma stretch, where ptxas would
         // insert a second fence of its own (C7519).
         mbar_wait(smem_addr(&bars.v_full[prev]), ((t - 1) / T::kStages) & 1);
-        if constexpr (T::kPingPong) named_bar_sync(T::kTurnBarrier + wg, 256);
+        if constexpr (T::kPingPong) named_bar_sync(NamedBarrier::kWarpgroupTurn, wg, 256);
         // Everything the two products read from registers is final before the fence.
         fence_regs(s_acc);
         fence_regs(o_acc);
@@ -461,7 +459,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         issue_pv<T>(o_acc, p, sV + prev * T::kKVBytes);
         if constexpr (T::kPingPong) {
             // Hand the tensor cores to the other warpgroup; warpgroup 1 owes none after its last tile.
-            if (wg == 0 || t + 1 < n_tiles) named_bar_arrive(T::kTurnBarrier + (1 - wg), 256);
+            if (wg == 0 || t + 1 < n_tiles) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 1 - wg, 256);
         }
         wgmma_wait<1>();  // S(t) is done; P(t-1) V(t-1) may still run
         fence_regs(s_acc);
