@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "evotune"
 # Along the data flow, lowest first. A module imports from its own floor or lower ones, never higher:
 # the library never reaches up into the CLI or the torch op, and space/ knows no family.
 FLOORS = [
-    {"evotune", "errors", "paths", "limits", "outputs"},
+    {"evotune", "errors", "paths", "limits", "outputs", "timeline"},
     {"space"},
     {"build"},
     {"problems"},

@@ -68,6 +68,8 @@ class SearchDisplay:
     def __init__(self, label: str, total: int, records: list[dict], json_out: bool, console: Console):
         self.console = console
         self.json_out = json_out
+        self.label = label
+        self.said = ""
         self.recent: list[dict] = []
         self.best = best_record(records)
         self.progress = Progress(TextColumn("[bold]search[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -85,7 +87,23 @@ class SearchDisplay:
         if self.live is not None:
             self.live.__exit__(*exc)
 
+    def rename(self, label: str) -> None:
+        """The run's name, once it exists (the worker starts before a new run is created)."""
+        self.label = label
+        self.progress.update(self.task, description=label)
+
+    def status(self, text: str) -> None:
+        """What the search is doing while no result comes (starting the worker, compiling, warming up): beside
+        the bar on a terminal, a line elsewhere (none with --json); "" clears it."""
+        if text == self.said:
+            return
+        self.said = text
+        self.progress.update(self.task, description=f"{self.label}: {text}" if text else self.label)
+        if self.live is None and text and not self.json_out:
+            self.console.print(f"search: {text}", markup=False, highlight=False)
+
     def show(self, record: dict, best: Optional[dict], agent: str = "") -> None:
+        self.status("")
         self.recent.append(record)
         if record.get("counted"):
             self.progress.advance(self.task)

@@ -54,6 +54,10 @@ def search(
     """Search the space on the GPU; record every trial, the Pareto front and the best in runs/<run>, then the best beside SDPA."""
     from ..records.runs import check_storage_url, remote_meta, resumed_family, run_to_continue
     from ..search.loop import SearchOptions
+    from ..timeline import Timeline
+
+    timeline = Timeline()  # from this process's start: interpreter, imports and all
+    timeline.add("start-up", timeline.since_start())
 
     if sampler not in SAMPLERS:
         raise UsageError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
@@ -80,7 +84,7 @@ def search(
         rn = summary.pop("_run")
         return _search_report(summary, rn, json_out)
     summary, rn = search_one(rn, new_meta, run, devices[0], storage, options, problem, shp, spc, timeout, json_out,
-                             resume_hint)
+                             resume_hint, timeline)
     _search_report(summary, rn, json_out)
 
 
@@ -103,9 +107,11 @@ def resume_command(rn, shape_text: str, trials: int, gpus: Optional[str], storag
     return (f"`evotune search --shape {shape_text} --run {rn.run_id} --resume --trials {trials}{extra}`")
 
 
-def _stopped(rn, resume_hint) -> None:
+def _stopped(rn, resume_hint, timeline=None) -> None:
     """After Ctrl-C: bring pareto.json and best.json up to date, say how to go on, exit 130."""
     rn.update_summary()
+    if timeline is not None:
+        timeline.append_to(rn.path, command="search", interrupted=True)
     err_console.print(f"{INTERRUPTED}: finished trials are recorded in {rn.path}; continue with {resume_hint(rn)}",
                       highlight=False, soft_wrap=True)
     raise typer.Exit(INTERRUPTED_EXIT)
@@ -143,27 +149,39 @@ def _beside(rn, problem, shp, call, json_out: bool) -> dict:
 
 
 def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, spc, timeout, json_out,
-               resume_hint):
-    """`search` on one GPU in this process: (summary, run)."""
+               resume_hint, timeline=None):
+    """`search` on one GPU in this process: (summary, run). The summary's "timeline" says where the wall time
+    went (also appended to the run's timeline.jsonl)."""
     from ..search.agents import agent_label
     from ..records.runs import new_run
     from ..search.loop import SearchLoop, worker_evaluator
     from ..gpu.workers import GPUWorker, InfoJob
+    from ..timeline import Timeline
 
+    timeline = timeline if timeline is not None else Timeline()
+    display = SearchDisplay(rn.run_id if rn else (run_name or "new run"), options.trials, rn.trials() if rn else [],
+                            json_out, err_console)
     with GPUWorker(device=device, timeout_s=timeout) as worker:
-        info = worker.call(InfoJob())
-        if rn is None:
-            rn = new_run(run_name, new_meta(info), storage)
-        evaluate = worker_evaluator(worker, problem, shp)
-        display = SearchDisplay(rn.run_id, options.trials, rn.trials(), json_out, err_console)
         try:
             with display:
-                summary = SearchLoop(problem, spc, shp, rn, evaluate, options, on_trial=display.show,
-                                     should_stop=lambda: False, agent=agent_label(device)).run()
+                display.status(f"starting the GPU worker on device {device} (CUDA context, torch, CuPy)")
+                with timeline.phase("start the GPU worker"):
+                    info = worker.call(InfoJob())
+                if rn is None:
+                    with timeline.phase("create the run"):
+                        rn = new_run(run_name, new_meta(info), storage)
+                    display.rename(rn.run_id)
+                summary = SearchLoop(problem, spc, shp, rn, worker_evaluator(worker, problem, shp), options,
+                                     on_trial=display.show, should_stop=lambda: False, agent=agent_label(device),
+                                     timeline=timeline, on_status=display.status).run()
         except KeyboardInterrupt:
-            _stopped(rn, resume_hint)
-        baselines = _beside(rn, problem, shp, worker.call, json_out)
-    return {**summary.as_dict(), "baselines": baselines}, rn
+            if rn is None:
+                raise
+            _stopped(rn, resume_hint, timeline)
+        with timeline.phase("the best beside the baselines"):
+            baselines = _beside(rn, problem, shp, worker.call, json_out)
+    timeline.append_to(rn.path, command="search", evaluated=summary.evaluated, measured=summary.measured)
+    return {**summary.as_dict(), "baselines": baselines, "timeline": timeline.as_dict()}, rn
 
 
 def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, shp, spc, timeout, json_out,
@@ -232,6 +250,10 @@ def _search_report(summary: dict, rn, json_out: bool) -> None:
     best = summary["best"]
     console.print(f"run {rn.run_id}: {summary['evaluated']} candidates evaluated ({summary['statuses']}) "
                   f"in {summary['seconds']:.0f} s; records in {rn.path}")
+    if summary.get("timeline"):
+        from ..timeline import Timeline
+
+        console.print(Timeline.line_of(summary["timeline"]), highlight=False, soft_wrap=True)
     if best:
         res = best["result"]
         console.print(f"best: trial {best['number']} {res['time_us']:.2f} us (p10 {res['timing']['p10_us']:.2f}, "

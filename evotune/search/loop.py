@@ -35,6 +35,7 @@ from ..records.runs import Run, best_record
 from .shared import SharedStudy
 from ..space.searchspace import Config
 from ..build.template import KernelSource, instantiate
+from ..timeline import Timeline
 
 SAMPLERS = ("nsga2", "tpe", "random", "exhaustive")
 WAIT_S = 0.25  # poll period while other agents finish the configs this one waits for
@@ -168,7 +169,10 @@ class SearchLoop:
     def __init__(self, problem, space, shape, run: Run, evaluate: Evaluator, options: SearchOptions,
                  on_trial: Callable[[dict, dict | None], None] | None = None,
                  should_stop: Callable[[], bool] | None = None,
-                 compiler: Callable[[Config, KernelSource], object] | None = None, agent: str | None = None):
+                 compiler: Callable[[Config, KernelSource], object] | None = None, agent: str | None = None,
+                 timeline: Timeline | None = None, on_status: Callable[[str], None] | None = None):
+        self.timeline = timeline if timeline is not None else Timeline()  # where the loop's time goes, by step
+        self.say = on_status or (lambda text: None)  # what it does while no result comes, for the display
         self.problem, self.space, self.shape, self.rn = problem, space, shape, run
         self.evaluator, self.options, self.on_trial, self.compiler = evaluate, options, on_trial, compiler
         self.should_stop, self.agent = should_stop, agent
@@ -199,16 +203,20 @@ class SearchLoop:
 
     def setup(self) -> None:
         """The run as this agent knows it, the sampler, the study (trials a killed process left RUNNING closed)."""
-        import optuna
+        with self.timeline.phase("import optuna"):
+            import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.context = self.problem.context(self.shape)
+        self.say("reading the run and enumerating the space")
         # Every record (its own, its host's other agents', other hosts'), and the configs other agents are
         # measuring now. refresh() brings it up to date.
-        self.view = SharedStudy(self.rn, label=self.agent)
+        with self.timeline.phase("read the run"):
+            self.view = SharedStudy(self.rn, label=self.agent)
         self.by_digest = self.view.firsts  # digest -> first record of the config
         # Once every admitted config has a record there is nothing left to learn.
-        admitted = self.space.admitted_configs(self.context)
+        with self.timeline.phase("enumerate the space"):
+            admitted = self.space.admitted_configs(self.context)
         self.admitted_total = len(admitted)
         self.best = best_record(list(self.view.records.values()))
         options, view = self.options, self.view
@@ -218,14 +226,15 @@ class SearchLoop:
                                recorded=lambda digest: digest in self.by_digest, context=self.context,
                                steer=options.steer, mutation_prob=options.mutation_prob,
                                crossover_prob=options.crossover_prob)
-        with self.rn.lock():  # agents starting at once on a new SQLite file would race to create its tables
-            self.storage = self.rn.storage()
-        self.study = optuna.create_study(study_name=self.rn.study_name, storage=self.storage, load_if_exists=True,
-                                         directions=["minimize", "minimize"], sampler=sampler)
-        # Trials left RUNNING by a killed process (this one's earlier self, or a dead agent) are lost work: close
-        # them as failed. Other live agents' trials stay open.
-        view.start(self.study)
-        _enqueue_warm_start(self.study, view, self.rn, self.space, self.context, options.warm_start)
+        with self.timeline.phase("open the study"):
+            with self.rn.lock():  # agents starting at once on a new SQLite file would race to create its tables
+                self.storage = self.rn.storage()
+            self.study = optuna.create_study(study_name=self.rn.study_name, storage=self.storage, load_if_exists=True,
+                                             directions=["minimize", "minimize"], sampler=sampler)
+            # Trials left RUNNING by a killed process (this one's earlier self, or a dead agent) are lost work:
+            # close them as failed. Other live agents' trials stay open.
+            view.start(self.study)
+            _enqueue_warm_start(self.study, view, self.rn, self.space, self.context, options.warm_start)
         self.dists = distributions(self.space)
         self.started = time.time()
 
@@ -249,13 +258,14 @@ class SearchLoop:
         """Ask proposals while may_ask; the new admitted configs this agent claims start compiling."""
         while True:
             # Ask and tag as one step for this host's agents: none claims a config another just claimed.
-            with self.rn.lock():
+            with self.timeline.phase("ask"), self.rn.lock():
                 self.view.refresh()
                 if not self.may_ask():
                     return
                 item = self.ask()
             if item.claim:
-                self.compile_ahead(item)
+                with self.timeline.phase("instantiate and submit"):
+                    self.compile_ahead(item)
             self.queue.append(item)
 
     def ask(self) -> _Pending:
@@ -304,8 +314,10 @@ class SearchLoop:
         if prior is None and not item.why and not self.ready_to_measure(item):
             return
         record, res = self.evaluate(item, prior)
-        self.record(item, record)
-        self.tell(item, res)
+        with self.timeline.phase("record"):
+            self.record(item, record)
+        with self.timeline.phase("tell"):
+            self.tell(item, res)
         self.finish(item, record, prior)
 
     def ready_to_measure(self, item: _Pending) -> bool:
@@ -360,7 +372,14 @@ class SearchLoop:
         return record, res
 
     def measure(self, item: _Pending, record: dict) -> Result:
-        res = _compile_and_evaluate(self.problem, self.shape, item, self.evaluator, self.compiler)
+        if self.measured == 0:
+            compiling = sum(1 for it in self.queue if it.future is not None and not it.future.done())
+            self.say(f"compiling {compiling} candidates ahead; the first one's GPU check warms up the worker"
+                     if compiling else "first candidate on the GPU (warms up the worker)")
+        res = _compile_and_evaluate(self.problem, self.shape, item, self.evaluator, self.compiler, self.timeline)
+        self.timeline.mark("first result")
+        for name, seconds in (res.extra.get("eval_seconds") or {}).items():
+            self.timeline.add(f"gpu: {name}", seconds)  # inside the worker, part of "evaluate"
         self.measured += 1
         self.view.refresh(judge=False)
         clash = self.view.conflict(item.config.digest(), item.trial.number)
@@ -447,7 +466,7 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
                on_trial: Callable[[dict, dict | None], None] | None = None,
                should_stop: Callable[[], bool] | None = None,
                compiler: Callable[[Config, KernelSource], object] | None = None,
-               agent: str | None = None) -> dict:
+               agent: str | None = None, timeline: Timeline | None = None) -> dict:
     """Run (or continue) the search recorded in `run`; return the summary as a dict (SearchSummary.as_dict;
     SearchLoop(...).run() gives it typed).
 
@@ -471,7 +490,7 @@ def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: Se
     "evaluated" in the summary is the run's total, "measured" this agent's part.
     """
     return SearchLoop(problem, space, shape, run, evaluate, options, on_trial=on_trial, should_stop=should_stop,
-                      compiler=compiler, agent=agent).run().as_dict()
+                      compiler=compiler, agent=agent, timeline=timeline).run().as_dict()
 
 
 def _enqueue_warm_start(study, view, run: Run, space, context, warm_start: tuple) -> None:
@@ -532,11 +551,14 @@ def _compiled(item: _Pending, compiler=None):
     return compile_source(item.source.code, item.source.entry)
 
 
-def _compile_and_evaluate(problem, shape, item: _Pending, evaluate: Evaluator, compiler=None) -> Result:
+def _compile_and_evaluate(problem, shape, item: _Pending, evaluate: Evaluator, compiler=None,
+                          timeline: Timeline | None = None) -> Result:
     """The result of a new, admitted configuration: compile error, static prune, or the evaluator's answer."""
+    timeline = timeline if timeline is not None else Timeline()
     config = item.config
     try:
-        compiled = _compiled(item, compiler)
+        with timeline.phase("compile wait"):  # the GPU idles while the head of the queue is still compiling
+            compiled = _compiled(item, compiler)
     except CompileError as e:
         return Result(status=R.COMPILE_ERROR, message=str(e))
     geo = problem.geometry(config, shape)
@@ -545,7 +567,8 @@ def _compile_and_evaluate(problem, shape, item: _Pending, evaluate: Evaluator, c
     if static:
         return Result(status=R.PRUNED, message="static: " + "; ".join(static),
                       resources=compiled.resources.as_dict(), compile_seconds=compiled.compile_seconds)
-    res = evaluate(config, compiled)
+    with timeline.phase("evaluate"):
+        res = evaluate(config, compiled)
     if res.resources is None:
         res = Result(**{**res.__dict__, "resources": compiled.resources.as_dict(),
                         "compile_seconds": compiled.compile_seconds})
