@@ -91,3 +91,26 @@ def test_the_loop_fills_its_phases(tmp_path, attention, mission):
     assert phases["evaluate"]["count"] == 2 and phases["gpu: verify"] == {"s": 0.02, "count": 2}
     assert "first result" in tl.marks
     assert said and said[0].startswith("reading the run")
+
+
+def test_the_worker_starts_beside_a_new_run(tmp_path):
+    """A new run is created before the worker answers: the first evaluation waits for it and writes the device
+    into meta.json; a worker that never starts leaves no empty run behind."""
+    from concurrent.futures import Future
+
+    from evotune.cli.search import _AfterWorker
+
+    started: Future = Future()
+    run = new_run("early", {"family": "attention", "shape": {}, "device": None}, None)
+    calls = []
+    evaluate = _AfterWorker(started, run, lambda config, compiled: calls.append(config) or "result", Timeline())
+    started.set_result({"name": "NVIDIA H100 80GB HBM3"})
+    assert evaluate("cfg", None) == "result" and calls == ["cfg"]
+    assert run.meta()["device"] == {"name": "NVIDIA H100 80GB HBM3"}
+
+    failed: Future = Future()
+    doomed = new_run("no-worker", {"family": "attention", "shape": {}, "device": None}, None)
+    failed.set_exception(RuntimeError("GPU worker could not start"))
+    with pytest.raises(RuntimeError):
+        _AfterWorker(failed, doomed, lambda c, k: None, Timeline())("cfg", None)
+    assert not doomed.path.exists()

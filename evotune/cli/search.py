@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import typer
@@ -151,7 +152,11 @@ def _beside(rn, problem, shp, call, json_out: bool) -> dict:
 def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, spc, timeout, json_out,
                resume_hint, timeline=None):
     """`search` on one GPU in this process: (summary, run). The summary's "timeline" says where the wall time
-    went (also appended to the run's timeline.jsonl)."""
+    went (also appended to the run's timeline.jsonl).
+
+    A new run on the local study file does not wait for the GPU worker: the worker starts (torch, CuPy, the CUDA
+    context: ~10 s on the H100) while this process creates the run, enumerates the space, opens the study and
+    compiles the first candidates; meta.json gets the device before the first evaluation."""
     from ..search.agents import agent_label
     from ..records.runs import new_run
     from ..search.loop import SearchLoop, worker_evaluator
@@ -161,19 +166,23 @@ def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, s
     timeline = timeline if timeline is not None else Timeline()
     display = SearchDisplay(rn.run_id if rn else (run_name or "new run"), options.trials, rn.trials() if rn else [],
                             json_out, err_console)
-    with GPUWorker(device=device, timeout_s=timeout) as worker:
+    with GPUWorker(device=device, timeout_s=timeout) as worker, ThreadPoolExecutor(1) as background:
         try:
             with display:
                 display.status(f"starting the GPU worker on device {device} (CUDA context, torch, CuPy)")
-                with timeline.phase("start the GPU worker"):
-                    info = worker.call(InfoJob())
+                starting = background.submit(_start_worker, worker, timeline)
+                early = rn is None and storage is None
                 if rn is None:
+                    info = None if early else starting.result()
                     with timeline.phase("create the run"):
                         rn = new_run(run_name, new_meta(info), storage)
                     display.rename(rn.run_id)
-                summary = SearchLoop(problem, spc, shp, rn, worker_evaluator(worker, problem, shp), options,
-                                     on_trial=display.show, should_stop=lambda: False, agent=agent_label(device),
-                                     timeline=timeline, on_status=display.status).run()
+                evaluate = _AfterWorker(starting, rn if early else None, worker_evaluator(worker, problem, shp),
+                                        timeline)
+                summary = SearchLoop(problem, spc, shp, rn, evaluate, options, on_trial=display.show,
+                                     should_stop=lambda: False, agent=agent_label(device), timeline=timeline,
+                                     on_status=display.status).run()
+                evaluate.ready()  # a search that measured nothing still records its device
         except KeyboardInterrupt:
             if rn is None:
                 raise
@@ -182,6 +191,54 @@ def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, s
             baselines = _beside(rn, problem, shp, worker.call, json_out)
     timeline.append_to(rn.path, command="search", evaluated=summary.evaluated, measured=summary.measured)
     return {**summary.as_dict(), "baselines": baselines, "timeline": timeline.as_dict()}, rn
+
+
+def _start_worker(worker, timeline) -> dict:
+    """Start the GPU worker and ask it for the device (run in a background thread: the timeline says how long
+    it took, beside everything else)."""
+    from ..gpu.workers import InfoJob
+
+    started = time.perf_counter()
+    info = worker.call(InfoJob())
+    timeline.add("GPU worker start (in the background)", time.perf_counter() - started)
+    return info
+
+
+class _AfterWorker:
+    """`evaluate`, once the worker that `starting` brings up has answered: the first evaluation waits for it and,
+    for a run created before it answered (`new_run`), writes the device into meta.json. `ready()` does the same
+    where no candidate was evaluated, before anything else talks to the worker."""
+
+    def __init__(self, starting, new_run, evaluate, timeline):
+        self.starting, self.new_run, self.evaluate, self.timeline = starting, new_run, evaluate, timeline
+        self.waited = False
+
+    def ready(self) -> None:
+        if self.waited:
+            return
+        with self.timeline.phase("wait for the GPU worker"):
+            try:
+                info = self.starting.result()
+            except BaseException:
+                self._drop_empty_run()
+                raise
+        if self.new_run is not None:
+            from ..records.runs import record_device
+
+            record_device(self.new_run, info)
+        self.waited = True
+
+    def _drop_empty_run(self) -> None:
+        """The worker never started: the run this command created holds no trial, so it goes (as it never
+        existed when the worker started first)."""
+        import shutil
+
+        if self.new_run is not None and not self.new_run.trials():
+            shutil.rmtree(self.new_run.path, ignore_errors=True)
+
+    def __call__(self, config, compiled):
+        self.ready()
+        return self.evaluate(config, compiled)
 
 
 def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, shp, spc, timeout, json_out,

@@ -532,6 +532,11 @@ def new_run(name: str | None, meta: dict, storage: str | None) -> Run:
     return rn
 
 
+def record_device(run: Run, info: dict) -> None:
+    """meta.json's device, filled in when the GPU worker started beside a new run answers (before any trial)."""
+    run.write_json("meta.json", {**run.meta(), "device": info})
+
+
 def _append_line(f, record: dict) -> None:
     """Append one record to the open, locked log as a single write()."""
     line = json.dumps(record, sort_keys=True) + "\n"

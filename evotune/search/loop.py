@@ -103,8 +103,12 @@ def make_sampler(name: str, population: int, seed: int, *, space=None, admitted:
         if space is None or context is None:
             raise ValueError("the steered NSGA-II sampler needs the space and the shape's context")
         is_taken = taken if taken is not None else (lambda digest: False)
-        return SteeredNSGAIISampler(distributions=distributions(space),
-                                    admissible=lambda params: space.admitted(space.config(params), context),
+        # The children's constraint check, thousands per generation: a set lookup where the admitted configs
+        # are known (the loop enumerates them anyway), else the space's constraints.
+        admitted_set = frozenset(admitted) if admitted is not None else None
+        admissible = ((lambda params: space.config(params) in admitted_set) if admitted_set is not None
+                      else (lambda params: space.admitted(space.config(params), context)))
+        return SteeredNSGAIISampler(distributions=distributions(space), admissible=admissible,
                                     taken=lambda params: is_taken(space.config(params).digest()),
                                     variant=space.variant, **nsga)
     if name == "tpe":
@@ -256,17 +260,16 @@ class SearchLoop:
 
     def propose(self) -> None:
         """Ask proposals while may_ask; the new admitted configs this agent claims start compiling."""
-        while True:
-            # Ask and tag as one step for this host's agents: none claims a config another just claimed.
-            with self.timeline.phase("ask"), self.rn.lock():
-                self.view.refresh()
-                if not self.may_ask():
-                    return
+        # Ask and tag as one step for this host's agents: none claims a config another just claimed. One
+        # refresh of the study per round, not per proposal (each read of the trials costs a storage round trip);
+        # the lock is held for the round, so this host's agents still see every claim before asking.
+        with self.timeline.phase("ask"), self.rn.lock():
+            self.view.refresh()
+            while self.may_ask():
                 item = self.ask()
-            if item.claim:
-                with self.timeline.phase("instantiate and submit"):
+                if item.claim:
                     self.compile_ahead(item)
-            self.queue.append(item)
+                self.queue.append(item)
 
     def ask(self) -> _Pending:
         self.asked += 1
@@ -282,6 +285,10 @@ class SearchLoop:
         return item
 
     def compile_ahead(self, item: _Pending) -> None:
+        with self.timeline.phase("instantiate and submit"):
+            self._compile_ahead(item)
+
+    def _compile_ahead(self, item: _Pending) -> None:
         item.source = instantiate(self.problem, item.config, self.shape)
         self.queued[item.config.digest()] = item
         if self.options.lookahead > 0 and self.compiler is None:
