@@ -11,7 +11,9 @@ percent). Nothing is compiled or launched: it runs on a CPU in a minute or two.
     python tools/efficiency_report.py RUN --seeds 5 --budget-pct 30 --out-dir docs
 
 Writes OUT_DIR/EFFICIENCY.md (tables), OUT_DIR/efficiency.png (best-so-far curves; needs matplotlib:
-pip install -e '.[report]') and OUT_DIR/data/efficiency.json (every curve).
+pip install -e '.[report]') and OUT_DIR/data/efficiency.json (every curve); --md, --plot and --json name other
+files (a second exhaustive oracle's report). Rewriting a report keeps the sections tools/kt_compare.py wrote into
+the file (one per oracle, and the verdict across them).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -327,16 +330,18 @@ def write_markdown(path: Path, ex: Exhaustive, summary: dict, runs: list[dict], 
 
 
 def _kept_blocks(path: Path) -> str:
-    """Sections other tools generate into the same file (tools/kt_compare.py's, between its markers):
-    kept, so rerunning this report does not delete them."""
+    """Sections other tools generate into the same file (tools/kt_compare.py's: one per exhaustive oracle and its
+    cross-oracle verdict, each between its markers): kept, from the first begin marker to the last end marker,
+    so rerunning this report deletes none of them."""
     try:
         old = path.read_text()
     except OSError:
         return ""
-    begin, end = old.find("<!-- kt_compare:begin"), old.find("<!-- kt_compare:end -->")
-    if begin < 0 or end < begin:
+    begin = re.search(r"<!-- kt_compare:(?:verdict )?begin\b", old)
+    ends = list(re.finditer(r"<!-- kt_compare:(?:verdict )?end\b[^>]*-->", old))
+    if not begin or not ends or ends[-1].end() <= begin.start():
         return ""
-    return "\n" + old[begin:end + len("<!-- kt_compare:end -->")] + "\n"
+    return "\n" + old[begin.start():ends[-1].end()] + "\n"
 
 
 def _cfg(c: dict) -> str:
@@ -394,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookahead", type=int, default=None,
                     help="proposals asked ahead (default: what a live search on a 16-CPU machine uses)")
     ap.add_argument("--out-dir", default=str(REPO_ROOT / "docs"))
+    ap.add_argument("--md", default=None, help="the report (default OUT_DIR/EFFICIENCY.md; another exhaustive "
+                    "oracle's report goes to a file of its own, e.g. OUT_DIR/EFFICIENCY-gpt2-hopper.md)")
+    ap.add_argument("--plot", default=None, help="the plot (default OUT_DIR/efficiency.png)")
+    ap.add_argument("--json", default=None, help="every curve (default OUT_DIR/data/efficiency.json)")
     args = ap.parse_args(argv)
 
     path = Path(args.run)
@@ -407,7 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     budget = min(ex.size, checkpoint(ex.size, args.budget_pct))
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     out = Path(args.out_dir)
-    (out / "data").mkdir(parents=True, exist_ok=True)
+    md = Path(args.md) if args.md else out / "EFFICIENCY.md"
+    png = Path(args.plot) if args.plot else out / "efficiency.png"
+    data_path = Path(args.json) if args.json else out / "data" / "efficiency.json"
+    for p in (md, png, data_path):
+        p.parent.mkdir(parents=True, exist_ok=True)
     # The replays' own run folders (SQLite studies) are scratch: on tmpfs where there is one.
     scratch = Path(tempfile.mkdtemp(prefix="evotune-efficiency-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
     saved_runs = os.environ.get("EVOTUNE_RUNS")
@@ -428,14 +441,14 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["EVOTUNE_RUNS"] = saved_runs
     summary = summarize(ex, runs, budget)
     command = "python tools/efficiency_report.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    png = out / "efficiency.png"
     plotted = write_plot(png, ex, runs, budget)
-    write_markdown(out / "EFFICIENCY.md", ex, summary, runs, budget, command, png.name if plotted else None)
+    link = Path(os.path.relpath(png.resolve(), md.resolve().parent)).as_posix()
+    write_markdown(md, ex, summary, runs, budget, command, link if plotted else None)
     data = {"run": ex.run.run_id, "space": ex.meta.get("space"), "shape": ex.shape.spec, "size": ex.size,
             "optimum_us": ex.optimum, "budget": budget, "command": command, "summary": summary, "runs": runs}
-    (out / "data" / "efficiency.json").write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
-    print(f"wrote {out / 'EFFICIENCY.md'}" + (f", {png}" if plotted else " (no plot: pip install matplotlib)")
-          + f", {out / 'data' / 'efficiency.json'}", file=sys.stderr)
+    data_path.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
+    print(f"wrote {md}" + (f", {png}" if plotted else " (no plot: pip install matplotlib)") + f", {data_path}",
+          file=sys.stderr)
     return 0
 
 
