@@ -19,7 +19,19 @@ for i in $(seq 1 "$REPEATS"); do
   wall=$(python3 -c "print(round($end - $start, 2))")
   cp "$work/runs/first/timeline.jsonl" "$OUT/timeline-$i.jsonl" 2>/dev/null
   cp "$work/runs/first/trials.jsonl" "$OUT/trials-$i.jsonl" 2>/dev/null
-  echo "run $i: rc=$rc wall_s=$wall $(tail -2 "$OUT/search-$i.log" | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
+  rate=$(python3 - "$OUT/trials-$i.jsonl" "$wall" <<'PY'
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+counted = [r for r in recs if r.get("counted")]
+loop = max(r["finished"] for r in recs) - min(r["started"] for r in recs)
+# Sustained: from the first record's end to the last's (start-up, the first compiles and warm-up excluded).
+ends = sorted(r["finished"] for r in counted)
+steady = (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 else 0.0
+print(f"evaluated={len(counted)} proposals={len(recs)} loop_s={loop:.1f} sustained_per_s={steady:.2f} "
+      f"overall_per_s={len(counted) / float(sys.argv[2]):.2f}")
+PY
+)
+  echo "run $i: rc=$rc wall_s=$wall $rate $(tail -2 "$OUT/search-$i.log" | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
   rm -rf "$work"
 done
 if [ "$PROFILE" = 1 ]; then
