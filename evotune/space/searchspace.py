@@ -4,8 +4,10 @@ A space file names its kernel family and the parameters (each a short list of al
 derived quantities computed from them, and constraints that rule out
 configurations the kernel cannot run (too much shared memory, a tile that
 does not split across warps, ...). Derived and constraint expressions are
-written in a small subset of Python and evaluated by `safe_eval`, which walks
-the syntax tree itself: nothing from the file is ever handed to eval/exec.
+written in a small subset of Python and evaluated by `safe_eval`, which vets
+the syntax tree and compiles a translation of it in which every name is a key of
+the evaluation's mapping and every operation a checked helper: the file's text is
+never handed to eval/exec, nor can an expression reach a builtin.
 
 Every validation error is one line, `<path>:<line>: <message>`, pointing at
 the YAML node at fault. Expressions may read the parameters, the derived values,
@@ -176,6 +178,7 @@ _BINOPS = {
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: _pow,
 }
 _SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**"}
+# The comparisons _check admits and what they mean; compiled expressions use Python's own, which mean the same.
 _COMPARE = {
     ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
     ast.Gt: operator.gt, ast.GtE: operator.ge,
@@ -277,50 +280,100 @@ def _operand(value) -> str:
     return f"({value!r})" if value < 0 else repr(value)
 
 
-def _eval(node: ast.expr, env: Mapping[str, object]):
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Name):
-        if node.id not in env:
-            raise ExpressionError(f"unknown name {node.id!r}")
-        return env[node.id]
-    if isinstance(node, ast.BinOp):
-        a, b = _number(_eval(node.left, env)), _number(_eval(node.right, env))
-        value = _BINOPS[type(node.op)](a, b)
-        if type(value) in (int, float) and -_MAX_MAGNITUDE <= value <= _MAX_MAGNITUDE:  # inline: the hot path
+def _unknown(name: str):
+    raise ExpressionError(f"unknown name {name!r}")
+
+
+def _checked_operator(node_type: type) -> Callable:
+    """`a <op> b` for the operator `node_type` as the expressions compute it: `b` a number (the caller has
+    checked `a`, before evaluating `b`, in the order Python reads them), the result within ±2**64."""
+    op, symbol = _BINOPS[node_type], _SYMBOLS[node_type]
+
+    def apply(a, b):
+        value = op(a, b if isinstance(b, (int, float)) else _number(b))  # no call where it is a number
+        if type(value) in (int, float) and -_MAX_MAGNITUDE <= value <= _MAX_MAGNITUDE:
             return value
-        raise _out_of_bounds(value, f"{_operand(a)} {_SYMBOLS[type(node.op)]} {_operand(b)}")
-    if isinstance(node, ast.UnaryOp):
-        value = _eval(node.operand, env)
-        return not value if isinstance(node.op, ast.Not) else -_number(value)
-    if isinstance(node, ast.BoolOp):
-        # Short-circuit like Python: `and` returns the first falsy value, `or` the first truthy one.
-        want = isinstance(node.op, ast.Or)
-        for value_node in node.values:
-            value = _eval(value_node, env)
-            if bool(value) == want:
-                return value
-        return value
-    if isinstance(node, ast.Compare):
-        left = _eval(node.left, env)
-        for op, right_node in zip(node.ops, node.comparators):
-            if isinstance(right_node, (ast.Tuple, ast.List)):
-                right = tuple(_eval(e, env) for e in right_node.elts)
-            else:
-                right = _eval(right_node, env)
-            if not _COMPARE[type(op)](left, right):
-                return False
-            left = right
-        return True
-    if isinstance(node, ast.IfExp):
-        return _eval(node.body if _eval(node.test, env) else node.orelse, env)
-    if isinstance(node, ast.Call):
-        args = [_eval(a, env) for a in node.args]
-        value = _FUNCTIONS[node.func.id][0](*args)
+        raise _out_of_bounds(value, f"{_operand(a)} {symbol} {_operand(b)}")
+
+    return apply
+
+
+def _checked_function(name: str) -> Callable:
+    """The allowed function `name`, whose result must be within ±2**64 (int('9' * 30) is not)."""
+    function = _FUNCTIONS[name][0]
+
+    def apply(*args):
+        value = function(*args)
         if _in_bounds(value):
             return value
-        raise _out_of_bounds(value, f"{node.func.id}({', '.join(_short(repr(a)) for a in args)})")
+        raise _out_of_bounds(value, f"{name}({', '.join(_short(repr(a)) for a in args)})")
+
+    return apply
+
+
+# The only globals a compiled expression sees: no builtins, and the checked helpers that _translate calls by
+# these names. An expression's own names never become Python names (they are keys of `env`), so none can
+# reach a global, a builtin or the function's argument.
+_COMPILED_GLOBALS: dict[str, object] = {
+    "__builtins__": {}, "_number": _number, "_unknown": _unknown,
+    **{f"_op_{op.__name__}": _checked_operator(op) for op in _BINOPS},
+    **{f"_call_{name}": _checked_function(name) for name in _FUNCTIONS},
+}
+
+
+def _helper(name: str, args: list[ast.expr]) -> ast.Call:
+    return ast.Call(ast.Name(name, ast.Load()), args, [])
+
+
+def _translate(node: ast.expr) -> ast.expr:
+    """The vetted expression `node` as a Python expression of `env` with the same value and the same errors:
+    each name read from `env` (a missing one raises `unknown name`), arithmetic, `-` and calls through the
+    checked helpers, and Python's own `and`, `or`, `not`, `if`/`else` and comparisons, whose semantics are
+    the expressions'."""
+    if isinstance(node, ast.Constant):
+        return ast.Constant(node.value)
+    if isinstance(node, ast.Name):
+        key = ast.Constant(node.id)
+        return ast.IfExp(ast.Compare(key, [ast.In()], [ast.Name("env", ast.Load())]),
+                         ast.Subscript(ast.Name("env", ast.Load()), key, ast.Load()), _helper("_unknown", [key]))
+    if isinstance(node, ast.BinOp):  # the left operand is checked before the right one is evaluated
+        return _helper(f"_op_{type(node.op).__name__}", [_as_number(node.left), _translate(node.right)])
+    if isinstance(node, ast.UnaryOp):
+        if isinstance(node.op, ast.Not):
+            return ast.UnaryOp(ast.Not(), _translate(node.operand))
+        return ast.UnaryOp(ast.USub(), _as_number(node.operand))  # -x of a bounded number is bounded
+    if isinstance(node, ast.BoolOp):  # short-circuits, returning the deciding value, not a bool
+        return ast.BoolOp(type(node.op)(), [_translate(value) for value in node.values])
+    if isinstance(node, ast.Compare):
+        rights = [ast.Tuple([_translate(e) for e in right.elts], ast.Load())
+                  if isinstance(right, (ast.Tuple, ast.List)) else _translate(right) for right in node.comparators]
+        chain = ast.Compare(_translate(node.left), [type(op)() for op in node.ops], rights)
+        # A chain evaluates lazily like Python's but is always True or False, whatever `==` of a value returns.
+        return ast.IfExp(chain, ast.Constant(True), ast.Constant(False))
+    if isinstance(node, ast.IfExp):
+        return ast.IfExp(_translate(node.test), _translate(node.body), _translate(node.orelse))
+    if isinstance(node, ast.Call):
+        return _helper(f"_call_{node.func.id}", [_translate(arg) for arg in node.args])
     raise AssertionError(f"unvetted node {type(node).__name__}")  # _check admits nothing else
+
+
+def _as_number(node: ast.expr) -> ast.expr:
+    """`node` translated, checked to be a number (_number) unless it cannot be anything else: a numeric literal,
+    or arithmetic, whose result the helper checked to be an int or a float."""
+    if isinstance(node, ast.BinOp) or isinstance(node, ast.Constant) and type(node.value) in (int, float, bool):
+        return _translate(node)
+    return _helper("_number", [_translate(node)])
+
+
+@lru_cache(maxsize=None)
+def _compiled(expr: str) -> Callable[[Mapping[str, object]], object]:
+    """`expr`, vetted, as a function of `env` (cached): a Python function built from the translated tree, so an
+    enumeration of a space's configs evaluates its expressions at native speed. The text of the file is never
+    compiled, only the tree _translate builds from the vetted one."""
+    tree, _ = _parse(expr)
+    arguments = ast.arguments(posonlyargs=[], args=[ast.arg("env")], kwonlyargs=[], kw_defaults=[], defaults=[])
+    function = ast.fix_missing_locations(ast.Expression(ast.Lambda(arguments, _translate(tree))))
+    return eval(compile(function, "<space expression>", "eval"), _COMPILED_GLOBALS)
 
 
 def safe_eval(expr: str, env: Mapping[str, object]):
@@ -328,9 +381,9 @@ def safe_eval(expr: str, env: Mapping[str, object]):
 
     Raises ExpressionError for a disallowed construct, an unknown name or a failed operation.
     """
-    tree, _ = _parse(expr)
+    evaluate = _compiled(expr)
     try:
-        return _eval(tree, env)
+        return evaluate(env)
     except (ArithmeticError, TypeError, ValueError) as exc:
         raise ExpressionError(str(exc)) from None
 
@@ -469,7 +522,10 @@ class SearchSpace:
             yield Config.from_dict(dict(zip(names, combo)))
 
     def admitted_configs(self, context: Mapping[str, object]) -> list[Config]:
-        return [cfg for cfg in self.all_configs() if self.admitted(cfg, context)]
+        """The configs `admitted` under `context`, in all_configs' order, found by a depth-first walk that drops
+        a whole subtree at the first constraint it fails (_Enumeration). An expression that fails to evaluate
+        for any config raises the error this naive loop would: [c for c in all_configs() if admitted(c)]."""
+        return _Enumeration(self).admitted(context)
 
     def _eval(self, expr: str, env: Mapping[str, object], line: int, what: str):
         try:
@@ -489,17 +545,261 @@ class SearchSpace:
         return {(expr, line) for _, expr, line in self.derived} | {(c.expr, c.line) for c in self.constraints}
 
 
+# `next` of an exhausted iterator of a parameter's values, in the walk.
+_EXHAUSTED = object()
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A derived value or a constraint, compiled, with what it depends on in the walk."""
+
+    name: Optional[str]  # the derived value's name; None for a constraint
+    evaluate: Callable[[Mapping[str, object]], object]  # raw: errors are not wrapped into UsageError
+    params: tuple[int, ...]  # the parameters it reads, directly or through derived values (indices, ascending)
+    chain: tuple[int, ...]  # the derived values it reads, directly or through others (indices, in file order)
+
+    @property
+    def level(self) -> int:
+        """How many parameters must be bound before it can be evaluated."""
+        return self.params[-1] + 1 if self.params else 0
+
+
+def _steps(space: SearchSpace) -> tuple[list[_Step], list[_Step]] | None:
+    """The space's derived values and constraints as _Steps, or None where a name in them could mean another
+    value in the walk's shared mapping than in `derive`'s (a derived value reading a later one's name, which then
+    means the context's; a name used twice) or an expression does not compile: those spaces take the naive loop."""
+    params = {name: i for i, name in enumerate(space.param_names())}
+    derived_names = [name for name, _, _ in space.derived]
+    if len(params) < len(space.params) or len(set(derived_names)) < len(derived_names) or \
+            set(derived_names) & params.keys():
+        return None
+    seen: dict[str, int] = {}  # derived name -> index, of those before the one being read
+    derived: list[_Step] = []
+
+    def step(name: Optional[str], expr: str) -> _Step | None:
+        reads, chain = set(), set()
+        for read in expression_names(expr):
+            if read in seen:
+                reads.update(derived[seen[read]].params)
+                chain.update((seen[read],) + derived[seen[read]].chain)
+            elif read in params:
+                reads.add(params[read])
+            elif read in derived_names:  # a later derived value's name: the context's value, in derive()
+                return None
+        return _Step(name, _compiled(expr), tuple(sorted(reads)), tuple(sorted(chain)))
+
+    try:
+        for i, (name, expr, _) in enumerate(space.derived):
+            derived.append(step(name, expr))
+            if derived[-1] is None:
+                return None
+            seen[name] = i
+        constraints = [step(None, c.expr) for c in space.constraints]
+    except ExpressionError:  # a space built without the loader: the naive loop reports it with file and line
+        return None
+    return derived, constraints
+
+
+@dataclass
+class _Scan:
+    """What evaluating every step once per combination of the parameters it reads found."""
+
+    # The first config (value indices) at which the naive loop raises, or None where no expression fails.
+    failure: Optional[tuple[int, ...]]
+    # Per constraint: (how many configs of the whole space fail it, the first such config's value indices).
+    falsy: list[tuple[int, Optional[tuple[int, ...]]]]
+
+
+class _Enumeration:
+    """A space's admitted configs by a depth-first walk in all_configs' order (last parameter fastest) that
+    evaluates each derived value and constraint as soon as the parameters it reads are bound, and leaves out
+    a whole subtree at the first constraint it fails.
+
+    Errors: the naive loop computes every derived value and constraint of every config, so an expression that
+    fails for a config raises even where another constraint rejects it. The walk skips rejected subtrees, so a
+    scan first evaluates each expression once per combination of the parameters it reads (a few thousand
+    evaluations for the built-in spaces): where one fails, the config the naive loop would have raised at (the
+    first whose combination fails) is evaluated the naive way, which raises that same error."""
+
+    def __init__(self, space: SearchSpace):
+        self.space = space
+        self.names = space.param_names()
+        self.values = [p.values for p in space.params]
+        steps = _steps(space)
+        self.derived, self.constraints = steps if steps is not None else (None, None)
+
+    def admitted(self, context: Mapping[str, object]) -> list[Config]:
+        if self.derived is None:
+            return self.naive(context)
+        failure = self.scan(context).failure
+        if failure is not None:
+            self.space.violations(self.config_at(failure), context)  # raises the naive loop's error
+            return self.naive(context)  # an expression failed once and not again (no memory?): as the naive loop
+        return self.walk(context)
+
+    def naive(self, context: Mapping[str, object]) -> list[Config]:
+        return [cfg for cfg in self.space.all_configs() if self.space.admitted(cfg, context)]
+
+    def first_admitted(self, context: Mapping[str, object], scan: _Scan) -> Optional[Config]:
+        """The first admitted config, or None; raises where a naive loop that stops at the first admitted config
+        does: at the first config where an expression fails, if that comes before it.
+
+        Where the walk fails at a combination, every config before that combination's first one was rejected,
+        and the naive loop fails at or before that one: at scan.failure."""
+        try:
+            found = self.walk(context, first_only=True)
+        except Exception:
+            if scan.failure is None:
+                raise
+            found = []
+        if found and (scan.failure is None or self.indices_of(found[0]) < scan.failure):
+            return found[0]
+        if scan.failure is not None:
+            self.space.violations(self.config_at(scan.failure), context)  # raises the naive loop's error
+        return None
+
+    def config_at(self, indices: tuple[int, ...]) -> Config:
+        return Config.from_dict({name: values[i] for name, values, i in zip(self.names, self.values, indices)})
+
+    def indices_of(self, cfg: Config) -> tuple[int, ...]:
+        return tuple(values.index(cfg[name]) for name, values in zip(self.names, self.values))
+
+    def walk(self, context: Mapping[str, object], first_only: bool = False) -> list[Config]:
+        """The admitted configs in order (only the first with `first_only`); every expression must evaluate.
+
+        One mapping holds the context and the current path's values: a step reads only the context and the
+        parameters and derived values it depends on, which are bound (and current) at its level."""
+        n = len(self.names)
+        steps_at = self.schedule()
+        env = {**context}
+        for name, evaluate in steps_at[0]:
+            if name is not None:
+                env[name] = evaluate(env)
+            elif not evaluate(env):
+                return []
+        if n == 0:
+            return [Config.from_dict({})]
+        admitted: list[Config] = []
+        path = [None] * n
+        pending = [iter(self.values[0])]  # per bound level, the values still to try
+        while pending:
+            level = len(pending)
+            value = next(pending[-1], _EXHAUSTED)
+            if value is _EXHAUSTED:
+                pending.pop()
+                continue
+            path[level - 1] = env[self.names[level - 1]] = value
+            for name, evaluate in steps_at[level]:
+                if name is not None:
+                    env[name] = evaluate(env)
+                elif not evaluate(env):
+                    break  # rejected: so is every config below
+            else:
+                if level < n:
+                    pending.append(iter(self.values[level]))
+                    continue
+                admitted.append(Config.from_dict(dict(zip(self.names, path))))
+                if first_only:
+                    break
+        return admitted
+
+    def schedule(self) -> list[list[tuple[Optional[str], Callable]]]:
+        """Per level (parameters bound), the (derived name, or None for a constraint; function) to evaluate there:
+        the level's derived values in file order, each constraint right after the last of them it reads, so that
+        a config is rejected before the derived values it does not need are computed."""
+        def last_read(step: _Step) -> int:  # the last derived value of its own level that `step` reads, or -1
+            return max((j for j in step.chain if self.derived[j].level == step.level), default=-1)
+
+        steps_at: list[list[_Step]] = []
+        for level in range(len(self.names) + 1):
+            checks = [step for step in self.constraints if step.level == level]
+            steps_at.append([step for step in checks if last_read(step) == -1])
+            for j, step in enumerate(self.derived):
+                if step.level == level:
+                    steps_at[level] += [step] + [check for check in checks if last_read(check) == j]
+        return [[(step.name, step.evaluate) for step in steps] for steps in steps_at]
+
+    def scan(self, context: Mapping[str, object]) -> _Scan:
+        """Evaluate each step, with the derived values it reads, once per combination of the parameters it reads,
+        in all_configs' order: where it fails, the naive loop fails first at that combination's first config."""
+        failures, falsy = [], []
+        for step in self.derived + self.constraints:
+            env = {**context}
+            combos = itertools.product(*(self.values[i] for i in step.params))
+            count, first = 0, None
+            for k, combo in enumerate(combos):
+                env.update(zip((self.names[i] for i in step.params), combo))
+                try:
+                    for j in step.chain:
+                        env[self.derived[j].name] = self.derived[j].evaluate(env)
+                    value = step.evaluate(env)
+                    fails = step.name is None and not value  # as violations() reads a constraint's value
+                except Exception:  # whatever the naive loop would raise there, it raises when evaluated again
+                    failures.append(self.indices(step.params, k))
+                    break
+                if fails:
+                    count, first = count + 1, first if first is not None else k
+            if step.name is None:
+                free = 1
+                for i, values in enumerate(self.values):
+                    free *= 1 if i in step.params else len(values)
+                falsy.append((count * free, None if first is None else self.indices(step.params, first)))
+        return _Scan(min(failures) if failures else None, falsy)
+
+    def indices(self, params: tuple[int, ...], k: int) -> tuple[int, ...]:
+        """The value indices of the first config with the `k`-th combination (last fastest) of `params`' values."""
+        indices = [0] * len(self.names)
+        for i in reversed(params):
+            k, indices[i] = divmod(k, len(self.values[i]))
+        return tuple(indices)
+
+    def commonest_violation(self, scan: _Scan) -> Optional[str]:
+        """The violation the naive loop over every config would count most often (`why (expr)`, as violations()
+        spells it), the first one it met among equals; None when no constraint fails."""
+        counts: dict[str, int] = {}
+        first_met: dict[str, tuple] = {}
+        for position, (constraint, (count, first)) in enumerate(zip(self.space.constraints, scan.falsy)):
+            if count:
+                reason = f"{constraint.why} ({constraint.expr})"
+                counts[reason] = counts.get(reason, 0) + count
+                first_met[reason] = min(first_met.get(reason, (first, position)), (first, position))
+        return max(sorted(counts, key=first_met.__getitem__), key=counts.__getitem__, default=None)
+
+
+# check_nonempty first tries this many configs the naive way: most spaces admit one of them, sooner than a scan.
+_NAIVE_FIRST = 256
+
+
 def check_nonempty(space: SearchSpace, context: Mapping[str, object]) -> None:
-    """Raise UsageError when no configuration of `space` is admitted under `context`, naming the commonest reason."""
+    """Raise UsageError when no configuration of `space` is admitted under `context`, naming the commonest reason.
+
+    As the naive loop at the end, which stops at the first admitted config; past its first _NAIVE_FIRST configs,
+    by the walk and the scan of _Enumeration, which count each constraint's failures without visiting every
+    config (all of them fail when none is admitted)."""
+    for cfg in itertools.islice(space.all_configs(), _NAIVE_FIRST):
+        if not space.violations(cfg, context):
+            return
+    enumeration = _Enumeration(space)
+    if enumeration.derived is not None:
+        scan = enumeration.scan(context)
+        if enumeration.first_admitted(context, scan) is not None:
+            return
+        if scan.failure is None:
+            raise _nothing_admitted(space, context, enumeration.commonest_violation(scan))
+    # A space the walk cannot take, or an expression that failed once and not again: the naive loop decides.
     reasons: Counter[str] = Counter()
     for cfg in space.all_configs():
         failed = space.violations(cfg, context)
         if not failed:
             return
         reasons.update(failed)
+    raise _nothing_admitted(space, context, reasons.most_common(1)[0][0] if reasons else None)
+
+
+def _nothing_admitted(space: SearchSpace, context: Mapping[str, object], commonest: Optional[str]) -> UsageError:
     summary = ", ".join(f"{k}={v}" for k, v in context.items())
-    commonest = f"; most often failed: {reasons.most_common(1)[0][0]}" if reasons else ""
-    raise UsageError(f"{space.path}: no configuration is admitted for {summary}{commonest}")
+    most_often = f"; most often failed: {commonest}" if commonest else ""
+    return UsageError(f"{space.path}: no configuration is admitted for {summary}{most_often}")
 
 
 # --------------------------------------------------------------------------- loading

@@ -1,0 +1,379 @@
+"""The compiled expressions and the pruned enumeration of evotune.space.searchspace, against plainly written
+references: the tree-walking interpreter the expressions had before they were compiled, and the naive loop over
+every configuration."""
+
+from __future__ import annotations
+
+import ast
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Mapping
+
+import pytest
+
+from evotune.errors import UsageError
+from evotune.problems import get_problem
+from evotune.space import searchspace
+from evotune.space.searchspace import (
+    _BINOPS,
+    _COMPARE,
+    _COMPILED_GLOBALS,
+    _FUNCTIONS,
+    ExpressionError,
+    _compiled,
+    _in_bounds,
+    _number,
+    _operand,
+    _out_of_bounds,
+    _parse,
+    _short,
+    _steps,
+    _SYMBOLS,
+    builtin_names,
+    check_nonempty,
+    load_builtin,
+    load_space,
+    safe_eval,
+)
+
+# --------------------------------------------------------------------------- references
+
+
+def reference_eval(node: ast.expr, env: Mapping[str, object]):
+    """The interpreter safe_eval used before expressions were compiled: the semantics they must keep."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id not in env:
+            raise ExpressionError(f"unknown name {node.id!r}")
+        return env[node.id]
+    if isinstance(node, ast.BinOp):
+        a, b = _number(reference_eval(node.left, env)), _number(reference_eval(node.right, env))
+        value = _BINOPS[type(node.op)](a, b)
+        if type(value) in (int, float) and -(2**64) <= value <= 2**64:
+            return value
+        raise _out_of_bounds(value, f"{_operand(a)} {_SYMBOLS[type(node.op)]} {_operand(b)}")
+    if isinstance(node, ast.UnaryOp):
+        value = reference_eval(node.operand, env)
+        return not value if isinstance(node.op, ast.Not) else -_number(value)
+    if isinstance(node, ast.BoolOp):
+        want = isinstance(node.op, ast.Or)
+        for value_node in node.values:
+            value = reference_eval(value_node, env)
+            if bool(value) == want:
+                return value
+        return value
+    if isinstance(node, ast.Compare):
+        left = reference_eval(node.left, env)
+        for op, right_node in zip(node.ops, node.comparators):
+            if isinstance(right_node, (ast.Tuple, ast.List)):
+                right = tuple(reference_eval(e, env) for e in right_node.elts)
+            else:
+                right = reference_eval(right_node, env)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.IfExp):
+        return reference_eval(node.body if reference_eval(node.test, env) else node.orelse, env)
+    if isinstance(node, ast.Call):
+        args = [reference_eval(a, env) for a in node.args]
+        value = _FUNCTIONS[node.func.id][0](*args)
+        if _in_bounds(value):
+            return value
+        raise _out_of_bounds(value, f"{node.func.id}({', '.join(_short(repr(a)) for a in args)})")
+    raise AssertionError(f"unvetted node {type(node).__name__}")
+
+
+def reference_safe_eval(expr: str, env: Mapping[str, object]):
+    tree, _ = _parse(expr)
+    try:
+        return reference_eval(tree, env)
+    except (ArithmeticError, TypeError, ValueError) as exc:
+        raise ExpressionError(str(exc)) from None
+
+
+def reference_admitted(space, context: Mapping[str, object]) -> list:
+    """Every config in order, each with all its derived values and all its constraints evaluated by the reference."""
+    admitted = []
+    for cfg in space.all_configs():
+        env = {**context, **cfg.as_dict()}
+        for name, expr, _ in space.derived:
+            env[name] = reference_safe_eval(expr, env)
+        if all([reference_safe_eval(c.expr, env) for c in space.constraints]):
+            admitted.append(cfg)
+    return admitted
+
+
+def naive_admitted(space, context: Mapping[str, object]) -> list:
+    """admitted_configs as it was: the per-config path over every config (errors carry file and line)."""
+    return [cfg for cfg in space.all_configs() if space.admitted(cfg, context)]
+
+
+def naive_check_nonempty(space, context: Mapping[str, object]) -> None:
+    """check_nonempty as it was: violations() of each config until the first admitted one."""
+    reasons: Counter[str] = Counter()
+    for cfg in space.all_configs():
+        failed = space.violations(cfg, context)
+        if not failed:
+            return
+        reasons.update(failed)
+    summary = ", ".join(f"{k}={v}" for k, v in context.items())
+    commonest = f"; most often failed: {reasons.most_common(1)[0][0]}" if reasons else ""
+    raise UsageError(f"{space.path}: no configuration is admitted for {summary}{commonest}")
+
+
+def outcome(call):
+    """('ok', value, its type) or ('raised', exception type, message): what a call did, to compare two calls."""
+    try:
+        value = call()
+    except Exception as exc:  # noqa: BLE001 - any difference in what is raised is a difference
+        return ("raised", type(exc), str(exc))
+    return ("ok", value, type(value))
+
+
+# --------------------------------------------------------------------------- compiled expressions
+
+
+class Weird:
+    """A value whose `==` returns text, not a bool: a comparison must still come out True or False."""
+
+    def __eq__(self, other):
+        return "yes"
+
+    __hash__ = object.__hash__
+
+
+ENV = {"x": 4, "y": -3, "z": 0, "f": 2.5, "s": "pad", "b": True, "big": 2**70, "nan": float("nan"),
+       "huge_f": 1e30, "digits": "9" * 30, "w": Weird(), "neg": -(2**64)}
+
+EXPRESSIONS = [
+    # literals and names
+    "1", "2.5", "'pad'", "True", "x", "s", "big", "missing", "__builtins__", "env", "_number", "_op_Add",
+    # arithmetic, each operator, and the bounds on operands and results
+    "1 + 2 * 3 - 4 // 3 % 2", "x / 8", "7 / 2", "x // y", "x % y", "f * x", "2 ** 10", "x ** 2", "2 ** -2",
+    "2 ** 64", "2 ** 64 + 1", "neg - 1", "x - 2 ** 64 - 1", "big + 0", "big", "x * 2.0 ** 64", "f ** 64",
+    "2 ** 65", "2 ** x ** 3", "2 ** -65", "(-8) ** 0.5", "y ** 0.5", "huge_f * huge_f", "nan + 1", "f ** 60",
+    "1 // z", "1 / z", "1 % z", "1.0 / 0.0", "f // 0", "b + 1", "True * x", "-(2 ** 64)",
+    # arithmetic on what is not a number, and which operand is checked first
+    "s * 100", "100 * s", "s + s", "s + missing", "missing + s", "x + missing", "-s", "--x", "-b", "-big",
+    "'a' * 3", "x * 'a'", "(s == 'pad') + 1",
+    # comparisons, chained and lazy, and `in` on tuple and list literals
+    "0 < x <= 4 < 5", "0 < x < 4", "x == 4", "x != 4", "x >= 5", "s == 'pad'", "s < 'q'", "s < 1",
+    "x < 0 < missing", "x < 5 < missing", "w == 1", "w != 1", "1 == w == 1",
+    "x in (4, 8)", "x not in [64, 128]", "s in ('pad', 'swizzle')", "x in (missing, 4)", "x in (1, 2) in (True,)",
+    "x in []", "w in (1,)",
+    # boolean operators return the deciding value and short-circuit
+    "not x", "not z", "x and 64 // x", "z and 64 // z", "z or 'none'", "x or missing", "z and missing",
+    "missing or x", "s and x", "0 or 0.0", "z == 0 or 64 // z > 1", "x and y and z", "z or '' or 0",
+    # if/else evaluates one branch
+    "16 if s == 'pad' else 0", "missing if z else 1", "1 if missing else 2", "1 // z if x else 0",
+    # every allowed function, with its bound and its errors
+    "min(x, 8, 3) + max(1, x) + abs(-2)", "min(s, x)", "max(s, 'q')", "max(x, 2) ** 64", "max(big, 1)",
+    "min(nan, 1)", "abs(s)", "abs(neg)", "abs(y)", "ceil_div(x, 3)", "ceil_div(x, z)", "ceil_div(s, 2)",
+    "ceil_div(f, 2)", "is_pow2(x)", "is_pow2(x + 1)", "is_pow2(s)", "is_pow2(2.0)", "is_pow2(b)",
+    "int(7 / 2) + int(b)", "int(s)", "int(digits)", "int(huge_f)", "int(nan)", "int('12')", "bool(z)",
+    "bool(s)", "bool(w == 1)", "max(min(x, 3), ceil_div(x, 2), abs(-x))",
+    # nesting near the vetted limits
+    "-" * 60 + "x", "(" * 30 + "x" + " + 1)" * 30, "x" + " + x" * 60, "x" + " ** 1" * 40,
+    "not " * 60 + "x",
+]
+
+
+@pytest.mark.parametrize("expr", EXPRESSIONS)
+def test_compiled_matches_reference(expr):
+    """The compiled expression returns the reference interpreter's value and type, or raises its error."""
+    assert outcome(lambda: safe_eval(expr, ENV)) == outcome(lambda: reference_safe_eval(expr, ENV))
+
+
+def test_expressions_cover_every_construct():
+    """The cases above use every node, operator, comparison and function the vetted subset admits."""
+    used = set()
+    for expr in EXPRESSIONS:
+        for node in ast.walk(_parse(expr)[0]):
+            used.add(type(node))
+            if isinstance(node, (ast.BinOp, ast.UnaryOp, ast.BoolOp)):
+                used.add(type(node.op))
+            elif isinstance(node, ast.Compare):
+                used.update(type(op) for op in node.ops)
+            elif isinstance(node, ast.Call):
+                used.add(node.func.id)
+    wanted = {ast.Constant, ast.Name, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Call,
+              ast.Tuple, ast.List, ast.USub, ast.Not, ast.And, ast.Or, *_BINOPS, *_COMPARE, *_FUNCTIONS}
+    assert wanted - used == set()
+
+
+def test_compiled_code_reaches_only_the_checked_helpers():
+    """A compiled expression has no builtins and loads no global but the helpers; the file's names are keys."""
+    assert _COMPILED_GLOBALS["__builtins__"] == {}
+    for expr in EXPRESSIONS:
+        function = _compiled(expr)
+        assert function.__globals__ is _COMPILED_GLOBALS
+        assert set(function.__code__.co_names) <= set(_COMPILED_GLOBALS) - {"__builtins__"}, expr
+    for name in ("__builtins__", "env", "_number", "_op_Add", "_call_min"):
+        with pytest.raises(ExpressionError, match=f"^unknown name '{name}'$"):
+            safe_eval(name, {})
+
+
+def test_compiled_expressions_are_cached():
+    """The same text compiles once: the tuner evaluates a few expressions very many times."""
+    assert _compiled("x + 1") is _compiled("x + 1")
+
+
+# --------------------------------------------------------------------------- enumeration of built-in spaces
+
+
+def contexts_of(family: str) -> dict[str, dict]:
+    """Shape name -> context for the shapes each family is tested on: its presets, and attention's variants."""
+    problem = get_problem(family)
+    names = list(problem.presets())
+    if family == "attention":
+        names += ["4,32,4096,128:bf16:causal", "1,8,512,64:kv2", "1,1,64,64,96"]
+    else:
+        names += [problem.default_shape, "100,1000:bf16", "1,1"]
+    return {name: problem.context(problem.parse_shape(name)) for name in dict.fromkeys(names)}
+
+
+SMALL = [(name, shape) for name in builtin_names() if load_builtin(name).size() <= 5000
+         for shape in contexts_of(load_builtin(name).family)]
+
+
+@pytest.mark.parametrize("name, shape", SMALL, ids=[f"{n}-{s}" for n, s in SMALL])
+def test_small_spaces_enumerate_like_the_reference(name, shape):
+    """Every small built-in space admits, under every shape tested, the reference's configs in its order."""
+    space = load_builtin(name)
+    context = contexts_of(space.family)[shape]
+    assert space.admitted_configs(context) == reference_admitted(space, context)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["mission", "4,32,4096,128:bf16:causal"])
+def test_attention_enumerates_like_the_reference(shape):
+    """The full attention space (294,912 configs) admits the reference's configs in its order (~30 s each)."""
+    space = load_builtin("attention")
+    context = contexts_of("attention")[shape]
+    assert space.admitted_configs(context) == reference_admitted(space, context)
+
+
+def test_attention_mission_enumeration_is_quick():
+    """Enumerating the admitted configs of the full attention space for the mission shape takes under 5 s."""
+    space = load_builtin("attention")
+    context = contexts_of("attention")["mission"]
+    start = time.perf_counter()
+    admitted = space.admitted_configs(context)
+    assert time.perf_counter() - start < 5
+    assert len(admitted) == 10104
+
+
+def test_context_value_under_a_parameter_name():
+    """A context key that is also a parameter's name is overridden by the parameter, as in derive()."""
+    space = load_builtin("attention-small")
+    context = {**contexts_of("attention")["mission"], "block_m": 4096, "threads": 1}
+    assert space.admitted_configs(context) == reference_admitted(space, context)
+
+
+# --------------------------------------------------------------------------- spaces written for the test
+
+
+def space_of(tmp_path: Path, body: str, family: str = "t"):
+    path = tmp_path / "space.yaml"
+    path.write_text(f"family: {family}\n" + body)
+    return load_space(path, context_names=("cap", "head_dim"))
+
+
+def same_outcome(tmp_path, body: str, context: Mapping[str, object]) -> tuple:
+    """admitted_configs and check_nonempty each do (return or raise) what their naive versions do."""
+    space = space_of(tmp_path, body)
+    fast = outcome(lambda: space.admitted_configs(context))
+    assert fast == outcome(lambda: naive_admitted(space, context))
+    for naive_first in (0, searchspace._NAIVE_FIRST):  # the walk and scan alone, and after the naive configs
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(searchspace, "_NAIVE_FIRST", naive_first)
+            assert outcome(lambda: check_nonempty(space, context)) == \
+                outcome(lambda: naive_check_nonempty(space, context))
+    return fast
+
+
+AB = "params:\n  a: {values: [0, 1, 2]}\n  b: {values: [0, 1]}\n"
+
+
+def test_error_in_a_config_an_earlier_constraint_rejects(tmp_path):
+    """A derived value that fails only where a constraint on fewer parameters rejects still raises, as before."""
+    fast = same_outcome(tmp_path, AB + "derived:\n  x: 64 // (a + b)\nconstraints:\n  - {expr: a > 0, why: w}\n",
+                        {"cap": 1})
+    assert fast[0] == "raised" and fast[1] is UsageError and "x: 64 // (a + b): integer division" in fast[2]
+
+
+@pytest.mark.parametrize("body", [
+    # the first config that fails is not the first config; a constraint fails before a derived value does
+    "params:\n  a: {values: [1, 2, 3]}\n  b: {values: [0, 1, 2]}\nderived:\n  x: 12 // (a - 2)\n"
+    "constraints:\n  - {expr: b < cap, why: w}\n  - {expr: 6 // (b - 1) > -10, why: v}\n",
+    # two failures in one config: the derived value's is raised, then the first constraint's
+    AB + "derived:\n  x: 1 // b\nconstraints:\n  - {expr: 1 // a > 0, why: w}\n",
+    AB + "constraints:\n  - {expr: b == 1, why: w}\n  - {expr: 1 // a > 0, why: v}\n  - {expr: 2 // b > 0, why: u}\n",
+    # a constraint's value whose truth is fine but a later constraint reads a missing name
+    AB + "constraints:\n  - {expr: a > 5, why: w}\n  - {expr: a < head_dim, why: v}\n",
+    # arithmetic on text, only for some values
+    "params:\n  a: {values: [x, y]}\n  b: {values: [0, 1]}\nconstraints:\n  - {expr: b == 0 or a + 1 > 0, why: w}\n",
+    # an admitted config before the first failing one: check_nonempty returns, admitted_configs raises
+    "params:\n  a: {values: [1, 0]}\nconstraints:\n  - {expr: 64 // a > 0, why: w}\n",
+    # the failing config first, none admitted before it: both raise
+    "params:\n  a: {values: [0, 1]}\nconstraints:\n  - {expr: 64 // a > 0, why: w}\n",
+    # an error under a prefix the walk would reject first, with an admitted config after it
+    AB + "constraints:\n  - {expr: a != 1, why: w}\n  - {expr: 2 // (a - 1 + 2 * b) >= 0, why: v}\n",
+], ids=["late", "derived-first", "constraint-order", "missing-name", "text", "admitted-first", "failing-first",
+        "pruned-error"])
+def test_errors_are_raised_where_the_naive_loop_raises(tmp_path, body):
+    """With failing expressions, each call raises the naive loop's error (same config, same expression) or
+    returns what it returns."""
+    same_outcome(tmp_path, body, {"cap": 2})
+
+
+@pytest.mark.parametrize("constraints", [
+    ["a > 5", "b > 5"],  # a tie: the first met
+    ["b > 5", "a > 5"],
+    ["b > 1", "a > 1"],  # a > 1 fails three configs, b > 1 fails two; b's is met first
+    ["a > 1 and b > 0", "b > 0", "b > 0"],  # one reason twice adds up
+    ["a + b > 10", "cap < 0"],  # a constraint on the context alone fails every config
+    ["b == 0", "b == 1"],  # b == 1 is first met at the second config
+], ids=["tie", "tie-swapped", "counts", "duplicate", "context", "first-met-later"])
+def test_commonest_reason_is_the_naive_loops(tmp_path, constraints):
+    """Where nothing is admitted, check_nonempty names the constraint the naive loop counted most often."""
+    body = "params:\n  a: {values: [0, 1]}\n  b: {values: [0, 1, 2]}\nconstraints:\n" + \
+        "".join(f"  - {{expr: '{expr}', why: w}}\n" for expr in constraints)
+    fast = same_outcome(tmp_path, body, {"cap": 1})
+    assert fast[0] == "ok" and fast[1] == []
+
+
+def test_head_dim_96_names_the_head_dim_constraint():
+    """check_nonempty on the attention spaces for head_dim 96 (nothing admitted) says what the naive loop said."""
+    problem = get_problem("attention")
+    context = problem.context(problem.parse_shape("1,1,64,64,96"))
+    for name in ("attention-small", "attention-hopper"):
+        space = load_builtin(name)
+        assert outcome(lambda: check_nonempty(space, context)) == outcome(lambda: naive_check_nonempty(space, context))
+    with pytest.raises(UsageError, match=r"most often failed: the kernel is written for head_dim 64 and 128"):
+        check_nonempty(load_builtin("attention"), context)
+
+
+def test_derived_value_reading_a_later_ones_name(tmp_path):
+    """In a plugin family's space (any context name), a derived value may read a later derived value's name,
+    which is then the context's: such a space takes the naive loop, with the same result."""
+    path = tmp_path / "space.yaml"
+    path.write_text("family: nosuchpackage_xyz.fam:Family\nparams:\n  p: {values: [1, 2, 3]}\n"
+                    "derived:\n  a: b + p\n  b: p * 10\nconstraints:\n  - {expr: a + b < 25, why: w}\n")
+    space = load_space(path)
+    assert _steps(space) is None
+    for context in ({"b": 1}, {"b": 20}):
+        assert space.admitted_configs(context) == reference_admitted(space, context) == naive_admitted(space, context)
+    assert outcome(lambda: space.admitted_configs({})) == outcome(lambda: naive_admitted(space, {}))
+
+
+def test_spaces_with_no_constraint_or_only_context_ones(tmp_path):
+    """A space with no constraint admits every config; one whose only constraint reads the context admits all
+    or none."""
+    assert same_outcome(tmp_path, AB, {"cap": 1})[1] == list(space_of(tmp_path, AB).all_configs())
+    body = AB + "constraints:\n  - {expr: cap > 1, why: w}\n"
+    assert same_outcome(tmp_path, body, {"cap": 2})[1] == list(space_of(tmp_path, body).all_configs())
+    assert same_outcome(tmp_path, body, {"cap": 1})[1] == []
