@@ -114,3 +114,34 @@ def test_the_worker_starts_beside_a_new_run(tmp_path):
     with pytest.raises(RuntimeError):
         _AfterWorker(failed, doomed, lambda c, k: None, Timeline())("cfg", None)
     assert not doomed.path.exists()
+
+
+def test_the_loop_asks_while_the_gpu_measures(tmp_path, attention, mission, monkeypatch):
+    """With an evaluator that starts evaluations, each candidate goes to the GPU before the next round of asks and
+    its Result is taken after them; a plain callable evaluator is called in one piece."""
+    path = tmp_path / "two.yaml"
+    path.write_text(TWO_CONFIGS)
+    space = load_space(path)
+    events = []
+
+    class Starting:
+        def __call__(self, config, compiled):
+            raise AssertionError("a starting evaluator is started, not called")
+
+        def start(self, config, compiled):
+            events.append("start")
+
+            def finish():
+                events.append("finish")
+                return Result(status="ok", time_us=10.0 + config["block_n"] / 64, max_abs=1e-4,
+                              timing={"median_us": 10.0, "p10_us": 9.9, "p90_us": 10.1, "reps": 3})
+            return finish
+
+    real_propose = SearchLoop.propose
+    monkeypatch.setattr(SearchLoop, "propose", lambda self: (events.append("propose"), real_propose(self))[1])
+    run = new_run("overlap", {"family": "attention", "shape": mission.as_dict()}, None)
+    SearchLoop(attention, space, mission, run, Starting(), SearchOptions(trials=2, compile_workers=1)).run()
+    assert events.count("start") == events.count("finish") == 2
+    for i, e in enumerate(events):
+        if e == "start":
+            assert events[i + 1] == "propose" and events[i + 2] == "finish"

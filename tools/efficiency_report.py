@@ -116,6 +116,21 @@ class Exhaustive:
         return Result.from_dict(self.record(config)["result"])
 
 
+class _Started:
+    """The exhaustive run as a starting evaluator (evotune.search.loop.StartsEvaluations), as a live search's is:
+    the candidate is handed over, the loop asks its next proposals, then takes the Result, so a replay's proposals
+    see the results a live search's see."""
+
+    def __init__(self, ex: Exhaustive):
+        self.ex = ex
+
+    def __call__(self, config: Config, compiled) -> Result:
+        return self.ex.evaluate(config, compiled)
+
+    def start(self, config: Config, compiled):
+        return lambda: self.ex.evaluate(config, compiled)
+
+
 # --------------------------------------------------------------------------- curves
 
 
@@ -187,7 +202,7 @@ def replay(ex: Exhaustive, strategy: str, seed: int, budget: int, root: Path, po
     started = time.time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Optuna's experimental-feature warnings
-        summary = run_search(ex.problem, ex.space, ex.shape, run, ex.evaluate, options, compiler=ex.compiler)
+        summary = run_search(ex.problem, ex.space, ex.shape, run, _Started(ex), options, compiler=ex.compiler)
     records = run.trials()
     curve = best_so_far(records, budget)
     mismatched = sum(1 for r in records if r.get("counted")

@@ -240,6 +240,11 @@ class _AfterWorker:
         self.ready()
         return self.evaluate(config, compiled)
 
+    def start(self, config, compiled):
+        """The worker evaluator's start(): the candidate goes to the GPU while the loop asks its next proposals."""
+        self.ready()
+        return self.evaluate.start(config, compiled)
+
 
 def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, shp, spc, timeout, json_out,
                    resume_hint) -> dict:

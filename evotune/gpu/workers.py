@@ -350,6 +350,7 @@ class GPUWorker:
         self.timeout_s = timeout_s
         self._proc = None
         self._conn = None
+        self._lost: WorkerError | None = None  # a job send() could not hand over: receive() raises it
         self.restarts = 0
 
     def _start(self) -> None:
@@ -388,17 +389,35 @@ class GPUWorker:
 
     def call(self, job: Job | dict, timeout_s: float | None = None):
         """Run one job (a Job, or its plain-data form); return its payload or raise WorkerError(status, message)."""
+        self.send(job)
+        return self.receive(timeout_s)
+
+    def send(self, job: Job | dict) -> None:
+        """Hand one job to the worker (starting it if needed) without waiting for the answer: receive() takes it.
+        Meanwhile the caller may do other work (the search asks its next proposals while the GPU measures)."""
         if self._proc is None or not self._proc.is_alive():
             if self._proc is not None:
                 self._stop(kill=True)
                 self.restarts += 1
-            self._start()
+            try:
+                self._start()
+            except WorkerError as e:  # it never came up: receive() says so, as for a job it died on
+                self._lost = e
+                return
         try:
             self._conn.send(_wire(job))
         except (BrokenPipeError, OSError):
             self._stop(kill=True)
             self.restarts += 1
-            raise WorkerError(R.CRASHED, "GPU worker died before it took the job") from None
+            self._lost = WorkerError(R.CRASHED, "GPU worker died before it took the job")
+            return
+        self._lost = None
+
+    def receive(self, timeout_s: float | None = None):
+        """The answer to the job send() handed over: its payload, or WorkerError(status, message)."""
+        if self._lost is not None:
+            lost, self._lost = self._lost, None
+            raise lost
         if not self._conn.poll(timeout_s or self.timeout_s):
             self._stop(kill=True)
             self.restarts += 1
@@ -420,8 +439,13 @@ class GPUWorker:
 
     def evaluate(self, job: Job | dict) -> Result:
         """Evaluate one candidate; any failure becomes a Result with its status and reason."""
+        self.send(job)
+        return self.evaluated()
+
+    def evaluated(self) -> Result:
+        """The Result of the evaluation send() handed over; any failure becomes a Result with its status and reason."""
         try:
-            return Result.from_dict(self.call(job))
+            return Result.from_dict(self.receive())
         except WorkerError as e:
             return Result(status=e.status, message=str(e))
 
