@@ -138,7 +138,7 @@ def test_the_loop_asks_while_the_gpu_measures(tmp_path, attention, mission, monk
             return finish
 
     real_propose = SearchLoop.propose
-    monkeypatch.setattr(SearchLoop, "propose", lambda self: (events.append("propose"), real_propose(self))[1])
+    monkeypatch.setattr(SearchLoop, "propose", lambda self, room=0: (events.append("propose"), real_propose(self, room))[1])
     run = new_run("overlap", {"family": "attention", "shape": mission.as_dict()}, None)
     SearchLoop(attention, space, mission, run, Starting(), SearchOptions(trials=2, compile_workers=1)).run()
     assert events.count("start") == events.count("finish") == 2

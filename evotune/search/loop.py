@@ -255,10 +255,11 @@ class SearchLoop:
         # Configs being measured that have no record yet, by this agent or others: each will be counted.
         return sum(1 for it in self.queue if it.claim) + self.view.other_claims()
 
-    def may_ask(self) -> bool:
-        # One proposal being evaluated plus `lookahead` ahead; never more than the trials still wanted.
+    def may_ask(self, room: int = 0) -> bool:
+        # One proposal being evaluated plus `lookahead` ahead (`room`: queued proposals about to leave, the one on
+        # the GPU while it is measured); never more than the trials still wanted.
         flying = self.in_flight()
-        return (len(self.queue) <= self.options.lookahead and self.view.evaluated + flying < self.options.trials
+        return (len(self.queue) - room <= self.options.lookahead and self.view.evaluated + flying < self.options.trials
                 and len(self.view.admitted_seen) + flying < self.admitted_total and self.asked < self.max_asks)
 
     def done(self) -> bool:
@@ -267,14 +268,16 @@ class SearchLoop:
 
     # ------------------------------------------------------------------ propose, compile ahead
 
-    def propose(self) -> None:
-        """Ask proposals while may_ask; the new admitted configs this agent claims start compiling."""
+    def propose(self, room: int = 0) -> None:
+        """Ask proposals while may_ask(room); the new admitted configs this agent claims start compiling."""
+        if len(self.queue) - room > self.options.lookahead:
+            return  # the queue is full: not even a refresh of the study (each read is a storage round trip)
         # Ask and tag as one step for this host's agents: none claims a config another just claimed. One
         # refresh of the study per round, not per proposal (each read of the trials costs a storage round trip);
         # the lock is held for the round, so this host's agents still see every claim before asking.
         with self.timeline.phase("ask"), self.rn.lock():
             self.view.refresh()
-            while self.may_ask():
+            while self.may_ask(room):
                 item = self.ask()
                 if item.claim:
                     self.compile_ahead(item)
@@ -414,7 +417,7 @@ class SearchLoop:
         measures it while this agent asks its next proposals."""
         if isinstance(self.evaluator, StartsEvaluations) and self.options.lookahead > 0:
             finish = self.evaluator.start(item.config, compiled)
-            self.propose()
+            self.propose(room=1)  # the slot this candidate frees once recorded: its successor is asked now
             with self.timeline.phase("evaluate"):
                 res = finish()
         else:
