@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14's measurements in one GPU call (H100): the README's first search from a cold start (twice), a
+# Issue 14's measurements in one GPU call (H100): the README's first search from a cold start (three times), a
 # 300-trial search for the sustained rate, the second exhaustive oracle (gpt2 over attention-hopper.yaml),
 # and, where kernel_tuner is importable, Kernel Tuner's live tune beside evotune's default (tools/kt_live.py).
 #   OUT=dir bash tools/search_speed_device.sh        (STEPS="first sustained oracle kt" by default)
@@ -9,7 +9,7 @@ FINAL=${OUT:?set OUT}; OUT=$(mktemp -d)/search_speed; STEPS=${STEPS:-first susta
 here=$(cd "$(dirname "$0")/.." && pwd)
 for step in $STEPS; do
   case $step in
-    first) OUT=$OUT/first REPEATS=2 bash "$here/tools/first_search.sh" ;;
+    first) OUT=$OUT/first REPEATS=3 bash "$here/tools/first_search.sh" ;;
     sustained) OUT=$OUT/sustained TRIALS=300 bash "$here/tools/first_search.sh" ;;
     oracle)
       work=$(mktemp -d); mkdir -p "$OUT/oracle"; start=$(date +%s)
