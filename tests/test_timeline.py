@@ -12,20 +12,10 @@ from evotune.records.runs import new_run
 from evotune.search.loop import SearchLoop, SearchOptions
 from evotune.space.searchspace import load_space
 from evotune.timeline import TIMELINE_FILE, Timeline, process_start
+from test_search import TINY_SPACE as TWO_CONFIGS  # two configs: block_n 32 or 64
 
 pytestmark = pytest.mark.usefixtures("runs_root")
 
-TWO_CONFIGS = """\
-family: attention
-params:
-  block_m: {values: [32]}
-  block_n: {values: [32, 64]}
-  compute_warps: {values: [2]}
-  producer_warps: {values: [0]}
-  stages: {values: [1]}
-  smem_layout: {values: [swizzle]}
-  q_in_regs: {values: [true]}
-"""
 
 
 def test_process_start_is_before_now():

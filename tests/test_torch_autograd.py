@@ -6,7 +6,6 @@ every variant of the family (NVRTC, no GPU), and the parameter packet's bytes ag
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 
@@ -14,12 +13,14 @@ torch = pytest.importorskip("torch")
 
 import evotune.torch as et  # noqa: E402
 from evotune.problems import get_problem  # noqa: E402
-from evotune.problems.shapes import Shape  # noqa: E402
 from evotune.space.searchspace import Config, load_builtin  # noqa: E402
 from evotune.torch import autograd  # noqa: E402
 
+import _torch_inputs as _inputs  # noqa: E402
+
 F = torch.nn.functional
 TRAIN_OP = torch.ops.evotune.attention_lse.default
+quiet = _inputs.quiet
 ATTENTION = get_problem("attention")
 
 
@@ -31,21 +32,9 @@ def fresh_routing(monkeypatch):
     et.use_table(None)
 
 
-def qkv(b=2, h=4, sq=16, sk=24, d=64, dtype=torch.float32, layout="bhsd", kv_heads=None, grad=True):
-    gen = torch.Generator().manual_seed(1)
-
-    def one(s, heads):
-        t = torch.randn(b, s, heads, d, generator=gen).to(dtype).transpose(1, 2) if layout == "bshd" \
-            else torch.randn(b, heads, s, d, generator=gen).to(dtype)
-        return t.requires_grad_(grad)
-
-    return one(sq, h), one(sk, kv_heads or h), one(sk, kv_heads or h)
-
-
-def quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", et.EvotuneFallbackWarning)
-        return fn(*args, **kwargs)
+def qkv(**kwargs):
+    """Shared inputs (tests/_torch_inputs.py), fp32 with gradients unless told otherwise."""
+    return _inputs.qkv(**{"dtype": torch.float32, "seed": 1, "grad": True, **kwargs})
 
 
 def test_training_op_is_registered_without_mutation():

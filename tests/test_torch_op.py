@@ -22,6 +22,7 @@ from evotune.torch.call import Call, coverage, new_output  # noqa: E402
 from evotune.records.tuning_table import save_table  # noqa: E402
 
 from _tables import H100, entry, table  # noqa: E402
+from _torch_inputs import qkv, quiet  # noqa: E402
 
 F = torch.nn.functional
 OP = torch.ops.evotune.attention.default
@@ -34,23 +35,6 @@ def fresh_routing(monkeypatch):
     et.use_table(None)
     yield
     et.use_table(None)
-
-
-def qkv(b=2, h=4, sq=16, sk=24, d=64, dtype=torch.bfloat16, layout="bhsd", device="cpu", kv_heads=None):
-    gen = torch.Generator().manual_seed(0)
-
-    def one(s, heads):
-        if layout == "bshd":
-            return torch.randn(b, s, heads, d, generator=gen, dtype=dtype).transpose(1, 2).to(device)
-        return torch.randn(b, heads, s, d, generator=gen, dtype=dtype).to(device)
-
-    return one(sq, h), one(sk, kv_heads or h), one(sk, kv_heads or h)
-
-
-def quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", et.EvotuneFallbackWarning)
-        return fn(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------- registration

@@ -17,10 +17,17 @@ from .display import cfg_short
 REPLAY_SEEDS = (101, 102, 103)  # not the search's seeds: replay checks on inputs the search never saw
 
 
+# The options every candidate command takes the same way (one definition, read by typer for each command).
+WHICH = typer.Argument("best", help="'best' or a trial number of --run.")
+RUN = typer.Option(None, "--run", help="Run name (default: the latest run).")
+CONFIG = typer.Option(None, "--config", help="A config as JSON instead of a run record.")
+CONFIG_SPACE = typer.Option(None, "--space", help="Space for --config (default: the family's).")
+
+
 @app.command()
 def replay(
     which: str = typer.Argument("best", help="'best' or a trial number."),
-    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
+    run: Optional[str] = RUN,
     baselines: bool = typer.Option(True, "--baselines/--no-baselines",
                                    help="Time the family's baselines beside it (SDPA backends, torch.softmax)."),
     json_out: bool = typer.Option(False, "--json"),
@@ -127,11 +134,11 @@ def _compile_candidate(problem, shp, config):
 
 @app.command()
 def bench(
-    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
-    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
-    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    which: str = WHICH,
+    run: Optional[str] = RUN,
+    config: Optional[str] = CONFIG,
     shape: Optional[str] = typer.Option(None, "--shape", help="Shape to bench on (default: the run's)."),
-    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    space: Optional[str] = CONFIG_SPACE,
     family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A run's is its own."),
     reps: int = typer.Option(100, "--reps", min=5, help="Timed CUDA-graph replays per kernel (median, p10, p90)."),
     baselines: Optional[str] = typer.Option(None, "--baselines", help="Comma list of baselines (default: all of the family's)."),
@@ -210,11 +217,11 @@ def _print_bench(rec: dict) -> None:
 
 @app.command("verify")
 def verify_cmd(
-    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
-    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
-    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    which: str = WHICH,
+    run: Optional[str] = RUN,
+    config: Optional[str] = CONFIG,
     shape: Optional[str] = typer.Option(None, "--shape", help="Shape to check on (default: the run's)."),
-    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    space: Optional[str] = CONFIG_SPACE,
     family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A run's is its own."),
     launches: int = typer.Option(100, "--launches", min=2, help="Launches for the bitwise determinism check."),
     json_out: bool = typer.Option(False, "--json"),
@@ -250,11 +257,11 @@ def verify_cmd(
 
 @app.command()
 def sanitize(
-    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
-    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
-    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    which: str = WHICH,
+    run: Optional[str] = RUN,
+    config: Optional[str] = CONFIG,
     shape: Optional[str] = typer.Option(None, "--shape", help="Shape (default: a small ragged one of the run's class)."),
-    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    space: Optional[str] = CONFIG_SPACE,
     family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A run's is its own."),
     tool: list[str] = typer.Option(["memcheck", "racecheck", "synccheck"], "--tool", help="Sanitizer tool(s)."),
     json_out: bool = typer.Option(False, "--json"),
@@ -288,11 +295,11 @@ def sanitize(
 
 @app.command()
 def sass(
-    which: str = typer.Argument("best", help="'best' or a trial number of --run."),
-    run: Optional[str] = typer.Option(None, "--run", help="Run name (default: the latest run)."),
-    config: Optional[str] = typer.Option(None, "--config", help="A config as JSON instead of a run record."),
+    which: str = WHICH,
+    run: Optional[str] = RUN,
+    config: Optional[str] = CONFIG,
     shape: Optional[str] = typer.Option(None, "--shape", help="Shape (default: the run's)."),
-    space: Optional[str] = typer.Option(None, "--space", help="Space for --config (default: the family's)."),
+    space: Optional[str] = CONFIG_SPACE,
     family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     output: Optional[str] = typer.Option(None, "-o", "--output", help="Also write the whole SASS listing here."),
     json_out: bool = typer.Option(False, "--json"),

@@ -593,10 +593,9 @@ def _compiled(item: _Pending, compiler=None):
     return compile_source(item.source.code, item.source.entry)
 
 
-def _compile_and_judge(problem, shape, item: _Pending, compiler=None, timeline: Timeline | None = None):
+def _compile_and_judge(problem, shape, item: _Pending, compiler, timeline: Timeline):
     """A new, admitted configuration compiled and judged by the static gate: the Compiled to evaluate, or the
     Result it came to (compile error, static prune)."""
-    timeline = timeline if timeline is not None else Timeline()
     config = item.config
     try:
         with timeline.phase("compile wait"):  # the GPU idles while the head of the queue is still compiling
