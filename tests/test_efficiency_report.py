@@ -104,7 +104,7 @@ def test_report_files_are_written(exhaustive_run, tmp_path):
         assert s in text
     data = json.loads((out / "data" / "efficiency.json").read_text())
     assert data["budget"] == E.checkpoint(96, 40) == 39
-    assert len(data["runs"]) == 8 and all(len(r["curve"]) == 39 for r in data["runs"])  # 4 strategies x 2 seeds
+    assert len(data["runs"]) == 10 and all(len(r["curve"]) == 39 for r in data["runs"])  # 5 strategies x 2 seeds
     assert all(r["mismatched"] == 0 for r in data["runs"])
     assert data["summary"]["table"]["nsga2"]["seeds"] == 2
     for r in data["runs"]:  # each curve is what best_so_far says of its run's records: non-increasing

@@ -213,11 +213,12 @@ answered from run `mission-h100-exhaustive-small` (NVIDIA H100 80GB HBM3): optim
 <!-- kt_compare:end -->"""
 
 
-def test_named_section_per_oracle_and_the_verdict_across(hopper_run, tmp_path):
-    """kt_compare on the hopper oracle (2 seeds, 2 Kernel Tuner strategies and evotune's nsga2) writes its section
+def test_named_section_per_oracle_and_the_verdict_across(hopper_run, tmp_path, monkeypatch):
+    """With nsga2 as the default (the LEGACY section's evotune row is nsga2's), kt_compare on the hopper oracle (2 seeds, 2 Kernel Tuner strategies and evotune's nsga2) writes its section
     between markers naming the run after the existing one, which is kept (an unnamed older section: under markers
     naming the mission run, its text unchanged); one verdict across both oracles follows, computed from the
     tables; the notes say what the small budgets mean; writing the same section again changes nothing."""
+    monkeypatch.setattr(K.E, "DEFAULT_STRATEGY", "nsga2")
     md = tmp_path / "EFFICIENCY.md"
     md.write_text("# Search efficiency\n\nmission report\n\n" + LEGACY + "\n")
     out = tmp_path / "kt_compare_gpt2-hopper.json"
@@ -258,9 +259,11 @@ def test_named_section_per_oracle_and_the_verdict_across(hopper_run, tmp_path):
     assert md.read_text() == text
 
 
-def test_cross_verdict_without_every_oracle(tmp_path):
-    """With only the mission's section the verdict is not decided yet and names the missing oracle; a section whose
-    evotune default is not within 3% fails it, whatever Kernel Tuner's strategies did."""
+def test_cross_verdict_without_every_oracle(tmp_path, monkeypatch):
+    """With nsga2 as the default (LEGACY's evotune row) and only the mission's section, the verdict is not decided
+    yet and names the missing oracle; a section whose evotune default is not within 3% fails it, whatever Kernel
+    Tuner's strategies did."""
+    monkeypatch.setattr(K.E, "DEFAULT_STRATEGY", "nsga2")
     verdict = K.cross_verdict(LEGACY)
     assert "| `mission-h100-exhaustive-small` |" in verdict and "| `gpt2-h100-exhaustive-hopper` | - |" in verdict
     assert "Verdict: **not decided yet** (no section for `gpt2-h100-exhaustive-hopper`); met on 1 of 2" in verdict

@@ -379,7 +379,7 @@ def test_unknown_sampler_is_usage_error(attention, reduced, mission):
     """An unknown sampler name is a UsageError naming the choices, raised before any trial is recorded."""
     run = Run.create("bad-sampler", {})
     ev = FakeEvaluator(reduced, attention.context(mission))
-    with pytest.raises(UsageError, match="unknown sampler 'annealing'; choose one of nsga2, tpe, random, exhaustive"):
+    with pytest.raises(UsageError, match="unknown sampler 'annealing'; choose one of surrogate, nsga2, tpe, random, exhaustive"):
         search(attention, reduced, mission, run, ev, trials=3, sampler="annealing")
     assert run.trials() == [] and ev.calls == []
 

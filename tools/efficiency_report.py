@@ -42,11 +42,11 @@ from evotune.search.loop import SearchOptions, run_search  # noqa: E402
 from evotune.space.searchspace import Config, load_space  # noqa: E402
 from evotune.build.template import REPO_ROOT  # noqa: E402
 
-DEFAULT_STRATEGIES = ("nsga2", "nsga2-plain", "tpe", "random")  # nsga2-plain: Optuna's NSGA-II, unsteered
+DEFAULT_STRATEGIES = ("surrogate", "nsga2", "nsga2-plain", "tpe", "random")  # nsga2-plain: Optuna's NSGA-II, unsteered
 CHECKPOINTS_PCT = (5, 10, 15, 30)
 WITHIN = 0.03            # "within 3% of the exhaustive optimum"
 TARGET_PCT = 15          # the default strategy should get there within this share of the space (median)
-DEFAULT_STRATEGY = "nsga2"
+DEFAULT_STRATEGY = SearchOptions.sampler  # the search's default, whatever it is
 # A live search on the H100 machine (16 CPUs) asks this many proposals ahead of the GPU by default.
 H100_COMPILE_WORKERS = 16
 
@@ -212,7 +212,7 @@ def replay(ex: Exhaustive, strategy: str, seed: int, budget: int, root: Path, po
             "constraint_pruned": sum(1 for r in records if (r["result"].get("message") or "").startswith("constraint")),
             "duplicates": sum(1 for r in records if r.get("duplicate_of") is not None),
             "mismatched": mismatched, "seconds": round(time.time() - started, 1),
-            "lookahead": options.lookahead}
+            "lookahead": summary["lookahead"], "precompiled": summary["precompiled"]}
 
 
 def summarize(ex: Exhaustive, runs: list[dict], budget: int) -> dict:

@@ -23,8 +23,9 @@ def search(
     trials: int = typer.Option(60, "--trials", min=1, help="Candidates to compile and evaluate."),
     run: Optional[str] = typer.Option(None, "--run", help="Run name (default: timestamp + shape)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the named run."),
-    sampler: str = typer.Option("nsga2", "--sampler", help=f"Search strategy: {', '.join(SAMPLERS)} "
-                                "(nsga2: evolutionary; exhaustive: every admitted config once, in order)."),
+    sampler: str = typer.Option(SAMPLERS[0], "--sampler", help=f"Search strategy: {', '.join(SAMPLERS)} "
+                                "(surrogate, the default: a model of the measured times picks the next config; nsga2: evolutionary; "
+                                "exhaustive: every admitted config once, in order)."),
     population: int = typer.Option(16, "--population", min=2,
                                    help="NSGA-II population: parents kept per generation (elites of parents + children)."),
     mutation_prob: Optional[float] = typer.Option(None, "--mutation-prob", min=0.0, max=1.0,

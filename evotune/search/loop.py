@@ -1,16 +1,19 @@
-"""The search loop: an Optuna study (NSGA-II by default: population, crossover, mutation)
-over a SearchSpace, minimising (GPU time, max error). Every proposal becomes a recorded
+"""The search loop: an Optuna study (by default strategies.SurrogateSampler: an additive model of the measured
+times proposes the config it predicts fastest) over a SearchSpace, minimising (GPU time, max error). Every proposal becomes a recorded
 trial: pruned by the space's constraints, failed to compile, pruned by the static
 resource gate, faulted, hung, wrong, or measured. Nothing a candidate does ends the search.
 
 Strategies: every name in SAMPLERS is an Optuna sampler behind the same ask/tell loop;
-evotune's own (strategies.py) are "exhaustive" (each admitted config once, in the space's order)
-and, unless options.steer is off, "nsga2": NSGA-II breeding from the elites of every completed
+evotune's own (strategies.py) are "surrogate" (the default), "exhaustive" (each admitted config once, in the
+space's order) and, unless options.steer is off, "nsga2": NSGA-II breeding from the elites of every completed
 trial, inside the constraints, never repeating a config. options.warm_start configs are asked first.
 
 Compile ahead: while the GPU measures one candidate, the loop keeps up to `lookahead` more
 proposals asked and compiles the new ones in a process pool. Results are still told and
-recorded strictly in ask order, so the records are what a serial search would write.
+recorded strictly in ask order, so the records are what a serial search would write. Where the whole admitted
+space compiles within about the GPU worker's start (PRECOMPILE_BUDGET_S at COMPILE_SECONDS each on the compile
+workers), every config is submitted to the pool at the start instead, and only one proposal is asked ahead: each
+one is then asked knowing every result but the one on the GPU, and is already compiled when its turn comes.
 
 The loop is SearchLoop: named steps (propose, compile_ahead, evaluate, record, tell) returning a typed
 SearchSummary; run_search is its entry point for callers that take the summary as a dict.
@@ -23,7 +26,7 @@ import os
 import time
 from collections import deque
 from concurrent.futures import BrokenExecutor, Future
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable, Protocol, runtime_checkable
 
 from ..build import compile as compile_module  # the pool submits compile_module.compile_source (picklable by name)
@@ -37,7 +40,15 @@ from ..space.searchspace import Config
 from ..build.template import KernelSource, instantiate
 from ..timeline import Timeline
 
-SAMPLERS = ("nsga2", "tpe", "random", "exhaustive")
+SAMPLERS = ("surrogate", "nsga2", "tpe", "random", "exhaustive")
+# Pacing. A proposal asked k candidates ahead of the GPU is chosen without their results; it must be asked that far
+# ahead only to be compiled in time. Compiling the whole admitted space at the start removes the need where it is
+# cheap: it costs no wall time while it fits in the GPU worker's start (measured 9.7 s on the H100 machine,
+# docs/PERFORMANCE.md), and one NVRTC compile of a candidate took 0.50 s (median, attention-hopper on gpt2) and
+# 0.57 s (attention-small on mission) there.
+COMPILE_SECONDS = 0.5
+PRECOMPILE_BUDGET_S = 8.0
+PRECOMPILED_LOOKAHEAD = 2  # with the evaluation overlapped, one proposal waits while the GPU measures the other
 WAIT_S = 0.25  # poll period while other agents finish the configs this one waits for
 
 
@@ -57,7 +68,7 @@ class StartsEvaluations(Protocol):
 @dataclass(frozen=True)
 class SearchOptions:
     trials: int = 60                 # candidates to compile and evaluate (constraint-pruned proposals don't count)
-    sampler: str = "nsga2"
+    sampler: str = "surrogate"
     population: int = 16
     seed: int = 0
     max_proposals_factor: int = 30   # stop after trials * this many proposals, whatever they were
@@ -69,6 +80,8 @@ class SearchOptions:
     steer: bool = True                  # nsga2: breed children inside the constraints and away from taken configs
                                         # (strategies.SteeredNSGAIISampler); False: Optuna's NSGA-II as it is
     warm_start: tuple = ()              # config dicts asked first on a fresh study (earlier runs' best); see warmstart.py
+    precompile: bool | None = None      # compile every admitted config at the start; None: where it fits the budget
+    lookahead_given: bool = field(default=False, init=False, repr=False)  # lookahead was set, not derived
 
     def __post_init__(self):
         if self.mutation_prob is not None and not 0.0 <= self.mutation_prob <= 1.0:
@@ -84,12 +97,31 @@ class SearchOptions:
             # NSGA-II breeds only from completed trials: a proposal asked further ahead than one
             # population is bred from elites that have not seen the last population's results.
             lookahead = min(lookahead, self.population)
+        if self.lookahead is None and self.sampler == "surrogate":
+            # One round of compiles ahead keeps the pool busy; further ahead only asks with fewer results
+            # (replaying attention-small: 31.5 evaluations to the optimum's 3% at 16 ahead, 48 at 32).
+            lookahead = min(lookahead, max(workers, PRECOMPILED_LOOKAHEAD))  # at least one asked while measuring
         if workers < 1:
             raise UsageError(f"compile workers must be at least 1, not {workers}")
         if lookahead < 0:
             raise UsageError(f"lookahead must be 0 (serial) or more, not {lookahead}")
         object.__setattr__(self, "compile_workers", workers)
+        object.__setattr__(self, "lookahead_given", self.lookahead is not None)
         object.__setattr__(self, "lookahead", lookahead)
+
+    def precompiles(self, admitted: int) -> bool:
+        """Whether a search over `admitted` configs compiles them all at the start (see PRECOMPILE_BUDGET_S)."""
+        if self.precompile is not None:
+            return self.precompile and self.lookahead > 0
+        return (self.lookahead > 0 and not self.lookahead_given
+                and admitted * COMPILE_SECONDS / self.compile_workers <= PRECOMPILE_BUDGET_S)
+
+    def paced(self, admitted: int) -> int:
+        """The lookahead a search over `admitted` configs uses: one proposal ahead where it precompiles them (unless
+        --lookahead says otherwise)."""
+        if self.precompiles(admitted) and not self.lookahead_given:
+            return min(self.lookahead, PRECOMPILED_LOOKAHEAD)
+        return self.lookahead
 
 
 def make_sampler(name: str, population: int, seed: int, *, space=None, admitted: list[Config] | None = None,
@@ -103,6 +135,13 @@ def make_sampler(name: str, population: int, seed: int, *, space=None, admitted:
     and away from taken configs (strategies.SteeredNSGAIISampler); without, it is Optuna's NSGA-II as is."""
     import optuna
 
+    if name == "surrogate":
+        from .strategies import SurrogateSampler
+
+        if space is None or admitted is None:
+            raise ValueError("the surrogate sampler needs the space and its admitted configs")
+        return SurrogateSampler(admitted, distributions(space), taken if taken is not None else (lambda digest: False),
+                                seed=seed, variant=space.variant)
     if name == "nsga2":
         nsga = dict(population_size=population, seed=seed, mutation_prob=mutation_prob, crossover_prob=crossover_prob)
         if not steer:
@@ -167,6 +206,8 @@ class SearchSummary:
     seconds: float
     best: dict | None       # the run's best record
     agent: str
+    lookahead: int          # proposals asked ahead of the GPU (SearchOptions.paced)
+    precompiled: bool       # every admitted config was compiled at the start
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -198,8 +239,14 @@ class SearchLoop:
         # An evaluator that starts evaluations lets the loop ask while the GPU measures: one proposal fewer is
         # queued ahead, so each is still asked with `lookahead` candidates unfinished, as in a serial turn (asked
         # one candidate earlier, replaying both oracles showed the evaluations to the optimum growing: 60 -> 67).
-        self.overlap = isinstance(evaluate, StartsEvaluations) and options.lookahead > 1
-        self.ahead = options.lookahead - 1 if self.overlap else options.lookahead
+        self.evaluator_starts = isinstance(evaluate, StartsEvaluations)
+        self.precompiled: dict[str, tuple] = {}  # digest -> (source, compile future) of configs compiled at the start
+        self.pace(options.lookahead)
+
+    def pace(self, lookahead: int) -> None:
+        self.lookahead = lookahead
+        self.overlap = self.evaluator_starts and lookahead > 1
+        self.ahead = lookahead - 1 if self.overlap else lookahead
 
     # ------------------------------------------------------------------ the loop
 
@@ -236,6 +283,9 @@ class SearchLoop:
         with self.timeline.phase("enumerate the space"):
             admitted = self.space.admitted_configs(self.context)
         self.admitted_total = len(admitted)
+        self.pace(self.options.paced(len(admitted)))
+        if self.options.precompiles(len(admitted)):
+            self.precompile(admitted)
         self.best = best_record(list(self.view.records.values()))
         options, view = self.options, self.view
         sampler = make_sampler(options.sampler, options.population, options.seed, space=self.space, admitted=admitted,
@@ -255,6 +305,17 @@ class SearchLoop:
             _enqueue_warm_start(self.study, view, self.rn, self.space, self.context, options.warm_start)
         self.dists = distributions(self.space)
         self.started = time.time()
+
+    def precompile(self, admitted: list[Config]) -> None:
+        """Every admitted config with no record submitted to the compile pool now (a replay's `compiler` needs none)."""
+        if self.compiler is not None:
+            return
+        todo = [c for c in admitted if c.digest() not in self.by_digest]
+        self.say(f"compiling all {len(todo)} admitted configs on {self.options.compile_workers} workers")
+        with self.timeline.phase("precompile the space"):
+            for config in todo:
+                source = instantiate(self.problem, config, self.shape)
+                self.precompiled[config.digest()] = (source, self.submit(source))
 
     def in_flight(self) -> int:
         # Configs being measured that have no record yet, by this agent or others: each will be counted.
@@ -306,8 +367,12 @@ class SearchLoop:
             self._compile_ahead(item)
 
     def _compile_ahead(self, item: _Pending) -> None:
+        digest = item.config.digest()
+        self.queued[digest] = item
+        if digest in self.precompiled:
+            item.source, item.future = self.precompiled.pop(digest)
+            return
         item.source = instantiate(self.problem, item.config, self.shape)
-        self.queued[item.config.digest()] = item
         if self.options.lookahead > 0 and self.compiler is None:
             item.future = self.submit(item.source)
 
@@ -501,7 +566,8 @@ class SearchLoop:
         records = self.rn.trials()
         return SearchSummary(run_id=self.rn.run_id, evaluated=self.view.evaluated, measured=self.measured,
                              proposals=self.recorded, abandoned=self.abandoned, statuses=status_counts(records),
-                             seconds=time.time() - self.started, best=best_record(records), agent=self.view.me.label)
+                             seconds=time.time() - self.started, best=best_record(records), agent=self.view.me.label,
+                             lookahead=self.lookahead, precompiled=self.options.precompiles(self.admitted_total))
 
 
 def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: SearchOptions,

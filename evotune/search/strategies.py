@@ -164,3 +164,108 @@ class SteeredNSGAIISampler(optuna.samplers.NSGAIISampler):
         if immigrant is not None:
             return immigrant
         return child if child is not None else self._complete({})
+
+
+class SurrogateSampler(optuna.samplers.BaseSampler):
+    """evotune's default: every untaken admitted configuration is scored by an additive surrogate of the measured
+    times, and the lowest predicted one is proposed (random ones until two configs have passed).
+
+    The surrogate is ridge regression of log(time) on the one-hot values of the varying knobs (an intercept plus one
+    weight per knob value, `ridge` the penalty on the weights): after n results it predicts every config of the
+    space from the knob values' average effect. Each ask draws the weights from the fit's posterior, its covariance
+    scaled by `explore` (Thompson sampling; 0: the fit itself): greedy on the fit alone never tries a knob value
+    no measured config has while the measured ones look better than average. It is refitted on every ask from the COMPLETE trials (the ones that
+    passed the gate); failed and pruned configs are taken, so never proposed again, and teach it nothing. Ties
+    (e.g. configs sharing every knob value seen so far) are broken at random.
+
+    Why (tools/kt_compare.py over both exhaustive oracles, docs/EFFICIENCY.md): Kernel Tuner's best strategies
+    there are sequential local searches (genetic_algorithm on attention-small, simulated_annealing on
+    attention-hopper), and the steered NSGA-II, whose first population is random and which waits for a whole
+    population before breeding, needed more evaluations than either. The knob effects of these kernels are close
+    to additive (tile shape, warps, pipeline depth each move the time in the same direction whatever the other
+    knobs), so a model of one weight per knob value, fitted to a dozen results, already ranks the optimum's
+    neighbourhood first; scoring the whole admitted space (not only neighbours of the incumbent) lets it jump
+    between basins, which a Hamming-1 local step cannot. Single objective: the error only gates.
+
+    Random draws (before the model has data) pick the variant knob's value first, as SteeredNSGAIISampler does,
+    so a variant with few admitted configs is still drawn.
+    """
+
+    def __init__(self, admitted: Sequence, distributions: dict, taken: Callable[[str], bool], *, seed: int = 0,
+                 ridge: float = 1.0, explore: float = 1.0, variant: str | None = None, min_results: int = 2):
+        import numpy as np
+
+        self._configs = list(admitted)
+        self._digests = [c.digest() for c in self._configs]
+        self._distributions = dict(distributions)
+        self._taken = taken
+        self._ridge = ridge
+        self._explore = explore
+        self._min_results = min_results
+        self._rng = np.random.RandomState(seed)
+        varying = [name for name, d in self._distributions.items() if len(d.choices) > 1]
+        self._columns = [(name, value) for name in varying for value in self._distributions[name].choices]
+        self._features = np.array([self.features(c.as_dict()) for c in self._configs], dtype=float).reshape(
+            len(self._configs), 1 + len(self._columns))
+        self._variant = variant if variant in varying else None
+
+    def features(self, params: dict) -> list[float]:
+        """The regression's row for a config: 1 (intercept), then 1.0 for each knob value it has."""
+        return [1.0] + [1.0 if params.get(name) == value else 0.0 for name, value in self._columns]
+
+    def predict(self, trials) -> "object":
+        """log(time) predicted for every admitted config from `trials` (COMPLETE, values[0] = time)."""
+        import numpy as np
+
+        x = np.array([self.features(t.params) for t in trials], dtype=float)
+        y = np.log([t.values[0] for t in trials])
+        penalty = self._ridge * np.eye(x.shape[1])
+        penalty[0, 0] = 0.0  # the intercept is not shrunk: it is the mean log time
+        gram = x.T @ x + penalty
+        weights = np.linalg.solve(gram, x.T @ y)
+        if self._explore > 0:
+            # Thompson sampling: weights drawn from the ridge posterior (noise variance from the residuals), so a
+            # knob value never measured, whose weight the data do not pin, is tried now and then.
+            residual = y - x @ weights
+            noise = max(float(residual @ residual) / max(len(y) - 1, 1), 1e-4)
+            cov = np.linalg.inv(gram) * noise * self._explore
+            weights = self._rng.multivariate_normal(weights, (cov + cov.T) / 2, check_valid="ignore")
+        return self._features @ weights
+
+    def infer_relative_search_space(self, study, trial) -> dict:
+        return dict(self._distributions)
+
+    def sample_relative(self, study, trial, search_space) -> dict:
+        import numpy as np
+        from optuna.trial import TrialState
+
+        if trial.system_attrs.get("fixed_params"):
+            return {}  # an enqueued (warm-start) trial: its params are given
+        done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
+        if len(done) < self._min_results:
+            index = self._random_free()
+        else:
+            # Lowest prediction first, random among equal ones; `taken` is asked lazily, in that order (the full
+            # attention space has 10,104 admitted configs on the mission shape: one check each per ask cost ms).
+            score = self.predict(done) + 1e-9 * self._rng.rand(len(self._configs))
+            index = next((int(i) for i in np.argsort(score, kind="stable") if not self._taken(self._digests[i])), None)
+        if index is None:
+            return {}  # exhausted: sample_independent answers with a repeat, which the loop records as a duplicate
+        config = self._configs[index].as_dict()
+        return {name: config[name] for name in search_space if name in config}
+
+    def _random_free(self) -> int | None:
+        """A random untaken config (None: none left), the variant knob's value drawn first among those with one."""
+        order = self._rng.permutation(len(self._configs))
+        if self._variant is not None:
+            values = sorted({c[self._variant] for c in self._configs}, key=str)
+            for v in self._rng.permutation(len(values)):
+                found = next((int(i) for i in order if self._configs[i][self._variant] == values[v]
+                              and not self._taken(self._digests[i])), None)
+                if found is not None:
+                    return found
+            return None
+        return next((int(i) for i in order if not self._taken(self._digests[i])), None)
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self._configs[0][param_name] if self._configs else param_distribution.choices[0]
