@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The README's first search, timed from a cold start: fresh compile cache and runs folder, one process
 # per run, wall time from the command to the printed best, and the run's own timeline (timeline.jsonl).
-#   OUT=dir TRIALS=60 SAMPLER=nsga2 SHAPE=mission REPEATS=1 PROFILE=0 bash tools/first_search.sh
+#   OUT=dir TRIALS=60 [SAMPLER=nsga2] SHAPE=mission REPEATS=1 PROFILE=0 bash tools/first_search.sh
+# (no SAMPLER: the search's default strategy, as the README's command runs it)
 # PROFILE=1 adds one more cold run under cProfile (the search process only) and keeps its stats.
 set -uo pipefail
-OUT=${OUT:-/tmp/first-search}; TRIALS=${TRIALS:-60}; SAMPLER=${SAMPLER:-nsga2}; SHAPE=${SHAPE:-mission}
+OUT=${OUT:-/tmp/first-search}; TRIALS=${TRIALS:-60}; SAMPLER=${SAMPLER:-}; PICK=${SAMPLER:+--sampler $SAMPLER}; SHAPE=${SHAPE:-mission}
 REPEATS=${REPEATS:-1}; PROFILE=${PROFILE:-0}; EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
 python3 -c "import os; print('cpus', os.cpu_count())" | tee "$OUT/machine.txt"
@@ -13,7 +14,7 @@ for i in $(seq 1 "$REPEATS"); do
   work=$(mktemp -d)
   start=$(date +%s.%N)
   EVOTUNE_CACHE=$work/cache EVOTUNE_RUNS=$work/runs python3 -m evotune search --shape "$SHAPE" \
-    --trials "$TRIALS" --sampler "$SAMPLER" --run first $EXTRA > "$OUT/search-$i.log" 2>&1
+    --trials "$TRIALS" $PICK --run first $EXTRA > "$OUT/search-$i.log" 2>&1
   rc=$?
   end=$(date +%s.%N)
   wall=$(python3 -c "print(round($end - $start, 2))")
@@ -37,7 +38,7 @@ done
 if [ "$PROFILE" = 1 ]; then
   work=$(mktemp -d)
   EVOTUNE_CACHE=$work/cache EVOTUNE_RUNS=$work/runs python3 -m cProfile -o "$OUT/search.prof" -m evotune search \
-    --shape "$SHAPE" --trials "$TRIALS" --sampler "$SAMPLER" --run first $EXTRA > "$OUT/search-profiled.log" 2>&1
+    --shape "$SHAPE" --trials "$TRIALS" $PICK --run first $EXTRA > "$OUT/search-profiled.log" 2>&1
   python3 -c "import pstats; pstats.Stats('$OUT/search.prof').sort_stats('cumulative').print_stats(45)" \
     > "$OUT/profile.txt" 2>&1
   rm -rf "$work"
