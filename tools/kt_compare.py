@@ -66,6 +66,7 @@ E = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(E)
 
 from evotune.records import result as R  # noqa: E402
+from evotune.search import loop as L  # noqa: E402
 
 KT_STRATEGIES = ("genetic_algorithm", "bayes_opt", "random_sample", "simulated_annealing", "diff_evo", "pso",
                  "basinhopping", "greedy_ils", "mls")
@@ -404,19 +405,17 @@ def first_population(tool: str, strategy: str, size: int, true_tunables: int, po
     version) and of evotune's samplers; None for strategies without one (random_sample, greedy_ils, mls, ...,
     evotune random). A budget at or below it measures that sampling only."""
     if tool == "evotune":
+        import inspect
+
         sampler, _ = E.parse_strategy(strategy)
         if sampler == "nsga2":
             return population, "first population, random admissible configs"
         if sampler == "surrogate":
-            import inspect
-
             from evotune.search.strategies import SurrogateSampler
 
             first = inspect.signature(SurrogateSampler).parameters["min_results"].default
             return first, "random admissible configs until that many have passed"
         if sampler == "tpe":
-            import inspect
-
             import optuna
 
             startup = inspect.signature(optuna.samplers.TPESampler).parameters["n_startup_trials"].default
@@ -475,8 +474,9 @@ def table_notes(ex, summary: dict, meta: dict) -> list[str]:
         notes.append("evotune asks proposals ahead of the GPU as a live search does ("
                      + ", ".join(f"{s} {la}" for s, la in ahead.items()) + "; never more than the evaluations left), "
                      "so the first lookahead + 1 proposals of a run are asked before any result is back (a live search "
-                     "compiles the whole admitted space at the start, and asks 2 ahead, where that takes at most "
-                     "8 s on its compile workers at 0.5 s a config: evotune.search.loop.PRECOMPILE_BUDGET_S)"
+                     f"compiles the whole admitted space at the start, and asks {L.PRECOMPILED_LOOKAHEAD} ahead, where "
+                     f"that takes at most {L.PRECOMPILE_BUDGET_S:g} s on its compile workers at {L.COMPILE_SECONDS:g} s "
+                     "a config: evotune.search.loop.PRECOMPILE_BUDGET_S)"
                      + (": every proposal of " + "; ".join(blind) if blind else "") + ".")
     for r in rows:
         if r["errors"]:

@@ -240,7 +240,8 @@ class SearchLoop:
         # queued ahead, so each is still asked with `lookahead` candidates unfinished, as in a serial turn (asked
         # one candidate earlier, replaying both oracles showed the evaluations to the optimum growing: 60 -> 67).
         self.evaluator_starts = isinstance(evaluate, StartsEvaluations)
-        self.precompiled: dict[str, tuple] = {}  # digest -> (source, compile future) of configs compiled at the start
+        self.precompiles = False                 # every admitted config compiled at the start (set by setup)
+        self.precompiled: dict[str, tuple] = {}  # digest -> (source, compile future) of those not yet asked
         self.pace(options.lookahead)
 
     def pace(self, lookahead: int) -> None:
@@ -284,7 +285,8 @@ class SearchLoop:
             admitted = self.space.admitted_configs(self.context)
         self.admitted_total = len(admitted)
         self.pace(self.options.paced(len(admitted)))
-        if self.options.precompiles(len(admitted)):
+        self.precompiles = self.options.precompiles(len(admitted))
+        if self.precompiles:
             self.precompile(admitted)
         self.best = best_record(list(self.view.records.values()))
         options, view = self.options, self.view
@@ -567,7 +569,7 @@ class SearchLoop:
         return SearchSummary(run_id=self.rn.run_id, evaluated=self.view.evaluated, measured=self.measured,
                              proposals=self.recorded, abandoned=self.abandoned, statuses=status_counts(records),
                              seconds=time.time() - self.started, best=best_record(records), agent=self.view.me.label,
-                             lookahead=self.lookahead, precompiled=self.options.precompiles(self.admitted_total))
+                             lookahead=self.lookahead, precompiled=self.precompiles)
 
 
 def run_search(problem, space, shape, run: Run, evaluate: Evaluator, options: SearchOptions,

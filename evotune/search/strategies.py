@@ -204,33 +204,30 @@ class SurrogateSampler(optuna.samplers.BaseSampler):
         self._min_results = min_results
         self._rng = np.random.RandomState(seed)
         varying = [name for name, d in self._distributions.items() if len(d.choices) > 1]
-        self._columns = [(name, value) for name in varying for value in self._distributions[name].choices]
-        self._features = np.array([self.features(c.as_dict()) for c in self._configs], dtype=float).reshape(
-            len(self._configs), 1 + len(self._columns))
+        # The regression's columns: the intercept (0), then one per value of each varying knob. A config's row has
+        # a 1 in the intercept and in one column per varying knob, so it is kept as those columns' indices: its
+        # prediction is a sum of that many weights (gathered by index, not a dense configs x columns product
+        # through BLAS, whose threads compete with the compile pool's processes for the CPUs).
+        self._varying = varying
+        self._column = {(name, value): 1 + k for k, (name, value) in
+                        enumerate((n, v) for n in varying for v in self._distributions[n].choices)}
+        self._width = 1 + len(self._column)
+        self._active = np.array([self.active(c.as_dict()) for c in self._configs], dtype=np.intp).reshape(
+            len(self._configs), 1 + len(varying))
         self._variant = variant if variant in varying else None
-        # Each config's nonzero columns (the intercept and one per varying knob): its prediction is a sum of that
-        # many weights, gathered by index rather than a dense (configs x columns) product through BLAS, whose
-        # threads compete with the compile pool's processes for the CPUs.
-        self._active = np.array([np.flatnonzero(row) for row in self._features], dtype=np.intp).reshape(
-            len(self._configs), -1) if len(self._configs) else np.zeros((0, 1), dtype=np.intp)
-        # A trial's row by its params: the admitted config's precomputed row (features() is a Python loop over
-        # every column, 5 ms an ask at 300 trials on the full space).
-        self._names = list(self._distributions)
-        self._index = {tuple(c.as_dict().get(n) for n in self._names): i for i, c in enumerate(self._configs)}
 
-    def features(self, params: dict) -> list[float]:
-        """The regression's row for a config: 1 (intercept), then 1.0 for each knob value it has."""
-        return [1.0] + [1.0 if params.get(name) == value else 0.0 for name, value in self._columns]
+    def active(self, params: dict) -> list[int]:
+        """The regression row of a config, as the indices of its nonzero (1.0) columns."""
+        return [0] + [self._column[(name, params[name])] for name in self._varying]
 
     def predict(self, trials) -> "object":
         """log(time) predicted for every admitted config from `trials` (COMPLETE, values[0] = time)."""
         import numpy as np
 
-        rows = [self._index.get(tuple(t.params.get(n) for n in self._names)) for t in trials]
-        x = np.array([self._features[i] if i is not None else self.features(t.params) for i, t in zip(rows, trials)],
-                     dtype=float).reshape(len(trials), self._features.shape[1])
+        x = np.zeros((len(trials), self._width))
+        x[np.arange(len(trials))[:, None], [self.active(t.params) for t in trials]] = 1.0
         y = np.log([t.values[0] for t in trials])
-        penalty = self._ridge * np.eye(x.shape[1])
+        penalty = self._ridge * np.eye(self._width)
         penalty[0, 0] = 0.0  # the intercept is not shrunk: it is the mean log time
         gram = x.T @ x + penalty
         weights = np.linalg.solve(gram, x.T @ y)
