@@ -111,3 +111,20 @@ def fault_worker(conn, device: int) -> None:
             conn.send(("error", {"message": f"fault {fault!r} should never reach a worker", "traceback": ""}))
             return
         conn.send(("ok", res.as_dict()))
+
+
+def timed_start_worker(conn, device: int) -> None:
+    """Starts as the real worker reports its start (when it was entered, its own steps' seconds), then answers
+    every job with {"name": "stand-in"} (as an InfoJob's device info)."""
+    entered = time.time()
+    time.sleep(0.2)
+    conn.send(("ready", {"entered": entered, "phases": {"import torch": 0.2}}))
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        time.sleep(0.1)
+        conn.send(("ok", {"name": "stand-in"}))

@@ -136,7 +136,7 @@ def test_kill_9_mid_search_then_resume(attention, mission, tmp_path, monkeypatch
     assert set(first) & set(second) == lost
 
     # Trials the killed process asked and never recorded (in flight or queued ahead) are closed as FAIL.
-    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    study = optuna.load_study(study_name="evotune", storage=run.storage())
     assert not [t for t in study.trials if t.state == TrialState.RUNNING]
     unrecorded = [t for t in study.trials if t.number not in {r["number"] for r in records}
                   and t.number != torn["number"]]

@@ -35,7 +35,8 @@ def test_create_writes_meta_and_empty_log(runs_root):
     assert run.meta() == meta
     assert run.trials_path.is_file() and run.trials_path.read_text() == ""
     assert run.trials() == []
-    assert run.storage_url == f"sqlite:///{run.path / 'study.db'}"
+    # A new run keeps its study in its own journal file (no RDB URL); runs made before it keep study.db.
+    assert run.storage_url is None and run.study_place == str(run.path / "study.journal")
 
 
 def test_create_without_name_uses_timestamp_and_shape(runs_root):

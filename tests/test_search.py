@@ -211,7 +211,7 @@ def test_search_end_to_end(attention, reduced, mission):
     assert summary["statuses"].get(R.OK) == len(ok)
     assert summary["run_id"] == "e2e"
 
-    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    study = optuna.load_study(study_name="evotune", storage=run.storage())
     assert len(study.trials) == len(records)
     assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
 
@@ -256,7 +256,7 @@ def test_failing_statuses_are_recorded_never_best(attention, reduced, mission):
     assert all(r["result"]["status"] == R.OK for r in json.loads((run.path / "pareto.json").read_text()))
     wrong = [r for r in records if r["result"]["status"] == R.WRONG]
     assert all(w["result"]["time_us"] < best["result"]["time_us"] for w in wrong)  # faster, yet not best
-    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    study = optuna.load_study(study_name="evotune", storage=run.storage())
     states = Counter(t.state for t in study.trials)
     assert states[TrialState.FAIL] >= 6 and states[TrialState.COMPLETE] >= 2
 
@@ -327,7 +327,7 @@ def test_resume_continues_without_repeating(attention, reduced, mission):
     before = run.trials_path.read_text()
 
     # A killed process leaves its trial RUNNING in the study (asked, never told) and nothing in trials.jsonl.
-    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    study = optuna.load_study(study_name="evotune", storage=run.storage())
     orphan = study.ask(S.distributions(reduced)).number
 
     again = Run.open("resumable")
@@ -345,7 +345,7 @@ def test_resume_continues_without_repeating(attention, reduced, mission):
     assert sum(r["counted"] for r in records) == 8
     assert orphan not in {r["number"] for r in records}
 
-    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    study = optuna.load_study(study_name="evotune", storage=run.storage())
     assert study.trials[orphan].state == TrialState.FAIL
     assert not [t for t in study.trials if t.state == TrialState.RUNNING]
     assert json.loads((run.path / "best.json").read_text()) == second["best"]
@@ -426,7 +426,7 @@ def test_should_stop_shuts_the_compile_pool_down(attention, reduced, mission):
                      on_trial=on_trial, should_stop=lambda: len(finished) >= 2)
     assert summary["proposals"] == 2 and summary["abandoned"] >= 1
     assert [r["number"] for r in run.trials()] == [r["number"] for r in finished]
-    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    study = optuna.load_study(study_name="evotune", storage=run.storage())
     assert len(study.trials) == 2 + summary["abandoned"]
     assert not [t for t in study.trials if t.state == TrialState.RUNNING]
     recorded = {r["number"] for r in finished}
@@ -453,7 +453,7 @@ def test_keyboard_interrupt_shuts_down_and_resumes(attention, reduced, mission):
         search(attention, reduced, mission, run, interrupting, trials=6, sampler="random", lookahead=3)
     assert child_pids() <= before, "no compile process outlives the interrupt"
     assert sum(r["counted"] for r in run.trials()) == 2
-    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    study = optuna.load_study(study_name="evotune", storage=run.storage())
     assert not [t for t in study.trials if t.state == TrialState.RUNNING]
     assert len(study.trials) > len(run.trials())  # the interrupted and the queued trials were told FAIL
 
@@ -502,7 +502,7 @@ def test_repeats_in_flight_wait_for_their_first(attention, reduced, mission, mon
     a, b = admitted[0], admitted[1]
     p = next(c for c in reduced.all_configs() if not reduced.admitted(c, context))
     run = Run.create("window", {})
-    study = optuna.create_study(study_name="evotune", storage=run.storage_url, directions=["minimize", "minimize"])
+    study = optuna.create_study(study_name="evotune", storage=run.storage(), directions=["minimize", "minimize"])
     for cfg in (a, p, a, b, p, a):
         study.enqueue_trial(cfg.as_dict())
 

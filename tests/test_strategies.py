@@ -80,7 +80,7 @@ def test_exhaustive_stops_at_trials_and_resume_takes_the_rest(attention, small, 
     assert first["evaluated"] == 4 and ev.digests() == [c.digest() for c in admitted[:4]]
 
     # A killed process asked for the fifth config and never told: no record, a RUNNING trial in the study.
-    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    study = optuna.load_study(study_name="evotune", storage=run.storage())
     study.enqueue_trial(admitted[4].as_dict())
     orphan = study.ask(S.distributions(small)).number
 
@@ -88,7 +88,7 @@ def test_exhaustive_stops_at_trials_and_resume_takes_the_rest(attention, small, 
     assert second["evaluated"] == 6 and second["proposals"] == 2
     assert ev.digests() == [c.digest() for c in admitted]
     check_records(run.trials())
-    study = optuna.load_study(study_name="evotune", storage=run.storage_url)
+    study = optuna.load_study(study_name="evotune", storage=run.storage())
     assert study.trials[orphan].state == TrialState.FAIL
 
 

@@ -254,3 +254,45 @@ def test_worker_ignores_sigint(worker_with):
     assert w.restarts == 0
     w.close()
     assert w._proc is None
+
+
+# ------------------------------------------------------------------ where a worker's start goes
+
+
+def test_start_phases_reach_the_search_timeline(worker_with):
+    """A worker that reports its start (entry time, its own steps) gives the search's timeline its parts: the
+    spawn up to its entry, each step, and the first job (the device info) as the rest; they add up to the whole."""
+    from evotune.cli.search import _start_worker
+    from evotune.timeline import Timeline
+
+    w = worker_with(fake.timed_start_worker)
+    timeline = Timeline()
+    assert _start_worker(w, timeline) == {"name": "stand-in"}
+    phases = {name: s for name, (s, _) in timeline.phases.items()}
+    total = phases.pop("GPU worker start (in the background)")
+    assert set(phases) == {"gpu start: spawn (interpreter, imports)", "gpu start: import torch",
+                           "gpu start: device info"}
+    assert phases["gpu start: import torch"] == 0.2
+    assert phases["gpu start: spawn (interpreter, imports)"] > 0.0 and phases["gpu start: device info"] >= 0.1
+    assert abs(sum(phases.values()) - total) < 1e-6
+
+
+def test_stand_in_without_start_report_has_no_phases(worker_with):
+    """A worker that reports nothing of its start (the protocol's ("ready", None)) leaves start_phases empty, so
+    the timeline gets only the whole start."""
+    w = worker_with(fake.error_worker)
+    assert w.call({"kind": "pid"})["pid"] == w._proc.pid
+    assert w.start_phases == {}
+
+
+@pytest.mark.parametrize("text, version", [
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Thu Oct  2 10:00:00 UTC 2025\n"
+     "GCC version:  gcc version 11.4.0\n", "580.159.04"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  (dvs-builder@U16)\n",
+     "570.86.15"),
+    ("no driver here\n", None),
+])
+def test_driver_version_from_proc(text, version):
+    """The driver version is read from /proc/driver/nvidia/version's text (proprietary and open modules) instead
+    of starting nvidia-smi; text without it gives None (nvidia-smi is asked then)."""
+    assert workers.driver_from_proc(text) == version

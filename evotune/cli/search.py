@@ -46,7 +46,7 @@ def search(
                                        "and one study: e.g. 0,1 (0,0: two agents on GPU 0). Default: --gpu."),
     storage: Optional[str] = typer.Option(None, "--storage", help="Keep the study in this database (e.g. "
                                           "postgresql://user@host:5432/evotune) so that agents on several hosts "
-                                          "share it; default: the run's SQLite file."),
+                                          "share it; default: the run's journal file (study.journal)."),
     compile_workers: Optional[int] = typer.Option(None, "--compile-workers", min=1,
                                                   help="Processes compiling candidates ahead (default: CPU count)."),
     lookahead: Optional[int] = typer.Option(None, "--lookahead", min=0,
@@ -201,7 +201,12 @@ def _start_worker(worker, timeline) -> dict:
 
     started = time.perf_counter()
     info = worker.call(InfoJob())
-    timeline.add("GPU worker start (in the background)", time.perf_counter() - started)
+    total = time.perf_counter() - started
+    timeline.add("GPU worker start (in the background)", total)
+    if worker.start_phases:  # its parts: the worker's own steps, then the device info job (versions, nvidia-smi)
+        for name, seconds in worker.start_phases.items():
+            timeline.add(f"gpu start: {name}", seconds)
+        timeline.add("gpu start: device info", max(0.0, total - sum(worker.start_phases.values())))
     return info
 
 

@@ -206,7 +206,27 @@ def gpu_clocks() -> dict:
         return {"clocks": None}
 
 
+DRIVER_PROC_FILE = "/proc/driver/nvidia/version"  # Linux: the loaded kernel module's version, read in microseconds
+
+
+def driver_from_proc(text: str) -> str | None:
+    """The driver version in /proc/driver/nvidia/version's text ("... Kernel Module [for x86_64]  580.159.04 ...")."""
+    import re
+
+    m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)", text)
+    return m.group(1) if m else None
+
+
 def _driver_string() -> str:
+    # The kernel module's own file first: nvidia-smi costs a process start and an NVML init (part of every
+    # search's worker start, before the first candidate can be measured).
+    try:
+        with open(DRIVER_PROC_FILE) as f:
+            found = driver_from_proc(f.read())
+        if found:
+            return found
+    except OSError:
+        pass
     try:
         import subprocess
 
@@ -306,20 +326,35 @@ def _worker_process(main, conn, device: int) -> None:
 
 
 def _worker_main(conn, device: int) -> None:
+    import time
+
+    entered = time.time()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     import warnings
 
     warnings.filterwarnings("ignore")  # baselines' chatter (SDPA's "kernel not used because")
+    phases: dict[str, float] = {}  # the start's own steps, for the search's timeline ("gpu start: ...")
+    lap = time.perf_counter()
+
+    def done(name: str) -> None:
+        nonlocal lap
+        now = time.perf_counter()
+        phases[name], lap = now - lap, now
+
     try:
         import cupy
+
+        done("import cupy")
         import torch
 
+        done("import torch")
         torch.cuda.set_device(device)
         cupy.cuda.Device(device).use()
+        done("CUDA context")
     except Exception as e:
         conn.send(("fatal", f"GPU worker could not start on device {device}: {type(e).__name__}: {e}"))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", {"entered": entered, "phases": phases}))
     while True:
         try:
             job = conn.recv()
@@ -352,8 +387,12 @@ class GPUWorker:
         self._conn = None
         self._lost: WorkerError | None = None  # a job send() could not hand over: receive() raises it
         self.restarts = 0
+        self.start_phases: dict[str, float] = {}  # seconds of the last start's steps (spawn, imports, context)
 
     def _start(self) -> None:
+        import time
+
+        spawned = time.time()
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         # _worker_main is looked up now, not at import: the CPU tests swap in stand-ins.
@@ -373,6 +412,11 @@ class GPUWorker:
 
             raise NoGPUError(payload)
         self._proc, self._conn = proc, parent
+        # Where the start went: the new interpreter and its imports up to the worker's entry (spawn), then the
+        # worker's own steps. Stand-in workers report nothing.
+        if isinstance(payload, dict):
+            self.start_phases = {"spawn (interpreter, imports)": max(0.0, payload["entered"] - spawned),
+                                 **payload["phases"]}
 
     def _stop(self, kill: bool) -> None:
         if self._proc is None:

@@ -1,5 +1,5 @@
 """Run folders: runs/<run-id>/ with meta.json, trials.jsonl (one line per finished
-trial, flushed as it happens), the Optuna study (SQLite), pareto.json and best.json.
+trial, flushed as it happens), the Optuna study (study.journal), pareto.json and best.json.
 
 Records are append-only: a killed run loses at most the trial in flight, and
 `--resume` continues from what trials.jsonl and the study hold.
@@ -7,9 +7,9 @@ Records are append-only: a killed run loses at most the trial in flight, and
 Several search agents (processes, one per GPU) may share a run: each appends its own lines to
 trials.jsonl under an exclusive flock, one write() per line, so lines never interleave; readers
 skip a torn line (a writer killed mid-write). pareto.json and best.json are replaced atomically
-(a uniquely named temporary file, then os.replace). The study may live in the run's SQLite file
-(the default: one host) or in an RDB server named by URL (several hosts; meta.json records the
-URL with its password hidden).
+(a uniquely named temporary file, then os.replace). The study may live in the run's journal file
+(the default: one host; journal.py), in an RDB server named by URL (several hosts; meta.json records the
+URL with its password hidden), or, for runs made before the journal, in the run's SQLite file (study.db).
 """
 
 from __future__ import annotations
@@ -80,11 +80,12 @@ def new_run_id(shape_spec: str) -> str:
     return f"{stamp}-{re.sub(r'[^A-Za-z0-9]+', '-', shape_spec).strip('-')}"
 
 
-# The default study storage: the run folder's SQLite file. Several processes on one host can share
-# it: SQLite's locks are the kernel's, released when a process dies (a kill -9 stalls nobody and a
-# hot journal is rolled back), and writers wait for each other up to this many seconds.
+# Runs made before the journal keep their study in the run folder's SQLite file. Several processes on one
+# host can share it: SQLite's locks are the kernel's, released when a process dies (a kill -9 stalls nobody
+# and a hot journal is rolled back), and writers wait for each other up to this many seconds.
 SQLITE_TIMEOUT_S = 60
-DEFAULT_STUDY = "evotune"  # the study's name in a run's own SQLite file
+DEFAULT_STUDY = "evotune"  # the study's name in a run's own study file
+JOURNAL_NAME = "study.journal"  # the run's own study (journal.py says why a journal)
 
 
 def redact_url(url: str) -> str:
@@ -145,12 +146,22 @@ class Run:
         return self
 
     @property
-    def storage_url(self) -> str:
-        """The Optuna storage URL of the run's study: the run's SQLite file unless meta.json names another."""
+    def storage_url(self) -> str | None:
+        """The RDB URL of the run's study: a server's (meta.json names it), or the SQLite file that runs made
+        before the journal (study.db); None for the run's own journal file (study.journal, the default)."""
         if self._storage:
             return self._storage
         recorded = self._meta_field("storage")
-        return recorded if recorded else f"sqlite:///{self.path / 'study.db'}"
+        if recorded:
+            return recorded
+        legacy = self.path / "study.db"
+        return f"sqlite:///{legacy}" if legacy.exists() else None
+
+    @property
+    def study_place(self) -> str:
+        """Where the study lives, as messages show it (a server's password hidden)."""
+        url = self.storage_url
+        return redact_url(url) if url else str(self.path / JOURNAL_NAME)
 
     @property
     def study_name(self) -> str:
@@ -159,10 +170,15 @@ class Run:
         return self._meta_field("study_name") or DEFAULT_STUDY
 
     def storage(self):
-        """The Optuna storage object for the run's study (SQLite waits for other writers instead of failing)."""
+        """The Optuna storage object for the run's study: the journal, or an RDB (SQLite waits for other
+        writers instead of failing)."""
         import optuna
 
         url = self.storage_url
+        if url is None:
+            from .journal import journal_storage
+
+            return journal_storage(self.path / JOURNAL_NAME)
         if "***" in url:
             raise UsageError(f"run {self.run_id!r} keeps its study in {url}: give the password with --storage URL "
                              f"(or in ~/.pgpass or PGPASSWORD, and a URL without it)")
@@ -507,11 +523,10 @@ def _check_resumed_shape(run: str, searched, shape_spec: str) -> None:
 
 
 def _check_resume_storage(rn: Run, storage: str | None) -> None:
-    if storage is not None and redact_url(storage) != redact_url(rn.storage_url):
-        raise UsageError(f"run {rn.run_id!r} keeps its study in {redact_url(rn.storage_url)}, "
-                         f"not {redact_url(storage)}")
+    if storage is not None and (rn.storage_url is None or redact_url(storage) != redact_url(rn.storage_url)):
+        raise UsageError(f"run {rn.run_id!r} keeps its study in {rn.study_place}, not {redact_url(storage)}")
     rn.use_storage(storage)
-    if "***" in rn.storage_url:
+    if "***" in (rn.storage_url or ""):
         raise UsageError(f"run {rn.run_id!r} keeps its study in {rn.storage_url}: give it with --storage URL, "
                          f"password included (or keep the password in ~/.pgpass)")
 

@@ -297,7 +297,7 @@ class SearchLoop:
                                steer=options.steer, mutation_prob=options.mutation_prob,
                                crossover_prob=options.crossover_prob)
         with self.timeline.phase("open the study"):
-            with self.rn.lock():  # agents starting at once on a new SQLite file would race to create its tables
+            with self.rn.lock():  # agents starting at once on a new SQLite file (a run made before the journal) race to create its tables
                 self.storage = self.rn.storage()
             self.study = optuna.create_study(study_name=self.rn.study_name, storage=self.storage, load_if_exists=True,
                                              directions=["minimize", "minimize"], sampler=sampler)
@@ -559,7 +559,7 @@ class SearchLoop:
                     self.pool.shutdown(wait=True, cancel_futures=True)
                 engine = getattr(self.storage, "engine", None)
                 if engine is not None:
-                    engine.dispose()  # closes SQLite's connections: the last one folds the WAL into study.db
+                    engine.dispose()  # an RDB's: closes SQLite's connections (the last one folds the WAL into study.db)
 
     def summary(self) -> SearchSummary:
         if self.view.from_others:

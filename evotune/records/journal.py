@@ -1,0 +1,108 @@
+"""The run's own study storage: Optuna's JournalStorage over an append-only file in the run folder.
+
+Why a journal and not the SQLite file of earlier runs: JournalStorage keeps the study in memory and
+writes one line per operation, so an ask reads no trial back from disk. With SQLite every ask re-read
+the unfinished trials (those asked ahead) through the ORM: `python tools/loop_cost.py` (300 trials, the
+full attention space, 2-CPU machine) measured 48.5 ms per ask on SQLite against 9.0 ms on the journal,
+77 against 15 ms of loop per candidate. It is Optuna's documented storage for several processes on one host.
+
+The file backend is evotune's, not Optuna's JournalFileBackend, for the guarantees the run folder gives:
+- The lock is a flock on the journal itself: the kernel drops it when its holder dies, so a kill -9
+  stalls no other agent (Optuna's lock files wait out a 30 s grace period).
+- Each append is one write() of whole lines on an O_APPEND descriptor under that lock, then fsync (as
+  Optuna's backend does): a reader without the lock may see the newest line half written and stops
+  before it; a killed writer can leave at most that half line.
+- A half line at the end (a writer that died in the write, or a power loss) is cut off by the next
+  append, under the lock, before it writes: the journal stays a sequence of whole lines. A whole line
+  that is not JSON is damage, named with its line number; reading never repairs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from optuna.storages.journal import BaseJournalBackend
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock (one agent per run there)
+    fcntl = None
+
+from ..errors import UsageError
+
+
+class DamagedJournal(UsageError):
+    """A whole line of the journal that is not an Optuna journal entry."""
+
+
+class RunJournal(BaseJournalBackend):
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.touch(exist_ok=True)
+        self._offsets: dict[int, int] = {0: 0}  # log number -> byte offset of its line (whole lines only)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[int]:
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # released by close(), or by the kernel if this process dies
+            yield fd
+        finally:
+            os.close(fd)
+
+    def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
+        # JournalStorage asks from the count of entries it has read, whose offset this backend noted.
+        number = log_number_from if log_number_from in self._offsets else 0
+        offset = self._offsets[number]
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            for line in f:
+                if not line.endswith(b"\n"):
+                    return  # being written by another agent now, or a torn tail the next append cuts off
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    raise DamagedJournal(f"{self.path}: line {number + 1} is not a journal entry "
+                                         f"(the run's study is damaged; its trials.jsonl is intact)") from None
+                offset += len(line)
+                number += 1
+                self._offsets[number] = offset
+                if number > log_number_from:
+                    yield entry
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        data = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs).encode()
+        with self._locked() as fd:
+            _cut_torn_tail(fd)
+            os.write(fd, data)
+            os.fsync(fd)
+
+
+def _cut_torn_tail(fd: int) -> None:
+    """Truncate a last line without its newline (its writer died mid-write; the lock is ours, so no one
+    is writing it now)."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    end = size
+    while end > 0:
+        start = max(0, end - 65536)
+        cut = os.pread(fd, end - start, start).rfind(b"\n")
+        if cut >= 0:
+            os.ftruncate(fd, start + cut + 1)
+            return
+        end = start
+    os.ftruncate(fd, 0)
+
+
+def journal_storage(path: Path):
+    """Optuna's JournalStorage over the run's journal file."""
+    from optuna.storages.journal import JournalStorage
+
+    return JournalStorage(RunJournal(path))
