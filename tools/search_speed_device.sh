@@ -2,7 +2,7 @@
 # Issue 14's measurements in one GPU call (H100): the README's first search from a cold start (three times), a
 # 300-trial search for the sustained rate, the second exhaustive oracle (gpt2 over attention-hopper.yaml),
 # and, where kernel_tuner is importable, Kernel Tuner's live tune beside evotune's default (tools/kt_live.py).
-#   OUT=dir bash tools/search_speed_device.sh        (STEPS="first sustained oracle kt" by default; also: hopper)
+#   OUT=dir bash tools/search_speed_device.sh        (STEPS="first sustained oracle kt" by default; also: hopper, loopcost)
 set -uo pipefail
 # Everything lands in $OUT/search_speed.tgz (the device tool brings back few files).
 FINAL=${OUT:?set OUT}; OUT=$(mktemp -d)/search_speed; STEPS=${STEPS:-first sustained oracle kt}
@@ -11,6 +11,13 @@ for step in $STEPS; do
   case $step in
     first) OUT=$OUT/first REPEATS=3 bash "$here/tools/first_search.sh" ;;
     sustained) OUT=$OUT/sustained TRIALS=300 bash "$here/tools/first_search.sh" ;;
+    loopcost)
+      # The loop's own cost per candidate on this host (no GPU, no NVRTC): the journal against the SQLite study.
+      mkdir -p "$OUT/loopcost"
+      for sampler in surrogate nsga2; do for storage in journal sqlite; do
+        python3 "$here/tools/loop_cost.py" --sampler $sampler --storage $storage --trials 300 \
+          --json "$OUT/loopcost/$sampler-$storage.json" | head -1
+      done; done ;;
     oracle)
       work=$(mktemp -d); mkdir -p "$OUT/oracle"; start=$(date +%s)
       EVOTUNE_CACHE=$work/cache EVOTUNE_RUNS=$OUT/oracle python3 -m evotune search --shape gpt2 \
