@@ -436,6 +436,20 @@ def test_should_stop_shuts_the_compile_pool_down(attention, reduced, mission):
         assert child_pids() <= before, "no compile process outlives the search"
 
 
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="no process priorities here")
+def test_compile_pool_runs_below_the_search(tmp_path):
+    """Compile processes run COMPILE_NICENESS below the search process, so the search and its GPU worker keep their
+    CPUs while every compile process is busy."""
+    from evotune.build.compile import COMPILE_NICENESS, compile_pool
+
+    pool = compile_pool(2)
+    try:
+        niceness = {pool.submit(os.nice, 0).result(timeout=120) for _ in range(4)}
+    finally:
+        pool.shutdown()
+    assert niceness == {min(19, os.nice(0) + COMPILE_NICENESS)}
+
+
 @needs_proc
 def test_keyboard_interrupt_shuts_down_and_resumes(attention, reduced, mission):
     """A KeyboardInterrupt from the evaluator ends the search with the pool gone and no RUNNING trial, and a resume

@@ -1,0 +1,79 @@
+"""Where a GPU worker's start goes, step by step, in a fresh process on an idle machine (GPU needed).
+
+The search's timeline.jsonl records the worker's start in a few parts (spawn, import cupy, import torch, CUDA
+context, device info) while the search runs beside it; this splits the same work finer, alone, so that what
+contention adds and what each step costs on its own can be told apart.
+
+    python tools/worker_start_probe.py [--json FILE]      # run it twice: the first pays the cold page cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    steps: dict[str, float] = {}
+    last = time.perf_counter()
+
+    def done(name: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        steps[name], last = round(now - last, 4), now
+
+    import cupy
+    done("import cupy")
+    import torch
+    done("import torch")
+    torch.cuda.set_device(0)
+    cupy.cuda.Device(0).use()
+    done("torch.cuda.set_device + cupy Device.use")
+    torch.cuda.get_device_properties(0)
+    done("torch.cuda.get_device_properties (torch's CUDA init)")
+    cupy.cuda.runtime.driverGetVersion()
+    done("cupy driverGetVersion")
+    from evotune.gpu.workers import _driver_string, gpu_clocks
+    done("import evotune.gpu.workers")
+    _driver_string()
+    done("driver version (/proc or nvidia-smi)")
+    torch.backends.cudnn.version()
+    done("torch.backends.cudnn.version() (loads cuDNN)")
+    x = torch.empty(1, device="cuda")
+    torch.cuda.synchronize()
+    done("first tensor on the GPU")
+    from evotune.problems import get_problem
+    problem = get_problem("attention")
+    shape = problem.parse_shape("mission")
+    inputs = problem.make_inputs(shape, 1)
+    torch.cuda.synchronize()
+    done("mission inputs (seed 1)")
+    problem.reference(shape, inputs)
+    torch.cuda.synchronize()
+    done("mission fp32 reference, first")
+    problem.reference(shape, inputs)
+    torch.cuda.synchronize()
+    done("mission fp32 reference, again")
+    gpu_clocks()
+    done("nvidia-smi clocks query")
+    del x
+    total = round(sum(steps.values()), 3)
+    for name, s in steps.items():
+        print(f"  {name:55s} {s:7.3f} s")
+    print(f"  {'total':55s} {total:7.3f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": steps, "total": total, "torch": torch.__version__, "cupy": cupy.__version__}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
