@@ -161,7 +161,7 @@ def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, s
     from ..search.agents import agent_label
     from ..records.runs import new_run
     from ..search.loop import SearchLoop, worker_evaluator
-    from ..gpu.workers import GPUWorker, InfoJob
+    from ..gpu.workers import GPUWorker
     from ..timeline import Timeline
 
     timeline = timeline if timeline is not None else Timeline()
@@ -197,16 +197,15 @@ def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, s
 def _start_worker(worker, timeline) -> dict:
     """Start the GPU worker and ask it for the device (run in a background thread: the timeline says how long
     it took, beside everything else)."""
-    from ..gpu.workers import InfoJob
-
     started = time.perf_counter()
-    info = worker.call(InfoJob())
+    info = worker.info()
     total = time.perf_counter() - started
     timeline.add("GPU worker start (in the background)", total)
-    if worker.start_phases:  # its parts: the worker's own steps, then the device info job (versions, nvidia-smi)
-        for name, seconds in worker.start_phases.items():
+    if worker.start_phases:  # its parts: the worker's own steps, the device info's, and the rest (pipe, waits)
+        parts = {**worker.start_phases, **{f"device info: {k}": s for k, s in worker.info_seconds.items()}}
+        for name, seconds in parts.items():
             timeline.add(f"gpu start: {name}", seconds)
-        timeline.add("gpu start: device info", max(0.0, total - sum(worker.start_phases.values())))
+        timeline.add("gpu start: the rest", max(0.0, total - sum(parts.values())))
     return info
 
 
@@ -259,11 +258,11 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
     from ..search.agents import Agents, specs_for
     from ..records.runs import best_record, new_run
     from ..search.loop import status_counts
-    from ..gpu.workers import GPUWorker, InfoJob
+    from ..gpu.workers import GPUWorker
 
     if rn is None:
         with GPUWorker(device=devices[0], timeout_s=timeout) as worker:  # the run records the device it ran on
-            info = worker.call(InfoJob())
+            info = worker.info()
         rn = new_run(run_name, new_meta(info), storage)
     started = time.time()
     tail = rn.tail()

@@ -170,23 +170,37 @@ def compiled_to_dict(c) -> dict:
     return c.as_dict()
 
 
-def device_info() -> dict:
-    """What a run's meta.json records about the GPU and the software driving it."""
+def device_info(seconds: dict | None = None) -> dict:
+    """What a run's meta.json records about the GPU and the software driving it; `seconds` gets what each part
+    took (a search's timeline shows them: they are part of every worker's start)."""
+    import time
+
     import cupy
     import torch
 
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    driver = cupy.cuda.runtime.driverGetVersion()
+    seconds = {} if seconds is None else seconds
+    lap = time.perf_counter()
+
+    def timed(name: str, value):
+        nonlocal lap
+        now = time.perf_counter()
+        seconds[name], lap = now - lap, now
+        return value
+
+    props = timed("device properties", torch.cuda.get_device_properties(torch.cuda.current_device()))
+    driver = timed("CUDA driver version", cupy.cuda.runtime.driverGetVersion())
+    driver_string = timed("driver version", _driver_string())
+    cudnn = timed("cuDNN version", torch.backends.cudnn.version())
     return {
         "name": props.name,
         "sm": f"{props.major}.{props.minor}",
         "multiprocessors": props.multi_processor_count,
         "memory_gb": round(props.total_memory / 2**30, 1),
-        "driver": _driver_string(),
+        "driver": driver_string,
         "cuda_driver_api": f"{driver // 1000}.{driver % 1000 // 10}",
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
+        "cudnn": cudnn,
         "cupy": cupy.__version__,
     }
 
@@ -250,8 +264,13 @@ def _problem_shape(job: Job):
     return problem, problem.shape_from_dict(job.shape)
 
 
+INFO_SECONDS_KEY = "_seconds"  # an InfoJob answer's own timing (device_info's parts), taken off by the caller
+
+
 def _info_job(job: InfoJob) -> dict:
-    return device_info()
+    seconds: dict[str, float] = {}
+    info = device_info(seconds)
+    return {**info, INFO_SECONDS_KEY: seconds}
 
 
 def _evaluate_job(job: EvaluateJob) -> dict:
@@ -388,6 +407,7 @@ class GPUWorker:
         self._lost: WorkerError | None = None  # a job send() could not hand over: receive() raises it
         self.restarts = 0
         self.start_phases: dict[str, float] = {}  # seconds of the last start's steps (spawn, imports, context)
+        self.info_seconds: dict[str, float] = {}  # seconds of the last info()'s parts (device_info)
 
     def _start(self) -> None:
         import time
@@ -430,6 +450,13 @@ class GPUWorker:
         if self._conn is not None:
             self._conn.close()
         self._proc, self._conn = None, None
+
+    def info(self) -> dict:
+        """The device and versions (an InfoJob, starting the worker if needed); what their parts took goes to
+        info_seconds."""
+        info = dict(self.call(InfoJob()))
+        self.info_seconds = info.pop(INFO_SECONDS_KEY, {})
+        return info
 
     def call(self, job: Job | dict, timeout_s: float | None = None):
         """Run one job (a Job, or its plain-data form); return its payload or raise WorkerError(status, message)."""
