@@ -296,3 +296,25 @@ def test_driver_version_from_proc(text, version):
     """The driver version is read from /proc/driver/nvidia/version's text (proprietary and open modules) instead
     of starting nvidia-smi; text without it gives None (nvidia-smi is asked then)."""
     assert workers.driver_from_proc(text) == version
+
+
+def test_answers_are_builtin_data():
+    """What the worker sends back unpickles without importing anything: str subclasses (torch.__version__ is one,
+    and unpickling it imported torch into the search process), numpy scalars and named tuples become builtins."""
+    import pickletools
+    from collections import namedtuple
+
+    import numpy as np
+
+    class Version(str):
+        pass
+
+    Pair = namedtuple("Pair", "a b")
+    answer = {"torch": Version("2.11.0+cu130"), "cudnn": np.int64(91900), "t": np.float32(5.5), "ok": np.bool_(True),
+              "seeds": (1, 2), "nested": [{"v": Version("x")}], "pair": Pair(1, 2), "none": None, "flag": True}
+    plain = workers.builtin_data(answer)
+    assert plain == {"torch": "2.11.0+cu130", "cudnn": 91900, "t": 5.5, "ok": True, "seeds": (1, 2),
+                     "nested": [{"v": "x"}], "pair": [1, 2], "none": None, "flag": True}
+    assert type(plain["torch"]) is str and type(plain["cudnn"]) is int and type(plain["t"]) is float
+    globals_named = [arg for op, arg, _ in pickletools.genops(pickle.dumps(plain)) if "GLOBAL" in op.name]
+    assert globals_named == []

@@ -141,6 +141,34 @@ def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
+def builtin_data(value):
+    """An answer as builtin types only, so that unpickling it in the search process imports nothing.
+
+    A str subclass is the trap: torch.__version__ is a torch.torch_version.TorchVersion, and unpickling one
+    imports torch, which made the search process spend 3.6-5.3 s (measured on the H100 host) in `import torch`
+    on the device info, the first answer of every search's worker. numpy scalars likewise import numpy."""
+    import numbers
+
+    if isinstance(value, dict):
+        return {builtin_data(k): builtin_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(builtin_data(v) for v in value) if type(value) in (list, tuple) \
+            else [builtin_data(v) for v in value]
+    if value is None or type(value) in (str, int, float, bool, bytes):
+        return value
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        return builtin_data(value.item())  # a numpy scalar that is not a number (numpy.bool_)
+    return value
+
+
 JOB_TYPES: dict[str, type[Job]] = {t.kind: t for t in (InfoJob, EvaluateJob, VerifyJob, BaselinesJob, BenchJob,
                                                          BesideJob)}
 
@@ -268,8 +296,12 @@ INFO_SECONDS_KEY = "_seconds"  # an InfoJob answer's own timing (device_info's p
 
 
 def _info_job(job: InfoJob) -> dict:
-    seconds: dict[str, float] = {}
+    import time
+
+    received = time.time()
+    seconds: dict = {}
     info = device_info(seconds)
+    seconds["_at"] = (received, time.time())
     return {**info, INFO_SECONDS_KEY: seconds}
 
 
@@ -373,7 +405,7 @@ def _worker_main(conn, device: int) -> None:
     except Exception as e:
         conn.send(("fatal", f"GPU worker could not start on device {device}: {type(e).__name__}: {e}"))
         return
-    conn.send(("ready", {"entered": entered, "phases": phases}))
+    conn.send(("ready", {"entered": entered, "phases": phases, "ready_at": time.time()}))
     while True:
         try:
             job = conn.recv()
@@ -382,7 +414,7 @@ def _worker_main(conn, device: int) -> None:
         if job is None:
             return
         try:
-            conn.send(("ok", _handle(job)))
+            conn.send(("ok", builtin_data(_handle(job))))
         except Exception as e:
             conn.send(("error", {"message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
             return  # the CUDA context may be poisoned: let the parent start a fresh worker
@@ -437,6 +469,8 @@ class GPUWorker:
         if isinstance(payload, dict):
             self.start_phases = {"spawn (interpreter, imports)": max(0.0, payload["entered"] - spawned),
                                  **payload["phases"]}
+            if "ready_at" in payload:
+                self.start_phases["ready message to the parent"] = max(0.0, time.time() - payload["ready_at"])
 
     def _stop(self, kill: bool) -> None:
         if self._proc is None:
@@ -454,8 +488,17 @@ class GPUWorker:
     def info(self) -> dict:
         """The device and versions (an InfoJob, starting the worker if needed); what their parts took goes to
         info_seconds."""
-        info = dict(self.call(InfoJob()))
+        import time
+
+        self.send(InfoJob())
+        sent = time.time()
+        info = dict(self.receive())
+        answered = time.time()
         self.info_seconds = info.pop(INFO_SECONDS_KEY, {})
+        at = self.info_seconds.pop("_at", None)
+        if at:  # where the job's round trip went: to the worker, in it, back
+            self.info_seconds.update({"job to the worker": max(0.0, at[0] - sent),
+                                      "answer to the parent": max(0.0, answered - at[1])})
         return info
 
     def call(self, job: Job | dict, timeout_s: float | None = None):
