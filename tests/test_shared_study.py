@@ -3,8 +3,9 @@
 Each agent is a real process (multiprocessing spawn, tests/_shared_agent.py) running run_search on the
 same run folder and the same Optuna study, with real NVRTC compiles of the reduced attention space of
 tests/test_search.py and an evaluator that sleeps and answers a time computed from the config, so no
-GPU is needed. The study lives in the run's SQLite file, or in a PostgreSQL server that the
-`postgres_url` fixture starts on loopback (skipped where PostgreSQL is not installed, except in CI).
+GPU is needed. The study lives in the run's journal file (the default), in the SQLite file of a run made
+before the journal, or in a PostgreSQL server that the `postgres_url` fixture starts on loopback (skipped
+where PostgreSQL is not installed, except in CI).
 """
 
 from __future__ import annotations
@@ -123,9 +124,12 @@ def check_shared_run(run: Run, storage, trials: int, log: Path, labels) -> list[
     return records
 
 
-def run_agents(space_path, mission, tmp_path, storage, name):
+def run_agents(space_path, mission, tmp_path, storage, name, legacy_sqlite=False):
     trials = 12
     run = new_run(name, mission, storage)
+    if legacy_sqlite:
+        (run.path / "study.db").touch()  # a run folder made before the journal: its study is SQLite
+        assert run.storage_url.startswith("sqlite:///")
     log = tmp_path / "evaluated.log"
     # Two agents with the same seed propose the same configs in the same order: they must share them out.
     agents = [("gpu0", "random", 0), ("gpu0b", "random", 0), ("gpu1", "nsga2", 1)]
@@ -139,10 +143,17 @@ def run_agents(space_path, mission, tmp_path, storage, name):
     return time.time() - start_time
 
 
-def test_agents_share_one_study_sqlite(space_path, mission, tmp_path):
-    """Three agent processes on one run and its SQLite study evaluate --trials configs in all, each once, with whole
+def test_agents_share_one_study_journal(space_path, mission, tmp_path):
+    """Three agent processes on one run and its journal study evaluate --trials configs in all, each once, with whole
     records, matching best/pareto, and every record on its study trial."""
-    run_agents(space_path, mission, tmp_path, None, "shared-sqlite")
+    run_agents(space_path, mission, tmp_path, None, "shared-journal")
+    assert (tmp_path / "runs" / "shared-journal" / "study.journal").stat().st_size > 0
+
+
+def test_agents_share_a_legacy_sqlite_study(space_path, mission, tmp_path):
+    """The same on a run made before the journal, whose study is its SQLite file."""
+    run_agents(space_path, mission, tmp_path, None, "shared-sqlite", legacy_sqlite=True)
+    assert not (tmp_path / "runs" / "shared-sqlite" / "study.journal").exists()
 
 
 def test_agents_share_one_study_postgres(space_path, mission, tmp_path, postgres_url):
@@ -334,6 +345,9 @@ def test_cli_search_gpus_runs_one_agent_per_entry(space_path, mission, tmp_path,
                 raise workers_module.WorkerError("crashed", "CPU stand-in: no GPU to time the baselines on")
             assert job == {"kind": "info"}
             return {"name": "CPU stand-in", "device": self.device}
+
+        def info(self):
+            return self.call({"kind": "info"})
 
     real_specs = agents_module.specs_for
     monkeypatch.setattr(cli_common, "gpu_count", lambda: 2)

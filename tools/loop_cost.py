@@ -88,12 +88,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     out = measure(args.sampler, args.trials, args.storage, args.space, args.shape)
+    if args.json:  # first: a reader that stops early (| head) must not lose the record
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
     print(f"{out['sampler']} x{out['evaluated']} on {out['storage']}: {out['wall_s']:.2f} s "
           f"({out['wall_s'] / max(1, out['evaluated']) * 1e3:.1f} ms per candidate), lookahead {out['lookahead']}")
     for name, p in out["phases"].items():
         print(f"  {name:28s} {p['s']:8.3f} s  x{p['count']:<4d} {p['mean_ms']:8.1f} ms")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ context, device info) while the search runs beside it; this splits the same work
 contention adds and what each step costs on its own can be told apart.
 
     python tools/worker_start_probe.py [--json FILE]      # run it twice: the first pays the cold page cache
+    python tools/worker_start_probe.py --worker            # a real GPUWorker's start and first answer, as the
+                                                           # search's timeline splits them ("gpu start: ...")
 """
 
 from __future__ import annotations
@@ -18,10 +20,33 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def through_worker() -> dict:
+    """A GPUWorker started from this process (idle), asked for the device info: its start's parts and the info's."""
+    from evotune.gpu.workers import GPUWorker
+
+    started = time.perf_counter()
+    with GPUWorker(device=0) as worker:
+        worker.info()
+        total = time.perf_counter() - started
+        parts = {**worker.start_phases, **{f"device info: {k}": s for k, s in worker.info_seconds.items()}}
+    for name, s in parts.items():
+        print(f"  {name:55s} {s:7.3f} s")
+    print(f"  {'the rest':55s} {total - sum(parts.values()):7.3f} s")
+    print(f"  {'total':55s} {total:7.3f} s")
+    return {"steps": {k: round(v, 4) for k, v in parts.items()}, "total": round(total, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
+    ap.add_argument("--worker", action="store_true", help="time a real GPUWorker's start instead of the steps alone")
     args = ap.parse_args()
+    if args.worker:
+        out = through_worker()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     steps: dict[str, float] = {}
     last = time.perf_counter()
 

@@ -124,7 +124,7 @@ class Agents:
     """The agent processes of one search, started together."""
 
     def __init__(self, specs: list[AgentSpec]):
-        ctx = mp.get_context("spawn")  # no fork: the parent holds threads (the live display, SQLite)
+        ctx = mp.get_context("spawn")  # no fork: the parent holds threads (the live display, the storage's)
         self.results = ctx.Queue()
         self.specs = list(specs)
         self.procs = {s.label: ctx.Process(target=agent_main, args=(s, self.results), name=f"evotune-{s.label}")
