@@ -68,8 +68,8 @@ class RunJournal(BaseJournalBackend):
                 try:
                     entry = json.loads(line)
                 except ValueError:
-                    raise DamagedJournal(f"{self.path}: line {number + 1} is not a journal entry "
-                                         f"(the run's study is damaged; its trials.jsonl is intact)") from None
+                    raise DamagedJournal(f"{self.path}: line {number + 1} is not a journal entry: the run's "
+                                         f"study is damaged (its records, trials.jsonl, are a separate file)") from None
                 offset += len(line)
                 number += 1
                 self._offsets[number] = offset
