@@ -52,16 +52,18 @@ struct HopperTraits {
     static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
     // Tiles plus the slack to align the dynamic shared memory to the 1024-byte swizzle atom.
     static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;
-    // setmaxnreg: with a producer warpgroup and two consumer warpgroups (384 threads,
-    // launch bound 168 registers each) the producer keeps 24 and the consumers take 240:
-    // 128*24 + 256*240 = 64512 of the 65536. One consumer warpgroup already has 255.
-    static constexpr bool kSetMaxNReg = kHasProducer && kConsumerWGs == 2;
-    static constexpr int kProducerRegs = 24;
-    static constexpr int kConsumerRegs = 240;
+    // setmaxnreg: with a producer warpgroup the consumers take the producer's registers.
+    // Two consumer warpgroups (384 threads, launch bound 168 registers each): producer 24,
+    // consumers 240, 128*24 + 256*240 = 64512 of the 65536. Three (512 threads, launch bound
+    // 128): producer 32, consumers 160, 128*32 + 384*160 = 65536 (FlashAttention-3's split for
+    // its 192-row d64 tiles). One consumer warpgroup already has 255.
+    static constexpr bool kSetMaxNReg = kHasProducer && kConsumerWGs >= 2;
+    static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 24;
+    static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 240;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
     static_assert(kBlockN == 16 || kBlockN == 32 || kBlockN == 64 || kBlockN == 128, "BLOCK_N: a wgmma N of 16 to 128");
-    static_assert(kConsumerWGs == 1 || kConsumerWGs == 2, "one or two consumer warpgroups");
+    static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "one to three consumer warpgroups (64 to 192 query rows)");
     static_assert(kProducerWarps == 0 || kProducerWarps == 4, "the producer is a whole warpgroup (setmaxnreg is per warpgroup)");
     static_assert(!kPingPong || kConsumerWGs == 2, "ping-pong needs two consumer warpgroups");
     static_assert(kStages >= 1 && kStages <= 4, "1 to 4 pipeline stages");

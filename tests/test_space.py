@@ -50,18 +50,18 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_attention_loads(space):
     """The shipped attention.yaml loads with its eleven parameters (the variant knob mma first), six derived values
-    and sixteen constraints, each with its reason."""
+    and eighteen constraints, each with its reason."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
                                    "smem_layout", "q_in_regs", "kv_splits", "warp_key_groups", "pingpong"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 17
+    assert len(space.constraints) == 18
     assert all(c.why for c in space.constraints)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
-    assert block_m.values == (16, 32, 64, 128) and block_m.default == 64 and block_m.line == 15
+    assert block_m.values == (16, 32, 64, 128, 192) and block_m.default == 64 and block_m.line == 15
     assert space.params[-5].values == ("pad", "swizzle", "plain")
     assert space.params[-4].values == (True, False)
     assert space.params[-3].values == (1, 2, 4, 8)
@@ -94,21 +94,25 @@ def test_wgmma_pins_the_knobs_it_does_not_read(space, attention):
             for other in values[name]:
                 if other != cfg[name]:
                     assert space.violations(space.config({**cfg.as_dict(), name: other}), ctx), (name, other)
-    # attention-hopper.yaml leaves out block_n 16: 114 is what `evotune check --space` compiles for it
-    assert len([c for c in admitted if c["block_n"] != 16]) == 114
+    # attention-hopper3.yaml leaves out block_n 16: 148 is what `evotune check --space` compiles for it on this d128
+    # shape (attention-hopper.yaml, without the three-warpgroup tiles: 114)
+    assert len([c for c in admitted if c["block_n"] != 16]) == 148
+    assert len([c for c in admitted if c["block_n"] != 16 and c["compute_warps"] <= 8]) == 114
     assert len({instantiate(attention, c, shape).code for c in admitted}) == len(admitted)
     for pw, pp in ((4, False), (1, True)):
         assert space.violations(space.config({"mma": "sync", "producer_warps": pw, "pingpong": pp}), ctx)
 
 
-def test_hopper_space_is_the_wgmma_slice(space, attention):
-    """search_spaces/attention-hopper.yaml admits exactly the wgmma configs attention.yaml admits (less block_n 16,
-    which it leaves out), with the same shared-memory figure, on a d128 and a d64 shape."""
+@pytest.mark.parametrize("name, most_warps", [("attention-hopper3", 12), ("attention-hopper", 8)])
+def test_hopper_space_is_the_wgmma_slice(space, attention, name, most_warps):
+    """search_spaces/attention-hopper3.yaml admits exactly the wgmma configs attention.yaml admits (less block_n 16,
+    which it leaves out), with the same shared-memory figure, on a d128 and a d64 shape; attention-hopper.yaml the
+    same without the three-warpgroup tiles (the 126-config slice of the gpt2 oracle)."""
     import itertools
 
     from evotune.problems.shapes import parse_shape
 
-    hopper = load_builtin("attention-hopper")
+    hopper = load_builtin(name)
     for text in ("4,32,4096,128", "16,12,1024,64:bf16:causal"):
         ctx = attention.context(parse_shape(text))
         mine = {c.key() for c in hopper.admitted_configs(ctx)}
@@ -117,7 +121,7 @@ def test_hopper_space_is_the_wgmma_slice(space, attention):
         theirs = set()
         for combo in itertools.product(*(values[n] for n in names)):
             cfg = space.config({"mma": "wgmma", **dict(zip(names, combo))})
-            if not space.violations(cfg, ctx) and cfg["block_n"] != 16:
+            if not space.violations(cfg, ctx) and cfg["block_n"] != 16 and cfg["compute_warps"] <= most_warps:
                 theirs.add(hopper.config({"mma": "wgmma", **dict(zip(names, combo))}).key())
                 assert hopper.derive(hopper.config({"mma": "wgmma", **dict(zip(names, combo))}), ctx)["smem_bytes"] \
                     == space.derive(cfg, ctx)["smem_bytes"]
@@ -146,8 +150,8 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 
 def test_size(space):
-    """size() is the product of the value counts: 2*4*4*4*4*4*3*2*4*3*2."""
-    assert space.size() == 294912
+    """size() is the product of the value counts: 2*5*4*5*4*4*3*2*4*3*2."""
+    assert space.size() == 460800
 
 
 def test_all_configs_is_the_full_product_in_order(space):
