@@ -33,8 +33,9 @@ CONFIGS = [
          warp_key_groups=2),
 ]
 
-# The Hopper variant (mma = wgmma): one and two consumer warpgroups, with and without the producer
-# warpgroup (and its setmaxnreg), one to four stages, Q from registers or shared memory, ping-pong.
+# The Hopper variant (mma = wgmma): one to three consumer warpgroups, with and without the producer
+# warpgroup (and its setmaxnreg: 24/240 with two consumers, 32/160 with three), one to four stages, Q from
+# registers or shared memory, ping-pong.
 _W = dict(mma="wgmma", smem_layout="swizzle")
 HOPPER_CONFIGS = [
     dict(_W, block_m=64, block_n=64, compute_warps=4, producer_warps=0, stages=2, q_in_regs=False),
@@ -42,6 +43,8 @@ HOPPER_CONFIGS = [
     dict(_W, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=2, q_in_regs=False),
     dict(_W, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=3, q_in_regs=True, pingpong=True),
     dict(_W, block_m=128, block_n=64, compute_warps=8, producer_warps=0, stages=4, q_in_regs=True, pingpong=True),
+    dict(_W, block_m=192, block_n=128, compute_warps=12, producer_warps=4, stages=2, q_in_regs=False),
+    dict(_W, block_m=192, block_n=64, compute_warps=12, producer_warps=0, stages=3, q_in_regs=False),
 ]
 
 
@@ -154,8 +157,9 @@ def test_ragged_matrix(attention, space, shape_text, cfg):
     assert res.status in (R.OK, R.PRUNED), res.message
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[7], HOPPER_CONFIGS[0], HOPPER_CONFIGS[3]],
-                         ids=["M64N64", "M64N32pw1", "M32N64kv4", "M16N64kg4", "wgmma-pw0", "wgmma-pingpong"])
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[7], HOPPER_CONFIGS[0], HOPPER_CONFIGS[3],
+                                 HOPPER_CONFIGS[5]],
+                         ids=["M64N64", "M64N32pw1", "M32N64kv4", "M16N64kg4", "wgmma-pw0", "wgmma-pingpong", "wgmma-M192"])
 @pytest.mark.parametrize("shape_text", ["mission", "2,3,333,257,128:bf16:causal", "1,8,333,64:bf16:causal:kv2"])
 def test_bitwise_deterministic(attention, space, shape_text, cfg):
     """100 launches on the same inputs give bitwise identical outputs (split-KV merges in a fixed order)."""

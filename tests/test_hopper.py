@@ -26,6 +26,11 @@ SPREAD = [
                                q_in_regs=True, pingpong=True)),
     ("1,2,197,300,64:causal:bshd", dict(W, block_m=64, block_n=32, compute_warps=4, producer_warps=4, stages=1,
                                         q_in_regs=True)),
+    # Three consumer warpgroups (192 rows): the long-8k search's winner (runs/long-8k-h100-hopper3), and without
+    # a producer.
+    ("2,16,8192,64", dict(W, block_m=192, block_n=128, compute_warps=12, producer_warps=4, stages=2, q_in_regs=False)),
+    ("16,12,1024,64:bf16:causal", dict(W, block_m=192, block_n=64, compute_warps=12, producer_warps=0, stages=3,
+                                       q_in_regs=False)),
 ]
 # ptxas's notes when it cannot keep wgmma asynchronous: C7514/C7515 serialise every wgmma (a 25% loss on
 # llama-4k before the loop was restructured), C7519 inserts a fence of its own.
@@ -74,7 +79,7 @@ def test_generated_wgmma_header_is_current():
 def test_hopper_configs_compile_async_and_clean(attention, space, shape_text, cfg):
     """Each path of the variant compiles for sm_90a without spills or local memory, and ptxas keeps its wgmma
     asynchronous (no serialisation note); with a producer warpgroup and two consumers the kernel is built at the
-    launch bound, 168 registers, which setmaxnreg then splits 24/240."""
+    launch bound, 168 registers, which setmaxnreg then splits 24/240; with three, 128 (split 32/160)."""
     shape, config, _, compiled = _compile(attention, space, shape_text, cfg)
     res = compiled.resources
     geo = attention.geometry(config, shape)
@@ -83,6 +88,8 @@ def test_hopper_configs_compile_async_and_clean(attention, space, shape_text, cf
     assert notes == []
     if cfg["producer_warps"] == 4 and cfg["compute_warps"] == 8:
         assert geo.threads == 384 and res.registers == 168
+    if cfg["producer_warps"] == 4 and cfg["compute_warps"] == 12:
+        assert geo.threads == 512 and res.registers == 128
 
 
 def test_geometry_matches_the_space(attention, space):
