@@ -131,6 +131,33 @@ def _with_driver(url: str) -> str:
     return url
 
 
+def open_storage(url: str | None, journal: Path, run_id: str):
+    """The Optuna storage of a run's study: the journal file `journal` when `url` is None, else the RDB at `url`
+    (SQLite waits for other writers instead of failing). Bad URLs and unreachable servers are one-line errors."""
+    import optuna
+
+    if url is None:
+        from .journal import journal_storage
+
+        return journal_storage(journal)
+    if "***" in url:
+        raise UsageError(f"run {run_id!r} keeps its study in {url}: give the password with --storage URL "
+                         f"(or in ~/.pgpass or PGPASSWORD, and a URL without it)")
+    kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}} if url.startswith("sqlite") else {}
+    try:
+        storage = optuna.storages.RDBStorage(_with_driver(url), engine_kwargs=kwargs)
+        if url.startswith("sqlite"):
+            _sqlite_wal(storage)
+        return storage
+    except ImportError as e:
+        raise UsageError(f"storage {redact_url(url)}: {e} (for PostgreSQL: pip install 'evotune[postgres]')") from None
+    except Exception as e:  # SQLAlchemy's OperationalError and kin: no server, refused, no such database
+        if type(e).__module__.split(".")[0] not in ("sqlalchemy", "psycopg2", "psycopg", "sqlite3"):
+            raise
+        why = str(getattr(e, "orig", None) or e).strip().splitlines()
+        raise EvotuneError(f"storage {redact_url(url)}: cannot open it: {why[0] if why else type(e).__name__}") from None
+
+
 class Run:
     def __init__(self, path: Path, storage: str | None = None):
         self.path = Path(path)
@@ -170,31 +197,8 @@ class Run:
         return self._meta_field("study_name") or DEFAULT_STUDY
 
     def storage(self):
-        """The Optuna storage object for the run's study: the journal, or an RDB (SQLite waits for other
-        writers instead of failing)."""
-        import optuna
-
-        url = self.storage_url
-        if url is None:
-            from .journal import journal_storage
-
-            return journal_storage(self.path / JOURNAL_NAME)
-        if "***" in url:
-            raise UsageError(f"run {self.run_id!r} keeps its study in {url}: give the password with --storage URL "
-                             f"(or in ~/.pgpass or PGPASSWORD, and a URL without it)")
-        kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}} if url.startswith("sqlite") else {}
-        try:
-            storage = optuna.storages.RDBStorage(_with_driver(url), engine_kwargs=kwargs)
-            if url.startswith("sqlite"):
-                _sqlite_wal(storage)
-            return storage
-        except ImportError as e:
-            raise UsageError(f"storage {redact_url(url)}: {e} (for PostgreSQL: pip install 'evotune[postgres]')") from None
-        except Exception as e:  # SQLAlchemy's OperationalError and kin: no server, refused, no such database
-            if type(e).__module__.split(".")[0] not in ("sqlalchemy", "psycopg2", "psycopg", "sqlite3"):
-                raise
-            why = str(getattr(e, "orig", None) or e).strip().splitlines()
-            raise EvotuneError(f"storage {redact_url(url)}: cannot open it: {why[0] if why else type(e).__name__}") from None
+        """The Optuna storage object for the run's study: the journal, or an RDB (open_storage)."""
+        return open_storage(self.storage_url, self.path / JOURNAL_NAME, self.run_id)
 
     def _meta_field(self, key: str):
         try:
