@@ -62,7 +62,8 @@ struct HopperTraits {
     static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 240;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
-    static_assert(kBlockN == 16 || kBlockN == 32 || kBlockN == 64 || kBlockN == 128, "BLOCK_N: a wgmma N of 16 to 128");
+    static_assert(kBlockN == 16 || kBlockN == 32 || kBlockN == 64 || kBlockN == 128 || kBlockN == 176,
+                  "BLOCK_N: a wgmma N of 16 to 128, or 176 (FlashAttention-3's d128 tile)");
     static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "one to three consumer warpgroups (64 to 192 query rows)");
     static_assert(kProducerWarps == 0 || kProducerWarps == 4, "the producer is a whole warpgroup (setmaxnreg is per warpgroup)");
     static_assert(!kPingPong || kConsumerWGs == 2, "ping-pong needs two consumer warpgroups");

@@ -45,6 +45,7 @@ HOPPER_CONFIGS = [
     dict(_W, block_m=128, block_n=64, compute_warps=8, producer_warps=0, stages=4, q_in_regs=True, pingpong=True),
     dict(_W, block_m=192, block_n=128, compute_warps=12, producer_warps=4, stages=2, q_in_regs=False),
     dict(_W, block_m=192, block_n=64, compute_warps=12, producer_warps=0, stages=3, q_in_regs=False),
+    dict(_W, block_m=128, block_n=176, compute_warps=8, producer_warps=4, stages=2, q_in_regs=False, pingpong=True),
 ]
 
 

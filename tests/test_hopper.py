@@ -31,6 +31,11 @@ SPREAD = [
     ("2,16,8192,64", dict(W, block_m=192, block_n=128, compute_warps=12, producer_warps=4, stages=2, q_in_regs=False)),
     ("16,12,1024,64:bf16:causal", dict(W, block_m=192, block_n=64, compute_warps=12, producer_warps=0, stages=3,
                                        q_in_regs=False)),
+    # 176-key tiles (FlashAttention-3's d128 non-causal tile), with and without ping-pong.
+    ("4,32,4096,128", dict(W, block_m=128, block_n=176, compute_warps=8, producer_warps=4, stages=2, q_in_regs=False,
+                           pingpong=True)),
+    ("1,3,300,333,128:bf16:bshd", dict(W, block_m=128, block_n=176, compute_warps=8, producer_warps=4, stages=2,
+                                       q_in_regs=False)),
 ]
 # ptxas's notes when it cannot keep wgmma asynchronous: C7514/C7515 serialise every wgmma (a 25% loss on
 # llama-4k before the loop was restructured), C7519 inserts a fence of its own.

@@ -94,20 +94,20 @@ def test_wgmma_pins_the_knobs_it_does_not_read(space, attention):
             for other in values[name]:
                 if other != cfg[name]:
                     assert space.violations(space.config({**cfg.as_dict(), name: other}), ctx), (name, other)
-    # attention-hopper3.yaml leaves out block_n 16: 148 is what `evotune check --space` compiles for it on this d128
-    # shape (attention-hopper.yaml, without the three-warpgroup tiles: 114)
-    assert len([c for c in admitted if c["block_n"] != 16]) == 148
-    assert len([c for c in admitted if c["block_n"] != 16 and c["compute_warps"] <= 8]) == 114
+    # attention-hopper3.yaml leaves out block_n 16: 172 is what `evotune check --space` compiles for it on this d128
+    # shape (attention-hopper.yaml, without the three-warpgroup and 176-key tiles: 114)
+    assert len([c for c in admitted if c["block_n"] != 16]) == 172
+    assert len([c for c in admitted if c["block_n"] not in (16, 176) and c["compute_warps"] <= 8]) == 114
     assert len({instantiate(attention, c, shape).code for c in admitted}) == len(admitted)
     for pw, pp in ((4, False), (1, True)):
         assert space.violations(space.config({"mma": "sync", "producer_warps": pw, "pingpong": pp}), ctx)
 
 
-@pytest.mark.parametrize("name, most_warps", [("attention-hopper3", 12), ("attention-hopper", 8)])
-def test_hopper_space_is_the_wgmma_slice(space, attention, name, most_warps):
+@pytest.mark.parametrize("name, most_warps, most_keys", [("attention-hopper3", 12, 176), ("attention-hopper", 8, 128)])
+def test_hopper_space_is_the_wgmma_slice(space, attention, name, most_warps, most_keys):
     """search_spaces/attention-hopper3.yaml admits exactly the wgmma configs attention.yaml admits (less block_n 16,
     which it leaves out), with the same shared-memory figure, on a d128 and a d64 shape; attention-hopper.yaml the
-    same without the three-warpgroup tiles (the 126-config slice of the gpt2 oracle)."""
+    same without the three-warpgroup and 176-key tiles (the 126-config slice of the gpt2 oracle)."""
     import itertools
 
     from evotune.problems.shapes import parse_shape
@@ -121,7 +121,8 @@ def test_hopper_space_is_the_wgmma_slice(space, attention, name, most_warps):
         theirs = set()
         for combo in itertools.product(*(values[n] for n in names)):
             cfg = space.config({"mma": "wgmma", **dict(zip(names, combo))})
-            if not space.violations(cfg, ctx) and cfg["block_n"] != 16 and cfg["compute_warps"] <= most_warps:
+            if (not space.violations(cfg, ctx) and cfg["block_n"] != 16 and cfg["compute_warps"] <= most_warps
+                    and cfg["block_n"] <= most_keys):
                 theirs.add(hopper.config({"mma": "wgmma", **dict(zip(names, combo))}).key())
                 assert hopper.derive(hopper.config({"mma": "wgmma", **dict(zip(names, combo))}), ctx)["smem_bytes"] \
                     == space.derive(cfg, ctx)["smem_bytes"]
@@ -150,8 +151,8 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 
 def test_size(space):
-    """size() is the product of the value counts: 2*5*4*5*4*4*3*2*4*3*2."""
-    assert space.size() == 460800
+    """size() is the product of the value counts: 2*5*5*5*4*4*3*2*4*3*2."""
+    assert space.size() == 576000
 
 
 def test_all_configs_is_the_full_product_in_order(space):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-NS = (16, 32, 64, 128)
+NS = (16, 32, 64, 128, 176)  # 176: FlashAttention-3's d128 non-causal K/V tile
 OUT = Path(__file__).resolve().parents[1] / "kernels" / "wgmma.cuh"
 
 
