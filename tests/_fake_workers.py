@@ -13,6 +13,18 @@ import os
 import time
 
 
+def _jobs(conn):
+    """The jobs the parent sends, until it closes the pipe or sends None (the real worker's loop)."""
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        yield job
+
+
 def hang_worker(conn, device: int) -> None:
     """Starts, takes a job, and never answers (a kernel that spins forever)."""
     conn.send(("ready", None))
@@ -31,13 +43,7 @@ def crash_worker(conn, device: int) -> None:
 def error_worker(conn, device: int) -> None:
     """Answers "pid" jobs with its process id; answers "fail" jobs with an error and exits, like the real worker."""
     conn.send(("ready", None))
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
+    for job in _jobs(conn):
         if job["kind"] == "pid":
             conn.send(("ok", {"pid": os.getpid(), "device": device}))
         else:
@@ -75,13 +81,7 @@ def fault_worker(conn, device: int) -> None:
 
     conn.send(("ready", None))
     crash_on = os.environ.get("EVOTUNE_FAKE_CRASH_ON")
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
+    for job in _jobs(conn):
         if job["kind"] == "pid":
             conn.send(("ok", {"pid": os.getpid()}))
             continue
@@ -115,16 +115,10 @@ def fault_worker(conn, device: int) -> None:
 
 def timed_start_worker(conn, device: int) -> None:
     """Starts as the real worker reports its start (when it was entered, its own steps' seconds), then answers
-    every job with {"name": "stand-in"} and its "_seconds" (as an InfoJob's device info and timing)."""
+    every job with {"name": "stand-in"} and its "_timing" (as an InfoJob's device info and timing)."""
     entered = time.time()
     time.sleep(0.2)
     conn.send(("ready", {"entered": entered, "phases": {"import torch": 0.2}}))
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
+    for _ in _jobs(conn):
         time.sleep(0.1)
-        conn.send(("ok", {"name": "stand-in", "_seconds": {"cuDNN version": 0.05}}))
+        conn.send(("ok", {"name": "stand-in", "_timing": {"seconds": {"cuDNN version": 0.05}}}))

@@ -47,14 +47,10 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
         return
-    steps: dict[str, float] = {}
-    last = time.perf_counter()
+    from evotune.gpu.evaluate import Phases  # the worker's own step timer (no torch or CuPy behind it)
 
-    def done(name: str) -> None:
-        nonlocal last
-        now = time.perf_counter()
-        steps[name], last = round(now - last, 4), now
-
+    phases = Phases()
+    done = phases.lap
     import cupy
     done("import cupy")
     import torch
@@ -90,6 +86,7 @@ def main() -> None:
     gpu_clocks()
     done("nvidia-smi clocks query")
     del x
+    steps = phases.as_dict()
     total = round(sum(steps.values()), 3)
     for name, s in steps.items():
         print(f"  {name:55s} {s:7.3f} s")

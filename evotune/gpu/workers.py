@@ -151,15 +151,14 @@ def builtin_data(value):
 
     if isinstance(value, dict):
         return {builtin_data(k): builtin_data(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(builtin_data(v) for v in value) if type(value) in (list, tuple) \
-            else [builtin_data(v) for v in value]
+    if type(value) in (list, tuple):
+        return type(value)(builtin_data(v) for v in value)
+    if isinstance(value, (list, tuple)):  # a named tuple, a list subclass
+        return [builtin_data(v) for v in value]
     if value is None or type(value) in (str, int, float, bool, bytes):
         return value
     if isinstance(value, str):
         return str(value)
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
@@ -198,27 +197,23 @@ def compiled_to_dict(c) -> dict:
     return c.as_dict()
 
 
-def device_info(seconds: dict | None = None) -> dict:
-    """What a run's meta.json records about the GPU and the software driving it; `seconds` gets what each part
-    took (a search's timeline shows them: they are part of every worker's start)."""
-    import time
-
+def device_info(phases=None) -> dict:
+    """What a run's meta.json records about the GPU and the software driving it; `phases` (an evaluate.Phases)
+    gets what each part took (a search's timeline shows them: they are part of every worker's start)."""
     import cupy
     import torch
 
-    seconds = {} if seconds is None else seconds
-    lap = time.perf_counter()
+    from .evaluate import Phases
 
-    def timed(name: str, value):
-        nonlocal lap
-        now = time.perf_counter()
-        seconds[name], lap = now - lap, now
-        return value
-
-    props = timed("device properties", torch.cuda.get_device_properties(torch.cuda.current_device()))
-    driver = timed("CUDA driver version", cupy.cuda.runtime.driverGetVersion())
-    driver_string = timed("driver version", _driver_string())
-    cudnn = timed("cuDNN version", torch.backends.cudnn.version())
+    phases = phases or Phases()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    phases.lap("device properties")
+    driver = cupy.cuda.runtime.driverGetVersion()
+    phases.lap("CUDA driver version")
+    driver_string = _driver_string()
+    phases.lap("driver version")
+    cudnn = torch.backends.cudnn.version()
+    phases.lap("cuDNN version")
     return {
         "name": props.name,
         "sm": f"{props.major}.{props.minor}",
@@ -292,17 +287,17 @@ def _problem_shape(job: Job):
     return problem, problem.shape_from_dict(job.shape)
 
 
-INFO_SECONDS_KEY = "_seconds"  # an InfoJob answer's own timing (device_info's parts), taken off by the caller
+INFO_TIMING_KEY = "_timing"  # an InfoJob answer's own timing, taken off by GPUWorker.info
 
 
 def _info_job(job: InfoJob) -> dict:
     import time
 
-    received = time.time()
-    seconds: dict = {}
-    info = device_info(seconds)
-    seconds["_at"] = (received, time.time())
-    return {**info, INFO_SECONDS_KEY: seconds}
+    from .evaluate import Phases
+
+    received, phases = time.time(), Phases()
+    info = device_info(phases)
+    return {**info, INFO_TIMING_KEY: {"seconds": phases.as_dict(), "received": received, "answered": time.time()}}
 
 
 def _evaluate_job(job: EvaluateJob) -> dict:
@@ -384,28 +379,23 @@ def _worker_main(conn, device: int) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")  # baselines' chatter (SDPA's "kernel not used because")
-    phases: dict[str, float] = {}  # the start's own steps, for the search's timeline ("gpu start: ...")
-    lap = time.perf_counter()
+    from .evaluate import Phases  # no torch or CuPy behind it
 
-    def done(name: str) -> None:
-        nonlocal lap
-        now = time.perf_counter()
-        phases[name], lap = now - lap, now
-
+    phases = Phases()  # the start's own steps, for the search's timeline ("gpu start: ...")
     try:
         import cupy
 
-        done("import cupy")
+        phases.lap("import cupy")
         import torch
 
-        done("import torch")
+        phases.lap("import torch")
         torch.cuda.set_device(device)
         cupy.cuda.Device(device).use()
-        done("CUDA context")
+        phases.lap("CUDA context")
     except Exception as e:
         conn.send(("fatal", f"GPU worker could not start on device {device}: {type(e).__name__}: {e}"))
         return
-    conn.send(("ready", {"entered": entered, "phases": phases, "ready_at": time.time()}))
+    conn.send(("ready", {"entered": entered, "phases": phases.as_dict(), "ready_at": time.time()}))
     while True:
         try:
             job = conn.recv()
@@ -493,12 +483,12 @@ class GPUWorker:
         self.send(InfoJob())
         sent = time.time()
         info = dict(self.receive())
-        answered = time.time()
-        self.info_seconds = info.pop(INFO_SECONDS_KEY, {})
-        at = self.info_seconds.pop("_at", None)
-        if at:  # where the job's round trip went: to the worker, in it, back
-            self.info_seconds.update({"job to the worker": max(0.0, at[0] - sent),
-                                      "answer to the parent": max(0.0, answered - at[1])})
+        back = time.time()
+        timing = info.pop(INFO_TIMING_KEY, {})
+        self.info_seconds = dict(timing.get("seconds", {}))
+        if "received" in timing:  # where the job's round trip went: to the worker, in it, back
+            self.info_seconds.update({"job to the worker": max(0.0, timing["received"] - sent),
+                                      "answer to the parent": max(0.0, back - timing["answered"])})
         return info
 
     def call(self, job: Job | dict, timeout_s: float | None = None):

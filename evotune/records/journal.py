@@ -44,7 +44,7 @@ class RunJournal(BaseJournalBackend):
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.touch(exist_ok=True)
-        self._offsets: dict[int, int] = {0: 0}  # log number -> byte offset of its line (whole lines only)
+        self._read = (0, 0)  # (entries read, byte offset after them): where the next read starts
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[int]:
@@ -57,9 +57,9 @@ class RunJournal(BaseJournalBackend):
             os.close(fd)
 
     def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
-        # JournalStorage asks from the count of entries it has read, whose offset this backend noted.
-        number = log_number_from if log_number_from in self._offsets else 0
-        offset = self._offsets[number]
+        # JournalStorage asks from the count of entries it has read, which is where the last read stopped;
+        # any other start is read from the beginning.
+        number, offset = self._read if self._read[0] <= log_number_from else (0, 0)
         with open(self.path, "rb") as f:
             f.seek(offset)
             for line in f:
@@ -72,7 +72,7 @@ class RunJournal(BaseJournalBackend):
                                          f"study is damaged (its records, trials.jsonl, are a separate file)") from None
                 offset += len(line)
                 number += 1
-                self._offsets[number] = offset
+                self._read = (number, offset)
                 if number > log_number_from:
                     yield entry
 
