@@ -14,7 +14,11 @@
 //     with setmaxnreg; PRODUCER_WARPS = 0: one consumer thread issues the TMA loads;
 //   - PINGPONG (two consumer warpgroups): named barriers take turns between the
 //     warpgroups issuing their matrix products, so one warpgroup's softmax runs under the
-//     other's wgmma (FlashAttention-3's inter-warpgroup schedule).
+//     other's wgmma (FlashAttention-3's inter-warpgroup schedule);
+//   - PERSISTENT (with a producer warpgroup): a grid of at most one CTA per SM walks the query
+//     tiles (persistent_tile's order); the producer loads the next tile's Q and first K/V tiles
+//     while the consumers finish the current one (its last P V and the epilogue), the K/V slots'
+//     phases counting on across tiles. Otherwise each CTA computes the one tile of its blockIdx.
 //
 // Tile layout in shared memory (what TMA writes with SWIZZLE_128B and wgmma reads with
 // the 128-byte swizzle mode): a tile of R rows x HEAD_DIM columns is HEAD_DIM/64 regions,
@@ -26,7 +30,7 @@
 namespace hopper {
 
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
-          int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool PERSISTENT_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -34,6 +38,7 @@ struct HopperTraits {
     static constexpr int kStages = STAGES_;
     static constexpr bool kQInRegs = Q_IN_REGS_;
     static constexpr bool kPingPong = PINGPONG_;
+    static constexpr bool kPersistent = PERSISTENT_;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -67,6 +72,9 @@ struct HopperTraits {
     static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "one to three consumer warpgroups (64 to 192 query rows)");
     static_assert(kProducerWarps == 0 || kProducerWarps == 4, "the producer is a whole warpgroup (setmaxnreg is per warpgroup)");
     static_assert(!kPingPong || kConsumerWGs == 2, "ping-pong needs two consumer warpgroups");
+    // Persistent: the producer warpgroup alone loads, so it can run a tile ahead; ping-pong's per-tile turn
+    // protocol (warpgroup 1 owes no turn after its last K/V tile) is not carried across tiles.
+    static_assert(!kPersistent || (kHasProducer && !kPingPong), "a persistent CTA needs a producer and no ping-pong");
     static_assert(kStages >= 1 && kStages <= 4, "1 to 4 pipeline stages");
     static_assert(kHasProducer || kStages >= 2,
                   "without a producer the loader refills a slot mid-tile: one stage would wait on itself");
@@ -301,6 +309,7 @@ struct Barriers {
     unsigned long long v_full[4];
     unsigned long long k_empty[4];  // every consumer warp is done reading K of the slot
     unsigned long long v_empty[4];  // ... V of the slot
+    unsigned long long q_empty;     // PERSISTENT: every consumer warp is done reading the Q tile
 };
 
 // Issue the TMA loads of K (WHICH = 0) or V (1) tile `t` into slot `slot` (one thread).
@@ -329,6 +338,45 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
     load_kv<T, 1>(v_map, sV, bars, slot, t + T::kStages, head, batch);
 }
 
+// A query tile: its first row, query head and batch index.
+struct QTile {
+    int row0, head, batch;
+};
+
+// Bytes of K and V (of all heads) a persistent grid's concurrent tiles should keep within: FlashAttention-3's
+// causal scheduler sizes its head sections to 32 MB of the H100's 50 MB L2 as well.
+constexpr long long kL2SectionBytes = 32ll << 20;
+
+// Tile `tile` of the persistent order. Non-causal: the query tiles of one (batch, head) are consecutive, so
+// the ~132 tiles in flight at a time share the K/V of one to a few heads in L2. Causal: (batch, head) pairs
+// in sections whose K/V fit kL2SectionBytes; within a section the heads vary fastest and the tiles go from the
+// last query tile (the most K/V tiles) to the first, so the longest tiles start first and the short ones fill
+// the end of the launch.
+template <class T>
+__device__ __forceinline__ QTile persistent_tile(int tile, int m_blocks, int heads, int head_batches, int section) {
+    int m, hb;
+    if constexpr (T::kIsCausal) {
+        const int sec = tile / (section * m_blocks);
+        const int base = sec * section;
+        const int width = min(section, head_batches - base);  // the last section may hold fewer pairs
+        const int idx = tile - base * m_blocks;
+        m = m_blocks - 1 - idx / width;
+        hb = base + idx % width;
+    } else {
+        m = tile % m_blocks;
+        hb = tile / m_blocks;
+    }
+    return {m * T::kBlockM, hb % heads, hb / heads};
+}
+
+// K/V tiles a query tile starting at row q_row0 reads (causal: up to its last row's diagonal).
+template <class T>
+__device__ __forceinline__ int kv_tile_count(int q_row0, int seq_k) {
+    int kv_end = seq_k;
+    if constexpr (T::kIsCausal) kv_end = min(seq_k, q_row0 + T::kBlockM);
+    return (kv_end + T::kBlockN - 1) / T::kBlockN;
+}
+
 // q_map, k_map, v_map: the CUtensorMaps of Q, K and V, each over the 4-D view (head_dim, seq, head,
 // batch) with boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows. They point at the entry
 // point's __grid_constant__ parameters (kernel parameter space, as FlashAttention-3 and CUTLASS pass
@@ -341,13 +389,15 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
 // of tile t while P V runs on the tensor cores, then waits for P V, rescales O and packs
 // P(t). K(t)'s slot is released as soon as S(t) is done, V(t-1)'s after P V.
 // WRITE_LSE (training, not a knob): also write each row's log-sum-exp to lse[batch * lse_sb + head *
-// lse_sh + row] (see attention_fwd).
+// lse_sh + row] (see attention_fwd). n_heads, n_batch: the query heads and batch (read by PERSISTENT only;
+// the one-tile grid has them as gridDim.y and z).
 template <class T, bool WRITE_LSE = false>
 __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                     const CUtensorMap* v_map, unsigned short* __restrict__ o,
                                                     long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k,
-                                                    float scale_log2, unsigned kv_magic, float* __restrict__ lse = nullptr,
-                                                    long long lse_sb = 0, long long lse_sh = 0) {
+                                                    float scale_log2, unsigned kv_magic, int n_heads, int n_batch,
+                                                    float* __restrict__ lse = nullptr, long long lse_sb = 0,
+                                                    long long lse_sh = 0) {
     // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
     // shared memory to 1024 bytes as well.
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -358,18 +408,17 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     const u32 sV = sK + T::kStages * T::kKVBytes;
 
     const int tid = threadIdx.x;
-    const int q_row0 = blockIdx.x * T::kBlockM;
-    const int head = blockIdx.y;
-    const int kv_head = kv_head_of(head, kv_magic);  // the K/V maps' head coordinate
-    const int batch = blockIdx.z;
-    int kv_end = seq_k;
-    if constexpr (T::kIsCausal) kv_end = min(seq_k, q_row0 + T::kBlockM);
-    const int n_tiles = (kv_end + T::kBlockN - 1) / T::kBlockN;
+    // Without PERSISTENT, the CTA's one query tile: the grid's (x, y, z) = (query tile, head, batch).
+    const QTile grid_tile{static_cast<int>(blockIdx.x) * T::kBlockM, static_cast<int>(blockIdx.y),
+                          static_cast<int>(blockIdx.z)};
+    const int grid_kv_head = kv_head_of(grid_tile.head, kv_magic);  // the K/V maps' head coordinate
+    const int grid_n_tiles = kv_tile_count<T>(grid_tile.row0, seq_k);
     // The thread that issues TMA: the producer warpgroup's first, or the first consumer's.
     const int loader = T::kHasProducer ? T::kConsumerThreads : 0;
 
     if (tid == loader) {
         mbar_init(smem_addr(&bars.q_full), 1);
+        if constexpr (T::kPersistent) mbar_init(smem_addr(&bars.q_empty), T::kConsumerThreads / 32);
 #pragma unroll
         for (int s = 0; s < T::kStages; ++s) {
             mbar_init(smem_addr(&bars.k_full[s]), 1);
@@ -383,115 +432,192 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         tma_prefetch_map(v_map);
     }
     __syncthreads();
-    if (tid == loader) {
-        const u32 qb = smem_addr(&bars.q_full);
-        mbar_expect_tx(qb, T::kQBytes);
+
+    // One query tile of the consumer warpgroups: `it0` K/V tiles went through the slots before it (the
+    // slot of its K/V tile t is (it0 + t) % STAGES), and its Q arrives in phase `q_phase` of q_full.
+    auto consume_tile = [&](const QTile& w, int kv_head, int n_tiles, int it0, int q_phase) {
+        const int wg = tid / 128;
+        const int warp_in_wg = (tid % 128) / 32;
+        const int lane = tid & 31;
+        const u32 sQ_wg = sQ + wg * (64 * 128);  // this warpgroup's 64 rows inside each region
+        const int q_row0 = w.row0, head = w.head, batch = w.batch;
+        const int q_row = q_row0 + 64 * wg + 16 * warp_in_wg + (lane >> 2);  // the first of the thread's two rows
+
+        float o_acc[T::kOAcc];
+        float s_acc[T::kSAcc];
+        u32 p[T::kPVSteps][4];
+        u32 qr[T::kQRegSteps][4];
+        float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
 #pragma unroll
-        for (int r = 0; r < T::kRegions; ++r) tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, q_row0, head, batch);
-        for (int t = 0; t < min(n_tiles, T::kStages); ++t) {
-            load_kv<T, 0>(k_map, sK, &bars, t, t, kv_head, batch);
-            load_kv<T, 1>(v_map, sV, &bars, t, t, kv_head, batch);
+        for (int i = 0; i < T::kOAcc; ++i) o_acc[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < T::kSAcc; ++i) s_acc[i] = 0.f;
+
+        mbar_wait(smem_addr(&bars.q_full), q_phase);
+        if constexpr (T::kQInRegs) {
+            load_q_regs<T>(qr, sQ_wg, warp_in_wg, lane);
+            if constexpr (T::kPersistent) {
+                // Q is in registers: the producer may load the next tile's over it. The generic-proxy reads
+                // (ldmatrix) are ordered before the TMA's async-proxy writes by the fence.
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                __syncwarp();
+                if (lane == 0) mbar_arrive(smem_addr(&bars.q_empty));
+            }
         }
-    }
-    __syncwarp();  // the warp reconverges before the .aligned instructions below
-
-    if constexpr (T::kHasProducer) {
-        if (tid >= T::kConsumerThreads) {
-            if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
-            if (tid == loader)
-                for (int t = 0; t + T::kStages < n_tiles; ++t) refill<T>(k_map, v_map, sK, sV, &bars, t, kv_head, batch);
-            return;
+        if constexpr (T::kPingPong) {
+            if (wg == 1) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 0, 256);  // warpgroup 0 takes the first turn
         }
-        if constexpr (T::kSetMaxNReg) setmaxnreg_inc<T::kConsumerRegs>();
-    }
+        float alpha[2];
 
-    // ---- consumer warpgroups
-    const int wg = tid / 128;
-    const int warp_in_wg = (tid % 128) / 32;
-    const int lane = tid & 31;
-    const u32 sQ_wg = sQ + wg * (64 * 128);  // this warpgroup's 64 rows inside each region
-    const int q_row = q_row0 + 64 * wg + 16 * warp_in_wg + (lane >> 2);  // the first of the thread's two rows
-
-    float o_acc[T::kOAcc];
-    float s_acc[T::kSAcc];
-    u32 p[T::kPVSteps][4];
-    u32 qr[T::kQRegSteps][4];
-    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < T::kOAcc; ++i) o_acc[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < T::kSAcc; ++i) s_acc[i] = 0.f;
-
-    mbar_wait(smem_addr(&bars.q_full), 0);
-    if constexpr (T::kQInRegs) load_q_regs<T>(qr, sQ_wg, warp_in_wg, lane);
-    if constexpr (T::kPingPong) {
-        if (wg == 1) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 0, 256);  // warpgroup 0 takes the first turn
-    }
-    float alpha[2];
-
-    // Tile 0: S only (no P V before it). Peeled so the loop below issues both products
-    // unconditionally: a conditional wgmma let the compiler sink P's packing into the
-    // branch, after wgmma.fence, and ptxas then serialised every wgmma (C7514).
-    mbar_wait(smem_addr(&bars.k_full[0]), 0);
-    if constexpr (T::kPingPong) named_bar_sync(NamedBarrier::kWarpgroupTurn, wg, 256);
-    fence_regs(s_acc);
-    wgmma_fence();
-    issue_qk<T>(s_acc, qr, sQ_wg, sK);
-    if constexpr (T::kPingPong) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 1 - wg, 256);
-    wgmma_wait<0>();
-    fence_regs(s_acc);
-    if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[0]));
-    scores_to_probs<T>(s_acc, m_run, l_run, alpha, 0, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
-    rescale_and_pack<T>(o_acc, s_acc, alpha, p);
-
-    for (int t = 1; t < n_tiles; ++t) {
-        const int slot = t % T::kStages;
-        const int prev = (t - 1) % T::kStages;  // tile t-1's slot
-        mbar_wait(smem_addr(&bars.k_full[slot]), (t / T::kStages) & 1);
-        // V(t-1) left with K(t-1), so it is normally here already. Waiting for it before the
-        // fence keeps the spin loop out of the fence-to-wgmma stretch, where ptxas would
-        // insert a second fence of its own (C7519).
-        mbar_wait(smem_addr(&bars.v_full[prev]), ((t - 1) / T::kStages) & 1);
+        // Tile 0: S only (no P V before it). Peeled so the loop below issues both products
+        // unconditionally: a conditional wgmma let the compiler sink P's packing into the
+        // branch, after wgmma.fence, and ptxas then serialised every wgmma (C7514).
+        const int slot0 = it0 % T::kStages;
+        mbar_wait(smem_addr(&bars.k_full[slot0]), (it0 / T::kStages) & 1);
         if constexpr (T::kPingPong) named_bar_sync(NamedBarrier::kWarpgroupTurn, wg, 256);
-        // Everything the two products read from registers is final before the fence.
         fence_regs(s_acc);
+        wgmma_fence();
+        issue_qk<T>(s_acc, qr, sQ_wg, sK + slot0 * T::kKVBytes);
+        if constexpr (T::kPingPong) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 1 - wg, 256);
+        wgmma_wait<0>();
+        fence_regs(s_acc);
+        if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[slot0]));
+        scores_to_probs<T>(s_acc, m_run, l_run, alpha, 0, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
+        rescale_and_pack<T>(o_acc, s_acc, alpha, p);
+
+        for (int t = 1; t < n_tiles; ++t) {
+            const int use = it0 + t;            // K/V tile t's place in the slots' sequence
+            const int slot = use % T::kStages;
+            const int prev = (use - 1) % T::kStages;  // tile t-1's slot
+            mbar_wait(smem_addr(&bars.k_full[slot]), (use / T::kStages) & 1);
+            // V(t-1) left with K(t-1), so it is normally here already. Waiting for it before the
+            // fence keeps the spin loop out of the fence-to-wgmma stretch, where ptxas would
+            // insert a second fence of its own (C7519).
+            mbar_wait(smem_addr(&bars.v_full[prev]), ((use - 1) / T::kStages) & 1);
+            if constexpr (T::kPingPong) named_bar_sync(NamedBarrier::kWarpgroupTurn, wg, 256);
+            // Everything the two products read from registers is final before the fence.
+            fence_regs(s_acc);
+            fence_regs(o_acc);
+            fence_a_regs(p);
+            wgmma_fence();
+            issue_qk<T>(s_acc, qr, sQ_wg, sK + slot * T::kKVBytes);
+            issue_pv<T>(o_acc, p, sV + prev * T::kKVBytes);
+            if constexpr (T::kPingPong) {
+                // Hand the tensor cores to the other warpgroup; warpgroup 1 owes none after its last tile.
+                if (wg == 0 || t + 1 < n_tiles) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 1 - wg, 256);
+            }
+            wgmma_wait<1>();  // S(t) is done; P(t-1) V(t-1) may still run
+            fence_regs(s_acc);
+            if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[slot]));
+            scores_to_probs<T>(s_acc, m_run, l_run, alpha, t * T::kBlockN, q_row0 + 64 * wg, q_row, seq_k, lane,
+                               scale_log2);
+            wgmma_wait<0>();
+            fence_regs(o_acc);
+            fence_a_regs(p);
+            if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[prev]));
+            if constexpr (!T::kHasProducer) {
+                if (tid == loader && t - 1 + T::kStages < n_tiles) refill<T>(k_map, v_map, sK, sV, &bars, t - 1, kv_head, batch);
+                __syncwarp();
+            }
+            rescale_and_pack<T>(o_acc, s_acc, alpha, p);
+        }
+        if constexpr (T::kPersistent && !T::kQInRegs) {
+            // Every Q K^T of the tile has completed (waited above): the next tile's Q may come in during the
+            // last P V and the epilogue.
+            if (lane == 0) mbar_arrive(smem_addr(&bars.q_empty));
+        }
+        // P V of the last tile.
+        const int last = (it0 + n_tiles - 1) % T::kStages;
+        mbar_wait(smem_addr(&bars.v_full[last]), ((it0 + n_tiles - 1) / T::kStages) & 1);
         fence_regs(o_acc);
         fence_a_regs(p);
         wgmma_fence();
-        issue_qk<T>(s_acc, qr, sQ_wg, sK + slot * T::kKVBytes);
-        issue_pv<T>(o_acc, p, sV + prev * T::kKVBytes);
-        if constexpr (T::kPingPong) {
-            // Hand the tensor cores to the other warpgroup; warpgroup 1 owes none after its last tile.
-            if (wg == 0 || t + 1 < n_tiles) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 1 - wg, 256);
-        }
-        wgmma_wait<1>();  // S(t) is done; P(t-1) V(t-1) may still run
-        fence_regs(s_acc);
-        if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[slot]));
-        scores_to_probs<T>(s_acc, m_run, l_run, alpha, t * T::kBlockN, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
+        issue_pv<T>(o_acc, p, sV + last * T::kKVBytes);
         wgmma_wait<0>();
         fence_regs(o_acc);
         fence_a_regs(p);
-        if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[prev]));
-        if constexpr (!T::kHasProducer) {
-            if (tid == loader && t - 1 + T::kStages < n_tiles) refill<T>(k_map, v_map, sK, sV, &bars, t - 1, kv_head, batch);
-            __syncwarp();
+        if constexpr (T::kPersistent) {
+            // The last V slot is free for the next tile's loads.
+            if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[last]));
         }
-        rescale_and_pack<T>(o_acc, s_acc, alpha, p);
-    }
-    // P V of the last tile.
-    const int last = (n_tiles - 1) % T::kStages;
-    mbar_wait(smem_addr(&bars.v_full[last]), ((n_tiles - 1) / T::kStages) & 1);
-    fence_regs(o_acc);
-    fence_a_regs(p);
-    wgmma_fence();
-    issue_pv<T>(o_acc, p, sV + last * T::kKVBytes);
-    wgmma_wait<0>();
-    fence_regs(o_acc);
-    fence_a_regs(p);
 
-    unsigned short* gO = o + batch * o_sb + head * o_sh;
-    store_out<T>(o_acc, l_run, gO, o_ss, q_row, seq_q, lane);
-    if constexpr (WRITE_LSE) store_row_lse<T>(m_run, l_run, lse + batch * lse_sb + head * lse_sh, q_row, seq_q, scale_log2, lane);
+        unsigned short* gO = o + batch * o_sb + head * o_sh;
+        store_out<T>(o_acc, l_run, gO, o_ss, q_row, seq_q, lane);
+        if constexpr (WRITE_LSE)
+            store_row_lse<T>(m_run, l_run, lse + batch * lse_sb + head * lse_sh, q_row, seq_q, scale_log2, lane);
+    };
+
+    if constexpr (!T::kPersistent) {
+        const QTile& w = grid_tile;
+        const int kv_head = grid_kv_head, n_tiles = grid_n_tiles;
+        if (tid == loader) {
+            const u32 qb = smem_addr(&bars.q_full);
+            mbar_expect_tx(qb, T::kQBytes);
+#pragma unroll
+            for (int r = 0; r < T::kRegions; ++r) tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
+            for (int t = 0; t < min(n_tiles, T::kStages); ++t) {
+                load_kv<T, 0>(k_map, sK, &bars, t, t, kv_head, w.batch);
+                load_kv<T, 1>(v_map, sV, &bars, t, t, kv_head, w.batch);
+            }
+        }
+        __syncwarp();  // the warp reconverges before the .aligned instructions below
+
+        if constexpr (T::kHasProducer) {
+            if (tid >= T::kConsumerThreads) {
+                if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
+                if (tid == loader)
+                    for (int t = 0; t + T::kStages < n_tiles; ++t) refill<T>(k_map, v_map, sK, sV, &bars, t, kv_head, w.batch);
+                return;
+            }
+            if constexpr (T::kSetMaxNReg) setmaxnreg_inc<T::kConsumerRegs>();
+        }
+        consume_tile(w, kv_head, n_tiles, 0, 0);
+    } else {
+        // Persistent: CTA b takes tiles b, b + gridDim.x, ... of persistent_tile's order; producer and consumers
+        // walk the same sequence, and count the K/V tiles before each query tile the same way.
+        const int m_blocks = (seq_q + T::kBlockM - 1) / T::kBlockM;
+        const int head_batches = n_heads * n_batch;
+        const int n_work = m_blocks * head_batches;
+        const long long kv_head_bytes = 4ll * T::kHeadDim * seq_k;  // K and V of one head, 2 bytes an element
+        const int section = static_cast<int>(max(1ll, min(static_cast<long long>(head_batches), kL2SectionBytes / kv_head_bytes)));
+        if (tid >= T::kConsumerThreads) {
+            if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
+            if (tid == loader) {
+                int it = 0;  // K/V tiles loaded so far
+                int qi = 0;  // query tiles so far
+                for (int work = blockIdx.x; work < n_work; work += gridDim.x, ++qi) {
+                    const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
+                    const int kv_head = kv_head_of(w.head, kv_magic);
+                    const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
+                    // The previous tile's Q is released after its last Q K^T (or once in registers).
+                    if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
+                    const u32 qb = smem_addr(&bars.q_full);
+                    mbar_expect_tx(qb, T::kQBytes);
+#pragma unroll
+                    for (int r = 0; r < T::kRegions; ++r)
+                        tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
+                    for (int t = 0; t < n_tiles; ++t, ++it) {
+                        // The slot's previous use (it - STAGES) must be released: its K after S, its V after P V.
+                        const int slot = it % T::kStages;
+                        const int use = it / T::kStages;
+                        if (use > 0) mbar_wait(smem_addr(&bars.k_empty[slot]), (use - 1) & 1);
+                        load_kv<T, 0>(k_map, sK, &bars, slot, t, kv_head, w.batch);
+                        if (use > 0) mbar_wait(smem_addr(&bars.v_empty[slot]), (use - 1) & 1);
+                        load_kv<T, 1>(v_map, sV, &bars, slot, t, kv_head, w.batch);
+                    }
+                }
+            }
+            return;
+        }
+        if constexpr (T::kSetMaxNReg) setmaxnreg_inc<T::kConsumerRegs>();
+        int it = 0, qi = 0;
+        for (int work = blockIdx.x; work < n_work; work += gridDim.x, ++qi) {
+            const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
+            const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
+            consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, it, qi & 1);
+            it += n_tiles;
+        }
+    }
 }
 
 }  // namespace hopper

@@ -34,7 +34,7 @@ def shape_context(shape: Shape) -> dict:
 # The value a knob takes when a (reduced) search space does not list it.
 KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
                  "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
-                 "mma": "sync", "pingpong": False}
+                 "mma": "sync", "pingpong": False, "persistent": False}
 
 
 # The values each knob may take: what the templates' traits (AttnTraits, hopper::HopperTraits) accept for
@@ -51,6 +51,7 @@ KNOB_DOMAINS = {
     "kv_splits": range(1, 17),
     "warp_key_groups": range(1, 17),     # each group takes a whole 16 keys of a tile of at most 256
     "pingpong": (False, True),
+    "persistent": (False, True),
 }
 
 
@@ -165,6 +166,7 @@ class AttentionProblem(Problem):
                 ("STAGES", int(knob(config, "stages"))),
                 ("Q_IN_REGS", "true" if knob(config, "q_in_regs") else "false"),
                 ("PINGPONG", "true" if knob(config, "pingpong") else "false"),
+                ("PERSISTENT", "true" if knob(config, "persistent") else "false"),
             ] + problem_args
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
@@ -191,19 +193,21 @@ class AttentionProblem(Problem):
             return f"""using EvotuneTraits = evotune::hopper::HopperTraits<
     {targs}>;
 {asserts}
-// Launch: grid (ceil(seq_q / kBlockM), heads, batch), block (EvotuneTraits::kThreads), dynamic shared
+// Launch: grid (ceil(seq_q / kBlockM), heads, batch), or with PERSISTENT (min(tiles, SMs), 1, 1) for tiles =
+// ceil(seq_q / kBlockM) * heads * batch; block (EvotuneTraits::kThreads), dynamic shared
 // memory EvotuneTraits::kSmemBytes. q_map, k_map, v_map: the CUtensorMaps of Q, K, V by value (4-D:
 // head_dim, seq, head, batch; 128-byte swizzle; boxes of 64 columns x kBlockM or BLOCK_N rows), kernel
 // parameters, so a launch uploads nothing and a CUDA graph records them with the launch.
 // o: fp16/bf16 bit patterns; strides in elements (b = batch, h = head, s = sequence). kv_magic: 0, or with
 // grouped-query attention ceil(2^32 / group) for group = heads / kv_heads; the K and V maps span kv_heads.
+// n_heads, n_batch: the query heads and the batch.
 extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 {self.entry_name}(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                   const __grid_constant__ CUtensorMap v_map, unsigned short* __restrict__ o,
                   long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
-                  unsigned kv_magic{lse_params}) {{
+                  unsigned kv_magic, int n_heads, int n_batch{lse_params}) {{
     evotune::hopper::attention_fwd_wgmma<EvotuneTraits{lse_targ}>(&q_map, &k_map, &v_map, o, o_sb, o_sh, o_ss, seq_q, seq_k,
-                                                        scale_log2, kv_magic{lse_args});
+                                                        scale_log2, kv_magic, n_heads, n_batch{lse_args});
 }}
 """
         return f"""using EvotuneTraits = evotune::AttnTraits<
