@@ -1,4 +1,4 @@
-"""The target GPU's per-CTA limits (H100, sm_90): the one table every other place reads.
+"""The target GPU's per-CTA limits and SM count (H100, sm_90): the one table every other place reads.
 
 The search spaces read them by context name (space.device_context), the static gate
 (compile.static_violations) checks ptxas's report against them, and each family's
@@ -13,9 +13,12 @@ SMEM_PER_BLOCK = 232448
 THREADS_PER_BLOCK = 1024
 REGISTERS_PER_SM = 65536
 REGISTERS_PER_THREAD = 255
+# Streaming multiprocessors of the H100 SXM: a persistent grid's size where the device is not at hand.
+MULTIPROCESSORS = 132
 
 # The limits a search space's expressions may read, by the names they read them as.
-DEVICE_LIMITS = {"smem_limit": SMEM_PER_BLOCK, "max_threads": THREADS_PER_BLOCK, "registers_per_sm": REGISTERS_PER_SM}
+DEVICE_LIMITS = {"smem_limit": SMEM_PER_BLOCK, "max_threads": THREADS_PER_BLOCK, "registers_per_sm": REGISTERS_PER_SM,
+                 "multiprocessors": MULTIPROCESSORS}
 
 
 def launch_asserts(threads: int, dynamic_smem: int, rows: tuple[str, int], traits: str = "EvotuneTraits") -> str:

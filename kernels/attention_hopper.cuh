@@ -338,6 +338,7 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
     load_kv<T, 1>(v_map, sV, bars, slot, t + T::kStages, head, batch);
 }
 
+// ---- persistent tile order (plain C++: tests/test_persistent.py compiles this stretch with the host compiler)
 // A query tile: its first row, query head and batch index.
 struct QTile {
     int row0, head, batch;
@@ -346,6 +347,13 @@ struct QTile {
 // Bytes of K and V (of all heads) a persistent grid's concurrent tiles should keep within: FlashAttention-3's
 // causal scheduler sizes its head sections to 32 MB of the H100's 50 MB L2 as well.
 constexpr long long kL2SectionBytes = 32ll << 20;
+
+// (batch, head) pairs per section of the causal order: as many as keep their K and V within kL2SectionBytes.
+template <class T>
+__device__ __forceinline__ int l2_section_pairs(int head_batches, int seq_k) {
+    const long long kv_bytes = 4ll * T::kHeadDim * seq_k;  // K and V of one head, 2 bytes an element
+    return static_cast<int>(max(1ll, min(static_cast<long long>(head_batches), kL2SectionBytes / kv_bytes)));
+}
 
 // Tile `tile` of the persistent order. Non-causal: the query tiles of one (batch, head) are consecutive, so
 // the ~132 tiles in flight at a time share the K/V of one to a few heads in L2. Causal: (batch, head) pairs
@@ -376,6 +384,7 @@ __device__ __forceinline__ int kv_tile_count(int q_row0, int seq_k) {
     if constexpr (T::kIsCausal) kv_end = min(seq_k, q_row0 + T::kBlockM);
     return (kv_end + T::kBlockN - 1) / T::kBlockN;
 }
+// ---- end of the persistent tile order
 
 // q_map, k_map, v_map: the CUtensorMaps of Q, K and V, each over the 4-D view (head_dim, seq, head,
 // batch) with boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows. They point at the entry
@@ -578,8 +587,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         const int m_blocks = (seq_q + T::kBlockM - 1) / T::kBlockM;
         const int head_batches = n_heads * n_batch;
         const int n_work = m_blocks * head_batches;
-        const long long kv_head_bytes = 4ll * T::kHeadDim * seq_k;  // K and V of one head, 2 bytes an element
-        const int section = static_cast<int>(max(1ll, min(static_cast<long long>(head_batches), kL2SectionBytes / kv_head_bytes)));
+        const int section = l2_section_pairs<T>(head_batches, seq_k);
         if (tid >= T::kConsumerThreads) {
             if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
             if (tid == loader) {

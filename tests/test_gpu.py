@@ -49,9 +49,33 @@ HOPPER_CONFIGS = [
 ]
 
 
+# Persistent grids (a producer warpgroup; one to three consumer warpgroups, one to three stages, Q in shared
+# memory or registers, 176-key tiles). The matrix launches them on PERSISTENT_CTAS CTAs, so that even on its small
+# shapes each CTA walks several query tiles of different lengths and the K/V slots' phases carry across tiles.
+PERSISTENT_CONFIGS = [
+    dict(_W, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=2, q_in_regs=True, persistent=True),
+    dict(_W, block_m=64, block_n=32, compute_warps=4, producer_warps=4, stages=1, q_in_regs=True, persistent=True),
+    dict(_W, block_m=192, block_n=64, compute_warps=12, producer_warps=4, stages=3, q_in_regs=False, persistent=True),
+    dict(_W, block_m=128, block_n=176, compute_warps=8, producer_warps=4, stages=2, q_in_regs=False, persistent=True),
+]
+PERSISTENT_CTAS = 3
+
+
 def _hopper_id(c: dict) -> str:
     return (f"wgmma-M{c['block_m']}N{c['block_n']}pw{c['producer_warps']}st{c['stages']}"
-            f"q{int(c['q_in_regs'])}pp{int(c.get('pingpong', False))}")
+            f"q{int(c['q_in_regs'])}pp{int(c.get('pingpong', False))}" + ("-persistent" if c.get("persistent") else ""))
+
+
+@pytest.fixture
+def few_ctas(monkeypatch):
+    """Persistent launches get PERSISTENT_CTAS CTAs instead of one per SM (here and in the processes started)."""
+    monkeypatch.setenv("EVOTUNE_SM_COUNT", str(PERSISTENT_CTAS))
+
+
+def _admitted_any_grid(attention, space, config, shape) -> bool:
+    """The space's verdict but for its rule that a persistent grid needs more query tiles than SMs (a search-time
+    economy, not a correctness rule: the kernel is correct on any grid, and the matrix tests it on small ones)."""
+    return space.admitted(config, dict(attention.context(shape), multiprocessors=0))
 
 
 def _evaluate(problem, space, shape, cfg_dict, **kw):
@@ -158,12 +182,45 @@ def test_ragged_matrix(attention, space, shape_text, cfg):
     assert res.status in (R.OK, R.PRUNED), res.message
 
 
+@pytest.mark.parametrize("shape_text", SHAPES + GQA_SHAPES + RAGGED[:8])
+@pytest.mark.parametrize("cfg", PERSISTENT_CONFIGS, ids=_hopper_id)
+def test_persistent_matches_reference(attention, space, few_ctas, shape_text, cfg):
+    """A persistent grid of PERSISTENT_CTAS CTAs, each walking several query tiles (ragged, causal, grouped K/V
+    heads, Sq != Sk, BSHD, both dtypes and head dims), passes the full gate."""
+    shape = parse_shape(shape_text)
+    config = space.config(dict(cfg))
+    if not _admitted_any_grid(attention, space, config, shape):
+        pytest.skip("config not admitted for this shape")
+    assert attention.launch_plan(config, shape).grid[0] == min(PERSISTENT_CTAS, attention.geometry(config, shape).grid[0])
+    res = _evaluate(attention, space, shape, cfg, time_it=False)
+    assert res.status in (R.OK, R.PRUNED), res.message
+    if res.status == R.OK:
+        assert res.verification["nonfinite"] == 0
+        assert res.verification["gate_ratio"] <= 1.0
+
+
+@pytest.mark.parametrize("shape_text", ["2,8,4096,64:causal", "1,16,2048,128:bf16", "3,5,1500,700,128:causal:bshd:kv1"])
+@pytest.mark.parametrize("cfg", PERSISTENT_CONFIGS, ids=_hopper_id)
+def test_persistent_on_every_sm(attention, space, shape_text, cfg):
+    """At the device's own SM count, on shapes with more query tiles than SMs (as the search admits them)."""
+    shape = parse_shape(shape_text)
+    config = space.config(dict(cfg))
+    if not space.admitted(config, attention.context(shape)):
+        pytest.skip("config not admitted for this shape")
+    res = _evaluate(attention, space, shape, cfg, time_it=False)
+    assert res.status in (R.OK, R.PRUNED), res.message
+    if res.status == R.OK:
+        assert res.verification["gate_ratio"] <= 1.0
+
+
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[7], HOPPER_CONFIGS[0], HOPPER_CONFIGS[3],
-                                 HOPPER_CONFIGS[5]],
-                         ids=["M64N64", "M64N32pw1", "M32N64kv4", "M16N64kg4", "wgmma-pw0", "wgmma-pingpong", "wgmma-M192"])
+                                 HOPPER_CONFIGS[5], PERSISTENT_CONFIGS[0], PERSISTENT_CONFIGS[2]],
+                         ids=["M64N64", "M64N32pw1", "M32N64kv4", "M16N64kg4", "wgmma-pw0", "wgmma-pingpong", "wgmma-M192",
+                              "wgmma-persistent", "wgmma-M192-persistent"])
 @pytest.mark.parametrize("shape_text", ["mission", "2,3,333,257,128:bf16:causal", "1,8,333,64:bf16:causal:kv2"])
-def test_bitwise_deterministic(attention, space, shape_text, cfg):
-    """100 launches on the same inputs give bitwise identical outputs (split-KV merges in a fixed order)."""
+def test_bitwise_deterministic(attention, space, few_ctas, shape_text, cfg):
+    """100 launches on the same inputs give bitwise identical outputs (split-KV merges in a fixed order; a
+    persistent CTA, here one of PERSISTENT_CTAS, computes each of its tiles as the one-tile grid does)."""
     from evotune.build.compile import load_kernel
     from evotune.gpu.evaluate import check_determinism, kernel_runner
 
@@ -324,6 +381,18 @@ def test_sanitizer_reports_a_planted_out_of_bounds_write(attention, space):
 
     report = run_tool("memcheck", _sanitize_job(attention, space, parse_shape("1,2,197,300,64"), plant))
     assert not report["clean"] and report["errors"], report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "synccheck", "racecheck"])
+@pytest.mark.parametrize("cfg", [PERSISTENT_CONFIGS[0], PERSISTENT_CONFIGS[2]], ids=_hopper_id)
+def test_sanitizer_clean_on_persistent_configs(attention, space, few_ctas, tool, cfg):
+    """memcheck, synccheck and racecheck find nothing in a persistent grid whose CTAs each walk several query tiles
+    (Q reloaded over the last one's, K/V slots reused across tiles) on a ragged causal bf16 d128 shape."""
+    from evotune.gpu.sanitize import run_tool
+
+    report = run_tool(tool, _sanitize_job(attention, space, parse_shape("2,3,197,300,128:bf16:causal"), cfg_dict=cfg))
+    assert report["clean"], report
 
 
 @pytest.mark.slow

@@ -280,7 +280,7 @@ def test_launch_plan_and_wgmma_args_are_memoised(attention, space, monkeypatch, 
     assert len(encoded) == 3 and [a for _, a in encoded] == list(attention.tensor_map_args(
         config, shape, {n: tuple(inputs[n].stride()) for n in "qkv"}).values())
     grid, block, args, smem = launched[-1]
-    assert (grid, block, smem) == (plan.grid, plan.block, plan.dynamic_smem) and len(args) == 11
+    assert (grid, block, smem) == (plan.grid, plan.block, plan.dynamic_smem) and len(args) == 13
     assert all(isinstance(a, np.ndarray) and a.size == 1 and a.itemsize == 128 for a in args[:3])
     assert int(args[3]) == out.data_ptr() and [int(a) for a in args[4:7]] == list(out.stride()[:3])
     assert (int(args[7]), int(args[8])) == (197, 300) and isinstance(args[9], np.float32)

@@ -76,15 +76,22 @@ def test_template_args_match_traits_parameters(attention, space, mission):
 @pytest.mark.parametrize("name", load_builtin("attention").param_names())
 def test_every_knob_changes_the_code(attention, space, mission, name):
     """Changing one knob to another admitted value changes the generated code beyond the banner: from the default,
-    or, for a knob only the Hopper variant reads (pingpong), from a two-warpgroup wgmma config."""
+    or, for a knob only the Hopper variant reads (pingpong, persistent), from a two-warpgroup wgmma config; on the
+    mission shape, or for persistent (admitted only with more query tiles than SMs) on llama-4k."""
     assert name in space.param_names()
     hopper = space.config({"mma": "wgmma", "block_m": 128, "compute_warps": 8, "producer_warps": 4})
-    for base in (space.default_config(), hopper):
-        cfg = first_admitted_change(space, name, mission, base)
-        if cfg is not None:
+    found = None
+    for shape in (mission, parse_shape("llama-4k")):
+        for base in (space.default_config(), hopper):
+            cfg = first_admitted_change(space, name, shape, base)
+            if cfg is not None:
+                found = (cfg, base, shape)
+                break
+        if found:
             break
-    assert cfg is not None, f"no admitted value of {name} other than the base's on the mission shape"
-    assert without_banner(instantiate(attention, cfg, mission).code) != without_banner(instantiate(attention, base, mission).code)
+    assert found is not None, f"no admitted value of {name} other than the base's on mission or llama-4k"
+    cfg, base, shape = found
+    assert without_banner(instantiate(attention, cfg, shape).code) != without_banner(instantiate(attention, base, shape).code)
 
 
 @pytest.mark.parametrize("other", ["1,8,4096,64", "1,8,512,2048,64", "16,32,512,64", "mission:bshd"])

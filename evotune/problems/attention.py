@@ -7,11 +7,13 @@ geometry. GPU side (torch + CuPy): inputs, the launch, the fp32 reference, and S
 from __future__ import annotations
 
 import math
+import os
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import UsageError
-from ..limits import THREADS_PER_BLOCK, launch_asserts
+from ..limits import MULTIPROCESSORS, THREADS_PER_BLOCK, launch_asserts
 from .shapes import PRESETS, Shape, parse_shape
 from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
 from . import LaunchGeometry, Problem
@@ -74,6 +76,33 @@ def rows_per_cta(config) -> int:
     """Query rows per CTA (the traits' kBlockM): wgmma_block_m for the Hopper variant, else the block_m knob."""
     return wgmma_block_m(config) if is_wgmma(config) else int(knob(config, "block_m"))
 
+
+def is_persistent(config) -> bool:
+    """The Hopper variant's persistent grid (HopperTraits::kPersistent): at most one CTA per SM loops over the tiles."""
+    return is_wgmma(config) and bool(knob(config, "persistent"))
+
+
+def query_tiles(config, shape: Shape) -> int:
+    """Query tiles of a launch: ceil(seq_q / rows per CTA) per (batch, head)."""
+    return math.ceil(shape.seq_q / rows_per_cta(config)) * shape.heads * shape.batch
+
+
+def current_multiprocessors() -> int:
+    """The SMs a persistent grid is sized for: EVOTUNE_SM_COUNT if set (fewer CTAs, e.g. to leave SMs to another
+    stream, or so that the GPU tests make each CTA walk several tiles of a small shape); else the CUDA device in use
+    where this process has CUDA up (a GPU worker, the PyTorch op); else the H100's (limits.MULTIPROCESSORS). A grid
+    sized for another GPU still computes every tile, but more CTAs than SMs leave a second, ragged wave. Never
+    imports torch itself (the search process does without it)."""
+    told = os.environ.get("EVOTUNE_SM_COUNT", "").strip()
+    if told:
+        if not told.isdigit() or int(told) < 1:
+            raise UsageError(f"EVOTUNE_SM_COUNT={told!r}: write a positive number of SMs")
+        return int(told)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
+    return MULTIPROCESSORS
+
 # Correctness gate, elementwise against an fp32 reference: |out - ref| <= ATOL*rms(V) + RTOL*|ref|.
 # The relative term is needed because |O| grows where a row attends few keys (causal
 # rows near the diagonal copy V almost verbatim), and one rounding of O to the output
@@ -99,7 +128,8 @@ class AttentionProblem(Problem):
     baseline_kind = "SDPA"
     rate_unit = "TFLOP/s"
     knob_abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
-                   "smem_layout": "", "q_in_regs": ("qreg", "qsmem"), "kv_splits": "kv"}
+                   "smem_layout": "", "q_in_regs": ("qreg", "qsmem"), "kv_splits": "kv",
+                   "persistent": ("persistent", "onetile")}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -232,15 +262,18 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 }}
 """
 
-    def geometry(self, config, shape: Shape) -> LaunchGeometry:
-        """The launch; the instantiation asserts that the traits derive the same threads and shared memory."""
+    def geometry(self, config, shape: Shape, multiprocessors: int = MULTIPROCESSORS) -> LaunchGeometry:
+        """The launch; the instantiation asserts that the traits derive the same threads and shared memory. A
+        persistent grid has min(query tiles, `multiprocessors`) CTAs (the H100's SMs unless told; launch_plan
+        tells the device's)."""
         block_m, block_n = rows_per_cta(config), int(knob(config, "block_n"))
         if is_wgmma(config):
             # HopperTraits: Q + STAGES (K, V) tiles + 1024 B to align them; consumer and producer warps.
             smem = 2 * shape.head_dim * (block_m + 2 * int(knob(config, "stages")) * block_n) + 1024
             threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
-            return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads, shape.batch),
-                                  block=(threads, 1, 1), dynamic_smem=smem)
+            grid = ((min(query_tiles(config, shape), multiprocessors), 1, 1) if is_persistent(config)
+                    else (math.ceil(shape.seq_q / block_m), shape.heads, shape.batch))
+            return LaunchGeometry(grid=grid, block=(threads, 1, 1), dynamic_smem=smem)
         threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
         pitch = shape.head_dim + (8 if knob(config, "smem_layout") == "pad" else 0)
         smem = 2 * pitch * (block_m + 2 * int(knob(config, "stages")) * block_n)
@@ -264,7 +297,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         if config is not None and is_wgmma(config):
             return ("evotune_attention(const __grid_constant__ CUtensorMap q_map, k_map, v_map  /* by value: 3 x 128 B "
                     "kernel parameters */, unsigned short* o, int64 o_sb, o_sh, o_ss, int seq_q, int seq_k, "
-                    "float scale_log2, uint32 kv_magic)  // kv_magic = kv_head_magic(heads / kv_heads): 0 without grouping")
+                    "float scale_log2, uint32 kv_magic, int n_heads, int n_batch)  // kv_magic = kv_head_magic(heads / "
+                    "kv_heads): 0 without grouping; n_heads, n_batch: the query heads and batch")
         return ("evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, "
                 "int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, "
                 "int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, uint32 kv_magic)"
@@ -278,7 +312,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
             return [f"tensor maps  cuTensorMapEncodeTiled, rank 4 (head_dim, seq, head, batch), strides in bytes, "
                     f"SWIZZLE_128B, OOB fill zero; boxes 64 x {block_m} (Q), 64 x {int(knob(config, 'block_n'))} (K, V)",
                     "             passed by value (CUtensorMap arguments of <<<>>>, or pointers to them in "
-                    "cuLaunchKernel's kernelParams); nothing to copy to the device"]
+                    "cuLaunchKernel's kernelParams); nothing to copy to the device"] + (
+                [f"persistent   grid (min({query_tiles(config, shape)} query tiles, the device's SMs), 1, 1): each CTA "
+                 f"loops over the tiles; the grid above is the H100's {MULTIPROCESSORS} SMs"]
+                if is_persistent(config) else [])
         n_o, n_lse, n_count = self.workspace_elems(config, shape)
         if not n_count:
             return ["workspace    none (kv_splits = 1): pass null for ws_o, ws_lse, ws_count"]
@@ -375,7 +412,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         """What a launch of `config` on `shape` needs besides the tensors (grid, block, shared memory, the
         variant, the workspace sizes), worked out once per (config, shape): the op launches the same key
         call after call, and each call then only packs pointers and strides."""
-        return _launch_plan(self, config, shape)
+        return _launch_plan(self, config, shape, current_multiprocessors() if is_persistent(config) else MULTIPROCESSORS)
 
     def entry_params(self, config, write_lse: bool = False) -> tuple:
         """The entry point's parameters in order, (name, kind), kind one of "ptr" (u64), "i64", "i32",
@@ -395,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                              f"{shape.spec} has {shape.heads} query and {shape.kv_heads} K/V heads")
         values = {"o": out.data_ptr(), "o_sb": out.stride(0), "o_sh": out.stride(1), "o_ss": out.stride(2),
                   "seq_q": shape.seq_q, "seq_k": shape.seq_k, "scale_log2": scale * math.log2(math.e),
-                  "kv_magic": int(plan.kv_magic)}
+                  "kv_magic": int(plan.kv_magic), "n_heads": shape.heads, "n_batch": shape.batch}
         if plan.wgmma:
             values.update(zip(("q_map", "k_map", "v_map"), self.tensor_maps(config, shape, {"q": q, "k": k, "v": v})))
         else:
@@ -522,10 +559,10 @@ class LaunchPlan:
 
 
 @lru_cache(maxsize=1024)
-def _launch_plan(problem, config, shape: Shape) -> LaunchPlan:
+def _launch_plan(problem, config, shape: Shape, multiprocessors: int) -> LaunchPlan:
     import numpy as np
 
-    geo = problem.geometry(config, shape)
+    geo = problem.geometry(config, shape, multiprocessors)
     return LaunchPlan(is_wgmma(config), tuple(geo.grid), tuple(geo.block), int(geo.dynamic_smem),
                       np.int32(shape.seq_q), np.int32(shape.seq_k), problem.workspace_elems(config, shape),
                       np.uint32(kv_head_magic(shape.kv_group)))
@@ -550,7 +587,8 @@ def _entry_params(wgmma: bool, write_lse: bool) -> tuple:
     tail = (("o_sb", "i64"), ("o_sh", "i64"), ("o_ss", "i64"), ("seq_q", "i32"), ("seq_k", "i32"), ("scale_log2", "f32"))
     lse = (("lse", "ptr"), ("lse_sb", "i64"), ("lse_sh", "i64")) if write_lse else ()
     if wgmma:
-        return (("q_map", "map"), ("k_map", "map"), ("v_map", "map"), ("o", "ptr")) + tail + (("kv_magic", "u32"),) + lse
+        return ((("q_map", "map"), ("k_map", "map"), ("v_map", "map"), ("o", "ptr")) + tail
+                + (("kv_magic", "u32"), ("n_heads", "i32"), ("n_batch", "i32")) + lse)
     strides = tuple((f"{t}_s{d}", "i64") for t in "qkv" for d in "bhs")
     return ((("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "ptr")) + strides + tail
             + (("ws_o", "ptr"), ("ws_lse", "ptr"), ("ws_count", "ptr"), ("kv_magic", "u32")) + lse)

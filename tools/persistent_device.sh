@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 13 item 3 on the GPU machine, in the order that guards each later step: the persistent grid's GPU checks
+# first (a kernel that fails them is never timed), then its before/after pairs beside SDPA, then the searches that
+# decide where it pays, then repeated `evotune bench` records of the winners (one bench reads the ratio to within
+# ~5%, a 2% knob needs several).
+#   STEPS="check probe search bench" OUT=dir bash tools/persistent_device.sh
+#   check   pytest -m gpu -k persistent (gate on 23 shapes x 4 configs at 3 CTAs, 3 shapes at every SM,
+#           determinism, compute-sanitizer memcheck/racecheck/synccheck)          -> $OUT/check.txt
+#   probe   TILE=persistent tools/fa3_tiles_probe.sh (winner, one-tile twin, persistent twin per large preset)
+#                                                                                 -> $OUT/fa3_tiles-persistent.tgz
+#   search  tools/large_searches.sh over attention-hopper3 (SHAPES, TRIALS, PER_SEARCH_S; runs *-h100-persistent)
+#                                                                                 -> $OUT/large.tgz
+#   bench   REPS x `evotune bench best` of each run named in BENCH_RUNS (default: the searches' runs)
+#                                                                                 -> $OUT/bench/RUN-N.json
+# Each step is bounded by a timeout; a failed step is reported and the next one still runs (check's failures are
+# in check.txt: read them before trusting the probe).
+set -uo pipefail
+OUT=${OUT:?set OUT}; here=$(cd "$(dirname "$0")/.." && pwd)
+export EVOTUNE_RUNS=${EVOTUNE_RUNS:-/tmp/runs} EVOTUNE_CACHE=${EVOTUNE_CACHE:-/tmp/cache}
+SHAPES=${SHAPES:-"gpt2 llama-4k llama-4k-causal long-8k long-16k-causal"}
+for step in ${STEPS:-check probe search bench}; do
+  start=$(date +%s)
+  case $step in
+    check)
+      timeout "${CHECK_S:-300}" python3 -m pytest -q -m gpu -k persistent "$here/tests/test_gpu.py" -p no:cacheprovider \
+        > "$OUT/check.txt" 2>&1
+      echo "check rc=$? $(tail -1 "$OUT/check.txt")" ;;
+    probe)
+      OUT=$OUT TILE=persistent timeout "${PROBE_S:-480}" bash "$here/tools/fa3_tiles_probe.sh"
+      echo "probe rc=$?" ;;
+    search)
+      SHAPES=$SHAPES TRIALS=${TRIALS:-48} PER_SEARCH_S=${PER_SEARCH_S:-100} RUN_SUFFIX=-persistent \
+        EXTRA="--space search_spaces/attention-hopper3.yaml" bash "$here/tools/large_searches.sh"
+      echo "search rc=$?" ;;
+    bench)
+      mkdir -p "$OUT/bench"
+      runs=${BENCH_RUNS:-$(for s in $SHAPES; do echo "${s//:/-}-h100-persistent"; done)}
+      for run in $runs; do
+        for i in $(seq 1 "${REPS:-3}"); do
+          timeout 120 python3 -m evotune bench best --run "$run" --reps 100 --out "$OUT/bench/$run-$i.json" \
+            > "$OUT/bench/$run-$i.txt" 2>&1 || echo "bench $run #$i failed: $(tail -1 "$OUT/bench/$run-$i.txt")"
+        done
+      done
+      python3 - "$OUT/bench" <<'PY'
+import glob, json, os, sys
+rows = {}
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    rec = json.load(open(path))  # evotune bench --out: one row per kernel, ours first
+    times = {r["name"]: r.get("time_us") for r in rec["rows"] if r.get("available")}
+    rows.setdefault(os.path.basename(path).rsplit("-", 1)[0], []).append((times.get("evotune"), times.get("cudnn")))
+for run, pairs in rows.items():
+    ratios = [c / o for o, c in pairs if o and c]
+    print(f"{run:40s} " + "  ".join(f"{o or 0:8.2f}/{c or 0:8.2f}" for o, c in pairs)
+          + (f"   CUDNN/ours {min(ratios):.3f}-{max(ratios):.3f}x" if ratios else ""))
+PY
+      ;;
+    *) echo "unknown step $step (check, probe, search, bench)" >&2 ;;
+  esac
+  echo "== $step took $(( $(date +%s) - start )) s"
+done
