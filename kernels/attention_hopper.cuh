@@ -348,11 +348,12 @@ struct QTile {
 // causal scheduler sizes its head sections to 32 MB of the H100's 50 MB L2 as well.
 constexpr long long kL2SectionBytes = 32ll << 20;
 
-// (batch, head) pairs per section of the causal order: as many as keep their K and V within kL2SectionBytes.
+// (batch, query head) pairs per section of the causal order: as many as keep their K and V within
+// kL2SectionBytes; with grouped-query attention `group` consecutive query heads share one K/V head.
 template <class T>
-__device__ __forceinline__ int l2_section_pairs(int head_batches, int seq_k) {
-    const long long kv_bytes = 4ll * T::kHeadDim * seq_k;  // K and V of one head, 2 bytes an element
-    return static_cast<int>(max(1ll, min(static_cast<long long>(head_batches), kL2SectionBytes / kv_bytes)));
+__device__ __forceinline__ int l2_section_pairs(int head_batches, int seq_k, int group) {
+    const long long kv_bytes = 4ll * T::kHeadDim * seq_k;  // K and V of one K/V head, 2 bytes an element
+    return static_cast<int>(max(1ll, min(static_cast<long long>(head_batches), kL2SectionBytes * group / kv_bytes)));
 }
 
 // Tile `tile` of the persistent order. Non-causal: the query tiles of one (batch, head) are consecutive, so
@@ -463,6 +464,9 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         for (int i = 0; i < T::kSAcc; ++i) s_acc[i] = 0.f;
 
         mbar_wait(smem_addr(&bars.q_full), q_phase);
+        // The previous tile's epilogue branched per lane (rows past seq_q): reconverge before the .aligned
+        // instructions (ldmatrix's users, wgmma) rather than rely on ptxas to.
+        if constexpr (T::kPersistent) __syncwarp();
         if constexpr (T::kQInRegs) {
             load_q_regs<T>(qr, sQ_wg, warp_in_wg, lane);
             if constexpr (T::kPersistent) {
@@ -491,6 +495,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         wgmma_wait<0>();
         fence_regs(s_acc);
         if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[slot0]));
+        // Persistent, Q from shared memory: its last reader has completed when the tile has one K/V tile.
+        if constexpr (T::kPersistent && !T::kQInRegs) {
+            if (lane == 0 && n_tiles == 1) mbar_arrive(smem_addr(&bars.q_empty));
+        }
         scores_to_probs<T>(s_acc, m_run, l_run, alpha, 0, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
         rescale_and_pack<T>(o_acc, s_acc, alpha, p);
 
@@ -518,6 +526,11 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             wgmma_wait<1>();  // S(t) is done; P(t-1) V(t-1) may still run
             fence_regs(s_acc);
             if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[slot]));
+            // Persistent, Q from shared memory: S(t) of the last K/V tile was Q's last reader, so the next tile's
+            // Q may come in under this tile's last softmax, P V and epilogue.
+            if constexpr (T::kPersistent && !T::kQInRegs) {
+                if (lane == 0 && t == n_tiles - 1) mbar_arrive(smem_addr(&bars.q_empty));
+            }
             scores_to_probs<T>(s_acc, m_run, l_run, alpha, t * T::kBlockN, q_row0 + 64 * wg, q_row, seq_k, lane,
                                scale_log2);
             wgmma_wait<0>();
@@ -529,11 +542,6 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 __syncwarp();
             }
             rescale_and_pack<T>(o_acc, s_acc, alpha, p);
-        }
-        if constexpr (T::kPersistent && !T::kQInRegs) {
-            // Every Q K^T of the tile has completed (waited above): the next tile's Q may come in during the
-            // last P V and the epilogue.
-            if (lane == 0) mbar_arrive(smem_addr(&bars.q_empty));
         }
         // P V of the last tile.
         const int last = (it0 + n_tiles - 1) % T::kStages;
@@ -587,7 +595,9 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         const int m_blocks = (seq_q + T::kBlockM - 1) / T::kBlockM;
         const int head_batches = n_heads * n_batch;
         const int n_work = m_blocks * head_batches;
-        const int section = l2_section_pairs<T>(head_batches, seq_k);
+        // Causal only (the non-causal order has no sections). K/V heads: the last query head's, plus one.
+        const int section =
+            T::kIsCausal ? l2_section_pairs<T>(head_batches, seq_k, n_heads / (kv_head_of(n_heads - 1, kv_magic) + 1)) : 1;
         if (tid >= T::kConsumerThreads) {
             if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
             if (tid == loader) {

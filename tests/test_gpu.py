@@ -57,6 +57,10 @@ PERSISTENT_CONFIGS = [
     dict(_W, block_m=64, block_n=32, compute_warps=4, producer_warps=4, stages=1, q_in_regs=True, persistent=True),
     dict(_W, block_m=192, block_n=64, compute_warps=12, producer_warps=4, stages=3, q_in_regs=False, persistent=True),
     dict(_W, block_m=128, block_n=176, compute_warps=8, producer_warps=4, stages=2, q_in_regs=False, persistent=True),
+    # One stage with Q in shared memory (Q released after the last S, V slot and next K share one slot) and
+    # 64-key tiles on 64 rows, so that causal first tiles have one K/V tile; four stages.
+    dict(_W, block_m=64, block_n=64, compute_warps=4, producer_warps=4, stages=1, q_in_regs=False, persistent=True),
+    dict(_W, block_m=128, block_n=64, compute_warps=8, producer_warps=4, stages=4, q_in_regs=False, persistent=True),
 ]
 PERSISTENT_CTAS = 3
 

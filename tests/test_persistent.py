@@ -43,9 +43,9 @@ struct Traits {
     static constexpr int kBlockM = BLOCK_M, kBlockN = 64, kHeadDim = HEAD_DIM;
 };
 template <class T>
-int run(int heads, int batch, int seq_q, int seq_k) {
+int run(int heads, int batch, int seq_q, int seq_k, int group) {
     const int m_blocks = (seq_q + T::kBlockM - 1) / T::kBlockM, head_batches = heads * batch;
-    const int section = l2_section_pairs<T>(head_batches, seq_k);
+    const int section = l2_section_pairs<T>(head_batches, seq_k, group);
     std::printf("section %d\n", section);
     for (int tile = 0; tile < m_blocks * head_batches; ++tile) {
         const QTile w = persistent_tile<T>(tile, m_blocks, heads, head_batches, section);
@@ -55,11 +55,11 @@ int run(int heads, int batch, int seq_q, int seq_k) {
 }
 int main(int argc, char** argv) {
     const int causal = std::atoi(argv[1]), d = std::atoi(argv[2]), heads = std::atoi(argv[3]), batch = std::atoi(argv[4]);
-    const int seq_q = std::atoi(argv[5]), seq_k = std::atoi(argv[6]);
-    if (causal && d == 128) return run<Traits<true, 128, 128>>(heads, batch, seq_q, seq_k);
-    if (causal) return run<Traits<true, 192, 64>>(heads, batch, seq_q, seq_k);
-    if (d == 128) return run<Traits<false, 128, 128>>(heads, batch, seq_q, seq_k);
-    return run<Traits<false, 192, 64>>(heads, batch, seq_q, seq_k);
+    const int seq_q = std::atoi(argv[5]), seq_k = std::atoi(argv[6]), group = std::atoi(argv[7]);
+    if (causal && d == 128) return run<Traits<true, 128, 128>>(heads, batch, seq_q, seq_k, group);
+    if (causal) return run<Traits<true, 192, 64>>(heads, batch, seq_q, seq_k, group);
+    if (d == 128) return run<Traits<false, 128, 128>>(heads, batch, seq_q, seq_k, group);
+    return run<Traits<false, 192, 64>>(heads, batch, seq_q, seq_k, group);
 }
 """
 
@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
 def tile_order(tmp_path_factory):
     """Runs the kernel's own persistent_tile / kv_tile_count / l2_section_pairs (the marked stretch of
     kernels/attention_hopper.cuh, compiled by the host's C++ compiler): (causal, d, heads, batch, seq_q, seq_k)
-    -> (section, [(row0, head, batch, kv tiles)] in tile order)."""
+    (, group) -> (section, [(row0, head, batch, kv tiles)] in tile order)."""
     cxx = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
@@ -80,8 +80,8 @@ def tile_order(tmp_path_factory):
     (folder / "order.cpp").write_text(prelude + stretch.group(0) + _ORDER_MAIN)
     subprocess.run([cxx, "-std=c++17", "-O1", "order.cpp", "-o", "order"], cwd=folder, check=True)
 
-    def run(causal, d, heads, batch, seq_q, seq_k):
-        out = subprocess.run([str(folder / "order"), *map(str, (int(causal), d, heads, batch, seq_q, seq_k))],
+    def run(causal, d, heads, batch, seq_q, seq_k, group=1):
+        out = subprocess.run([str(folder / "order"), *map(str, (int(causal), d, heads, batch, seq_q, seq_k, group))],
                              capture_output=True, text=True, check=True).stdout.splitlines()
         return int(out[0].split()[1]), [tuple(map(int, line.split())) for line in out[1:]]
 
@@ -122,6 +122,13 @@ def test_causal_order_is_longest_first_within_l2_sections(tile_order):
         assert kv == sorted(kv, reverse=True) and kv[0] == 4096 // 64 and kv[-1] == 2
         assert len({(t[1], t[2]) for t in part[:width]}) == width  # the heads vary fastest
     assert len({(t[1], t[2]) for t in first}) == 16 and len({(t[1], t[2]) for t in second}) == 12
+
+
+def test_grouped_heads_make_sections_that_many_times_wider(tile_order):
+    """With grouped-query attention a section counts query heads, `group` of which share one K/V head: 4 heads per
+    K/V head fit four times as many pairs in the same 32 MB (capped at all of them)."""
+    assert tile_order(True, 128, 64, 2, 4096, 4096, 4)[0] == 64
+    assert tile_order(True, 128, 8, 2, 4096, 4096, 8)[0] == 16
 
 
 def test_short_keys_make_one_section(tile_order):
