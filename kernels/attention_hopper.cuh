@@ -607,19 +607,22 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                     const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
                     const int kv_head = kv_head_of(w.head, kv_magic);
                     const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
-                    // The previous tile's Q is released after its last Q K^T (or once in registers).
-                    if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
-                    const u32 qb = smem_addr(&bars.q_full);
-                    mbar_expect_tx(qb, T::kQBytes);
-#pragma unroll
-                    for (int r = 0; r < T::kRegions; ++r)
-                        tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
                     for (int t = 0; t < n_tiles; ++t, ++it) {
                         // The slot's previous use (it - STAGES) must be released: its K after S, its V after P V.
                         const int slot = it % T::kStages;
                         const int use = it / T::kStages;
                         if (use > 0) mbar_wait(smem_addr(&bars.k_empty[slot]), (use - 1) & 1);
                         load_kv<T, 0>(k_map, sK, &bars, slot, t, kv_head, w.batch);
+                        if (t == 0) {
+                            // Q after the first K: that K's slot was released a few K/V tiles back, Q's buffer only
+                            // after the previous tile's last Q K^T (or once it was in registers).
+                            if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
+                            const u32 qb = smem_addr(&bars.q_full);
+                            mbar_expect_tx(qb, T::kQBytes);
+#pragma unroll
+                            for (int r = 0; r < T::kRegions; ++r)
+                                tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
+                        }
                         if (use > 0) mbar_wait(smem_addr(&bars.v_empty[slot]), (use - 1) & 1);
                         load_kv<T, 1>(v_map, sV, &bars, slot, t, kv_head, w.batch);
                     }
