@@ -4,6 +4,8 @@
 # decide where it pays, then repeated `evotune bench` records of the winners (one bench reads the ratio to within
 # ~5%, a 2% knob needs several).
 #   STEPS="check probe search bench" OUT=dir bash tools/persistent_device.sh
+# The four steps take about 7, 8, 9 and 4 minutes: where one command may run 10 minutes, give each its own call
+# (STEPS=check, then STEPS=probe, ...) with the same EVOTUNE_RUNS/EVOTUNE_CACHE kept between them or the runs carried.
 #   check   pytest -m gpu -k persistent (gate on 23 shapes x 4 configs at 3 CTAs, 3 shapes at every SM,
 #           determinism, compute-sanitizer memcheck/racecheck/synccheck)          -> $OUT/check.txt
 #   probe   TILE=persistent tools/fa3_tiles_probe.sh (winner, one-tile twin, persistent twin per large preset)
@@ -22,7 +24,7 @@ for step in ${STEPS:-check probe search bench}; do
   start=$(date +%s)
   case $step in
     check)
-      timeout "${CHECK_S:-300}" python3 -m pytest -q -m gpu -k persistent "$here/tests/test_gpu.py" -p no:cacheprovider \
+      timeout "${CHECK_S:-540}" python3 -m pytest -q -m gpu -k persistent "$here/tests/test_gpu.py" -p no:cacheprovider \
         > "$OUT/check.txt" 2>&1
       echo "check rc=$? $(tail -1 "$OUT/check.txt")" ;;
     probe)
