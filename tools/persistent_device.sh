@@ -4,7 +4,8 @@
 # decide where it pays, then repeated `evotune bench` records of the winners (one bench reads the ratio to within
 # ~5%, a 2% knob needs several).
 #   STEPS="check probe search bench" OUT=dir bash tools/persistent_device.sh
-# The four steps take about 7, 8, 9 and 4 minutes: where one command may run 10 minutes, give each its own call
+# The four steps should take about 7, 8, 9 and 4 minutes (estimated from the steps they reuse; not yet run as a
+# whole): where one command may run 10 minutes, give each its own call
 # (STEPS=check, then STEPS=probe, ...) with the same EVOTUNE_RUNS/EVOTUNE_CACHE kept between them or the runs carried.
 #   check   pytest -m gpu -k persistent (gate on 23 shapes x 4 configs at 3 CTAs, 3 shapes at every SM,
 #           determinism, compute-sanitizer memcheck/racecheck/synccheck)          -> $OUT/check.txt
