@@ -12,17 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-
-def _jobs(conn):
-    """The jobs the parent sends, until it closes the pipe or sends None (the real worker's loop)."""
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        yield job
+from evotune.gpu.workers import worker_jobs
 
 
 def hang_worker(conn, device: int) -> None:
@@ -43,7 +33,7 @@ def crash_worker(conn, device: int) -> None:
 def error_worker(conn, device: int) -> None:
     """Answers "pid" jobs with its process id; answers "fail" jobs with an error and exits, like the real worker."""
     conn.send(("ready", None))
-    for job in _jobs(conn):
+    for job in worker_jobs(conn):
         if job["kind"] == "pid":
             conn.send(("ok", {"pid": os.getpid(), "device": device}))
         else:
@@ -81,7 +71,7 @@ def fault_worker(conn, device: int) -> None:
 
     conn.send(("ready", None))
     crash_on = os.environ.get("EVOTUNE_FAKE_CRASH_ON")
-    for job in _jobs(conn):
+    for job in worker_jobs(conn):
         if job["kind"] == "pid":
             conn.send(("ok", {"pid": os.getpid()}))
             continue
@@ -119,6 +109,6 @@ def timed_start_worker(conn, device: int) -> None:
     entered = time.time()
     time.sleep(0.2)
     conn.send(("ready", {"entered": entered, "phases": {"import torch": 0.2}}))
-    for _ in _jobs(conn):
+    for _ in worker_jobs(conn):
         time.sleep(0.1)
         conn.send(("ok", {"name": "stand-in", "_timing": {"seconds": {"cuDNN version": 0.05}}}))

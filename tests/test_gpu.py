@@ -82,6 +82,14 @@ def _admitted_any_grid(attention, space, config, shape) -> bool:
     return space.admitted(config, dict(attention.context(shape), multiprocessors=0))
 
 
+def _assert_passed(res) -> None:
+    """A gated candidate passed: verified within the gate with finite outputs, or pruned by the static gate."""
+    assert res.status in (R.OK, R.PRUNED), res.message
+    if res.status == R.OK:
+        assert res.verification["nonfinite"] == 0
+        assert res.verification["gate_ratio"] <= 1.0
+
+
 def _evaluate(problem, space, shape, cfg_dict, **kw):
     from evotune.gpu.evaluate import evaluate_compiled
 
@@ -101,10 +109,7 @@ def test_kernel_matches_reference(attention, space, shape_text, cfg):
     if not space.admitted(space.config(cfg), attention.context(shape)):
         pytest.skip("config not admitted for this shape")
     res = _evaluate(attention, space, shape, cfg, time_it=False)
-    assert res.status in (R.OK, R.PRUNED), res.message
-    if res.status == R.OK:
-        assert res.verification["nonfinite"] == 0
-        assert res.verification["gate_ratio"] <= 1.0
+    _assert_passed(res)
 
 
 # Grouped-query attention (kvN: N K/V heads): groups 2, 4 and 8 (one K/V head), both dtypes, causal, BSHD,
@@ -127,10 +132,7 @@ def test_gqa_matches_reference(attention, space, shape_text, cfg):
     if not space.admitted(space.config(cfg), attention.context(shape)):
         pytest.skip("config not admitted for this shape")
     res = _evaluate(attention, space, shape, cfg, time_it=False)
-    assert res.status in (R.OK, R.PRUNED), res.message
-    if res.status == R.OK:
-        assert res.verification["nonfinite"] == 0
-        assert res.verification["gate_ratio"] <= 1.0
+    _assert_passed(res)
 
 
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[4], CONFIGS[7], HOPPER_CONFIGS[0], HOPPER_CONFIGS[3]],
@@ -197,10 +199,7 @@ def test_persistent_matches_reference(attention, space, few_ctas, shape_text, cf
         pytest.skip("config not admitted for this shape")
     assert attention.launch_plan(config, shape).grid[0] == min(PERSISTENT_CTAS, attention.geometry(config, shape).grid[0])
     res = _evaluate(attention, space, shape, cfg, time_it=False)
-    assert res.status in (R.OK, R.PRUNED), res.message
-    if res.status == R.OK:
-        assert res.verification["nonfinite"] == 0
-        assert res.verification["gate_ratio"] <= 1.0
+    _assert_passed(res)
 
 
 @pytest.mark.parametrize("shape_text", ["2,8,4096,64:causal", "1,16,2048,128:bf16", "3,5,1500,700,128:causal:bshd:kv1"])
@@ -212,9 +211,7 @@ def test_persistent_on_every_sm(attention, space, shape_text, cfg):
     if not space.admitted(config, attention.context(shape)):
         pytest.skip("config not admitted for this shape")
     res = _evaluate(attention, space, shape, cfg, time_it=False)
-    assert res.status in (R.OK, R.PRUNED), res.message
-    if res.status == R.OK:
-        assert res.verification["gate_ratio"] <= 1.0
+    _assert_passed(res)
 
 
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[7], HOPPER_CONFIGS[0], HOPPER_CONFIGS[3],

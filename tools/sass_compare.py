@@ -25,25 +25,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-W = dict(mma="wgmma", smem_layout="swizzle")
-# (shape, config): every code path of the Hopper variant (producer or not, ping-pong, Q in registers, one to
-# three consumer warpgroups, 176-key tiles, causal, bf16, ragged BSHD, grouped K/V heads) and two mma.sync configs.
-CONFIGS = [
-    ("4,32,4096,128", dict(W, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=3, q_in_regs=False)),
-    ("4,32,4096,128:bf16:causal", dict(W, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=3,
-                                       q_in_regs=True, pingpong=True)),
-    ("16,12,1024,64", dict(W, block_m=64, block_n=128, compute_warps=4, producer_warps=0, stages=2, q_in_regs=False)),
+# The configs tests/test_hopper.py compiles, one per code path of the Hopper variant (producer or not, ping-pong,
+# Q in registers, one to three consumer warpgroups, 176-key tiles, causal, bf16, ragged BSHD), plus a causal
+# two-warpgroup producer config, grouped K/V heads, and two mma.sync configs.
+sys.path.insert(0, str(REPO / "tests"))
+from test_hopper import SPREAD, W  # noqa: E402
+
+CONFIGS = SPREAD + [
     ("16,12,1024,64:causal", dict(W, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=2,
                                   q_in_regs=False)),
-    ("2,16,8192,64:bf16", dict(W, block_m=128, block_n=64, compute_warps=8, producer_warps=0, stages=4,
-                               q_in_regs=True, pingpong=True)),
-    ("1,2,197,300,64:causal:bshd", dict(W, block_m=64, block_n=32, compute_warps=4, producer_warps=4, stages=1,
-                                        q_in_regs=True)),
-    ("2,16,8192,64", dict(W, block_m=192, block_n=128, compute_warps=12, producer_warps=4, stages=2, q_in_regs=False)),
-    ("16,12,1024,64:bf16:causal", dict(W, block_m=192, block_n=64, compute_warps=12, producer_warps=0, stages=3,
-                                       q_in_regs=False)),
-    ("4,32,4096,128", dict(W, block_m=128, block_n=176, compute_warps=8, producer_warps=4, stages=2, q_in_regs=False,
-                           pingpong=True)),
     ("2,32,8,1024,128:causal", dict(W, block_m=128, block_n=64, compute_warps=8, producer_warps=4, stages=2,
                                     q_in_regs=True)),
     ("1,8,512,64", dict(block_m=64, block_n=64, compute_warps=4, producer_warps=0, stages=2, smem_layout="swizzle",

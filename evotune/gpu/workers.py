@@ -358,6 +358,18 @@ _HANDLERS: dict[type[Job], Callable[[Job], dict]] = {
     BenchJob: _bench_job, BesideJob: _beside_job}
 
 
+def worker_jobs(conn):
+    """The jobs the parent sends a worker, until it closes the pipe or sends None (the stop)."""
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        yield job
+
+
 def _worker_process(main, conn, device: int) -> None:
     """A worker process's entry point: ignore SIGINT, then run `main` (normally _worker_main).
 
@@ -396,13 +408,7 @@ def _worker_main(conn, device: int) -> None:
         conn.send(("fatal", f"GPU worker could not start on device {device}: {type(e).__name__}: {e}"))
         return
     conn.send(("ready", {"entered": entered, "phases": phases.as_dict(), "ready_at": time.time()}))
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
+    for job in worker_jobs(conn):
         try:
             conn.send(("ok", builtin_data(_handle(job))))
         except Exception as e:
