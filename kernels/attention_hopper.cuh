@@ -18,7 +18,11 @@
 //   - PERSISTENT (with a producer warpgroup): a grid of at most one CTA per SM walks the query
 //     tiles (persistent_tile's order); the producer loads the next tile's Q and first K/V tiles
 //     while the consumers finish the current one (its last P V and the epilogue), the K/V slots'
-//     phases counting on across tiles. Otherwise each CTA computes the one tile of its blockIdx.
+//     phases counting on across tiles. Non-causal tiles are all alike, so CTA b takes tiles b,
+//     b + gridDim.x, ...; causal ones differ up to seq_k / BLOCK_N-fold, and a fixed share left
+//     some CTAs a tenth more work than others (measured), so each CTA's producer takes its next
+//     tile from a global counter (FlashAttention-3's dynamic scheduler for causal) and hands it to
+//     its consumers with the Q load. Otherwise each CTA computes the one tile of its blockIdx.
 //
 // Tile layout in shared memory (what TMA writes with SWIZZLE_128B and wgmma reads with
 // the 128-byte swizzle mode): a tile of R rows x HEAD_DIM columns is HEAD_DIM/64 regions,
@@ -400,12 +404,16 @@ __device__ __forceinline__ int kv_tile_count(int q_row0, int seq_k) {
 // P(t). K(t)'s slot is released as soon as S(t) is done, V(t-1)'s after P V.
 // WRITE_LSE (training, not a knob): also write each row's log-sum-exp to lse[batch * lse_sb + head *
 // lse_sh + row] (see attention_fwd). n_heads, n_batch: the query heads and batch (read by PERSISTENT only;
-// the one-tile grid has them as gridDim.y and z).
+// the one-tile grid has them as gridDim.y and z). tile_counter: PERSISTENT causal only (else unread), two
+// unsigned counters that are zero when the launch starts (the tiles handed out past the first gridDim.x, and
+// the CTAs done); the last CTA to finish zeroes them again, so one zeroed pair serves launch after launch on
+// one stream (two launches running at once need a pair each).
 template <class T, bool WRITE_LSE = false>
 __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                     const CUtensorMap* v_map, unsigned short* __restrict__ o,
                                                     long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k,
                                                     float scale_log2, unsigned kv_magic, int n_heads, int n_batch,
+                                                    unsigned* __restrict__ tile_counter,
                                                     float* __restrict__ lse = nullptr, long long lse_sb = 0,
                                                     long long lse_sh = 0) {
     // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
@@ -590,20 +598,27 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         }
         consume_tile(w, kv_head, n_tiles, 0, 0);
     } else {
-        // Persistent: CTA b takes tiles b, b + gridDim.x, ... of persistent_tile's order; producer and consumers
-        // walk the same sequence, and count the K/V tiles before each query tile the same way.
+        // Persistent: CTA b takes tile b of persistent_tile's order first, then (non-causal) b + gridDim.x, ...
+        // or (causal) the tiles its producer is handed by tile_counter; the consumers walk the same sequence
+        // (computed, or read with each Q) and count the K/V tiles before each query tile the same way.
         const int m_blocks = (seq_q + T::kBlockM - 1) / T::kBlockM;
         const int head_batches = n_heads * n_batch;
         const int n_work = m_blocks * head_batches;
         // Causal only (the non-causal order has no sections). K/V heads: the last query head's, plus one.
         const int section =
             T::kIsCausal ? l2_section_pairs<T>(head_batches, seq_k, n_heads / (kv_head_of(n_heads - 1, kv_magic) + 1)) : 1;
+        constexpr bool kDynamic = T::kIsCausal;
+        __shared__ int handed_tile[2];  // kDynamic: per q_full phase, its query tile (or -1: none left)
         if (tid >= T::kConsumerThreads) {
             if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
             if (tid == loader) {
                 int it = 0;  // K/V tiles loaded so far
                 int qi = 0;  // query tiles so far
-                for (int work = blockIdx.x; work < n_work; work += gridDim.x, ++qi) {
+                for (int work = blockIdx.x; work < n_work; ++qi) {
+                    // Causal: the consumers read the tile after q_full's phase qi completes (the Q load's arrival
+                    // releases this store). The entry was last read for tile qi - 2, before its Q was released,
+                    // which the wait for q_empty at tile qi - 1's Q load saw.
+                    if constexpr (kDynamic) handed_tile[qi & 1] = work;
                     const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
                     const int kv_head = kv_head_of(w.head, kv_magic);
                     const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
@@ -626,13 +641,39 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                         if (use > 0) mbar_wait(smem_addr(&bars.v_empty[slot]), (use - 1) & 1);
                         load_kv<T, 1>(v_map, sV, &bars, slot, t, kv_head, w.batch);
                     }
+                    // Causal: ask for the next tile only now, when this CTA is about to run out of queued work
+                    // (one tile asked for earlier could sit here while another CTA idles at the end of the
+                    // launch). The answer's latency hides under the wait for the next free slot.
+                    if constexpr (kDynamic) work = static_cast<int>(atomicAdd(tile_counter, 1u) + gridDim.x);
+                    else work += gridDim.x;
+                }
+                if constexpr (kDynamic) {
+                    // No tile left: hand the consumers -1 (their signal to stop) with a bare arrival, once
+                    // q_full's previous phase is complete (seen through q_empty).
+                    handed_tile[qi & 1] = -1;
+                    if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
+                    mbar_arrive(smem_addr(&bars.q_full));
+                    // Every CTA asks until it is refused, then counts itself done: the last one done knows no
+                    // CTA of this launch will ask again and zeroes both counters for the next launch.
+                    __threadfence();
+                    if (atomicAdd(tile_counter + 1, 1u) == gridDim.x - 1) {
+                        atomicExch(tile_counter, 0u);
+                        atomicExch(tile_counter + 1, 0u);
+                    }
                 }
             }
             return;
         }
         if constexpr (T::kSetMaxNReg) setmaxnreg_inc<T::kConsumerRegs>();
         int it = 0, qi = 0;
-        for (int work = blockIdx.x; work < n_work; work += gridDim.x, ++qi) {
+        for (int work = blockIdx.x;; ++qi) {
+            if constexpr (kDynamic) {
+                mbar_wait(smem_addr(&bars.q_full), qi & 1);  // consume_tile's own wait then passes at once
+                work = handed_tile[qi & 1];
+            } else if (qi > 0) {
+                work += gridDim.x;
+            }
+            if (kDynamic ? work < 0 : work >= n_work) break;
             const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
             const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
             consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, it, qi & 1);

@@ -214,6 +214,51 @@ def test_persistent_on_every_sm(attention, space, shape_text, cfg):
     _assert_passed(res)
 
 
+@pytest.mark.parametrize("shape_text", ["2,3,333,257,128:bf16:causal", "1,8,1024,64:causal:kv2", "2,4,700,64:causal"])
+@pytest.mark.parametrize("cfg", [PERSISTENT_CONFIGS[0], PERSISTENT_CONFIGS[2]], ids=_hopper_id)
+def test_persistent_causal_tile_counters_serve_launch_after_launch(attention, space, few_ctas, shape_text, cfg):
+    """The causal persistent grid takes its tiles from two counters that its last CTA zeroes again: one launch's
+    arguments replayed five times (as a CUDA graph replays them) give the same correct O each time, and the
+    counters read zero after each launch."""
+    import math
+
+    import torch
+
+    from evotune.build.compile import load_kernel, torch_stream_launcher
+    from evotune.gpu.evaluate import output_errors
+    from evotune.problems.attention import as_kernel_arg
+
+    shape = parse_shape(shape_text)
+    config = space.config(dict(cfg))
+    if not _admitted_any_grid(attention, space, config, shape):
+        pytest.skip("config not admitted for this shape")
+    src = instantiate(attention, config, shape)
+    plan = attention.launch_plan(config, shape)
+    assert plan.workspace == (0, 0, 2) and plan.grid[0] == PERSISTENT_CTAS
+    kernel = load_kernel(compile_source(src.code, src.entry), plan.dynamic_smem)
+    inputs = attention.make_inputs(shape, 21)
+    out = attention.new_output(inputs)
+    workspace = attention.new_workspace(config, shape, out.device)
+    values = attention.launch_values(config, shape, inputs["q"], inputs["k"], inputs["v"], out, inputs["scale"],
+                                     None, workspace)
+    args = tuple(as_kernel_arg(kind, values[name]) for name, kind in attention.entry_params(config))
+    launch = torch_stream_launcher(kernel, plan.grid, plan.block, args, plan.dynamic_smem, keep=workspace)
+    ref = attention.reference(shape, inputs)
+    atol, rtol = attention.tolerance(shape)
+    first = None
+    for _ in range(5):
+        out.fill_(math.nan)
+        launch()
+        torch.cuda.synchronize()
+        assert workspace[2].tolist() == [0, 0]
+        if first is None:
+            _, _, nonfinite, ratio = output_errors(out, ref, atol * attention.error_scale(inputs), rtol)
+            assert nonfinite == 0 and ratio <= 1.0, (nonfinite, ratio)
+            first = out.clone()
+        else:
+            assert torch.equal(out.view(torch.int16), first.view(torch.int16))
+
+
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[7], HOPPER_CONFIGS[0], HOPPER_CONFIGS[3],
                                  HOPPER_CONFIGS[5], PERSISTENT_CONFIGS[0], PERSISTENT_CONFIGS[2]],
                          ids=["M64N64", "M64N32pw1", "M32N64kv4", "M16N64kg4", "wgmma-pw0", "wgmma-pingpong", "wgmma-M192",

@@ -254,7 +254,8 @@ def test_wgmma_export_compiles_with_nvcc_alone(attention, space, tmp_path):
 def test_launch_plan_and_wgmma_args_are_memoised(attention, space, monkeypatch, shape_text, kv_magic):
     """A launch's tensor-independent part (grid, block, shared memory) is worked out once per (config, shape), and
     a wgmma launch passes Q, K, V's maps as three 128-byte by-value records, each encoded once per (address, layout),
-    then the K/V group's magic (0 without grouped-query attention; K's and V's maps then span the K/V heads)."""
+    then the K/V group's magic (0 without grouped-query attention; K's and V's maps then span the K/V heads), the
+    query heads and batch, and a null tile_counter."""
     import numpy as np
 
     import evotune.build.compile
@@ -280,10 +281,11 @@ def test_launch_plan_and_wgmma_args_are_memoised(attention, space, monkeypatch, 
     assert len(encoded) == 3 and [a for _, a in encoded] == list(attention.tensor_map_args(
         config, shape, {n: tuple(inputs[n].stride()) for n in "qkv"}).values())
     grid, block, args, smem = launched[-1]
-    assert (grid, block, smem) == (plan.grid, plan.block, plan.dynamic_smem) and len(args) == 13
+    assert (grid, block, smem) == (plan.grid, plan.block, plan.dynamic_smem) and len(args) == 14
     assert all(isinstance(a, np.ndarray) and a.size == 1 and a.itemsize == 128 for a in args[:3])
     assert int(args[3]) == out.data_ptr() and [int(a) for a in args[4:7]] == list(out.stride()[:3])
     assert (int(args[7]), int(args[8])) == (197, 300) and isinstance(args[9], np.float32)
     assert isinstance(args[10], np.uint32) and int(args[10]) == kv_magic
+    assert [int(a) for a in args[11:]] == [shape.heads, shape.batch, 0]  # one-tile grid: no tile counters
     assert [a.dims[2] for _, a in encoded] == [shape.heads, shape.kv_heads, shape.kv_heads]
     tma.map_param.cache_clear()

@@ -170,7 +170,8 @@ def test_the_oracle_spaces_do_not_carry_the_knob():
 
 def test_persistent_geometry_and_arguments(attention, space):
     """A persistent launch is min(query tiles, SMs) CTAs in x (the H100's 132 by default, the device's when the
-    plan is made where CUDA is up), and every wgmma launch passes the query heads and batch after kv_magic."""
+    plan is made where CUDA is up), and every wgmma launch passes the query heads, the batch and the tile counters
+    after kv_magic."""
     shape = parse_shape("4,32,4096,128")
     config = space.config(PERSISTENT)
     assert attention.geometry(config, shape).grid == (MULTIPROCESSORS, 1, 1) == (132, 1, 1)
@@ -180,13 +181,29 @@ def test_persistent_geometry_and_arguments(attention, space):
     one_tile = space.config(dict(PERSISTENT, persistent=False))
     assert attention.geometry(one_tile, shape).grid == (32, 32, 4)
     names = [n for n, _ in attention.entry_params(config)]
-    assert names[names.index("kv_magic"):] == ["kv_magic", "n_heads", "n_batch"]
+    assert names[names.index("kv_magic"):] == ["kv_magic", "n_heads", "n_batch", "tile_counter"]
     assert names == [n for n, _ in attention.entry_params(one_tile)]
     src = instantiate(attention, config, shape)
-    assert "unsigned kv_magic, int n_heads, int n_batch)" in src.code and "/* PERSISTENT = */ true" in src.code
+    assert "unsigned kv_magic, int n_heads, int n_batch, unsigned* tile_counter)" in src.code and "/* PERSISTENT = */ true" in src.code
     assert "/* PERSISTENT = */ false" in instantiate(attention, one_tile, shape).code
     notes = "\n".join(attention.launch_notes(config, shape))
-    assert "min(4096 query tiles, the device's SMs)" in notes
+    assert "min(4096 query tiles, the device's SMs)" in notes and "tile_counter none" in notes
+
+
+def test_only_the_causal_persistent_grid_takes_tile_counters(attention, space):
+    """The causal persistent grid hands out tiles from two counters (a workspace of 2 ints, zeroed per launch the op
+    makes, and by the kernel after each launch); the non-causal one and the one-tile grid take none."""
+    import torch
+
+    causal, plain = parse_shape("4,32,4096,128:causal"), parse_shape("4,32,4096,128")
+    config, one_tile = space.config(PERSISTENT), space.config(dict(PERSISTENT, persistent=False))
+    assert attention.workspace_elems(config, causal) == (0, 0, 2)
+    assert attention.workspace_elems(config, plain) == attention.workspace_elems(one_tile, causal) == (0, 0, 0)
+    assert attention.launch_plan(config, causal).workspace == (0, 0, 2)
+    ws = attention.new_workspace(config, causal, "cpu")
+    assert ws[2].dtype == torch.int32 and ws[2].tolist() == [0, 0]
+    assert attention.new_workspace(config, plain, "cpu") == ()
+    assert "tile_counter 2 uint32 zeroed once" in "\n".join(attention.launch_notes(config, causal))
 
 
 def test_launch_plan_takes_the_devices_sm_count(attention, space, monkeypatch):
@@ -247,3 +264,6 @@ def test_persistent_kernels_compile_async_and_clean(attention, space, shape_text
     one_tile = instantiate(attention, space.config(dict(cfg, persistent=False)), shape)
     other = compile_source(one_tile.code, one_tile.entry)
     assert disassemble(other.cubin_path) != disassemble(compiled.cubin_path)
+    # Causal tiles come from the global tile counter (atomics); non-causal ones from a fixed stride (none).
+    atomics = [line for line in disassemble(compiled.cubin_path).splitlines() if "ATOMG" in line]
+    assert bool(atomics) == shape.causal, atomics

@@ -8,6 +8,8 @@ encodings stripped). Identical SASS means the GPU verdicts measured at REF still
 
     python tools/sass_compare.py                 # HEAD against the working tree, the built-in config spread
     python tools/sass_compare.py --ref b4d7a5b --out /tmp/sass   # also keep both listings per config
+    python tools/sass_compare.py --ref da3a32d --config 2,16,8192,64 '{"mma":"wgmma","persistent":true}'
+                                                 # these configs instead of the spread (repeatable)
 
 Exit status: 0 if every config's SASS matches, 1 if any differs (the first differing lines are printed).
 """
@@ -80,15 +82,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ref", default="HEAD", help="the git revision to compare the working tree against")
     ap.add_argument("--out", type=Path, help="write each config's two instruction listings here")
+    ap.add_argument("--config", nargs=2, action="append", metavar=("SHAPE", "JSON"),
+                    help="compare this config (knobs over the defaults) on this shape instead of the spread")
     args = ap.parse_args()
+    configs = [(shape, json.loads(text)) for shape, text in args.config] if args.config else CONFIGS
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "archive", args.ref, "evotune", "kernels", "search_spaces"], cwd=REPO,
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        before = dump(Path(tmp), CONFIGS)
-    after = dump(REPO, CONFIGS)
+        before = dump(Path(tmp), configs)
+    after = dump(REPO, configs)
     differ = 0
-    for i, (shape, cfg) in enumerate(CONFIGS):
+    for i, (shape, cfg) in enumerate(configs):
         a, b = instructions(before[str(i)]["sass"]), instructions(after[str(i)]["sass"])
         label = f"{shape:28s} " + ",".join(f"{k}={v}" for k, v in sorted(cfg.items()) if k not in W)
         regs = f"regs {before[str(i)]['registers']} -> {after[str(i)]['registers']}"
@@ -104,7 +109,7 @@ def main() -> int:
         print(f"DIFFERS  {len(a):6d} -> {len(b)} instr  {regs}  {label}\n"
               f"         first at {first}: {a[first] if first < len(a) else '(end)'!r} vs "
               f"{b[first] if first < len(b) else '(end)'!r}")
-    print(f"{len(CONFIGS) - differ} of {len(CONFIGS)} configs compile to the same SASS at {args.ref} and in the tree")
+    print(f"{len(configs) - differ} of {len(configs)} configs compile to the same SASS at {args.ref} and in the tree")
     return 1 if differ else 0
 
 

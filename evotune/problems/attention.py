@@ -230,14 +230,15 @@ class AttentionProblem(Problem):
 // parameters, so a launch uploads nothing and a CUDA graph records them with the launch.
 // o: fp16/bf16 bit patterns; strides in elements (b = batch, h = head, s = sequence). kv_magic: 0, or with
 // grouped-query attention ceil(2^32 / group) for group = heads / kv_heads; the K and V maps span kv_heads.
-// n_heads, n_batch: the query heads and the batch.
+// n_heads, n_batch: the query heads and the batch. tile_counter: PERSISTENT with causal only (else null): two
+// unsigned ints zeroed once; the kernel leaves them zero (one pair per launch that may run concurrently).
 extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 {self.entry_name}(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                   const __grid_constant__ CUtensorMap v_map, unsigned short* __restrict__ o,
                   long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
-                  unsigned kv_magic, int n_heads, int n_batch{lse_params}) {{
+                  unsigned kv_magic, int n_heads, int n_batch, unsigned* tile_counter{lse_params}) {{
     evotune::hopper::attention_fwd_wgmma<EvotuneTraits{lse_targ}>(&q_map, &k_map, &v_map, o, o_sb, o_sh, o_ss, seq_q, seq_k,
-                                                        scale_log2, kv_magic, n_heads, n_batch{lse_args});
+                                                        scale_log2, kv_magic, n_heads, n_batch, tile_counter{lse_args});
 }}
 """
         return f"""using EvotuneTraits = evotune::AttnTraits<
@@ -297,8 +298,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         if config is not None and is_wgmma(config):
             return ("evotune_attention(const __grid_constant__ CUtensorMap q_map, k_map, v_map  /* by value: 3 x 128 B "
                     "kernel parameters */, unsigned short* o, int64 o_sb, o_sh, o_ss, int seq_q, int seq_k, "
-                    "float scale_log2, uint32 kv_magic, int n_heads, int n_batch)  // kv_magic = kv_head_magic(heads / "
-                    "kv_heads): 0 without grouping; n_heads, n_batch: the query heads and batch")
+                    "float scale_log2, uint32 kv_magic, int n_heads, int n_batch, uint32* tile_counter)  // kv_magic = "
+                    "kv_head_magic(heads / kv_heads): 0 without grouping; n_heads, n_batch: the query heads and batch; "
+                    "tile_counter: persistent causal only, 2 zeroed uint32 the kernel leaves zero (else null)")
         return ("evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, "
                 "int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, "
                 "int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, uint32 kv_magic)"
@@ -307,25 +309,32 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def launch_notes(self, config, shape: Shape) -> list[str]:
         """Extra launch requirements for an export header."""
-        if is_wgmma(config):
-            block_m = wgmma_block_m(config)
-            return [f"tensor maps  cuTensorMapEncodeTiled, rank 4 (head_dim, seq, head, batch), strides in bytes, "
-                    f"SWIZZLE_128B, OOB fill zero; boxes 64 x {block_m} (Q), 64 x {int(knob(config, 'block_n'))} (K, V)",
-                    "             passed by value (CUtensorMap arguments of <<<>>>, or pointers to them in "
-                    "cuLaunchKernel's kernelParams); nothing to copy to the device"] + (
-                [f"persistent   grid (min({query_tiles(config, shape)} query tiles, the device's SMs), 1, 1): each CTA "
-                 f"loops over the tiles; the grid above is the H100's {MULTIPROCESSORS} SMs"]
-                if is_persistent(config) else [])
         n_o, n_lse, n_count = self.workspace_elems(config, shape)
-        if not n_count:
-            return ["workspace    none (kv_splits = 1): pass null for ws_o, ws_lse, ws_count"]
-        return [f"workspace    ws_o {n_o} fp32, ws_lse {n_lse} fp32, ws_count {n_count} int32 zeroed once "
-                f"(the kernel leaves the counters zero)"]
+        if not is_wgmma(config):
+            if not n_count:
+                return ["workspace    none (kv_splits = 1): pass null for ws_o, ws_lse, ws_count"]
+            return [f"workspace    ws_o {n_o} fp32, ws_lse {n_lse} fp32, ws_count {n_count} int32 zeroed once "
+                    f"(the kernel leaves the counters zero)"]
+        notes = [f"tensor maps  cuTensorMapEncodeTiled, rank 4 (head_dim, seq, head, batch), strides in bytes, "
+                 f"SWIZZLE_128B, OOB fill zero; boxes 64 x {wgmma_block_m(config)} (Q), 64 x "
+                 f"{int(knob(config, 'block_n'))} (K, V)",
+                 "             passed by value (CUtensorMap arguments of <<<>>>, or pointers to them in "
+                 "cuLaunchKernel's kernelParams); nothing to copy to the device"]
+        if is_persistent(config):
+            notes.append(f"persistent   grid (min({query_tiles(config, shape)} query tiles, the device's SMs), 1, 1): "
+                         f"each CTA loops over the tiles; the grid above is the H100's {MULTIPROCESSORS} SMs")
+        notes.append(f"tile_counter {n_count} uint32 zeroed once (the causal persistent grid's tile scheduler; the "
+                     "kernel leaves them zero; one pair per concurrently running launch)" if n_count
+                     else "tile_counter none: pass null")
+        return notes
 
     def workspace_elems(self, config, shape: Shape) -> tuple[int, int, int]:
-        """(ws_o floats, ws_lse floats, ws_count ints) a launch needs; zeros when kv_splits == 1."""
+        """(ws_o floats, ws_lse floats, ws_count ints) a launch needs: the split-KV workspace (kv_splits > 1), or
+        the two tile counters of the causal persistent Hopper grid (tile_counter); zeros otherwise."""
+        if is_wgmma(config):
+            return (0, 0, 2) if is_persistent(config) and shape.causal else (0, 0, 0)
         splits = int(knob(config, "kv_splits"))
-        if splits == 1 or is_wgmma(config):
+        if splits == 1:
             return 0, 0, 0
         tiles = math.ceil(shape.seq_q / int(knob(config, "block_m"))) * shape.heads * shape.batch
         rows = tiles * splits * int(knob(config, "block_m"))
@@ -433,8 +442,11 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         values = {"o": out.data_ptr(), "o_sb": out.stride(0), "o_sh": out.stride(1), "o_ss": out.stride(2),
                   "seq_q": shape.seq_q, "seq_k": shape.seq_k, "scale_log2": scale * math.log2(math.e),
                   "kv_magic": int(plan.kv_magic), "n_heads": shape.heads, "n_batch": shape.batch}
+        if plan.workspace[2] and len(workspace) != 3:
+            raise UsageError(f"attention: this launch needs its workspace (new_workspace), got {len(workspace)} tensors")
         if plan.wgmma:
             values.update(zip(("q_map", "k_map", "v_map"), self.tensor_maps(config, shape, {"q": q, "k": k, "v": v})))
+            values["tile_counter"] = workspace[2].data_ptr() if workspace else 0
         else:
             for name, t in (("q", q), ("k", k), ("v", v)):
                 values.update({name: t.data_ptr(), f"{name}_sb": t.stride(0), f"{name}_sh": t.stride(1),
@@ -445,7 +457,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         return values
 
     def new_workspace(self, config, shape: Shape, device) -> tuple:
-        """The split-KV workspace of one launch ((ws_o, ws_lse, ws_count) tensors; () without a split). Per
+        """The workspace of one launch ((ws_o, ws_lse, ws_count) tensors; () when workspace_elems is zeros): the
+        split-KV slices, or the Hopper persistent causal grid's tile counters (ws_count, as tile_counter). Per
         launch, not per plan: two streams may run the same config at once. Counters start at zero and the
         kernel re-zeroes them."""
         n_o, n_lse, n_count = self.launch_plan(config, shape).workspace
@@ -588,7 +601,7 @@ def _entry_params(wgmma: bool, write_lse: bool) -> tuple:
     lse = (("lse", "ptr"), ("lse_sb", "i64"), ("lse_sh", "i64")) if write_lse else ()
     if wgmma:
         return ((("q_map", "map"), ("k_map", "map"), ("v_map", "map"), ("o", "ptr")) + tail
-                + (("kv_magic", "u32"), ("n_heads", "i32"), ("n_batch", "i32")) + lse)
+                + (("kv_magic", "u32"), ("n_heads", "i32"), ("n_batch", "i32"), ("tile_counter", "ptr")) + lse)
     strides = tuple((f"{t}_s{d}", "i64") for t in "qkv" for d in "bhs")
     return ((("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "ptr")) + strides + tail
             + (("ws_o", "ptr"), ("ws_lse", "ptr"), ("ws_count", "ptr"), ("kv_magic", "u32")) + lse)

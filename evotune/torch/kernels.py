@@ -161,7 +161,9 @@ class PreparedLaunch:
         self.loaded, self.shape, self.scale = loaded, shape, scale
         self.grid, self.block, self.smem = plan.grid, plan.block, plan.dynamic_smem
         self.wgmma = plan.wgmma
-        self.split = bool(plan.workspace[2])
+        # A split-KV workspace or a causal persistent grid's tile counters: fresh (zeroed) per call, since
+        # calls on two streams may run at once.
+        self.needs_workspace = bool(plan.workspace[2])
         self.params = PROBLEM.entry_params(loaded.config, loaded.write_lse)
         if self.wgmma:
             self.map_args = tuple(PROBLEM.tensor_map_args(loaded.config, shape, dict(zip("qkv", strides))).values())
@@ -170,7 +172,7 @@ class PreparedLaunch:
     def __call__(self, q, k, v, out, lse=None) -> None:
         from ..gpu.packet import launch_packet
 
-        workspace = PROBLEM.new_workspace(self.loaded.config, self.shape, out.device) if self.split else ()
+        workspace = PROBLEM.new_workspace(self.loaded.config, self.shape, out.device) if self.needs_workspace else ()
         packet = getattr(self._local, "packet", None)
         if packet is None:
             packet = self._local.packet = self._new_packet(q, k, v, out, lse, workspace)
@@ -199,6 +201,8 @@ class PreparedLaunch:
                 if packet.addresses.get(name) != address:
                     packet.set_map(name, map_param(address, args))
                     packet.addresses[name] = address
+            if workspace:
+                packet.slot("tile_counter").value = workspace[2].data_ptr()
             return
         packet.slot("q").value = q.data_ptr()
         packet.slot("k").value = k.data_ptr()
