@@ -4,7 +4,9 @@ timing function here are used by search, replay, bench, verify and the GPU tests
 Verification: fresh random inputs per seed (never zeros), the output poisoned with NaN
 before the checked launch, max-abs / max-rel error and a count of non-finite outputs
 against an fp32 reference. Timing: CUDA events around CUDA-graph replays of many
-back-to-back launches, after warm-up; median and p10/p90 over the replays.
+back-to-back launches, after warm-up; median and p10/p90 over the replays. Its pieces (prepare_launches,
+enqueue_replays, per_call_us, timing_of) are also those of interleave.time_interleaved, which times
+several contenders in turns.
 
 No kernel can pass by behaving one way when checked and another when timed. Every checked
 launch writes O inside a larger allocation whose guard bands hold a sentinel byte pattern
@@ -26,7 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..records import result as R
@@ -58,10 +60,40 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def time_launches(fn, reps: int = DEFAULT_REPS, launches_per_rep: int | None = None,
-                  warmup: int = 10) -> tuple[Timing, Callable[[], None]]:
-    """Per-call GPU time of `fn` (which launches work on torch's current stream), and `replay`,
-    which runs the timed launch sequence once more (the same captured graph), for the audit."""
+class CudaEvents:
+    """The clock of every timing: CUDA events recorded on torch's current stream. Timings take it as a
+    parameter, so their bookkeeping runs on the CPU under a stand-in with the same three methods."""
+
+    def event(self):
+        import torch
+
+        return torch.cuda.Event(enable_timing=True)
+
+    def elapsed_us(self, start, end) -> float:
+        return start.elapsed_time(end) * 1000.0
+
+    def sync(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+CUDA_EVENTS = CudaEvents()
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A launch sequence ready to time: `replay` runs `launches_per_rep` launches of one fn, as a captured
+    CUDA graph (method "cuda-graph") or, where capture fails, back to back (method "stream")."""
+
+    replay: Callable[[], None]
+    launches_per_rep: int
+    method: str
+
+
+def prepare_launches(fn, launches_per_rep: int | None = None, warmup: int = 10) -> Prepared:
+    """Warm `fn` up on a side stream, estimate how many launches make a replay of about TARGET_REPLAY_US
+    (unless given), and capture that many in a CUDA graph (back-to-back launches if capture fails)."""
     import torch
 
     side = torch.cuda.Stream()
@@ -82,34 +114,55 @@ def time_launches(fn, reps: int = DEFAULT_REPS, launches_per_rep: int | None = N
         estimate_us = max(start.elapsed_time(end) * 1000.0 / 20, 1.0)
         launches_per_rep = int(min(500, max(1, math.ceil(TARGET_REPLAY_US / estimate_us))))
 
-    method = "cuda-graph"
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             for _ in range(launches_per_rep):
                 fn()
-        run_rep = graph.replay
+        return Prepared(graph.replay, launches_per_rep, "cuda-graph")
     except Exception:  # some launches cannot be captured: time them back to back instead
         torch.cuda.synchronize()
-        method = "stream"
 
         def run_rep():
             for _ in range(launches_per_rep):
                 fn()
 
+        return Prepared(run_rep, launches_per_rep, "stream")
+
+
+def enqueue_replays(prepared: Prepared, reps: int, clock=CUDA_EVENTS) -> list[tuple]:
+    """Queue `reps` replays, each between a start and an end event; read them after clock.sync()."""
+    pairs = [(clock.event(), clock.event()) for _ in range(reps)]
+    for start, end in pairs:
+        start.record()
+        prepared.replay()
+        end.record()
+    return pairs
+
+
+def per_call_us(pairs: list[tuple], launches_per_rep: int, clock=CUDA_EVENTS) -> list[float]:
+    """Per-launch microseconds of each replay between its (synchronized) event pair."""
+    return [clock.elapsed_us(start, end) / launches_per_rep for start, end in pairs]
+
+
+def timing_of(per_call: list[float], launches_per_rep: int, method: str) -> Timing:
+    """The Timing (median, p10, p90) of per-launch samples."""
+    return Timing(median_us=statistics.median(per_call), p10_us=_percentile(per_call, 0.1),
+                  p90_us=_percentile(per_call, 0.9), reps=len(per_call), launches_per_rep=launches_per_rep,
+                  method=method)
+
+
+def time_launches(fn, reps: int = DEFAULT_REPS, launches_per_rep: int | None = None,
+                  warmup: int = 10) -> tuple[Timing, Callable[[], None]]:
+    """Per-call GPU time of `fn` (which launches work on torch's current stream), and `replay`,
+    which runs the timed launch sequence once more (the same captured graph), for the audit."""
+    prepared = prepare_launches(fn, launches_per_rep, warmup)
     for _ in range(3):
-        run_rep()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
-        run_rep()
-        e.record()
-    torch.cuda.synchronize()
-    per_call = [s.elapsed_time(e) * 1000.0 / launches_per_rep for s, e in zip(starts, ends)]
-    timing = Timing(median_us=statistics.median(per_call), p10_us=_percentile(per_call, 0.1),
-                    p90_us=_percentile(per_call, 0.9), reps=reps, launches_per_rep=launches_per_rep, method=method)
-    return timing, run_rep
+        prepared.replay()
+    pairs = enqueue_replays(prepared, reps)
+    CUDA_EVENTS.sync()
+    return timing_of(per_call_us(pairs, prepared.launches_per_rep), prepared.launches_per_rep,
+                     prepared.method), prepared.replay
 
 
 def time_gpu(fn, reps: int = DEFAULT_REPS, launches_per_rep: int | None = None, warmup: int = 10) -> Timing:
@@ -491,6 +544,19 @@ def check_timed(problem, shape, launch_for, reps: int = DEFAULT_REPS, timer=time
     guarded = GuardedOutput(problem.new_output(inputs))
     snapshot = InputSnapshot(inputs)
     launch = launch_for(inputs, guarded.out)
+    expected = expect_untimed(problem, shape, inputs, launch, guarded, snapshot)
+    lap("timed_check")
+    timing, replay = timer(launch, reps)
+    lap("time")
+    check_after_timing(guarded, snapshot, inputs, expected, replay)
+    lap("timed_check")
+    return timing
+
+
+def expect_untimed(problem, shape, inputs: dict, launch, guarded: GuardedOutput, snapshot: InputSnapshot):
+    """The O an untimed `launch` into NaN writes on the timing `inputs`, which must pass the gate's error
+    check; O is poisoned again afterwards (before any warm-up), so every timed launch writes into NaN.
+    Raises GateViolation."""
     _launch_checked(launch, guarded, snapshot, inputs, NAN, "in the untimed launch on the timing inputs")
     atol, rtol = problem.tolerance(shape)
     _, _, nonfinite, ratio = output_errors(guarded.out, problem.reference(shape, inputs),
@@ -499,19 +565,22 @@ def check_timed(problem, shape, launch_for, reps: int = DEFAULT_REPS, timer=time
         raise GateViolation(R.TIMED_OUTPUT, f"the untimed launch on the timing inputs fails the gate "
                                             f"({nonfinite} non-finite, error {ratio:.3g}x the gate)")
     expected = guarded.out.clone()
-    guarded.fill(NAN)  # before the warm-up: every timed launch writes into a poisoned O
-    lap("timed_check")
-    timing, replay = timer(launch, reps)
-    lap("time")
+    guarded.fill(NAN)
+    return expected
+
+
+def check_after_timing(guarded: GuardedOutput, snapshot: InputSnapshot, inputs: dict, expected, replay,
+                       timing: str = "timing") -> None:
+    """After `timing` (in words), nothing outside O is written, the inputs are unchanged and O equals
+    `expected` bitwise; then O is refilled with finite garbage, `replay` (the timed launch sequence) runs
+    once more and O must be `expected` again. Raises GateViolation."""
     _sync(guarded.out)
-    check_integrity(guarded, snapshot, inputs, "during timing")
-    _expect_output(guarded, expected, "after timing, O differs from an untimed launch on the same inputs")
+    check_integrity(guarded, snapshot, inputs, f"during {timing}")
+    _expect_output(guarded, expected, f"after {timing}, O differs from an untimed launch on the same inputs")
     _launch_checked(replay, guarded, snapshot, inputs, GARBAGE, "in the audit replay of the timed launches",
                     seed=AUDIT_SEED)
     _expect_output(guarded, expected, "after O was refilled with finite garbage and the timed launches were "
                                       "replayed, O differs from an untimed launch on the same inputs")
-    lap("timed_check")
-    return timing
 
 
 def _launch_checked(launch, guarded: GuardedOutput, snapshot: InputSnapshot, inputs: dict, fill: str, when: str,
