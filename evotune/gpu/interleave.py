@@ -1,0 +1,172 @@
+"""Time several contenders (our kernel, the SDPA backends, several configs) interleaved, so that their
+ratios carry no order bias.
+
+Why: on the H100, two timings of one and the same config taken one after the other in one process
+differ by 3-6% (1857 us, then 1949 us), with the clocks and power state left by whatever ran just
+before. Timed one after the other (ours, then each baseline), a ratio such as "ours vs CUDNN"
+carries a bias of that size, as large as the effects it is meant to show.
+
+How: each contender is prepared once, the way evaluate.time_launches prepares one (warm-up on a side
+stream, launches per replay for about TARGET_REPLAY_US, a captured CUDA graph or back-to-back
+launches), then `rounds` rounds run; in each round every contender has one turn: one untimed replay
+(so the first timed one does not pay for the switch from another contender's graph and L2 lines),
+then `reps_per_round` timed replays. The whole pool is queued on the stream and synchronized once,
+so the GPU runs it back to back with no idle gaps between turns. A slow drift then reaches every
+contender alike, and the per-round ratio of two contenders compares turns a few milliseconds apart.
+
+The order within a round is a Williams design (`round_order`): round r starts with contender r mod n,
+and over n rounds (2n for an odd n) each contender follows each other one equally often inside the
+rounds (the one step across each round boundary is not balanced). A plain rotation would not do that:
+with rotation, B follows A in every round but the one B opens, so a contender that heats the GPU would
+always slow the same neighbour. The default 10 rounds are a whole cycle for 2 or 5 contenders (ours
+and one or four baselines) and 2.5 cycles for 4.
+
+Everything but the GPU's clock and the graph capture is plain bookkeeping, tested on the CPU with a
+stand-in clock and stand-in `prepare` (tests/test_interleave.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..records.result import Timing
+from .evaluate import (CUDA_EVENTS, TIMING_SEED, GateViolation, GuardedOutput, InputSnapshot, Prepared,
+                       check_after_timing, enqueue_replays, expect_untimed, per_call_us, prepare_launches,
+                       timing_of)
+
+# A 2 ms kernel with 4 baselines: 10 rounds x (10 + 1) replays of ~2 ms each is about 1.1 s of GPU per
+# contender, well under 10 s in all; a 5 us kernel's replays hold ~80 launches, still 100 samples each.
+DEFAULT_ROUNDS = 10
+MIN_REPS_PER_ROUND = 3
+SETTLE_REPLAYS = 1  # untimed replays that open each turn
+
+
+def split_reps(reps: int, rounds: int = DEFAULT_ROUNDS) -> int:
+    """Timed replays per contender and round for about `reps` in all (at least MIN_REPS_PER_ROUND)."""
+    return max(MIN_REPS_PER_ROUND, reps // rounds)
+
+
+def _williams_row(n: int) -> list[int]:
+    """0, 1, n-1, 2, n-2, ...: added to r mod n, the rows of a Williams Latin square."""
+    return [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+
+
+def round_order(n: int, r: int) -> list[int]:
+    """The contenders' order (indices 0..n-1) in round r: a permutation that starts with r mod n.
+
+    Rows r = 0..n-1 are the Williams square's rows (row 0 shifted by r). For an odd n the next n rounds
+    take the rows reversed, each picked so that it still starts with r mod n; together they balance
+    the predecessors (for an even n the first n rows alone do)."""
+    row = _williams_row(n)
+    if n % 2 and (r // n) % 2:
+        shift = (r - row[-1]) % n
+        return [(shift + w) % n for w in reversed(row)]
+    return [(r + w) % n for w in row]
+
+
+def paired_ratios(a: list[float], b: list[float]) -> dict:
+    """Per-round ratio b/a of two contenders' round medians, and its median, min and max."""
+    per_round = [y / x for x, y in zip(a, b)]
+    return {"per_round": per_round, "median": statistics.median(per_round), "min": min(per_round),
+            "max": max(per_round)}
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """The outcome of time_interleaved: each contender's Timing over all its samples, its median per
+    round, and the order each round ran in. `replays` (not recorded) runs a contender's timed launch
+    sequence once more, for the audit."""
+
+    timings: dict[str, Timing]
+    round_medians: dict[str, list[float]]
+    orders: list[list[str]]
+    reps_per_round: int
+    replays: dict[str, Callable[[], None]] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.orders)
+
+    def ratios(self, a: str, b: str) -> dict:
+        """paired_ratios of contenders a and b: per round, b's time over a's."""
+        return paired_ratios(self.round_medians[a], self.round_medians[b])
+
+    def as_dict(self) -> dict:
+        return {"rounds": self.rounds, "reps_per_round": self.reps_per_round, "orders": self.orders,
+                "timings": {n: t.as_dict() for n, t in self.timings.items()},
+                "round_medians": self.round_medians}
+
+
+def interleaved_result(samples: dict[str, list[list[float]]], prepared: dict[str, Prepared],
+                       orders: list[list[str]], reps: int) -> Interleaved:
+    """Interleaved from each contender's per-call samples, one list per round."""
+    timings = {n: timing_of([x for rnd in rounds for x in rnd], prepared[n].launches_per_rep, prepared[n].method)
+               for n, rounds in samples.items()}
+    medians = {n: [statistics.median(rnd) for rnd in rounds] for n, rounds in samples.items()}
+    return Interleaved(timings, medians, orders, reps, {n: p.replay for n, p in prepared.items()})
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = DEFAULT_ROUNDS,
+                     reps_per_round: int = 10, warmup: int = 10, prepare=prepare_launches,
+                     clock=CUDA_EVENTS) -> Interleaved:
+    """Per-call GPU time of each fn (which launches work on torch's current stream), the fns timed in
+    turns, `rounds` rounds of `reps_per_round` timed replays each (see the module's notes).
+    `prepare(fn, warmup=...)` and `clock` are the GPU's (evaluate.prepare_launches, CUDA events)."""
+    names = list(fns)
+    if not names:
+        raise ValueError("time_interleaved needs at least one contender")
+    prepared = {n: prepare(fns[n], warmup=warmup) for n in names}
+    orders = [[names[i] for i in round_order(len(names), r)] for r in range(rounds)]
+    pairs: dict[str, list] = {n: [] for n in names}
+    for order in orders:
+        for n in order:
+            for _ in range(SETTLE_REPLAYS):
+                prepared[n].replay()
+            pairs[n].append(enqueue_replays(prepared[n], reps_per_round, clock))
+    clock.sync()
+    samples = {n: [per_call_us(p, prepared[n].launches_per_rep, clock) for p in pairs[n]] for n in names}
+    return interleaved_result(samples, prepared, orders, reps_per_round)
+
+
+# ------------------------------------------------------------------ kernels beside baselines, checked
+
+
+def head_to_head(problem, shape, kernels: dict, baselines: list[str], rounds: int = DEFAULT_ROUNDS,
+                 reps_per_round: int = 10,
+                 timer=time_interleaved) -> tuple[Interleaved | None, dict[str, GateViolation]]:
+    """Kernels (`label -> launch_for(inputs, out)`, as evaluate takes them) and the named baselines timed
+    interleaved on the same timing inputs, each kernel held to the timed-output check of
+    evaluate.check_timed: an untimed launch into NaN that passes the gate's error check, then, after
+    the interleaved timing, O bitwise equal to it, and again after an audit replay over finite garbage.
+
+    Returns (the Interleaved, or None when nothing was left to time; label -> GateViolation of each
+    kernel that failed). A kernel that fails its untimed launch is not timed; baselines whose launcher
+    refuses the inputs are left out. `timer(fns, rounds=, reps_per_round=)` is time_interleaved."""
+    inputs = problem.make_inputs(shape, TIMING_SEED)
+    snapshot = InputSnapshot(inputs)
+    failures: dict[str, GateViolation] = {}
+    outputs, fns = {}, {}
+    for label, launch_for in kernels.items():
+        guarded = GuardedOutput(problem.new_output(inputs))
+        launch = launch_for(inputs, guarded.out)
+        try:
+            outputs[label] = (guarded, expect_untimed(problem, shape, inputs, launch, guarded, snapshot))
+            fns[label] = launch
+        except GateViolation as v:
+            failures[label] = v
+    for name in baselines:
+        fn = problem.baseline_launcher(name, shape, inputs)
+        if fn is not None:
+            fns[name] = fn
+    if not fns:
+        return None, failures
+    result = timer(fns, rounds=rounds, reps_per_round=reps_per_round)
+    for label, (guarded, expected) in outputs.items():
+        try:
+            check_after_timing(guarded, snapshot, inputs, expected, result.replays[label],
+                               timing="the interleaved timing")
+        except GateViolation as v:
+            failures[label] = v
+    return result, failures
