@@ -1,14 +1,21 @@
-"""Tests of evotune bench: the floor arithmetic, the summary rows, the CLI's errors, and (GPU) a real bench."""
+"""Tests of evotune bench: the floor arithmetic, the summary rows (solo and head-to-head), the head-to-head
+phase on CPU stand-ins, the printed table, the CLI's errors, and (GPU) a real bench."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from _fake_gpu import FakeGPU, cpu_interleaved
+from _paths import REPO_ROOT
+from _planted import Planted, cpu_timer, on_cpu
 from typer.testing import CliRunner
 
-from evotune.gpu.bench import floor_analysis, summarize
 from evotune.cli import app
+from evotune.gpu import evaluate as E
+from evotune.gpu.bench import OURS, floor_analysis, summarize, with_head_to_head
+from evotune.problems import get_problem
+from evotune.records import result as R
 
 CEIL = {"copy": {"gb_s": 3000.0, "bytes": 1, "time_us": 1.0},
         "matmul": {"tflop_s": 700.0, "dtype": "fp16", "n": 8192, "time_us": 1.0},
@@ -56,6 +63,124 @@ def test_summary_of_a_failed_kernel_has_no_speedups():
     assert s["ours_over_best_baseline"] is None
 
 
+def _head_to_head(raw, ours=4.0, flash=(8.0, 9.0, 10.0), cudnn=(4.0, 4.4, 4.8)):
+    """`raw` with a head-to-head of three rounds: ours at `ours` us every round, each baseline's round medians."""
+    def timing(medians):
+        return {"median_us": sorted(medians)[1], "p10_us": min(medians), "p90_us": max(medians), "reps": 9,
+                "launches_per_rep": 1, "method": "cuda-graph"}
+
+    medians = {OURS: [ours] * 3, "flash": list(flash), "cudnn": list(cudnn)}
+    speedups = {n: {"per_round": [m / ours for m in medians[n]], "median": sorted(medians[n])[1] / ours,
+                    "min": min(medians[n]) / ours, "max": max(medians[n]) / ours} for n in ("flash", "cudnn")}
+    return {**raw, "head_to_head": {"rounds": 3, "reps_per_round": 3, "round_medians": medians,
+                                    "timings": {n: timing(m) for n, m in medians.items()}, "ours_speedup": speedups}}
+
+
+def test_summary_takes_the_head_to_head_where_there_is_one():
+    """With a head-to-head, rows' times, p10-p90, rates and speedups are the interleaved ones; the solo
+    time stays as solo_time_us, and each baseline gets its speedup's min and max over the rounds."""
+    s = summarize(_head_to_head(_raw()), flops=1e9, nbytes=1e6)
+    ours, flash, cudnn, math = s["rows"]
+    assert s["interleaved"] == {"rounds": 3, "reps_per_round": 3}
+    assert (ours["time_us"], ours["solo_time_us"], ours["interleaved"]) == (4.0, 5.0, True)
+    assert ours["tflop_s"] == pytest.approx(250.0) and ours["ours_speedup_min"] is None
+    assert (flash["time_us"], flash["solo_time_us"], flash["p10_us"], flash["p90_us"]) == (9.0, 10.0, 8.0, 10.0)
+    assert flash["ours_speedup"] == pytest.approx(9.0 / 4.0)
+    assert (flash["ours_speedup_min"], flash["ours_speedup_max"]) == pytest.approx((2.0, 2.5))
+    assert cudnn["ours_speedup"] == pytest.approx(1.1) and cudnn["ours_speedup_min"] == pytest.approx(1.0)
+    assert s["best_baseline"] == "cudnn" and s["ours_over_best_baseline"] == pytest.approx(4.0 / 4.4)
+    assert math["available"] is False and math["time_us"] is None and math["interleaved"] is False
+
+
+def test_summary_without_head_to_head_is_the_solo_one():
+    """A record without a head-to-head (all records before it) keeps its solo times, with no spread."""
+    s = summarize(_raw(), flops=1e9, nbytes=1e6)
+    assert s["interleaved"] is None
+    assert all(r["solo_time_us"] == r["time_us"] and not r["interleaved"] for r in s["rows"])
+    assert all(r["ours_speedup_min"] is None and r["ours_speedup_max"] is None for r in s["rows"])
+
+
+def test_committed_bench_records_summarize_as_they_were_written():
+    """Every committed record's raw data (docs/data/bench/, solo timings) gives back the rows it stores."""
+    paths = sorted((REPO_ROOT / "docs" / "data" / "bench").glob("*.json"))
+    assert paths
+    for path in paths:
+        rec = json.loads(path.read_text())
+        s = summarize(rec["raw"], rec["flops"], rec["min_bytes"])
+        for stored, row in zip(rec["rows"], s["rows"], strict=True):
+            assert {k: row[k] for k in stored} == stored, path.name
+        assert s["ours_over_best_baseline"] == rec["ours_over_best_baseline"]
+
+
+@pytest.fixture(scope="module")
+def cpu_attention():
+    """The attention family on CPU tensors, its baselines Python stand-ins."""
+
+    class WithBaselines(type(on_cpu(get_problem("attention")))):
+        def baseline_launcher(self, name, shape, inputs, probe=True):
+            return lambda: self.reference(shape, inputs)
+
+    problem = WithBaselines()
+    return problem, problem.parse_shape("1,2,40,56,64:bshd")
+
+
+def _solo(problem, shape) -> dict:
+    """A passed kernel's solo record (evaluate_launches, the CPU stand-in timer) and two baselines, one unavailable."""
+    planted = Planted(problem, shape)
+    kernel = E.evaluate_launches(problem, shape, planted.launch_for, timer=cpu_timer(planted)).as_dict()
+    return {"kernel": kernel, "baselines": {"flash": {"available": True, "time_us": 8.0},
+                                            "math": {"available": False, "reason": "skipped"}}}
+
+
+def test_with_head_to_head_adds_the_interleaved_timings(cpu_attention):
+    """A correct kernel: the head-to-head holds ours and every available baseline, the per-round speedup
+    vs each baseline, and says the timed output was checked."""
+    problem, shape = cpu_attention
+    raw = _solo(problem, shape)
+    out = with_head_to_head(raw, problem, shape, Planted(problem, shape).launch_for, reps=12, rounds=3,
+                            timer=cpu_interleaved(FakeGPU({OURS: 5.0, "flash": 8.0})))
+    h2h = out["head_to_head"]
+    assert out["kernel"] == raw["kernel"] and set(h2h["timings"]) == {OURS, "flash"}
+    assert (h2h["rounds"], h2h["reps_per_round"]) == (3, 4)
+    assert h2h["ours_speedup"]["flash"]["per_round"] == pytest.approx([1.6] * 3)
+    assert h2h["timed_output"].startswith("O after the interleaved timing")
+    json.dumps(out)  # a record: plain data only
+
+
+def test_with_head_to_head_makes_a_cheat_wrong(cpu_attention):
+    """A kernel that passed alone but whose launches skip work once there are many (in its head-to-head module)
+    becomes WRONG naming the timed-output check, with no time; no head-to-head is recorded."""
+    problem, shape = cpu_attention
+    raw = _solo(problem, shape)
+    out = with_head_to_head(raw, problem, shape, Planted(problem, shape, "stateful_counter").launch_for, reps=12,
+                            rounds=3, timer=cpu_interleaved(FakeGPU({OURS: 1.0, "flash": 8.0})))
+    kernel = out["kernel"]
+    assert "head_to_head" not in out and kernel["status"] == R.WRONG and kernel["time_us"] is None
+    assert kernel["message"].startswith("timed output: after O was refilled with finite garbage")
+    assert kernel["verification"]["failed_check"] == R.TIMED_OUTPUT
+    row = summarize({**out, "ceilings": CEIL}, 1e9, 1e6)["rows"][0]
+    assert row["time_us"] is None and row["reason"].startswith("wrong: timed output")
+
+
+def test_printed_table_says_the_times_are_interleaved():
+    """The bench table shows the interleaved time, the speedup's spread and one line saying how it was timed."""
+    from evotune.cli.candidate import _print_bench
+    from evotune.cli.common import console
+
+    s = summarize(_head_to_head(_raw()), flops=1e9, nbytes=1e6)
+    rec = {"date": "2026-01-01", "device": {"name": "GPU"}, "config": {}, "shape": "mission", "reps": 30, **s}
+    width = console.width
+    try:
+        console.width = 200  # one row a line
+        with console.capture() as cap:
+            _print_bench(rec)
+    finally:
+        console.width = width
+    text = cap.get()
+    assert "interleaved: 3 rounds x 3 replays per kernel; (min-max) over rounds" in text
+    assert "2.25x (2.00-2.50)" in text and "1.10x (1.00-1.20)" in text
+
+
 def test_bench_unknown_baseline_is_a_usage_error(main_in_process):
     proc = main_in_process("bench", "--config", "{}", "--shape", "mission", "--baselines", "flash,nope")
     code, err = proc.returncode, proc.stderr
@@ -86,3 +211,7 @@ def test_bench_default_config_on_mission(tmp_path):
     assert all(r["passed"] for r in rec["rows"] if r["available"])
     assert rec["ceilings"]["copy"]["gb_s"] > 100 and rec["ceilings"]["matmul"]["tflop_s"] > 10
     assert rec["floor"]["floor_us"] > rec["ceilings"]["empty_kernel"]["time_us"]
+    h2h = rec["raw"]["head_to_head"]  # the kernel and every available backend, interleaved
+    assert set(h2h["timings"]) == {r["name"] for r in rec["rows"] if r["available"]} and h2h["rounds"] == 10
+    assert all(r["interleaved"] and r["solo_time_us"] > 0 for r in rec["rows"] if r["available"])
+    assert all(r["ours_speedup_min"] <= r["ours_speedup_max"] for r in rec["rows"][1:] if r["available"])

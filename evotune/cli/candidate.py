@@ -140,7 +140,8 @@ def bench(
     shape: Optional[str] = typer.Option(None, "--shape", help="Shape to bench on (default: the run's)."),
     space: Optional[str] = CONFIG_SPACE,
     family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A run's is its own."),
-    reps: int = typer.Option(100, "--reps", min=5, help="Timed CUDA-graph replays per kernel (median, p10, p90)."),
+    reps: int = typer.Option(100, "--reps", min=5, help="Timed CUDA-graph replays per kernel, solo and again "
+                             "interleaved in rounds (median, p10, p90)."),
     baselines: Optional[str] = typer.Option(None, "--baselines", help="Comma list of baselines (default: all of the family's)."),
     out: Optional[str] = typer.Option(None, "--out", help="Also write the full JSON record to this file."),
     json_out: bool = typer.Option(False, "--json"),
@@ -183,6 +184,8 @@ def bench(
 
 
 def _print_bench(rec: dict) -> None:
+    from ..gpu.bench import speedup_text, timing_note
+
     dev = rec["device"]
     clocks = dev.get("clocks") or {}
     console.print(f"{rec['date']}  {dev.get('name')}  SM clock {clocks.get('sm', '?')} (max {clocks.get('max_sm', '?')}), "
@@ -190,7 +193,8 @@ def _print_bench(rec: dict) -> None:
                   f"(CUDA {dev.get('torch_cuda')}, cuDNN {dev.get('cudnn')})  cupy {dev.get('cupy')}  "
                   f"evotune {rec.get('git_sha') or '?'}")
     console.print(f"config: {cfg_short(rec['config'])}")
-    table = Table(title=f"{rec['shape']}  ({rec['reps']} CUDA-graph replays each, median)")
+    table = Table(title=f"{rec['shape']}  ({'interleaved' if rec.get('interleaved') else 'solo'} timing)",
+                  caption=timing_note(rec, rec["reps"]))
     for col in ("kernel", "median us", "p10-p90 us", "TFLOP/s", "GB/s", "gate ratio", "ours faster by"):
         table.add_column(col, justify="right" if col != "kernel" else "left")
 
@@ -203,7 +207,7 @@ def _print_bench(rec: dict) -> None:
             continue
         table.add_row(r["name"], f(r["time_us"], ".2f"), f"{f(r['p10_us'], '.2f')}-{f(r['p90_us'], '.2f')}",
                       f(r["tflop_s"], ".1f"), f(r["gb_s"], ".0f"), f(r["gate_ratio"], ".3f"),
-                      f"{r['ours_speedup']:.2f}x" if r["ours_speedup"] else "-")
+                      speedup_text(r))
     console.print(table)
     fl, ce = rec["floor"], rec["ceilings"]
     console.print(f"ceilings (same process): copy {ce['copy']['gb_s']:.0f} GB/s, {ce['matmul']['dtype']} matmul "

@@ -11,20 +11,32 @@ torch.matmul (cuBLAS) in the shape's dtype, and the time of an empty kernel in a
 From those, each shape gets its floor: the empty-kernel time plus
 max(compulsory bytes / bandwidth, FLOPs / tensor rate).
 
-The GPU parts (`ceilings`, `bench_candidate`) run in a worker process; `floor_analysis`
-and `summarize` are pure and tested on the CPU.
+After those solo timings, when the kernel passed, comes the head-to-head (interleave.py): the
+kernel and every available baseline timed again, interleaved in rounds on the same inputs, because
+timings taken one after the other carry a drift of 3-6% on the H100 from what ran just before. The
+rows' headline times and speedups come from the head-to-head (the solo figure is kept as
+solo_time_us), with the spread of the per-round speedup; the kernel's output after it must still be
+bitwise the untimed launch's (else it is WRONG). Records without a head-to-head summarize as before.
+
+The GPU parts (`ceilings`, `bench_candidate`) run in a worker process; `floor_analysis`,
+`with_head_to_head` (given a timer) and `summarize` run on the CPU in the tests.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import replace
 
-from .evaluate import DEFAULT_SEEDS, measure_baselines, time_gpu
+from ..records import result as R
+from ..records.result import Result, Verification
+from .evaluate import DEFAULT_SEEDS, failure_message, measure_baselines, time_gpu, with_violation
+from .interleave import DEFAULT_ROUNDS, head_to_head, split_reps, time_interleaved
 
 BENCH_REPS = 100
 COPY_BYTES = 1 << 30        # 1 GiB each way: far past the 50 MB L2, so the copy streams HBM
 MATMUL_N = 8192             # 2·8192³ FLOPs: long enough to reach cuBLAS's steady tensor rate
 EMPTY_KERNEL = 'extern "C" __global__ void evotune_empty_kernel() {}\n'
+OURS = "evotune"            # the kernel's row, and its name among the head-to-head's contenders
 
 
 def _torch_dtype(name: str):
@@ -86,27 +98,65 @@ def floor_analysis(flops: float | None, nbytes: float | None, ceil: dict) -> dic
 
 
 def bench_candidate(problem, shape, config, compiled, reps: int = BENCH_REPS, seeds=DEFAULT_SEEDS,
-                    baselines: list[str] | None = None) -> dict:
-    """The kernel (gate + time) and every baseline (gate + time), and the device's ceilings (runs on the GPU)."""
-    from .evaluate import evaluate_compiled
+                    baselines: list[str] | None = None, rounds: int = DEFAULT_ROUNDS) -> dict:
+    """The kernel (gate + time) and every baseline (gate + time), then, if the kernel passed, all of them
+    again interleaved (with_head_to_head), and the device's ceilings (runs on the GPU)."""
+    from ..build.compile import load_kernel
+    from .evaluate import bind_kernel, evaluate_compiled
 
     res = evaluate_compiled(problem, shape, config, compiled, seeds=seeds, reps=reps)
-    base = measure_baselines(problem, shape, names=baselines, seeds=seeds, reps=reps)
+    raw = {"kernel": res.as_dict(), "baselines": measure_baselines(problem, shape, names=baselines, seeds=seeds,
+                                                                   reps=reps)}
+    if res.ok:
+        # A module of its own: evaluate_compiled keeps the one it loaded to itself.
+        kernel = load_kernel(compiled, problem.geometry(config, shape).dynamic_smem)
+        raw = with_head_to_head(raw, problem, shape, bind_kernel(problem, shape, config, kernel), reps, rounds)
     dtype = getattr(shape, "dtype", "fp16")
-    return {"kernel": res.as_dict(), "baselines": base, "ceilings": ceilings(dtype)}
+    return {**raw, "ceilings": ceilings(dtype)}
+
+
+def with_head_to_head(raw: dict, problem, shape, launch_for, reps: int, rounds: int = DEFAULT_ROUNDS,
+                      timer=time_interleaved) -> dict:
+    """`raw` (a passed kernel's and the baselines' solo records) with the head-to-head: the kernel's
+    `launch_for(inputs, out)` and every available baseline timed interleaved (interleave.head_to_head,
+    `rounds` rounds of about reps / rounds replays each), and per baseline the per-round speedup of ours
+    (its time over ours) with median, min and max. If the kernel's output after the interleaved timing
+    is not its untimed launch's, the kernel is WRONG instead (no time), naming the timed-output check."""
+    names = [n for n, b in raw["baselines"].items() if b.get("available")]
+    result, failures = head_to_head(problem, shape, {OURS: launch_for}, names, rounds, split_reps(reps, rounds), timer)
+    if OURS in failures:
+        res = Result.from_dict(raw["kernel"])
+        check = with_violation(Verification.from_dict(res.verification), failures[OURS])
+        wrong = replace(res, status=R.WRONG, message=failure_message(check), time_us=None, timing=None,
+                        verification=check.as_dict())
+        return {**raw, "kernel": wrong.as_dict()}
+    h2h = result.as_dict()
+    h2h["ours_speedup"] = {n: result.ratios(OURS, n) for n in result.timings if n != OURS}
+    h2h["timed_output"] = ("O after the interleaved timing, and after an audit replay over finite garbage, "
+                           "bitwise equal to an untimed launch")
+    return {**raw, "head_to_head": h2h}
 
 
 def summarize(raw: dict, flops: float | None, nbytes: float | None) -> dict:
-    """Rows (kernel first, then each baseline) with TFLOP/s, GB/s and speedups, plus the floor analysis."""
+    """Rows (kernel first, then each baseline) with TFLOP/s, GB/s and speedups, plus the floor analysis.
+    Times are the head-to-head's where the record has one (the solo time stays as solo_time_us)."""
     kernel = raw["kernel"]
     ceil = raw["ceilings"]
     floor = floor_analysis(flops, nbytes, ceil)
-    t_ours = kernel.get("time_us") if kernel.get("status") == "ok" else None
+    h2h = raw.get("head_to_head") or {}
+    paired, spreads = h2h.get("timings") or {}, h2h.get("ours_speedup") or {}
+    ok = kernel.get("status") == "ok"
+    t_ours = (paired[OURS]["median_us"] if OURS in paired else kernel.get("time_us")) if ok else None
     rows = []
 
-    def row(name: str, time_us, timing, verification, available=True, reason=""):
+    def row(name: str, solo_us, solo_timing, verification, available=True, reason=""):
+        timing = paired.get(name) if available else None
+        time_us = timing["median_us"] if timing else solo_us
+        timing = timing or solo_timing
+        spread = spreads.get(name) or {}
         r = {"name": name, "available": available, "reason": reason, "time_us": time_us,
              "p10_us": (timing or {}).get("p10_us"), "p90_us": (timing or {}).get("p90_us"),
+             "solo_time_us": solo_us, "interleaved": name in paired and available,
              "tflop_s": flops / time_us / 1e6 if (flops and time_us) else None,
              "gb_s": nbytes / time_us / 1e3 if (nbytes and time_us) else None,
              "gate_ratio": (verification or {}).get("gate_ratio"),
@@ -114,12 +164,13 @@ def summarize(raw: dict, flops: float | None, nbytes: float | None) -> dict:
              "passed": (verification or {}).get("passed")}
         # speedup of ours over this row (>1: ours is faster); the ratio the targets are stated in.
         r["ours_speedup"] = time_us / t_ours if (time_us and t_ours) else None
+        # its spread over the head-to-head's rounds (per round: this row's median over ours)
+        r["ours_speedup_min"], r["ours_speedup_max"] = spread.get("min"), spread.get("max")
         r["vs_floor"] = time_us / floor["floor_us"] if time_us else None
         rows.append(r)
 
-    row("evotune", t_ours, kernel.get("timing"), kernel.get("verification"),
-        available=kernel.get("status") == "ok", reason="" if kernel.get("status") == "ok"
-        else f"{kernel.get('status')}: {kernel.get('message', '')}")
+    row(OURS, kernel.get("time_us") if ok else None, kernel.get("timing"), kernel.get("verification"),
+        available=ok, reason="" if ok else f"{kernel.get('status')}: {kernel.get('message', '')}")
     for name, b in raw["baselines"].items():
         if not b.get("available"):
             row(name, None, None, None, available=False, reason=b.get("reason", ""))
@@ -128,8 +179,27 @@ def summarize(raw: dict, flops: float | None, nbytes: float | None) -> dict:
     avail = [r for r in rows[1:] if r["time_us"]]
     best_base = min(avail, key=lambda r: r["time_us"]) if avail else None
     return {"rows": rows, "floor": floor, "ceilings": ceil,
+            "interleaved": ({"rounds": h2h["rounds"], "reps_per_round": h2h["reps_per_round"]} if paired else None),
             "best_baseline": best_base["name"] if best_base else None,
             "ours_over_best_baseline": (t_ours / best_base["time_us"]) if (t_ours and best_base) else None}
+
+
+def speedup_text(row: dict) -> str:
+    """A row's "ours faster by": "1.05x", with the head-to-head's spread over rounds where it has one."""
+    if not row.get("ours_speedup"):
+        return "-"
+    text = f"{row['ours_speedup']:.2f}x"
+    if row.get("ours_speedup_min") is not None:
+        text += f" ({row['ours_speedup_min']:.2f}-{row['ours_speedup_max']:.2f})"
+    return text
+
+
+def timing_note(summary: dict, reps: int) -> str:
+    """How a bench record's times were taken, in one short line."""
+    il = summary.get("interleaved")
+    if not il:
+        return f"{reps} CUDA-graph replays each, one kernel after another; medians"
+    return f"interleaved: {il['rounds']} rounds x {il['reps_per_round']} replays per kernel; (min-max) over rounds"
 
 
 def header(device: dict, command: str, sha: str | None) -> dict:
