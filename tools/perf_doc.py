@@ -37,10 +37,15 @@ def render(records: list[dict]) -> str:
         f"(clocks left as they were), torch {dev.get('torch')} (CUDA {dev.get('torch_cuda')}, cuDNN {dev.get('cudnn')}), "
         f"CuPy {dev.get('cupy')}, NVRTC {vers.get('nvrtc', '?')}. Every kernel and every SDPA backend passed the "
         "same gate on the same fresh inputs and was timed the same way (CUDA-graph replays after warm-up, median "
-        "and p10-p90). \"ours faster by\" is the backend's time over ours.",
+        "and p10-p90). \"ours faster by\" is the backend's time over ours. Where the timing column says "
+        "interleaved, the times are a head-to-head taken after the solo timings: the kernel and every backend timed "
+        "in turns over several rounds, each round in a new order (evotune/gpu/interleave.py), so that no figure "
+        "carries the 3-6% drift left by what ran before it; \"vs CUDNN min-max\" is the spread of CUDNN's time "
+        "over ours across those rounds. \"solo\" rows (older records) timed each kernel after the previous one.",
         "",
-        "| shape | config (run, trial) | evotune us | FLASH us | CUDNN us | EFFICIENT us | MATH us | ours TFLOP/s | vs FLASH | vs CUDNN | ours / best SDPA |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | config (run, trial) | evotune us | FLASH us | CUDNN us | EFFICIENT us | MATH us | ours TFLOP/s "
+        "| vs FLASH | vs CUDNN | vs CUDNN min-max over rounds | ours / best SDPA | timing |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         rows = {row["name"]: row for row in r["rows"]}
@@ -54,11 +59,18 @@ def render(records: list[dict]) -> str:
             row = rows.get(name)
             return f"{row['ours_speedup']:.2f}x" if row and row.get("ours_speedup") else "-"
 
+        def spread(name):
+            row = rows.get(name)
+            lo, hi = (row.get("ours_speedup_min"), row.get("ours_speedup_max")) if row else (None, None)
+            return f"{lo:.2f}-{hi:.2f}x" if lo is not None and hi is not None else "-"
+
+        il = r.get("interleaved")
+        timing = f"interleaved, {il['rounds']} rounds x {il['reps_per_round']}" if il else "solo"
         src = r.get("source") or {}
         origin = f"{src.get('run') or 'latest'} #{src.get('trial')}" if "run" in src else "--config"
         lines.append(f"| {r['shape']} | {cfg_short(r['config'])} ({origin}) | {t('evotune')} | {t('flash')} | {t('cudnn')} | "
                      f"{t('efficient')} | {t('math')} | {_f(ours['tflop_s'], '.1f')} | {sp('flash')} | {sp('cudnn')} | "
-                     f"{_f(r.get('ours_over_best_baseline'), '.2f')} |")
+                     f"{spread('cudnn')} | {_f(r.get('ours_over_best_baseline'), '.2f')} | {timing} |")
     lines += ["", "Floors, from ceilings measured in the same process (device copy bandwidth, a "
               "cuBLAS matmul of 8192^3 in the shape's dtype, an empty kernel in a CUDA graph); floor = empty kernel + "
               "max(compulsory bytes / bandwidth, FLOPs / matmul rate):", "",

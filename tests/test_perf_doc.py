@@ -1,0 +1,65 @@
+"""tools/perf_doc.py on the CPU: the committed bench records (solo timings) still render, and a record with a
+head-to-head shows its interleaved figures and the spread of CUDNN's time over ours across rounds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from _paths import REPO_ROOT
+from evotune.gpu.bench import OURS, summarize
+
+
+@pytest.fixture(scope="module")
+def perf_doc():
+    spec = importlib.util.spec_from_file_location("perf_doc", REPO_ROOT / "tools" / "perf_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def records():
+    return [json.loads(p.read_text()) for p in sorted((REPO_ROOT / "docs" / "data" / "bench").glob("*.json"))]
+
+
+def _table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+
+
+def test_committed_records_render_as_solo(perf_doc, records):
+    """Every committed record gets a row of the first table, timed "solo", without a spread."""
+    text = perf_doc.render(records)
+    header, *rows = _table_rows(text)[:len(records) + 1]
+    assert "vs CUDNN min-max over rounds" in header and header.count("|") == 14
+    assert len(rows) == len(records)
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert len(cells) == 13 and cells[-1] == "solo" and cells[-3] == "-", row
+
+
+def _interleaved(rec: dict) -> dict:
+    """`rec` as if its bench had a head-to-head of 3 rounds: every time 1% under the solo one, CUDNN's
+    per-round time over ours 1.00, 1.05 and 1.10 of the solo ratio."""
+    raw = rec["raw"]
+    solo = {OURS: raw["kernel"]["time_us"],
+            **{n: b["time_us"] for n, b in raw["baselines"].items() if b.get("available")}}
+    timings = {n: {"median_us": 0.99 * t, "p10_us": 0.98 * t, "p90_us": t, "reps": 30, "launches_per_rep": 1,
+                   "method": "cuda-graph"} for n, t in solo.items()}
+    spread = {n: {"min": t / solo[OURS], "max": 1.1 * t / solo[OURS]} for n, t in solo.items() if n != OURS}
+    raw = {**raw, "head_to_head": {"rounds": 3, "reps_per_round": 10, "timings": timings, "ours_speedup": spread}}
+    return {**rec, **summarize(raw, rec["flops"], rec["min_bytes"]), "raw": raw}
+
+
+def test_a_head_to_head_record_shows_its_interleaved_figures(perf_doc, records):
+    """A record with a head-to-head shows the interleaved times, CUDNN's min-max over rounds and its timing."""
+    rec = next(r for r in records if r["shape"] == "1,8,512,64:fp16")
+    new = _interleaved(rec)
+    row = _table_rows(perf_doc.render([new]))[1]
+    cudnn = rec["raw"]["baselines"]["cudnn"]["time_us"] / rec["raw"]["kernel"]["time_us"]
+    assert f"| {0.99 * rec['raw']['kernel']['time_us']:.2f} |" in row
+    assert f"| {cudnn:.2f}-{1.1 * cudnn:.2f}x |" in row and row.endswith("| interleaved, 3 rounds x 10 |")
+    both = perf_doc.render([rec, new])
+    assert "solo |" in both and "interleaved, 3 rounds x 10 |" in both
