@@ -617,8 +617,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 for (int work = blockIdx.x; work < n_work; ++qi) {
                     // Causal: the consumers read the tile after q_full's phase qi completes (the Q load's arrival
                     // releases this store). The entry was last read for tile qi - 2, before its Q was released,
-                    // which the wait for q_empty at tile qi - 1's Q load saw.
-                    if constexpr (kDynamic) handed_tile[qi & 1] = work;
+                    // which the wait for q_empty at tile qi - 1's Q load saw. Both sides use atomics: the mbarriers
+                    // order them, but compute-sanitizer's racecheck does not model mbarrier waits and reports
+                    // plain accesses here as a race (measured); it leaves atomic ones alone.
+                    if constexpr (kDynamic) atomicExch(&handed_tile[qi & 1], work);
                     const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
                     const int kv_head = kv_head_of(w.head, kv_magic);
                     const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
@@ -650,7 +652,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 if constexpr (kDynamic) {
                     // No tile left: hand the consumers -1 (their signal to stop) with a bare arrival, once
                     // q_full's previous phase is complete (seen through q_empty).
-                    handed_tile[qi & 1] = -1;
+                    atomicExch(&handed_tile[qi & 1], -1);
                     if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
                     mbar_arrive(smem_addr(&bars.q_full));
                     // Every CTA asks until it is refused, then counts itself done: the last one done knows no
@@ -669,7 +671,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         for (int work = blockIdx.x;; ++qi) {
             if constexpr (kDynamic) {
                 mbar_wait(smem_addr(&bars.q_full), qi & 1);  // consume_tile's own wait then passes at once
-                work = handed_tile[qi & 1];
+                // One read per warp (see the producer's store), broadcast.
+                int handed = 0;
+                if ((tid & 31) == 0) handed = atomicAdd(&handed_tile[qi & 1], 0);
+                work = __shfl_sync(0xffffffffu, handed, 0);
             } else if (qi > 0) {
                 work += gridDim.x;
             }
