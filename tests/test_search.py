@@ -576,8 +576,8 @@ def test_summary_written_once_per_distinct_config(attention, tiny, mission, monk
 class FakeBeside:
     """Stands in for GPUWorker.call on a "beside" job: baselines first, then the kernel re-timed at `ours` us."""
 
-    def __init__(self, ours: float = 9.0, fail: bool = False):
-        self.ours, self.fail = ours, fail
+    def __init__(self, ours: float = 9.0, fail: bool = False, head_to_head: dict | None = None):
+        self.ours, self.fail, self.head_to_head = ours, fail, head_to_head
         self.jobs: list[dict] = []
 
     def __call__(self, job: dict, timeout_s=None) -> dict:
@@ -590,7 +590,7 @@ class FakeBeside:
         return {"baselines": {"flash": row(12.0, True), "cudnn": row(5.0, False),
                               "math": {"available": False, "reason": "not timed"}},
                 "evotune": Result(status=R.OK, time_us=self.ours, max_abs=1e-4).as_dict(),
-                "device": {"name": "NVIDIA H100 80GB HBM3", "sm": "9.0"}}
+                "head_to_head": self.head_to_head, "device": {"name": "NVIDIA H100 80GB HBM3", "sm": "9.0"}}
 
 
 def beside_run(name: str, shape, space) -> Run:
@@ -634,6 +634,26 @@ def test_best_is_timed_beside_sdpa_once_per_best(attention, tiny, mission):
     assert entry.route == "evotune" and entry.evidence["kind"] == "run"
 
 
+def test_beside_route_takes_the_interleaved_medians(attention, tiny, mission):
+    """Where the beside job timed the kernel and the baselines interleaved, the summary and the table's route take
+    those medians, not the solo times: here solo says evotune 9.0 us beats FLASH 12.0 us, interleaved 12.5 us
+    loses to 11.0 us, and the user gets SDPA."""
+    from evotune.records.tuning_table import build_table
+
+    run = beside_run("paired", mission, tiny)
+    search(attention, tiny, mission, run, FakeEvaluator(tiny, attention.context(mission)), trials=1,
+           sampler="exhaustive")
+    h2h = {"rounds": 10, "timings": {"evotune": {"median_us": 12.5}, "flash": {"median_us": 11.0},
+                                     "cudnn": {"median_us": 4.0}}}
+    note = S.measure_beside_best(run, attention, mission, FakeBeside(head_to_head=h2h))
+    assert "12.50 us beside flash 11.00 us" in note["message"], note  # cudnn did not pass the gate
+    rec = json.loads((run.path / "baselines.json").read_text())
+    assert rec["version"] == S.BESIDE_VERSION == 2 and rec["head_to_head"] == h2h
+    (entry,) = build_table(["paired"])[0].entries
+    assert entry.evotune_us == 12.5 and entry.sdpa == {"backend": "flash", "time_us": 11.0}
+    assert entry.route == "sdpa" and entry.reason.startswith("slower")
+
+
 def test_beside_skips_without_best_and_survives_worker_failure(attention, tiny, mission):
     run = beside_run("nobest", mission, tiny)
     ev = FakeEvaluator(tiny, attention.context(mission), status_for=lambda i, c: R.WRONG)
@@ -650,19 +670,25 @@ def test_beside_skips_without_best_and_survives_worker_failure(attention, tiny, 
 
 
 def test_worker_times_kernel_after_baselines_in_one_job(monkeypatch, mission):
-    """The worker's "beside" job: measure_baselines, then evaluate_compiled of the given config, same process."""
-    from evotune.gpu import evaluate, workers
+    """The worker's "beside" job: measure_baselines, then evaluate_compiled of the given config, then (it passed)
+    both interleaved, in one process."""
+    import evotune.build.compile
+    from evotune.gpu import bench, evaluate, workers
 
     order = []
     monkeypatch.setattr(evaluate, "measure_baselines",
                         lambda problem, shape, names=None, seeds=(), reps=0: order.append(("base", reps)) or {"x": 1})
     monkeypatch.setattr(evaluate, "evaluate_compiled", lambda problem, shape, config, compiled, seeds=(), reps=0:
                         order.append(("kernel", reps, config.as_dict())) or Result(status=R.OK, time_us=3.0))
+    monkeypatch.setattr(evotune.build.compile, "load_kernel", lambda compiled, smem: "module")
+    monkeypatch.setattr(bench, "with_head_to_head", lambda raw, problem, shape, launch_for, reps:
+                        order.append(("interleaved", reps)) or {**raw, "head_to_head": {"timings": {}}})
     monkeypatch.setattr(workers, "_compiled_from_dict", lambda d: d)
     monkeypatch.setattr(workers, "device_info", lambda: {"name": "fake"})
     monkeypatch.setattr(workers, "gpu_clocks", lambda: {"clocks": None})
     cfg = {"block_m": 64}
     out = workers._handle({"kind": "beside", "family": "attention", "shape": mission.as_dict(), "config": cfg,
                            "compiled": {}, "reps": 11})
-    assert order == [("base", 11), ("kernel", 11, cfg)]
+    assert order == [("base", 11), ("kernel", 11, cfg), ("interleaved", 11)]
     assert out["baselines"] == {"x": 1} and out["evotune"]["time_us"] == 3.0 and out["device"]["name"] == "fake"
+    assert out["head_to_head"] == {"timings": {}}

@@ -327,13 +327,22 @@ def _bench_job(job: BenchJob) -> dict:
 
 def _beside_job(job: BesideJob) -> dict:
     """search.measure_beside_best: the family's baselines, then the given (best) config gated and timed
-    again, in this one process on the same inputs, so that the two medians compare."""
-    from .evaluate import evaluate_compiled, measure_baselines
+    again, in this one process on the same inputs, then (if it passed) the kernel and the baselines timed
+    interleaved (bench.with_head_to_head): the route compares these two medians, and timed one after the
+    other they carry an order bias as large as many of the differences they decide."""
+    from ..build.compile import load_kernel
+    from .bench import with_head_to_head
+    from .evaluate import bind_kernel, evaluate_compiled, measure_baselines
 
     problem, shape = _problem_shape(job)
     base = measure_baselines(problem, shape, names=job.names, seeds=job.seeds, reps=job.reps)
     res = evaluate_compiled(problem, shape, job.config, job.compiled, seeds=job.seeds, reps=job.reps)
-    return {"baselines": base, "evotune": res.as_dict(), "device": {**device_info(), **gpu_clocks()}}
+    raw = {"kernel": res.as_dict(), "baselines": base}
+    if res.ok:
+        kernel = load_kernel(job.compiled, problem.geometry(job.config, shape).dynamic_smem)
+        raw = with_head_to_head(raw, problem, shape, bind_kernel(problem, shape, job.config, kernel), job.reps)
+    return {"baselines": base, "evotune": raw["kernel"], "head_to_head": raw.get("head_to_head"),
+            "device": {**device_info(), **gpu_clocks()}}
 
 
 def _verify_job(job: VerifyJob) -> dict:

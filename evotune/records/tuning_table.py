@@ -675,11 +675,28 @@ def _run_baselines(obj: dict, best: dict, trial: dict) -> tuple[dict, dict]:
     if obj.get("kind") != "evotune-run-baselines":
         return trial, obj
     ours, timed = obj.get("evotune") or {}, obj.get("best") or {}
+    ours_us, paired = beside_times(obj)
     if (timed.get("number") == best["number"] and ours.get("status") == "ok"
-            and isinstance(ours.get("time_us"), (int, float)) and isinstance(timed.get("source_digest"), str)):
-        trial = {"evotune_us": float(ours["time_us"]), "digest": timed["source_digest"]}
+            and isinstance(ours_us, (int, float)) and isinstance(timed.get("source_digest"), str)):
+        trial = {"evotune_us": float(ours_us), "digest": timed["source_digest"]}
     found = obj.get("baselines")
-    return trial, found if isinstance(found, dict) else {}
+    if not isinstance(found, dict):
+        return trial, {}
+    return trial, {name: ({**row, "time_us": paired[name]} if name in paired and isinstance(row, dict) else row)
+                   for name, row in found.items()}
+
+
+def beside_times(obj: dict) -> tuple[float | None, dict[str, float]]:
+    """(evotune's time, {backend: time}) of a baselines.json record: the interleaved head-to-head's medians
+    where it has one (BESIDE_VERSION 2, kernel "evotune"), else evotune's solo time and no backend times (the
+    rows' own solo times stand)."""
+    timings = (obj.get("head_to_head") or {}).get("timings") or {}
+    paired = {name: float(t["median_us"]) for name, t in timings.items()
+              if isinstance(t, dict) and isinstance(t.get("median_us"), (int, float))}
+    ours = paired.pop("evotune", None)
+    if ours is None:
+        return (obj.get("evotune") or {}).get("time_us"), {}
+    return ours, paired
 
 
 def _fastest(rows: list[dict]) -> dict | None:

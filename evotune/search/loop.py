@@ -711,7 +711,7 @@ class WorkerEvaluator:
 # --------------------------------------------------------------------------- the baselines beside the best, once per run
 
 BESIDE_KIND = "evotune-run-baselines"
-BESIDE_VERSION = 1
+BESIDE_VERSION = 2        # 2: with the kernel and the baselines timed interleaved (head_to_head)
 BESIDE_REPS = 100        # as `evotune bench`: the route decision rests on these two medians
 BESIDE_TIMEOUT_S = 900.0  # every baseline's gate and timing, then the kernel's, in one job
 
@@ -779,15 +779,20 @@ def beside_record(run: Run, best: dict, source_digest: str, payload: dict, reps:
             "seeds": list(seeds),
             "best": {"number": best["number"], "digest": best.get("digest"), "config": best["config"],
                      "source_digest": source_digest, "recorded_time_us": best["result"].get("time_us")},
-            "evotune": payload["evotune"], "baselines": payload["baselines"]}
+            "evotune": payload["evotune"], "baselines": payload["baselines"],
+            "head_to_head": payload.get("head_to_head")}
 
 
 def beside_summary(record: dict) -> str:
-    """One line: the re-timed best against the fastest baseline that passed the gate."""
+    """One line: the re-timed best against the fastest baseline that passed the gate (interleaved medians
+    where the record has them)."""
+    from ..records.tuning_table import beside_times
+
     ours = record["evotune"]
-    rows = [(name, row["time_us"]) for name, row in record["baselines"].items()
+    ours_us, paired = beside_times(record)
+    rows = [(name, paired.get(name, row["time_us"])) for name, row in record["baselines"].items()
             if row.get("available") and (row.get("verification") or {}).get("passed")]
-    mine = (f"trial {record['best']['number']} {ours['time_us']:.2f} us" if ours.get("status") == R.OK
+    mine = (f"trial {record['best']['number']} {ours_us:.2f} us" if ours.get("status") == R.OK
             else f"trial {record['best']['number']} {ours.get('status')} on re-timing")
     if not rows:
         return f"{mine}; no baseline passed the gate"
