@@ -4,9 +4,10 @@
 # decide where it pays, then repeated `evotune bench` records of the winners (one bench reads the ratio to within
 # ~5%, a 2% knob needs several).
 #   STEPS="check probe search bench" OUT=dir bash tools/persistent_device.sh
-# The four steps should take about 7, 8, 9 and 4 minutes (estimated from the steps they reuse; not yet run as a
-# whole): where one command may run 10 minutes, give each its own call
-# (STEPS=check, then STEPS=probe, ...) with the same EVOTUNE_RUNS/EVOTUNE_CACHE kept between them or the runs carried.
+# Measured on the H100 (2026-11-23): check 75-100 s, probe 92-113 s (8 presets), search 36-45 s per shape at 48
+# trials, bench ~14 s per record. Each step may still get its own device call (STEPS=check, then STEPS=probe, ...),
+# with the same EVOTUNE_RUNS/EVOTUNE_CACHE kept between them or the runs carried; the device returns at most a few
+# files from $OUT, so tar the bench records (the bench step writes one JSON and one log per record).
 #   check   pytest -m gpu -k persistent (gate on 23 shapes x 4 configs at 3 CTAs, 3 shapes at every SM,
 #           determinism, compute-sanitizer memcheck/racecheck/synccheck)          -> $OUT/check.txt
 #   probe   TILE=persistent tools/fa3_tiles_probe.sh (winner, one-tile twin, persistent twin per large preset)
