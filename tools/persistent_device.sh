@@ -15,7 +15,7 @@
 #   search  tools/large_searches.sh over attention-hopper3 (SHAPES, TRIALS, PER_SEARCH_S; runs *-h100-persistent)
 #                                                                                 -> $OUT/large.tgz
 #   bench   REPS x `evotune bench best` of each run named in BENCH_RUNS (default: the searches' runs)
-#                                                                                 -> $OUT/bench/RUN-N.json
+#                                                                                 -> $OUT/bench.tgz (bench/RUN-N.json)
 # Each step is bounded by a timeout; a failed step is reported and the next one still runs (check's failures are
 # in check.txt: read them before trusting the probe).
 set -uo pipefail
@@ -37,15 +37,16 @@ for step in ${STEPS:-check probe search bench}; do
         EXTRA="--space search_spaces/attention-hopper3.yaml" bash "$here/tools/large_searches.sh"
       echo "search rc=$?" ;;
     bench)
-      mkdir -p "$OUT/bench"
+      bench=$(mktemp -d)/bench; mkdir -p "$bench"  # tarred at the end: the device returns few files from $OUT
       runs=${BENCH_RUNS:-$(for s in $SHAPES; do echo "${s//:/-}-h100-persistent"; done)}
       for run in $runs; do
         for i in $(seq 1 "${REPS:-3}"); do
-          timeout 120 python3 -m evotune bench best --run "$run" --reps 100 --out "$OUT/bench/$run-$i.json" \
-            > "$OUT/bench/$run-$i.txt" 2>&1 || echo "bench $run #$i failed: $(tail -1 "$OUT/bench/$run-$i.txt")"
+          timeout 120 python3 -m evotune bench best --run "$run" --reps 100 --out "$bench/$run-$i.json" \
+            > "$bench/$run-$i.txt" 2>&1 || echo "bench $run #$i failed: $(tail -1 "$bench/$run-$i.txt")"
         done
       done
-      python3 - "$OUT/bench" <<'PY'
+      tar -czf "$OUT/bench.tgz" -C "$(dirname "$bench")" bench
+      python3 - "$bench" <<'PY'
 import glob, json, os, sys
 rows = {}
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
