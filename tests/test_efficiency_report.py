@@ -13,12 +13,10 @@ from evotune.records import result as R
 from evotune.build.compile import static_violations
 from evotune.records.runs import Run
 from evotune.space.searchspace import load_space
-from _paths import REPO_ROOT
+from _paths import REPO_ROOT, load_tool
 from test_search import REDUCED_SPACE
 
-_spec = importlib.util.spec_from_file_location("efficiency_report", REPO_ROOT / "tools" / "efficiency_report.py")
-E = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(E)
+E = load_tool("efficiency_report")
 
 
 def rec(status: str, t: float | None, counted: bool = True, dup: int | None = None) -> dict:

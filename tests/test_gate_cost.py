@@ -3,19 +3,14 @@ names alike), and one-line errors for bad input; the measuring itself needs the 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from _paths import REPO_ROOT
+from _paths import load_tool
 
 
 @pytest.fixture(scope="module")
 def gate_cost():
-    spec = importlib.util.spec_from_file_location("gate_cost", REPO_ROOT / "tools" / "gate_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("gate_cost")
 
 
 def test_draw_configs_is_seeded_distinct_and_admitted(gate_cost):

@@ -90,6 +90,14 @@ def _assert_passed(res) -> None:
         assert res.verification["gate_ratio"] <= 1.0
 
 
+def _gate_where_admitted(attention, space, shape_text, cfg):
+    """The full gate (untimed) of `cfg` on the shape, or a skip where the space does not admit it there."""
+    shape = parse_shape(shape_text)
+    if not space.admitted(space.config(dict(cfg)), attention.context(shape)):
+        pytest.skip("config not admitted for this shape")
+    return _evaluate(attention, space, shape, cfg, time_it=False)
+
+
 def _evaluate(problem, space, shape, cfg_dict, **kw):
     from evotune.gpu.evaluate import evaluate_compiled
 
@@ -180,11 +188,7 @@ RAGGED = _random_shapes(16)
                          f"M{c['block_m']}N{c['block_n']}kv{c.get('kv_splits', 1)}kg{c.get('warp_key_groups', 1)}")
 def test_ragged_matrix(attention, space, shape_text, cfg):
     """A seeded matrix of ragged shapes (S=1, Sq != Sk, both masks, dtypes, head dims, layouts) passes the full gate."""
-    shape = parse_shape(shape_text)
-    config = space.config(dict(cfg))
-    if not space.admitted(config, attention.context(shape)):
-        pytest.skip("config not admitted for this shape")
-    res = _evaluate(attention, space, shape, cfg, time_it=False)
+    res = _gate_where_admitted(attention, space, shape_text, cfg)
     assert res.status in (R.OK, R.PRUNED), res.message
 
 
@@ -206,12 +210,7 @@ def test_persistent_matches_reference(attention, space, few_ctas, shape_text, cf
 @pytest.mark.parametrize("cfg", PERSISTENT_CONFIGS, ids=_hopper_id)
 def test_persistent_on_every_sm(attention, space, shape_text, cfg):
     """At the device's own SM count, on shapes with more query tiles than SMs (as the search admits them)."""
-    shape = parse_shape(shape_text)
-    config = space.config(dict(cfg))
-    if not space.admitted(config, attention.context(shape)):
-        pytest.skip("config not admitted for this shape")
-    res = _evaluate(attention, space, shape, cfg, time_it=False)
-    _assert_passed(res)
+    _assert_passed(_gate_where_admitted(attention, space, shape_text, cfg))
 
 
 @pytest.mark.parametrize("shape_text", ["2,3,333,257,128:bf16:causal", "1,8,1024,64:causal:kv2", "2,4,700,64:causal"])

@@ -3,7 +3,6 @@ restrictions admitting exactly the space's admitted set; skipped when kernel_tun
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -11,11 +10,9 @@ import pytest
 pytest.importorskip("kernel_tuner")
 
 from evotune.records import result as R  # noqa: E402
-from _paths import REPO_ROOT  # noqa: E402
+from _paths import REPO_ROOT, load_tool  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("kt_compare", REPO_ROOT / "tools" / "kt_compare.py")
-K = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(K)
+K = load_tool("kt_compare")
 
 RUN = REPO_ROOT / "runs" / "mission-h100-exhaustive-small"
 

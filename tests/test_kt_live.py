@@ -4,7 +4,6 @@ CPU stand-in for its CuPy backend; one GPU test runs a 5-evaluation live tune. S
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
@@ -13,11 +12,9 @@ import pytest
 
 pytest.importorskip("kernel_tuner")
 
-from _paths import REPO_ROOT  # noqa: E402
+from _paths import REPO_ROOT, load_tool  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("kt_live", REPO_ROOT / "tools" / "kt_live.py")
-L = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(L)
+L = load_tool("kt_live")
 K = L.K
 
 SPACE = str(REPO_ROOT / "search_spaces" / "attention-small.yaml")

@@ -3,21 +3,17 @@ head-to-head shows its interleaved figures and the spread of CUDNN's time over o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from _paths import REPO_ROOT
+from _paths import REPO_ROOT, load_tool
 from evotune.gpu.bench import OURS, summarize
 
 
 @pytest.fixture(scope="module")
 def perf_doc():
-    spec = importlib.util.spec_from_file_location("perf_doc", REPO_ROOT / "tools" / "perf_doc.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("perf_doc")
 
 
 @pytest.fixture(scope="module")

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import warnings
-
 import pytest
 
-from _paths import REPO_ROOT
+from _paths import load_tool
 
 
 @pytest.fixture(scope="module")
 def time_configs():
-    spec = importlib.util.spec_from_file_location("time_configs", REPO_ROOT / "tools" / "time_configs.py")
-    module = importlib.util.module_from_spec(spec)
-    with warnings.catch_warnings():  # the tool silences warnings for its own process, not the suite's
-        spec.loader.exec_module(module)
-    return module
+    return load_tool("time_configs")
 
 
 def _t(median):

@@ -79,6 +79,19 @@ def assert_close(out, q, k, v, shape: Shape) -> None:
     assert torch.isfinite(out).all() and bool((err <= bound).all()), f"max error {err.max().item():.3g} on {shape.spec}"
 
 
+def assert_graph_replays_follow_inputs(shape: Shape, q, k, v, seeds) -> None:
+    """Capture the op on q, k, v into a CUDA graph; per seed, copy new inputs into them, replay, check the output."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = et.attention(q, k, v, is_causal=shape.causal, fallback="error")
+    for seed in seeds:
+        for dst, src in zip((q, k, v), make_qkv(shape, seed=seed)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, q, k, v, shape)
+
+
 def run_tuned(q, k, v, causal, enable_gqa=False):
     """The op, refusing any SDPA route (so a pass is the kernel's)."""
     assert et.explain(q, k, v, is_causal=causal, enable_gqa=enable_gqa).kind == "tuned"
@@ -120,15 +133,7 @@ def test_persistent_grid_matches_reference(gpu, causal):
     use_variant(gpu, "persistent", [shape])
     q, k, v = make_qkv(shape, seed=4)
     assert_close(run_tuned(q, k, v, causal), q, k, v, shape)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = et.attention(q, k, v, is_causal=causal, fallback="error")
-    for seed in (5, 6):
-        for dst, src in zip((q, k, v), make_qkv(shape, seed=seed)):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(out, q, k, v, shape)
+    assert_graph_replays_follow_inputs(shape, q, k, v, seeds=(5, 6))
 
 
 @pytest.mark.parametrize("variant,layout", [("sync", "bhsd"), ("split", "bhsd"), ("wgmma", "bhsd"), ("wgmma", "bshd")])
@@ -141,15 +146,7 @@ def test_graph_capture_and_replay(gpu, variant, layout):
     assert [(r["device"], r["status"]) for r in rows] == [(i, "loaded") for i in range(torch.cuda.device_count())]
     q, k, v = make_qkv(shape, seed=1)
     run_tuned(q, k, v, True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = et.attention(q, k, v, is_causal=True, fallback="error")
-    for seed in (2, 3):
-        for dst, src in zip((q, k, v), make_qkv(shape, seed=seed)):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(out, q, k, v, shape)
+    assert_graph_replays_follow_inputs(shape, q, k, v, seeds=(2, 3))
 
 
 def test_capture_refuses_a_kernel_not_loaded(gpu):
