@@ -681,7 +681,7 @@ def test_worker_times_kernel_after_baselines_in_one_job(monkeypatch, mission):
     monkeypatch.setattr(evaluate, "evaluate_compiled", lambda problem, shape, config, compiled, seeds=(), reps=0:
                         order.append(("kernel", reps, config.as_dict())) or Result(status=R.OK, time_us=3.0))
     monkeypatch.setattr(evotune.build.compile, "load_kernel", lambda compiled, smem: "module")
-    monkeypatch.setattr(bench, "with_head_to_head", lambda raw, problem, shape, launch_for, reps:
+    monkeypatch.setattr(bench, "with_head_to_head", lambda raw, problem, shape, launch_for, reps, rounds:
                         order.append(("interleaved", reps)) or {**raw, "head_to_head": {"timings": {}}})
     monkeypatch.setattr(workers, "_compiled_from_dict", lambda d: d)
     monkeypatch.setattr(workers, "device_info", lambda: {"name": "fake"})

@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from ..records import result as R
 from ..records.result import Result, Verification
-from .evaluate import DEFAULT_SEEDS, failure_message, measure_baselines, time_gpu, with_violation
+from .evaluate import DEFAULT_SEEDS, failure_message, time_gpu, with_violation
 from .interleave import DEFAULT_ROUNDS, head_to_head, split_reps, time_interleaved
 
 BENCH_REPS = 100
@@ -101,18 +101,32 @@ def bench_candidate(problem, shape, config, compiled, reps: int = BENCH_REPS, se
                     baselines: list[str] | None = None, rounds: int = DEFAULT_ROUNDS) -> dict:
     """The kernel (gate + time) and every baseline (gate + time), then, if the kernel passed, all of them
     again interleaved (with_head_to_head), and the device's ceilings (runs on the GPU)."""
-    from ..build.compile import load_kernel
-    from .evaluate import bind_kernel, evaluate_compiled
+    raw = kernel_beside_baselines(problem, shape, config, compiled, reps, seeds, baselines, rounds=rounds)
+    dtype = getattr(shape, "dtype", "fp16")
+    return {**raw, "ceilings": ceilings(dtype)}
 
-    res = evaluate_compiled(problem, shape, config, compiled, seeds=seeds, reps=reps)
-    raw = {"kernel": res.as_dict(), "baselines": measure_baselines(problem, shape, names=baselines, seeds=seeds,
-                                                                   reps=reps)}
+
+def kernel_beside_baselines(problem, shape, config, compiled, reps: int, seeds, baselines: list[str] | None = None,
+                            baselines_first: bool = False, rounds: int = DEFAULT_ROUNDS) -> dict:
+    """{"kernel": its Result dict, "baselines": measure_baselines' report[, "head_to_head"]}: the kernel and the
+    baselines each gated and timed alone (the baselines first where `baselines_first`), then, if the kernel
+    passed, all of them interleaved (with_head_to_head). `evotune bench` and the search's final beside-the-
+    baselines job both measure this way (runs on the GPU)."""
+    from ..build.compile import load_kernel
+    from . import evaluate
+
+    def measure():
+        return evaluate.measure_baselines(problem, shape, names=baselines, seeds=seeds, reps=reps)
+
+    base = measure() if baselines_first else None
+    res = evaluate.evaluate_compiled(problem, shape, config, compiled, seeds=seeds, reps=reps)
+    raw = {"kernel": res.as_dict(), "baselines": base if baselines_first else measure()}
     if res.ok:
         # A module of its own: evaluate_compiled keeps the one it loaded to itself.
         kernel = load_kernel(compiled, problem.geometry(config, shape).dynamic_smem)
-        raw = with_head_to_head(raw, problem, shape, bind_kernel(problem, shape, config, kernel), reps, rounds)
-    dtype = getattr(shape, "dtype", "fp16")
-    return {**raw, "ceilings": ceilings(dtype)}
+        raw = with_head_to_head(raw, problem, shape, evaluate.bind_kernel(problem, shape, config, kernel), reps,
+                                rounds)
+    return raw
 
 
 def with_head_to_head(raw: dict, problem, shape, launch_for, reps: int, rounds: int = DEFAULT_ROUNDS,

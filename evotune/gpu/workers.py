@@ -330,18 +330,12 @@ def _beside_job(job: BesideJob) -> dict:
     again, in this one process on the same inputs, then (if it passed) the kernel and the baselines timed
     interleaved (bench.with_head_to_head): the route compares these two medians, and timed one after the
     other they carry an order bias as large as many of the differences they decide."""
-    from ..build.compile import load_kernel
-    from .bench import with_head_to_head
-    from .evaluate import bind_kernel, evaluate_compiled, measure_baselines
+    from .bench import kernel_beside_baselines
 
     problem, shape = _problem_shape(job)
-    base = measure_baselines(problem, shape, names=job.names, seeds=job.seeds, reps=job.reps)
-    res = evaluate_compiled(problem, shape, job.config, job.compiled, seeds=job.seeds, reps=job.reps)
-    raw = {"kernel": res.as_dict(), "baselines": base}
-    if res.ok:
-        kernel = load_kernel(job.compiled, problem.geometry(job.config, shape).dynamic_smem)
-        raw = with_head_to_head(raw, problem, shape, bind_kernel(problem, shape, job.config, kernel), job.reps)
-    return {"baselines": base, "evotune": raw["kernel"], "head_to_head": raw.get("head_to_head"),
+    raw = kernel_beside_baselines(problem, shape, job.config, job.compiled, job.reps, job.seeds, job.names,
+                                  baselines_first=True)
+    return {"baselines": raw["baselines"], "evotune": raw["kernel"], "head_to_head": raw.get("head_to_head"),
             "device": {**device_info(), **gpu_clocks()}}
 
 
