@@ -128,8 +128,8 @@ def _solo(problem, shape) -> dict:
     """A passed kernel's solo record (evaluate_launches, the CPU stand-in timer) and two baselines, one unavailable."""
     planted = Planted(problem, shape)
     kernel = E.evaluate_launches(problem, shape, planted.launch_for, timer=cpu_timer(planted)).as_dict()
-    return {"kernel": kernel, "baselines": {"flash": {"available": True, "time_us": 8.0},
-                                            "math": {"available": False, "reason": "skipped"}}}
+    return {"kernels": {OURS: kernel}, "baselines": {"flash": {"available": True, "time_us": 8.0},
+                                                     "math": {"available": False, "reason": "skipped"}}}
 
 
 def test_with_head_to_head_adds_the_interleaved_timings(cpu_attention):
@@ -137,11 +137,11 @@ def test_with_head_to_head_adds_the_interleaved_timings(cpu_attention):
     vs each baseline, and says the timed output was checked."""
     problem, shape = cpu_attention
     raw = _solo(problem, shape)
-    out = with_head_to_head(raw, problem, shape, Planted(problem, shape).launch_for, reps=12, rounds=3,
+    out = with_head_to_head(raw, problem, shape, {OURS: Planted(problem, shape).launch_for}, reps=12, rounds=3,
                             timer=cpu_interleaved(FakeGPU({OURS: 5.0, "flash": 8.0})))
     h2h = out["head_to_head"]
-    assert out["kernel"] == raw["kernel"] and set(h2h["timings"]) == {OURS, "flash"}
-    assert (h2h["rounds"], h2h["reps_per_round"]) == (3, 4)
+    assert out["kernels"] == raw["kernels"] and set(h2h["timings"]) == {OURS, "flash"}
+    assert (h2h["rounds"], h2h["reps_per_round"], h2h["winner"]) == (3, 4, OURS)
     assert h2h["ours_speedup"]["flash"]["per_round"] == pytest.approx([1.6] * 3)
     assert h2h["timed_output"].startswith("O after the interleaved timing")
     json.dumps(out)  # a record: plain data only
@@ -152,14 +152,35 @@ def test_with_head_to_head_makes_a_cheat_wrong(cpu_attention):
     becomes WRONG naming the timed-output check, with no time; no head-to-head is recorded."""
     problem, shape = cpu_attention
     raw = _solo(problem, shape)
-    out = with_head_to_head(raw, problem, shape, Planted(problem, shape, "stateful_counter").launch_for, reps=12,
-                            rounds=3, timer=cpu_interleaved(FakeGPU({OURS: 1.0, "flash": 8.0})))
-    kernel = out["kernel"]
+    out = with_head_to_head(raw, problem, shape, {OURS: Planted(problem, shape, "stateful_counter").launch_for},
+                            reps=12, rounds=3, timer=cpu_interleaved(FakeGPU({OURS: 1.0, "flash": 8.0})))
+    kernel = out["kernels"][OURS]
     assert "head_to_head" not in out and kernel["status"] == R.WRONG and kernel["time_us"] is None
     assert kernel["message"].startswith("timed output: after O was refilled with finite garbage")
     assert kernel["verification"]["failed_check"] == R.TIMED_OUTPUT
-    row = summarize({**out, "ceilings": CEIL}, 1e9, 1e6)["rows"][0]
+    row = summarize({"kernel": kernel, "baselines": out["baselines"], "ceilings": CEIL}, 1e9, 1e6)["rows"][0]
     assert row["time_us"] is None and row["reason"].startswith("wrong: timed output")
+
+
+def test_with_head_to_head_names_the_fastest_passing_finalist(cpu_attention):
+    """Several kernels (a search's finalists): the winner is the one with the fastest interleaved median among
+    those that kept their output; a faster one that cheats is WRONG and not the winner; the speedups are the
+    winner's."""
+    problem, shape = cpu_attention
+    planted = Planted(problem, shape)
+    solo = E.evaluate_launches(problem, shape, planted.launch_for, timer=cpu_timer(planted)).as_dict()
+    raw = {"kernels": {"trial 1": solo, "trial 2": solo, "trial 3": solo},
+           "baselines": {"flash": {"available": True, "time_us": 8.0}}}
+    launches = {"trial 1": planted.launch_for, "trial 2": Planted(problem, shape).launch_for,
+                "trial 3": Planted(problem, shape, "stateful_counter").launch_for}
+    out = with_head_to_head(raw, problem, shape, launches, reps=12, rounds=3,
+                            timer=cpu_interleaved(FakeGPU({"trial 1": 6.0, "trial 2": 4.0, "trial 3": 1.0,
+                                                           "flash": 8.0})))
+    h2h = out["head_to_head"]
+    assert h2h["winner"] == "trial 2" and out["kernels"]["trial 3"]["status"] == R.WRONG
+    assert out["kernels"]["trial 1"] == out["kernels"]["trial 2"] == solo
+    assert set(h2h["ours_speedup"]) == {"flash"}
+    assert h2h["ours_speedup"]["flash"]["median"] == pytest.approx(2.0)
 
 
 def test_printed_table_says_the_times_are_interleaved():

@@ -574,10 +574,13 @@ def test_summary_written_once_per_distinct_config(attention, tiny, mission, monk
 
 
 class FakeBeside:
-    """Stands in for GPUWorker.call on a "beside" job: baselines first, then the kernel re-timed at `ours` us."""
+    """Stands in for GPUWorker.call on a "beside" job: baselines first, then the finalists re-timed; `times`
+    (label -> us, else `ours`) are their interleaved medians, where `interleaved`."""
 
-    def __init__(self, ours: float = 9.0, fail: bool = False, head_to_head: dict | None = None):
+    def __init__(self, ours: float = 9.0, fail: bool = False, head_to_head: dict | None = None,
+                 times: dict | None = None, interleaved: bool = False):
         self.ours, self.fail, self.head_to_head = ours, fail, head_to_head
+        self.times, self.interleaved = times or {}, interleaved
         self.jobs: list[dict] = []
 
     def __call__(self, job: dict, timeout_s=None) -> dict:
@@ -587,10 +590,17 @@ class FakeBeside:
         if self.fail:
             raise WorkerError(R.TIMEOUT, "no answer within 900 s (hang?); worker killed")
         row = lambda t, ok: {"available": True, "time_us": t, "verification": {"passed": ok}}  # noqa: E731
+        times = {label: self.times.get(label, self.ours) for label in job["labels"]}
+        h2h = self.head_to_head
+        if self.interleaved:
+            h2h = {"rounds": 10, "winner": min(times, key=times.get),
+                   "timings": {**{label: {"median_us": t} for label, t in times.items()},
+                               "flash": {"median_us": 12.0}, "cudnn": {"median_us": 5.0}}}
         return {"baselines": {"flash": row(12.0, True), "cudnn": row(5.0, False),
                               "math": {"available": False, "reason": "not timed"}},
-                "evotune": Result(status=R.OK, time_us=self.ours, max_abs=1e-4).as_dict(),
-                "head_to_head": self.head_to_head, "device": {"name": "NVIDIA H100 80GB HBM3", "sm": "9.0"}}
+                "finalists": {label: Result(status=R.OK, time_us=t, max_abs=1e-4).as_dict()
+                              for label, t in times.items()},
+                "head_to_head": h2h, "device": {"name": "NVIDIA H100 80GB HBM3", "sm": "9.0"}}
 
 
 def beside_run(name: str, shape, space) -> Run:
@@ -611,8 +621,9 @@ def test_best_is_timed_beside_sdpa_once_per_best(attention, tiny, mission):
     note = S.measure_beside_best(run, attention, mission, call, reps=7)
     assert note["status"] == "measured" and "beside flash 12.00 us" in note["message"], note
     (job,) = call.jobs
-    assert job["kind"] == "beside" and job["config"] == first_best["config"] and job["reps"] == 7
-    assert job["shape"] == mission.as_dict() and Path(job["compiled"]["cubin_path"]).is_file()
+    assert job["kind"] == "beside" and job["configs"] == [first_best["config"]] and job["reps"] == 7
+    assert job["labels"] == [f"trial {first_best['number']}"]
+    assert job["shape"] == mission.as_dict() and Path(job["compileds"][0]["cubin_path"]).is_file()
     rec = json.loads((run.path / "baselines.json").read_text())
     assert rec["kind"] == "evotune-run-baselines" and rec["run"] == "beside" and rec["reps"] == 7
     assert rec["best"]["number"] == first_best["number"] and rec["evotune"]["time_us"] == 9.0
@@ -625,7 +636,7 @@ def test_best_is_timed_beside_sdpa_once_per_best(attention, tiny, mission):
     search(attention, tiny, mission, resumed, ev, trials=2, sampler="exhaustive")
     assert resumed.best()["number"] != first_best["number"]  # block_n 64 is faster in fake_time
     assert S.measure_beside_best(resumed, attention, mission, call)["status"] == "measured"
-    assert len(call.jobs) == 2 and call.jobs[1]["config"] == resumed.best()["config"]
+    assert len(call.jobs) == 2 and call.jobs[1]["configs"][0] == resumed.best()["config"]
     assert json.loads((run.path / "baselines.json").read_text())["best"]["number"] == resumed.best()["number"]
 
     (entry,) = build_table(["beside"])[0].entries
@@ -643,15 +654,77 @@ def test_beside_route_takes_the_interleaved_medians(attention, tiny, mission):
     run = beside_run("paired", mission, tiny)
     search(attention, tiny, mission, run, FakeEvaluator(tiny, attention.context(mission)), trials=1,
            sampler="exhaustive")
-    h2h = {"rounds": 10, "timings": {"evotune": {"median_us": 12.5}, "flash": {"median_us": 11.0},
-                                     "cudnn": {"median_us": 4.0}}}
+    label = f"trial {run.best()['number']}"
+    h2h = {"rounds": 10, "winner": label, "timings": {label: {"median_us": 12.5}, "flash": {"median_us": 11.0},
+                                                      "cudnn": {"median_us": 4.0}}}
     note = S.measure_beside_best(run, attention, mission, FakeBeside(head_to_head=h2h))
     assert "12.50 us beside flash 11.00 us" in note["message"], note  # cudnn did not pass the gate
     rec = json.loads((run.path / "baselines.json").read_text())
-    assert rec["version"] == S.BESIDE_VERSION == 2 and rec["head_to_head"] == h2h
+    assert rec["version"] == S.BESIDE_VERSION == 3 and rec["head_to_head"] == h2h
     (entry,) = build_table(["paired"])[0].entries
     assert entry.evotune_us == 12.5 and entry.sdpa == {"backend": "flash", "time_us": 11.0}
     assert entry.route == "sdpa" and entry.reason.startswith("slower")
+
+
+def test_finalists_re_timed_interleaved_name_the_best(attention, tiny, mission):
+    """The closing job re-times the fastest recorded trials (within 10%, distinct sources, at most FINALISTS)
+    interleaved; the one with the fastest interleaved median becomes the run's best (best.json, Run.best, the
+    table), though its search time was not the fastest; a resume that adds a new contender falls back to the
+    fastest recorded trial until the finalists are re-timed, and one that adds none keeps the record."""
+    from evotune.records import best as B
+    from evotune.records.tuning_table import build_table
+
+    run = beside_run("finals", mission, tiny)
+    ev = FakeEvaluator(tiny, attention.context(mission))
+    search(attention, tiny, mission, run, ev, trials=12, sampler="random")
+    records = run.trials()
+    finals = B.finalists(records)
+    fastest = B.best_record(records)
+    assert finals[0] is not None and finals[0]["number"] == fastest["number"]
+    limit = fastest["result"]["time_us"] * (1 + B.FINALIST_WITHIN)
+    inside = [r for r in B.ok_records(records) if r["result"]["time_us"] <= limit]
+    assert len(finals) == min(B.FINALISTS, len({r["source_digest"] for r in inside})) >= 2, finals
+    assert all(f["result"]["time_us"] <= limit for f in finals)
+    underdog = finals[-1]
+    call = FakeBeside(interleaved=True, times={f"trial {underdog['number']}": 7.0})
+    note = S.measure_beside_best(run, attention, mission, call)
+    assert note["status"] == "measured", note
+    assert f"trial {underdog['number']} 7.00 us (fastest of {len(finals)} finalists" in note["message"], note
+    (job,) = call.jobs
+    assert job["labels"] == [f"trial {f['number']}" for f in finals]
+    assert run.best()["number"] == underdog["number"] != fastest["number"]
+    assert json.loads((run.path / "best.json").read_text())["number"] == underdog["number"]
+    rec = json.loads((run.path / "baselines.json").read_text())
+    assert rec["best"]["interleaved_us"] == 7.0 and rec["finalist_rule"] == {"count": B.FINALISTS,
+                                                                             "within": B.FINALIST_WITHIN}
+    (entry,) = build_table(["finals"])[0].entries
+    assert entry.config == underdog["config"] and entry.evotune_us == 7.0
+    assert entry.sdpa == {"backend": "flash", "time_us": 12.0}  # the other finalists are no baselines
+    assert S.measure_beside_best(run, attention, mission, call)["status"] == "kept"
+
+    # A new record faster than all: the recorded finalists are stale, the fastest recorded trial is the best again.
+    newcomer = {**fastest, "number": 999, "digest": "new", "source_digest": "new-source",
+                "result": {**fastest["result"], "time_us": fastest["result"]["time_us"] * 0.5}}
+    assert B.final_best(records + [newcomer], B.read_beside(run.path))["number"] == 999
+    # A slow new record (no contender): the finalists and their winner stand.
+    slow = {**newcomer, "result": {**fastest["result"], "time_us": fastest["result"]["time_us"] * 2}}
+    assert B.final_best(records + [slow], B.read_beside(run.path))["number"] == underdog["number"]
+
+
+def test_finalists_rule():
+    """Within the margin, fastest first, one per kernel source, at most `count`; failures and duplicates never."""
+    from evotune.records.best import finalists
+
+    def rec(n, t, source, status="ok", dup=None):
+        return {"number": n, "digest": f"d{n}", "source_digest": source, "duplicate_of": dup,
+                "result": {"status": status, "time_us": t, "max_abs": 1e-4}}
+
+    records = [rec(0, 100.0, "a"), rec(1, 95.0, "b"), rec(2, 104.0, "a"), rec(3, 104.4, "c"), rec(7, 104.6, "g"), rec(4, 80.0, "x",
+               status="wrong"), rec(5, 96.0, "e", dup=1), rec(6, 99.0, "f")]
+    assert [r["number"] for r in finalists(records, 6, 0.10)] == [1, 6, 0, 3]
+    assert [r["number"] for r in finalists(records, 2, 0.10)] == [1, 6]
+    assert [r["number"] for r in finalists(records, 6, 0.05)] == [1, 6]
+    assert finalists(records, 0) == [] and finalists([rec(4, 80.0, "x", status="wrong")]) == []
 
 
 def test_beside_skips_without_best_and_survives_worker_failure(attention, tiny, mission):
@@ -669,9 +742,9 @@ def test_beside_skips_without_best_and_survives_worker_failure(attention, tiny, 
     assert not (run.path / "baselines.json").exists()
 
 
-def test_worker_times_kernel_after_baselines_in_one_job(monkeypatch, mission):
-    """The worker's "beside" job: measure_baselines, then evaluate_compiled of the given config, then (it passed)
-    both interleaved, in one process."""
+def test_worker_times_finalists_after_baselines_in_one_job(monkeypatch, mission):
+    """The worker's "beside" job: measure_baselines, then evaluate_compiled of each finalist, then those that
+    passed, interleaved, in one process."""
     import evotune.build.compile
     from evotune.gpu import bench, evaluate, workers
 
@@ -679,16 +752,20 @@ def test_worker_times_kernel_after_baselines_in_one_job(monkeypatch, mission):
     monkeypatch.setattr(evaluate, "measure_baselines",
                         lambda problem, shape, names=None, seeds=(), reps=0: order.append(("base", reps)) or {"x": 1})
     monkeypatch.setattr(evaluate, "evaluate_compiled", lambda problem, shape, config, compiled, seeds=(), reps=0:
-                        order.append(("kernel", reps, config.as_dict())) or Result(status=R.OK, time_us=3.0))
+                        order.append(("kernel", reps, config.as_dict())) or
+                        Result(status=R.OK if config["block_m"] == 64 else R.WRONG, time_us=3.0))
+    monkeypatch.setattr(evaluate, "bind_kernel", lambda problem, shape, config, kernel: config["block_m"])
     monkeypatch.setattr(evotune.build.compile, "load_kernel", lambda compiled, smem: "module")
-    monkeypatch.setattr(bench, "with_head_to_head", lambda raw, problem, shape, launch_for, reps, rounds:
-                        order.append(("interleaved", reps)) or {**raw, "head_to_head": {"timings": {}}})
+    monkeypatch.setattr(bench, "with_head_to_head", lambda raw, problem, shape, launches, reps, rounds:
+                        order.append(("interleaved", reps, launches)) or {**raw, "head_to_head": {"timings": {}}})
     monkeypatch.setattr(workers, "_compiled_from_dict", lambda d: d)
     monkeypatch.setattr(workers, "device_info", lambda: {"name": "fake"})
     monkeypatch.setattr(workers, "gpu_clocks", lambda: {"clocks": None})
-    cfg = {"block_m": 64}
-    out = workers._handle({"kind": "beside", "family": "attention", "shape": mission.as_dict(), "config": cfg,
-                           "compiled": {}, "reps": 11})
-    assert order == [("base", 11), ("kernel", 11, cfg), ("interleaved", 11)]
-    assert out["baselines"] == {"x": 1} and out["evotune"]["time_us"] == 3.0 and out["device"]["name"] == "fake"
+    cfgs = [{"block_m": 64}, {"block_m": 128}]
+    out = workers._handle({"kind": "beside", "family": "attention", "shape": mission.as_dict(), "configs": cfgs,
+                           "compileds": [{}, {}], "labels": ["trial 3", "trial 5"], "reps": 11})
+    assert order == [("base", 11), ("kernel", 11, cfgs[0]), ("kernel", 11, cfgs[1]),
+                     ("interleaved", 11, {"trial 3": 64})]
+    assert out["baselines"] == {"x": 1} and out["finalists"]["trial 3"]["time_us"] == 3.0
+    assert out["finalists"]["trial 5"]["status"] == R.WRONG and out["device"]["name"] == "fake"
     assert out["head_to_head"] == {"timings": {}}

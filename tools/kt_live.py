@@ -632,7 +632,8 @@ def evotune_side(run_dir: str, setup) -> dict:
     if tl.exists():
         lines = [json.loads(x) for x in tl.read_text().splitlines() if x.strip()]
         wall = round(sum(d.get("wall_s", 0.0) for d in lines), 2)
-        after = sum(((d.get("phases") or {}).get("the best beside the baselines") or {}).get("s", 0.0) for d in lines)
+        closing = ("the best beside the baselines", "the finalists beside the baselines")  # the phase's old and new name
+        after = sum(((d.get("phases") or {}).get(name) or {}).get("s", 0.0) for d in lines for name in closing)
         search_wall = round(wall - after, 2)
     else:
         notes.append("no timeline.jsonl: no wall time recorded")

@@ -140,14 +140,16 @@ def new_meta_for(problem, shp, spc, options, storage, devices, warm_meta: dict):
     return new_meta
 
 
-def _beside(rn, problem, shp, call, json_out: bool) -> dict:
-    """The run's best timed again beside the family's baselines (search.measure_beside_best), said in one line."""
+def _beside(rn, problem, shp, call, json_out: bool) -> tuple[dict, dict | None]:
+    """The run's finalists timed again beside the family's baselines (search.measure_beside_best), said in one
+    line, and the run's best after it (records.best.final_best: the finalists' winner)."""
+    from ..records.best import final_best, read_beside
     from ..search.loop import measure_beside_best
 
     note = measure_beside_best(rn, problem, shp, call)
     if not json_out:
-        err_console.print(f"baselines: {note['status']}: {note['message']}", highlight=False, soft_wrap=True)
-    return note
+        err_console.print(f"finalists: {note['status']}: {note['message']}", highlight=False, soft_wrap=True)
+    return note, final_best(rn.trials(), read_beside(rn.path))
 
 
 def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, spc, timeout, json_out,
@@ -188,10 +190,10 @@ def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, s
             if rn is None:
                 raise
             _stopped(rn, resume_hint, timeline)
-        with timeline.phase("the best beside the baselines"):
-            baselines = _beside(rn, problem, shp, worker.call, json_out)
+        with timeline.phase("the finalists beside the baselines"):
+            baselines, best = _beside(rn, problem, shp, worker.call, json_out)
     timeline.append_to(rn.path, command="search", evaluated=summary.evaluated, measured=summary.measured)
-    return {**summary.as_dict(), "baselines": baselines, "timeline": timeline.as_dict()}, rn
+    return {**summary.as_dict(), "best": best, "baselines": baselines, "timeline": timeline.as_dict()}, rn
 
 
 def _start_worker(worker, timeline) -> dict:
@@ -256,7 +258,7 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
     """`search --gpus` with several entries: one agent process per entry on one run and one study; this
     process shows their progress from the run's records and passes Ctrl-C on."""
     from ..search.agents import Agents, specs_for
-    from ..records.runs import best_record, new_run
+    from ..records.runs import new_run
     from ..search.loop import status_counts
     from ..gpu.workers import GPUWorker
 
@@ -288,9 +290,9 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
         raise EvotuneError(f"every agent failed; agent {next(iter(failures))}: {next(iter(failures.values()))}")
     records = rn.trials()
     with GPUWorker(device=devices[0], timeout_s=timeout) as worker:
-        beside = _beside(rn, problem, shp, worker.call, json_out)
+        beside, best = _beside(rn, problem, shp, worker.call, json_out)
     return {"run_id": rn.run_id, "evaluated": sum(1 for r in records if r.get("counted")), "proposals": len(records),
-            "statuses": status_counts(records), "seconds": time.time() - started, "best": best_record(records),
+            "statuses": status_counts(records), "seconds": time.time() - started, "best": best,
             "_run": rn, "baselines": beside,
             "agents": {label: (status if status != "done" else {"measured": payload.measured,
                                                                 "proposals": payload.proposals})

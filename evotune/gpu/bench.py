@@ -101,17 +101,19 @@ def bench_candidate(problem, shape, config, compiled, reps: int = BENCH_REPS, se
                     baselines: list[str] | None = None, rounds: int = DEFAULT_ROUNDS) -> dict:
     """The kernel (gate + time) and every baseline (gate + time), then, if the kernel passed, all of them
     again interleaved (with_head_to_head), and the device's ceilings (runs on the GPU)."""
-    raw = kernel_beside_baselines(problem, shape, config, compiled, reps, seeds, baselines, rounds=rounds)
+    raw = kernels_beside_baselines(problem, shape, {OURS: (config, compiled)}, reps, seeds, baselines, rounds=rounds)
     dtype = getattr(shape, "dtype", "fp16")
-    return {**raw, "ceilings": ceilings(dtype)}
+    kernel = raw.pop("kernels")[OURS]
+    return {"kernel": kernel, **raw, "ceilings": ceilings(dtype)}
 
 
-def kernel_beside_baselines(problem, shape, config, compiled, reps: int, seeds, baselines: list[str] | None = None,
-                            baselines_first: bool = False, rounds: int = DEFAULT_ROUNDS) -> dict:
-    """{"kernel": its Result dict, "baselines": measure_baselines' report[, "head_to_head"]}: the kernel and the
-    baselines each gated and timed alone (the baselines first where `baselines_first`), then, if the kernel
-    passed, all of them interleaved (with_head_to_head). `evotune bench` and the search's final beside-the-
-    baselines job both measure this way (runs on the GPU)."""
+def kernels_beside_baselines(problem, shape, kernels: dict, reps: int, seeds, baselines: list[str] | None = None,
+                             baselines_first: bool = False, rounds: int = DEFAULT_ROUNDS) -> dict:
+    """{"kernels": {label: its Result dict}, "baselines": measure_baselines' report[, "head_to_head"]}: each
+    kernel (`kernels`: label -> (config, compiled)) and the baselines gated and timed alone (the baselines first
+    where `baselines_first`), then the kernels that passed and the baselines all interleaved (with_head_to_head).
+    `evotune bench` (one kernel) and the search's closing job (its finalists) both measure this way (runs on the
+    GPU)."""
     from ..build.compile import load_kernel
     from . import evaluate
 
@@ -119,33 +121,43 @@ def kernel_beside_baselines(problem, shape, config, compiled, reps: int, seeds, 
         return evaluate.measure_baselines(problem, shape, names=baselines, seeds=seeds, reps=reps)
 
     base = measure() if baselines_first else None
-    res = evaluate.evaluate_compiled(problem, shape, config, compiled, seeds=seeds, reps=reps)
-    raw = {"kernel": res.as_dict(), "baselines": base if baselines_first else measure()}
-    if res.ok:
-        # A module of its own: evaluate_compiled keeps the one it loaded to itself.
-        kernel = load_kernel(compiled, problem.geometry(config, shape).dynamic_smem)
-        raw = with_head_to_head(raw, problem, shape, evaluate.bind_kernel(problem, shape, config, kernel), reps,
-                                rounds)
+    results = {label: evaluate.evaluate_compiled(problem, shape, config, compiled, seeds=seeds, reps=reps)
+               for label, (config, compiled) in kernels.items()}
+    raw = {"kernels": {label: res.as_dict() for label, res in results.items()},
+           "baselines": base if baselines_first else measure()}
+    # Modules of their own: evaluate_compiled keeps the one it loaded to itself.
+    launches = {label: evaluate.bind_kernel(problem, shape, config,
+                                            load_kernel(compiled, problem.geometry(config, shape).dynamic_smem))
+                for label, (config, compiled) in kernels.items() if results[label].ok}
+    if launches:
+        raw = with_head_to_head(raw, problem, shape, launches, reps, rounds)
     return raw
 
 
-def with_head_to_head(raw: dict, problem, shape, launch_for, reps: int, rounds: int = DEFAULT_ROUNDS,
+def with_head_to_head(raw: dict, problem, shape, launches: dict, reps: int, rounds: int = DEFAULT_ROUNDS,
                       timer=time_interleaved) -> dict:
-    """`raw` (a passed kernel's and the baselines' solo records) with the head-to-head: the kernel's
-    `launch_for(inputs, out)` and every available baseline timed interleaved (interleave.head_to_head,
-    `rounds` rounds of about reps / rounds replays each), and per baseline the per-round speedup of ours
-    (its time over ours) with median, min and max. If the kernel's output after the interleaved timing
-    is not its untimed launch's, the kernel is WRONG instead (no time), naming the timed-output check."""
+    """`raw` (the kernels' and the baselines' solo records, as kernels_beside_baselines makes them) with the
+    head-to-head: each kernel's `launch_for(inputs, out)` (`launches`: label -> launch_for) and every available
+    baseline timed interleaved (interleave.head_to_head, `rounds` rounds of about reps / rounds replays each).
+    A kernel whose output after the interleaved timing is not its untimed launch's becomes WRONG (no time),
+    naming the timed-output check. `winner`: the passing kernel with the fastest median; `ours_speedup`: per
+    baseline, the per-round speedup of the winner (the baseline's time over its) with median, min and max."""
     names = [n for n, b in raw["baselines"].items() if b.get("available")]
-    result, failures = head_to_head(problem, shape, {OURS: launch_for}, names, rounds, split_reps(reps, rounds), timer)
-    if OURS in failures:
-        res = Result.from_dict(raw["kernel"])
-        check = with_violation(Verification.from_dict(res.verification), failures[OURS])
-        wrong = replace(res, status=R.WRONG, message=failure_message(check), time_us=None, timing=None,
-                        verification=check.as_dict())
-        return {**raw, "kernel": wrong.as_dict()}
+    result, failures = head_to_head(problem, shape, launches, names, rounds, split_reps(reps, rounds), timer)
+    kernels = dict(raw["kernels"])
+    for label, violation in failures.items():
+        res = Result.from_dict(kernels[label])
+        check = with_violation(Verification.from_dict(res.verification), violation)
+        kernels[label] = replace(res, status=R.WRONG, message=failure_message(check), time_us=None, timing=None,
+                                 verification=check.as_dict()).as_dict()
+    raw = {**raw, "kernels": kernels}
+    timed = [label for label in launches if label not in failures and result and label in result.timings]
+    if not timed:
+        return raw
+    winner = min(timed, key=lambda label: result.timings[label].median_us)
     h2h = result.as_dict()
-    h2h["ours_speedup"] = {n: result.ratios(OURS, n) for n in result.timings if n != OURS}
+    h2h["winner"] = winner
+    h2h["ours_speedup"] = {n: result.ratios(winner, n) for n in names if n in result.timings}
     h2h["timed_output"] = ("O after the interleaved timing, and after an audit replay over finite garbage, "
                            "bitwise equal to an untimed launch")
     return {**raw, "head_to_head": h2h}

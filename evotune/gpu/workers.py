@@ -48,7 +48,9 @@ class Job(Mapping):
         """The job a plain-data form describes; keys it lacks take the field's default (older senders)."""
         from ..space.searchspace import Config
 
-        parse = {"config": Config.from_dict, "compiled": lambda c: _compiled_from_dict(c), "seeds": tuple}
+        parse = {"config": Config.from_dict, "compiled": lambda c: _compiled_from_dict(c), "seeds": tuple,
+                 "configs": lambda cs: [Config.from_dict(c) for c in cs],
+                 "compileds": lambda cs: [_compiled_from_dict(c) for c in cs]}
         kw = {}
         for f in fields(cls):
             if f.name not in d or (f.name == "seeds" and not d[f.name]):  # no seeds: the default ones
@@ -127,18 +129,26 @@ class BenchJob(Job):
 
 
 @dataclass(frozen=True, eq=False)
-class BesideJob(BenchJob):
-    """search.measure_beside_best: the baselines, then the run's best config, in one process on the same
-    inputs (a bench job's fields; dispatch is by exact type, so its handler is its own)."""
+class BesideJob(Job):
+    """search.measure_beside_best: the baselines, then the run's finalists (labels[i]: configs[i] compiled as
+    compileds[i]), in one process on the same inputs, all timed interleaved at the end."""
 
     kind: ClassVar[str] = "beside"
+    family: str
+    shape: dict
+    labels: list
+    configs: list
+    compileds: list
+    reps: int = 100
+    seeds: tuple = DEFAULT_SEEDS
+    names: list | None = None
 
 
 def _plain(value):
-    """A job field as plain data: a Config or a Compiled as its dict, seeds as a list."""
+    """A job field as plain data: a Config or a Compiled as its dict (also in a list), seeds as a list."""
     if hasattr(value, "as_dict"):
         return value.as_dict()
-    return list(value) if isinstance(value, tuple) else value
+    return [_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
 def builtin_data(value):
@@ -326,16 +336,17 @@ def _bench_job(job: BenchJob) -> dict:
 
 
 def _beside_job(job: BesideJob) -> dict:
-    """search.measure_beside_best: the family's baselines, then the given (best) config gated and timed
-    again, in this one process on the same inputs, then (if it passed) the kernel and the baselines timed
-    interleaved (bench.with_head_to_head): the route compares these two medians, and timed one after the
-    other they carry an order bias as large as many of the differences they decide."""
-    from .bench import kernel_beside_baselines
+    """search.measure_beside_best: the family's baselines, then each finalist gated and timed again, in this one
+    process on the same inputs, then the finalists that passed and the baselines timed interleaved
+    (bench.with_head_to_head): the run's best is the finalist with the fastest interleaved median, and the route
+    compares it with the baselines' medians; timed one after the other, they carry an order bias as large as
+    many of the differences they decide."""
+    from .bench import kernels_beside_baselines
 
     problem, shape = _problem_shape(job)
-    raw = kernel_beside_baselines(problem, shape, job.config, job.compiled, job.reps, job.seeds, job.names,
-                                  baselines_first=True)
-    return {"baselines": raw["baselines"], "evotune": raw["kernel"], "head_to_head": raw.get("head_to_head"),
+    kernels = dict(zip(job.labels, zip(job.configs, job.compileds)))
+    raw = kernels_beside_baselines(problem, shape, kernels, job.reps, job.seeds, job.names, baselines_first=True)
+    return {"baselines": raw["baselines"], "finalists": raw["kernels"], "head_to_head": raw.get("head_to_head"),
             "device": {**device_info(), **gpu_clocks()}}
 
 

@@ -33,6 +33,7 @@ except ImportError:  # not POSIX: appends are not locked (one agent per run ther
 from .. import __version__
 from ..errors import EvotuneError, UsageError
 from ..build.template import REPO_ROOT
+from .best import best_record, final_best, ok_records, read_beside  # noqa: F401 (best_record: re-exported)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -420,13 +421,14 @@ class Run:
             records = self.trials()
         front = pareto_front(records)
         self.write_json("pareto.json", front)
-        top = best_record(records)
+        top = final_best(records, read_beside(self.path))
         if top is not None:
             self.write_json("best.json", top)
         return top
 
     def best(self) -> dict:
-        top = best_record(self.trials())
+        """The run's best (best.final_best: its closing re-timing's winner, else the fastest recorded trial)."""
+        top = final_best(self.trials(), read_beside(self.path))
         if top is None:
             raise EvotuneError(f"run {self.run_id!r} has no trial that passed the correctness gate")
         return top
@@ -663,21 +665,9 @@ def _run_row(run: Run) -> dict:
     except DamagedRun as e:
         row["damaged"] = str(e).replace(str(run.path) + os.sep, "", 1)  # the file relative to its run
         return row
-    best = best_record(records)
+    best = final_best(records, read_beside(run.path))
     row.update(trials=len(records), best_us=best["result"]["time_us"] if best else None)
     return row
-
-
-def ok_records(records: list[dict]) -> list[dict]:
-    return [r for r in records if (r.get("result") or {}).get("status") == "ok" and r.get("duplicate_of") is None]
-
-
-def best_record(records: list[dict]) -> dict | None:
-    """Fastest trial that passed the gate (ties: lower error, then earlier)."""
-    ok = ok_records(records)
-    if not ok:
-        return None
-    return min(ok, key=lambda r: (r["result"]["time_us"], r["result"]["max_abs"], r["number"]))
 
 
 def pareto_front(records: list[dict]) -> list[dict]:

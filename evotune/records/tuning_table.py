@@ -90,6 +90,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..errors import UsageError
+from .best import BASELINES_FILE, BESIDE_KIND, final_best, read_beside
 
 TABLE_VERSION = 1
 FAMILY = "attention"
@@ -101,7 +102,6 @@ EVIDENCE_KINDS = ("bench", "run", "none")
 # allow_nearest, used from); without the opt-in a nearest entry never routes to evotune.
 MAX_BUCKET_DISTANCE = 2
 NEAREST_ENV = "EVOTUNE_NEAREST"  # "1": select() may use nearest-bucket entries (see nearest_allowed)
-BASELINES_FILE = "baselines.json"  # a run's SDPA times measured beside its trials (evaluate.measure_baselines)
 
 KEY_FIELDS = ("gpu", "cc", "dtype", "head_dim", "causal", "layout", "seq_q_bucket", "seq_k_bucket")
 # bh_bucket: always written; a key read without it (a table from before the field) takes its entry's
@@ -609,7 +609,6 @@ def _resolve_run(ref):
 
 def _entry_from_run(ref, benches: list[dict]) -> tuple[Entry | None, BuildNote]:
     """The entry one run gives, or None and the note saying why it gives none."""
-    from .runs import best_record
     from ..space.searchspace import Config
     from ..build.template import instantiate
 
@@ -621,7 +620,7 @@ def _entry_from_run(ref, benches: list[dict]) -> tuple[Entry | None, BuildNote]:
     device = meta.get("device")
     if not isinstance(device, dict) or not isinstance(device.get("name"), str) or not isinstance(device.get("sm"), str):
         return None, BuildNote(run.run_id, "skipped", None, f"{run.path / 'meta.json'} records no device name and sm")
-    best = best_record(run.trials())
+    best = final_best(run.trials(), read_beside(run.path))
     if best is None:
         return None, BuildNote(run.run_id, "skipped", None, "no trial passed the correctness gate")
     key = TableKey.for_shape(shape, device["name"], device["sm"])
@@ -672,7 +671,7 @@ def _run_baselines(obj: dict, best: dict, trial: dict) -> tuple[dict, dict]:
     """(evotune's time and digest, {backend: row}) from a run's baselines.json: the record
     search.measure_beside_best writes (where it re-timed this best trial beside the baselines in one
     process and the kernel passed again, that time is evotune's), or a bare {backend: row} map."""
-    if obj.get("kind") != "evotune-run-baselines":
+    if obj.get("kind") != BESIDE_KIND:
         return trial, obj
     ours, timed = obj.get("evotune") or {}, obj.get("best") or {}
     ours_us, paired = beside_times(obj)
@@ -688,12 +687,15 @@ def _run_baselines(obj: dict, best: dict, trial: dict) -> tuple[dict, dict]:
 
 def beside_times(obj: dict) -> tuple[float | None, dict[str, float]]:
     """(evotune's time, {backend: time}) of a baselines.json record: the interleaved head-to-head's medians
-    where it has one (BESIDE_VERSION 2, kernel "evotune"), else evotune's solo time and no backend times (the
-    rows' own solo times stand)."""
+    where it has one (version 2: one kernel, "evotune"; version 3: the finalists, each by its label, the
+    best's being evotune's time), else evotune's solo time and no backend times (the rows' own solo times
+    stand)."""
     timings = (obj.get("head_to_head") or {}).get("timings") or {}
     paired = {name: float(t["median_us"]) for name, t in timings.items()
               if isinstance(t, dict) and isinstance(t.get("median_us"), (int, float))}
-    ours = paired.pop("evotune", None)
+    kernels = {f.get("label") for f in obj.get("finalists") or [] if isinstance(f, dict)}
+    ours = paired.pop((obj.get("best") or {}).get("label") or "evotune", None)
+    paired = {name: t for name, t in paired.items() if name not in kernels}
     if ours is None:
         return (obj.get("evotune") or {}).get("time_us"), {}
     return ours, paired
