@@ -14,6 +14,9 @@
 #                                                                                 -> $OUT/fa3_tiles-persistent.tgz
 #   search  tools/large_searches.sh over attention-hopper3 (SHAPES, TRIALS, PER_SEARCH_S; runs *-h100-persistent)
 #                                                                                 -> $OUT/large.tgz
+#   final   each run named in FINAL_RUNS (committed runs, copied from runs/ with their study) resumed at its own
+#           trial count: no new trial, only the closing job, which re-times its finalists interleaved beside the
+#           baselines and names the best (records/best.py)                      -> $OUT/final.tgz (RUN/*.json, logs)
 #   bench   REPS x `evotune bench best` of each run named in BENCH_RUNS (default: the searches' runs)
 #                                                                                 -> $OUT/bench.tgz (bench/RUN-N.json)
 # Each step is bounded by a timeout; a failed step is reported and the next one still runs (check's failures are
@@ -36,6 +39,19 @@ for step in ${STEPS:-check probe search bench}; do
       SHAPES=$SHAPES TRIALS=${TRIALS:-48} PER_SEARCH_S=${PER_SEARCH_S:-100} RUN_SUFFIX=-persistent \
         EXTRA="--space search_spaces/attention-hopper3.yaml" bash "$here/tools/large_searches.sh"
       echo "search rc=$?" ;;
+    final)
+      final=$(mktemp -d)/final; mkdir -p "$final" "$EVOTUNE_RUNS"
+      for run in ${FINAL_RUNS:?set FINAL_RUNS}; do
+        [ -d "$EVOTUNE_RUNS/$run" ] || cp -r "$here/runs/$run" "$EVOTUNE_RUNS/"
+        read -r shape space trials < <(python3 -c 'import json, sys; m = json.load(open(sys.argv[1]))
+print(m["shape_spec"], m["space"], m["options"]["trials"])' "$EVOTUNE_RUNS/$run/meta.json")
+        (cd "$here" && timeout "${PER_FINAL_S:-240}" python3 -m evotune search --shape "$shape" --space "$space" \
+          --run "$run" --resume --trials "$trials") > "$final/$run.txt" 2>&1 || echo "final $run failed: $(tail -1 "$final/$run.txt")"
+        mkdir -p "$final/$run"
+        cp "$EVOTUNE_RUNS/$run"/{baselines.json,best.json,timeline.jsonl} "$final/$run/" 2>/dev/null
+        echo "$run: $(grep -h '^finalists:' "$final/$run.txt")"
+      done
+      tar -czf "$OUT/final.tgz" -C "$(dirname "$final")" final ;;
     bench)
       bench=$(mktemp -d)/bench; mkdir -p "$bench"  # tarred at the end: the device returns few files from $OUT
       runs=${BENCH_RUNS:-$(for s in $SHAPES; do echo "${s//:/-}-h100-persistent"; done)}
@@ -59,7 +75,7 @@ for run, pairs in rows.items():
           + (f"   CUDNN/ours {min(ratios):.3f}-{max(ratios):.3f}x" if ratios else ""))
 PY
       ;;
-    *) echo "unknown step $step (check, probe, search, bench)" >&2 ;;
+    *) echo "unknown step $step (check, probe, search, final, bench)" >&2 ;;
   esac
   echo "== $step took $(( $(date +%s) - start )) s"
 done
