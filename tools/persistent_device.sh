@@ -50,8 +50,8 @@ print(m["shape_spec"], m["space"], m["options"]["trials"])' "$EVOTUNE_RUNS/$run/
         mkdir -p "$final/$run"
         cp "$EVOTUNE_RUNS/$run"/{baselines.json,best.json,timeline.jsonl} "$final/$run/" 2>/dev/null
         echo "$run: $(grep -h '^finalists:' "$final/$run.txt")"
-      done
-      tar -czf "$OUT/final.tgz" -C "$(dirname "$final")" final ;;
+        tar -czf "$OUT/final.tgz" -C "$(dirname "$final")" final  # after each run: a timed-out call keeps the rest
+      done ;;
     bench)
       bench=$(mktemp -d)/bench; mkdir -p "$bench"  # tarred at the end: the device returns few files from $OUT
       runs=${BENCH_RUNS:-$(for s in $SHAPES; do echo "${s//:/-}-h100-persistent"; done)}

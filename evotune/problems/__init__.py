@@ -115,6 +115,17 @@ class Problem(ABC):
         return all(a.get(k) == b.get(k) for k in keys)
 
     # ------------------------------------------------------------ code (CPU)
+    # Knobs added after runs were recorded, each with the value at which it leaves the instantiated source exactly
+    # as it was before the knob existed (its template lines are flagged, see template_flags). The instantiation's
+    # banner leaves a knob at that value out, so a config that states it and one recorded without it are one
+    # source: one digest (the tuning table's check), one cached cubin.
+    late_knobs: Mapping[str, object] = {}
+
+    def template_flags(self, config) -> frozenset[str]:
+        """The flags whose `//[flag]` template lines this config keeps (build.template.select_flagged_lines); the
+        lines of every other flag are dropped. None by default."""
+        return frozenset()
+
     @abstractmethod
     def instantiation(self, config, shape, **options) -> str:
         """The explicit instantiation appended to the template: one extern "C" entry point. `options`:
