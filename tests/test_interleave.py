@@ -55,13 +55,15 @@ def test_paired_ratios_are_b_over_a_per_round():
 
 
 def _interleave(gpu: FakeGPU, names, **kw):
+    kw.setdefault("settle_us", 0.0)
     return I.time_interleaved({n: gpu.launcher(n) for n in names}, prepare=cpu_prepare, clock=FakeClock(gpu), **kw)
 
 
 def test_bookkeeping_of_rounds_samples_and_timings():
     """Each contender gets rounds x reps_per_round per-launch samples (its Timing's reps), one median per
-    round, its prepare's launches and method; each turn is one untimed replay and the timed ones, in
-    round_order's order; the events are read after one sync."""
+    round, its prepare's launches and method; after one replay that measures its length, each turn is one
+    untimed replay (settle_us 0) and the timed ones, in round_order's order; the events are read after one
+    sync per pass."""
     gpu = FakeGPU({"a": 10.0, "b": 20.0, "c": 5.0})
     res = _interleave(gpu, ["a", "b", "c"], rounds=4, reps_per_round=3, warmup=2)
     assert res.rounds == 4 and res.orders == [[["a", "b", "c"][i] for i in I.round_order(3, r)] for r in range(4)]
@@ -69,13 +71,45 @@ def test_bookkeeping_of_rounds_samples_and_timings():
         t = res.timings[name]
         assert (t.reps, t.launches_per_rep, t.method) == (12, LAUNCHES_PER_REP, "cpu-stand-in")
         assert t.median_us == pytest.approx(cost) and res.round_medians[name] == pytest.approx([cost] * 4)
-        assert gpu.launches[name] == 2 + 4 * (I.SETTLE_REPLAYS + 3) * LAUNCHES_PER_REP
+        assert gpu.launches[name] == 2 + (1 + 4 * (I.SETTLE_REPLAYS + 3)) * LAUNCHES_PER_REP
     turns = [n for i, n in enumerate(gpu.sequence) if i == 0 or gpu.sequence[i - 1] != n]
-    assert turns[3:] == [n for order in res.orders for n in order]  # after the three warm-ups
+    assert turns[6:] == [n for order in res.orders for n in order]  # after the warm-ups and length probes
     assert res.ratios("a", "b")["per_round"] == pytest.approx([2.0] * 4)
     d = res.as_dict()
-    assert set(d) == {"rounds", "reps_per_round", "orders", "timings", "round_medians"}
+    assert set(d) == {"rounds", "reps_per_round", "orders", "timings", "round_medians", "settle_replays",
+                      "predecessor_effect"}
+    assert d["settle_replays"] == {"a": 1, "b": 1, "c": 1} and d["predecessor_effect"] == pytest.approx(
+        {"a": 1.0, "b": 1.0, "c": 1.0})
     assert d["timings"]["c"]["median_us"] == pytest.approx(5.0)
+
+
+def test_each_turn_settles_for_settle_us_of_its_own_launches():
+    """A turn opens with enough untimed replays to cover settle_us (at least one), counted from one replay's
+    measured length: a contender 4x slower settles with a quarter of the replays."""
+    gpu = FakeGPU({"fast": 5.0, "slow": 20.0})
+    replay_us = {n: c * LAUNCHES_PER_REP for n, c in gpu.costs.items()}
+    res = _interleave(gpu, ["fast", "slow"], rounds=2, reps_per_round=3, warmup=1, settle_us=8 * replay_us["fast"])
+    assert res.settle == {"fast": 8, "slow": 2}
+    for name in ("fast", "slow"):
+        assert gpu.launches[name] == 1 + (1 + 2 * (res.settle[name] + 3)) * LAUNCHES_PER_REP
+    assert I.settle_replays(0.0) == I.SETTLE_REPLAYS and I.settle_replays(1e9) == I.SETTLE_REPLAYS
+
+
+@pytest.mark.parametrize("n, rounds, whole", [(1, 10, 10), (2, 10, 10), (4, 10, 12), (5, 10, 10), (3, 10, 12),
+                                              (10, 10, 10), (9, 10, 18), (4, 1, 4)])
+def test_head_to_head_takes_whole_cycles(n, rounds, whole):
+    """Rounds rounded up to whole Williams cycles (n, or 2n for an odd n), so that over them each contender
+    follows each other equally often."""
+    assert I.whole_cycles(n, rounds) == whole
+
+
+def test_predecessor_effect_names_the_contender_that_speeds_up_the_next():
+    """b runs 9.5 where it follows "cool" (rounds 0 and 2) and 10 elsewhere (median 9.75): cool's effect is the
+    median of 9.5/9.75, 1 (cool after itself across rounds 1-2) and 9.5/9.75; a's is 1."""
+    orders = [["a", "cool", "b"], ["b", "a", "cool"], ["cool", "b", "a"], ["a", "b", "cool"]]
+    medians = {"a": [10.0] * 4, "b": [9.5, 10.0, 9.5, 10.0], "cool": [10.0] * 4}
+    effect = I.predecessor_effect(orders, medians)
+    assert effect["cool"] == pytest.approx(9.5 / 9.75) and effect["a"] == pytest.approx(1.0)
 
 
 def test_interleaving_cancels_a_drift_that_timing_one_after_the_other_carries():

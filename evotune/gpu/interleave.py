@@ -8,9 +8,10 @@ carries a bias of that size, as large as the effects it is meant to show.
 
 How: each contender is prepared once, the way evaluate.time_launches prepares one (warm-up on a side
 stream, launches per replay for about TARGET_REPLAY_US, a captured CUDA graph or back-to-back
-launches), then `rounds` rounds run; in each round every contender has one turn: one untimed replay
-(so the first timed one does not pay for the switch from another contender's graph and L2 lines),
-then `reps_per_round` timed replays. The whole pool is queued on the stream and synchronized once,
+launches), then `rounds` rounds run; in each round every contender has one turn: untimed replays
+for about SETTLE_US (so the first timed one pays neither for the switch from another contender's graph
+and L2 lines nor for the clock the previous contender's power draw left), then `reps_per_round` timed
+replays. The whole pool is queued on the stream and synchronized once,
 so the GPU runs it back to back with no idle gaps between turns. A slow drift then reaches every
 contender alike, and the per-round ratio of two contenders compares turns a few milliseconds apart.
 
@@ -18,8 +19,8 @@ The order within a round is a Williams design (`round_order`): round r starts wi
 and over n rounds (2n for an odd n) each contender follows each other one equally often inside the
 rounds (the one step across each round boundary is not balanced). A plain rotation would not do that:
 with rotation, B follows A in every round but the one B opens, so a contender that heats the GPU would
-always slow the same neighbour. The default 10 rounds are a whole cycle for 2 or 5 contenders (ours
-and one or four baselines) and 2.5 cycles for 4.
+always slow the same neighbour. head_to_head rounds its rounds up to whole cycles (whole_cycles: the
+default 10 stays 10 for 2 or 5 contenders and becomes 12 for 4, which 10 rounds covered 2.5 times).
 
 Everything but the GPU's clock and the graph capture is plain bookkeeping, tested on the CPU with a
 stand-in clock and stand-in `prepare` (tests/test_interleave.py).
@@ -27,6 +28,7 @@ stand-in clock and stand-in `prepare` (tests/test_interleave.py).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable
@@ -36,11 +38,18 @@ from .evaluate import (CUDA_EVENTS, TIMING_SEED, GateViolation, GuardedOutput, I
                        check_after_timing, enqueue_replays, expect_untimed, per_call_us, prepare_launches,
                        timing_of)
 
-# A 2 ms kernel with 4 baselines: 10 rounds x (10 + 1) replays of ~2 ms each is about 1.1 s of GPU per
-# contender, well under 10 s in all; a 5 us kernel's replays hold ~80 launches, still 100 samples each.
-DEFAULT_ROUNDS = 10
+# A 2 ms kernel with 4 baselines: 12 rounds x (10 timed + 10 settling) replays of ~2 ms each is about 0.5 s of
+# GPU per contender, well under 10 s in all; a 5 us kernel's replays hold ~80 launches, still 100 samples each.
+DEFAULT_ROUNDS = 10   # at least; head_to_head rounds it up to whole Williams cycles (whole_cycles)
 MIN_REPS_PER_ROUND = 3
-SETTLE_REPLAYS = 1  # untimed replays that open each turn
+SETTLE_REPLAYS = 1    # untimed replays that open each turn, at least
+# ... and at least this long: the large shapes run at the H100's 700 W power limit (SM clock 1455 of 1980 MHz
+# read after a bench), so a turn's clock depends on how much power the contender before it drew. Measured with
+# one 2 ms settling replay (2026-11-23, runs/*-h100-persistent's closing jobs): a turn that followed the
+# EFFICIENT backend (slow, low power) ran 4-7% faster than the same contender's median. 20 ms of the
+# contender's own launches before its timed replays let the clock settle to what its own draw allows
+# (tools/settle_probe.py measures the effect at several settle lengths).
+SETTLE_US = 20_000.0
 
 
 def split_reps(reps: int, rounds: int = DEFAULT_ROUNDS) -> int:
@@ -66,6 +75,35 @@ def round_order(n: int, r: int) -> list[int]:
     return [(r + w) % n for w in row]
 
 
+def whole_cycles(n: int, rounds: int) -> int:
+    """`rounds` rounded up to whole cycles of round_order (n rounds, 2n for an odd n): only over whole cycles
+    does each contender follow each other equally often; with 10 rounds of 4 contenders, one followed the
+    EFFICIENT backend 3 times and another 2 (what the previous contender leaves moves a turn by up to 7%)."""
+    cycle = n if n % 2 == 0 or n == 1 else 2 * n
+    return max(cycle, -(-rounds // cycle) * cycle)
+
+
+def settle_replays(replay_us: float, settle_us: float = SETTLE_US) -> int:
+    """Untimed replays that open a turn: at least SETTLE_REPLAYS, and at least `settle_us` of them."""
+    if replay_us <= 0:
+        return SETTLE_REPLAYS
+    return max(SETTLE_REPLAYS, math.ceil(settle_us / replay_us))
+
+
+def predecessor_effect(orders: list[list[str]], round_medians: dict[str, list[float]]) -> dict[str, float]:
+    """Per contender P: the median over the turns that came right after one of P's of (the turn's median over
+    its contender's median over all rounds). Far from 1, what ran before moves the timings (see SETTLE_US)."""
+    overall = {n: statistics.median(v) for n, v in round_medians.items()}
+    ratios: dict[str, list[float]] = {}
+    previous = None
+    for r, order in enumerate(orders):
+        for name in order:
+            if previous is not None:
+                ratios.setdefault(previous, []).append(round_medians[name][r] / overall[name])
+            previous = name
+    return {n: statistics.median(v) for n, v in ratios.items()}
+
+
 def paired_ratios(a: list[float], b: list[float]) -> dict:
     """Per-round ratio b/a of two contenders' round medians, and its median, min and max."""
     per_round = [y / x for x, y in zip(a, b)]
@@ -84,6 +122,7 @@ class Interleaved:
     orders: list[list[str]]
     reps_per_round: int
     replays: dict[str, Callable[[], None]] = field(default_factory=dict, compare=False, repr=False)
+    settle: dict[str, int] = field(default_factory=dict)  # untimed replays that opened each of its turns
 
     @property
     def rounds(self) -> int:
@@ -96,38 +135,43 @@ class Interleaved:
     def as_dict(self) -> dict:
         return {"rounds": self.rounds, "reps_per_round": self.reps_per_round, "orders": self.orders,
                 "timings": {n: t.as_dict() for n, t in self.timings.items()},
-                "round_medians": self.round_medians}
+                "round_medians": self.round_medians, "settle_replays": self.settle,
+                "predecessor_effect": predecessor_effect(self.orders, self.round_medians)}
 
 
 def interleaved_result(samples: dict[str, list[list[float]]], prepared: dict[str, Prepared],
-                       orders: list[list[str]], reps: int) -> Interleaved:
+                       orders: list[list[str]], reps: int, settle: dict[str, int] | None = None) -> Interleaved:
     """Interleaved from each contender's per-call samples, one list per round."""
     timings = {n: timing_of([x for rnd in rounds for x in rnd], prepared[n].launches_per_rep, prepared[n].method)
                for n, rounds in samples.items()}
     medians = {n: [statistics.median(rnd) for rnd in rounds] for n, rounds in samples.items()}
-    return Interleaved(timings, medians, orders, reps, {n: p.replay for n, p in prepared.items()})
+    return Interleaved(timings, medians, orders, reps, {n: p.replay for n, p in prepared.items()}, settle or {})
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = DEFAULT_ROUNDS,
                      reps_per_round: int = 10, warmup: int = 10, prepare=prepare_launches,
-                     clock=CUDA_EVENTS) -> Interleaved:
+                     clock=CUDA_EVENTS, settle_us: float = SETTLE_US) -> Interleaved:
     """Per-call GPU time of each fn (which launches work on torch's current stream), the fns timed in
-    turns, `rounds` rounds of `reps_per_round` timed replays each (see the module's notes).
-    `prepare(fn, warmup=...)` and `clock` are the GPU's (evaluate.prepare_launches, CUDA events)."""
+    turns, `rounds` rounds (head_to_head asks whole_cycles) of `reps_per_round` timed replays each, each turn opened
+    by about `settle_us` of untimed replays (see the module's notes). `prepare(fn, warmup=...)` and `clock`
+    are the GPU's (evaluate.prepare_launches, CUDA events)."""
     names = list(fns)
     if not names:
         raise ValueError("time_interleaved needs at least one contender")
     prepared = {n: prepare(fns[n], warmup=warmup) for n in names}
+    probes = {n: enqueue_replays(prepared[n], 1, clock) for n in names}  # one replay's length, for the settle
+    clock.sync()
+    settle = {n: settle_replays(per_call_us(probes[n], 1, clock)[0], settle_us) for n in names}
     orders = [[names[i] for i in round_order(len(names), r)] for r in range(rounds)]
     pairs: dict[str, list] = {n: [] for n in names}
     for order in orders:
         for n in order:
-            for _ in range(SETTLE_REPLAYS):
+            for _ in range(settle[n]):
                 prepared[n].replay()
             pairs[n].append(enqueue_replays(prepared[n], reps_per_round, clock))
     clock.sync()
     samples = {n: [per_call_us(p, prepared[n].launches_per_rep, clock) for p in pairs[n]] for n in names}
-    return interleaved_result(samples, prepared, orders, reps_per_round)
+    return interleaved_result(samples, prepared, orders, reps_per_round, settle)
 
 
 # ------------------------------------------------------------------ kernels beside baselines, checked
@@ -162,7 +206,7 @@ def head_to_head(problem, shape, kernels: dict, baselines: list[str], rounds: in
             fns[name] = fn
     if not fns:
         return None, failures
-    result = timer(fns, rounds=rounds, reps_per_round=reps_per_round)
+    result = timer(fns, rounds=whole_cycles(len(fns), rounds), reps_per_round=reps_per_round)
     for label, (guarded, expected) in outputs.items():
         try:
             check_after_timing(guarded, snapshot, inputs, expected, result.replays[label],
