@@ -708,6 +708,12 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         t_begin = min(split * per_split, n_tiles_all);
         n_tiles = min(n_tiles_all - t_begin, per_split);
     }
+    //[pdl] // Everything above is index arithmetic. Every global access of this CTA follows, in every thread: the
+    //[pdl] // cp.async loads of Q, K and V, the stores of O (and the log-sum-exp), the split-KV workspace and its
+    //[pdl] // arrival counter. So each one sees the previous grid's writes complete and cannot overwrite what that
+    //[pdl] // grid still reads. Then the next PDL-launched grid may begin launching while this one runs.
+    //[pdl] pdl_wait();
+    //[pdl] pdl_launch_dependents();
 
     if constexpr (T::kHasProducers) {
         // Named barrier ids: FULL[s] = 1 + s (producers arrive, consumers wait),

@@ -451,6 +451,13 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         tma_prefetch_map(v_map);
     }
     __syncthreads();
+    //[pdl] // Above: shared-memory carve-up, index arithmetic, mbarrier init and the prefetch of the tensor maps (kernel
+    //[pdl] // parameters, not memory another grid writes). Every global access of this CTA follows, in every thread:
+    //[pdl] // the TMA loads of Q, K and V, the stores of O (and the log-sum-exp), the persistent causal grid's tile
+    //[pdl] // counters. So each one sees the previous grid's writes complete and cannot overwrite what that grid
+    //[pdl] // still reads. Then the next PDL-launched grid may begin launching while this one runs.
+    //[pdl] pdl_wait();
+    //[pdl] pdl_launch_dependents();
 
     // One query tile of the consumer warpgroups: `it0` K/V tiles went through the slots before it (the
     // slot of its K/V tile t is (it0 + t) % STAGES), and its Q arrives in phase `q_phase` of q_full.

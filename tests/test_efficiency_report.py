@@ -136,9 +136,9 @@ def test_attention_small_is_a_subset_of_attention(attention, mission):
     assert {p.name for p in small.params} <= set(domains)
     assert all(set(p.values) <= domains[p.name] for p in small.params)
     omitted = set(domains) - {p.name for p in small.params}
-    assert omitted == {"mma", "pingpong", "persistent"}
+    assert omitted == {"mma", "pingpong", "persistent", "pdl"}
     pinned = {name: KNOB_DEFAULTS[name] for name in omitted}
-    assert pinned == {"mma": "sync", "pingpong": False, "persistent": False}
+    assert pinned == {"mma": "sync", "pingpong": False, "persistent": False, "pdl": False}
     for shape in (mission, parse_shape("2,4,300,300,128:bf16:causal")):
         ctx = attention.context(shape)
         for cfg in small.all_configs():

@@ -49,24 +49,26 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its twelve parameters (the variant knob mma first), six derived values
-    and twenty constraints, each with its reason."""
+    """The shipped attention.yaml loads with its thirteen parameters (the variant knob mma first), six derived values
+    and twenty-one constraints, each with its reason."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
-                                   "smem_layout", "q_in_regs", "kv_splits", "warp_key_groups", "pingpong", "persistent"]
+                                   "smem_layout", "q_in_regs", "kv_splits", "warp_key_groups", "pingpong", "persistent",
+                                   "pdl"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 20
+    assert len(space.constraints) == 21
     assert all(c.why for c in space.constraints)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
     assert block_m.values == (16, 32, 64, 128, 192) and block_m.default == 64 and block_m.line == 15
-    assert space.params[-6].values == ("pad", "swizzle", "plain")
-    assert space.params[-5].values == (True, False)
-    assert space.params[-4].values == (1, 2, 4, 8)
-    assert space.params[-3].values == (1, 2, 4)
-    assert space.params[-2].values == (False, True)
+    assert space.params[-7].values == ("pad", "swizzle", "plain")
+    assert space.params[-6].values == (True, False)
+    assert space.params[-5].values == (1, 2, 4, 8)
+    assert space.params[-4].values == (1, 2, 4)
+    assert space.params[-3].values == (False, True)
+    assert space.params[-2].values == (False, True) and space.params[-2].default is False
     assert space.params[-1].values == (False, True) and space.params[-1].default is False
 
 
@@ -152,8 +154,8 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 
 def test_size(space):
-    """size() is the product of the value counts: 2*5*5*5*4*4*3*2*4*3*2*2."""
-    assert space.size() == 1152000
+    """size() is the product of the value counts: 2*5*5*5*4*4*3*2*4*3*2*2*2."""
+    assert space.size() == 2304000
 
 
 def test_all_configs_is_the_full_product_in_order(space):
@@ -161,12 +163,13 @@ def test_all_configs_is_the_full_product_in_order(space):
     configs = list(space.all_configs())
     assert len(configs) == space.size() == len(set(configs))
     assert configs == list(space.all_configs())
-    assert [c["persistent"] for c in configs[:2]] == [False, True]
-    assert [c["pingpong"] for c in configs[0:4:2]] == [False, True]
-    assert [c["warp_key_groups"] for c in configs[0:12:4]] == [1, 2, 4]
-    assert [c["kv_splits"] for c in configs[0:48:12]] == [1, 2, 4, 8]
-    assert [c["q_in_regs"] for c in configs[0:96:48]] == [True, False]
-    assert [c["smem_layout"] for c in configs[0:288:96]] == ["pad", "swizzle", "plain"]
+    assert [c["pdl"] for c in configs[:2]] == [False, True]
+    assert [c["persistent"] for c in configs[0:4:2]] == [False, True]
+    assert [c["pingpong"] for c in configs[0:8:4]] == [False, True]
+    assert [c["warp_key_groups"] for c in configs[0:24:8]] == [1, 2, 4]
+    assert [c["kv_splits"] for c in configs[0:96:24]] == [1, 2, 4, 8]
+    assert [c["q_in_regs"] for c in configs[0:192:96]] == [True, False]
+    assert [c["smem_layout"] for c in configs[0:576:192]] == ["pad", "swizzle", "plain"]
     assert [c["mma"] for c in (configs[0], configs[-1])] == ["sync", "wgmma"]
 
 
@@ -268,8 +271,9 @@ def test_config_hash_equality_and_keys(space):
     c = Config.from_dict(dict(reversed(list(a.as_dict().items()))))
     assert a == b == c and hash(a) == hash(b) == hash(c)
     assert len({a, b, c, space.default_config()}) == 2
-    assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,kv_splits=1,mma=sync,persistent=False,pingpong=False,"
-                                  "producer_warps=0,q_in_regs=True,smem_layout=swizzle,stages=3,warp_key_groups=1")
+    assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,kv_splits=1,mma=sync,pdl=False,persistent=False,"
+                                  "pingpong=False,producer_warps=0,q_in_regs=True,smem_layout=swizzle,stages=3,"
+                                  "warp_key_groups=1")
     assert a.digest() == c.digest() and len(a.digest()) == 12 and int(a.digest(), 16) >= 0
     assert a.digest() != space.default_config().digest()
 
@@ -508,7 +512,7 @@ BAD_KNOBS = [
     ("too-many-stages", attention_space("  stages: {values: [5]}\n"), 3, ("an integer from 1 to 4",)),
     ("unknown-knob", attention_space("  block_n: {values: [64]}\n  blok_m: {values: [64, 128]}\n"), 4,
      ("parameter 'blok_m' is not a knob of the attention family", "did you mean 'block_m'?")),
-    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent)")),
+    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl)")),
     ("softmax-vec", softmax_space("  vec: {values: [8, 3]}\n"), 3, ("3 is not a value of knob 'vec'", "one of 2, 4, 8")),
     ("softmax-strategy", softmax_space("  strategy: {values: [fast]}\n"), 3, ("one of cached, online, three_pass",)),
     ("softmax-typo", softmax_space("  thread_per_row: {values: [32]}\n"), 3, ("did you mean 'threads_per_row'?",)),

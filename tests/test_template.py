@@ -38,9 +38,10 @@ def first_admitted_change(space, name, shape, base=None):
 def test_default_instantiation(attention, space, mission):
     """The default mission source is the template text (local headers inlined), a banner, and one extern "C" entry
     with the args in order."""
-    from evotune.build.template import read_template
+    from evotune.build.template import read_template, select_flagged_lines
 
     _, template = read_template("attention.cu")
+    template = select_flagged_lines(template, ())  # the default config has pdl false: its //[pdl] lines go
     assert '#include "attention_hopper.cuh"' in (REPO_ROOT / "kernels" / "attention.cu").read_text()
     assert '#include "' not in template
     src = instantiate(attention, space.default_config(), mission)
@@ -48,7 +49,8 @@ def test_default_instantiation(attention, space, mission):
     assert src.template_path == str(kernels_dir() / "attention.cu")
     assert src.code.startswith(template)
     tail = src.code[len(template):]
-    assert tail.startswith(f"\n{BANNER} attention {space.default_config().key()}\n")
+    # The banner names the config's knobs but pdl at false (Problem.late_knobs: the source as before the knob).
+    assert tail.startswith(f"\n{BANNER} attention {space.default_config().key().replace(',pdl=False', '')}\n")
     assert tail.count('extern "C"') == 1
     assert len(re.findall(r"\bevotune_attention\s*\(", tail)) == 1
     expected = [

@@ -60,13 +60,40 @@ def read_template(filename: str, _seen: tuple[str, ...] = ()) -> tuple[Path, str
     return path, _LOCAL_INCLUDE.sub(inline, text)
 
 
+# A template line that only some configs keep: `//[flag] code`, the marker first on the line after its indentation.
+# A config whose Problem.template_flags holds `flag` keeps `code` at that indentation; any other loses the whole line.
+# So lines added this way leave every instantiation without the flag byte for byte what it was (its digest and
+# cached cubin with it), which a template argument could not: any new text in the template changes the source of
+# every config. In the file the lines are comments, so the template still compiles standalone, without the flag.
+_FLAGGED_LINE = re.compile(r"^([ \t]*)//\[([A-Za-z_][A-Za-z0-9_]*)\] ?(.*\n?)", re.MULTILINE)
+
+
+def select_flagged_lines(text: str, flags) -> str:
+    """`text` with the `//[flag]` lines of `flags` turned into code and those of any other flag removed."""
+    return _FLAGGED_LINE.sub(lambda m: m.group(1) + m.group(3) if m.group(2) in flags else "", text)
+
+
+def template_flag_names(text: str) -> set[str]:
+    """The flags that `//[flag]` lines of `text` name."""
+    return {m.group(2) for m in _FLAGGED_LINE.finditer(text)}
+
+
+def banner_key(problem, config) -> str:
+    """config.key() without the problem's late knobs at the value that leaves the source as it was before them."""
+    late = problem.late_knobs
+    return ",".join(f"{k}={v}" for k, v in config.items
+                    if not (k in late and type(v) is type(late[k]) and v == late[k]))
+
+
 def instantiate(problem, config, shape, **options) -> KernelSource:
-    """Append the problem's instantiation block for (config, shape) to its template. `options` select
-    a family's output variant (e.g. attention's write_lse=True); without them, the searched kernel."""
+    """Append the problem's instantiation block for (config, shape) to its template, keeping the template's flagged
+    lines of the config's template_flags. `options` select a family's output variant (e.g. attention's
+    write_lse=True); without them, the searched kernel."""
     path, template = read_template(problem.kernel_file)
+    template = select_flagged_lines(template, problem.template_flags(config))
     block = problem.instantiation(config, shape, **options) if options else problem.instantiation(config, shape)
     # Only what changes the code goes in: the same kernel for two shapes is one source and one cache entry.
     variant = "".join(f" {k}={v}" for k, v in sorted(options.items()))
-    banner = f"\n// ---- evotune instantiation: {problem.family} {config.key()}{variant}\n"
+    banner = f"\n// ---- evotune instantiation: {problem.family} {banner_key(problem, config)}{variant}\n"
     return KernelSource(family=problem.family, entry=problem.entry_name, code=template + banner + block,
                         template_path=str(path))

@@ -36,7 +36,7 @@ def shape_context(shape: Shape) -> dict:
 # The value a knob takes when a (reduced) search space does not list it.
 KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
                  "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
-                 "mma": "sync", "pingpong": False, "persistent": False}
+                 "mma": "sync", "pingpong": False, "persistent": False, "pdl": False}
 
 
 # The values each knob may take: what the templates' traits (AttnTraits, hopper::HopperTraits) accept for
@@ -54,6 +54,7 @@ KNOB_DOMAINS = {
     "warp_key_groups": range(1, 17),     # each group takes a whole 16 keys of a tile of at most 256
     "pingpong": (False, True),
     "persistent": (False, True),
+    "pdl": (False, True),
 }
 
 
@@ -75,6 +76,13 @@ def wgmma_block_m(config) -> int:
 def rows_per_cta(config) -> int:
     """Query rows per CTA (the traits' kBlockM): wgmma_block_m for the Hopper variant, else the block_m knob."""
     return wgmma_block_m(config) if is_wgmma(config) else int(knob(config, "block_m"))
+
+
+def is_pdl(config) -> bool:
+    """Programmatic dependent launch (both variants): the kernel waits for the previous grid in its stream before
+    its first global access (griddepcontrol.wait) and is launched with programmatic stream serialization, so its
+    launch and prologue overlap that grid's tail (docs/PDL.md)."""
+    return bool(knob(config, "pdl"))
 
 
 def is_persistent(config) -> bool:
@@ -129,7 +137,9 @@ class AttentionProblem(Problem):
     rate_unit = "TFLOP/s"
     knob_abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
                    "smem_layout": "", "q_in_regs": ("qreg", "qsmem"), "kv_splits": "kv",
-                   "persistent": ("persistent", "onetile")}
+                   "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl")}
+    # pdl came after the recorded runs; at false it leaves the source as it was (its template lines are flagged).
+    late_knobs = {"pdl": False}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -179,6 +189,11 @@ class AttentionProblem(Problem):
 
     def knob_domains(self) -> dict:
         return KNOB_DOMAINS
+
+    def template_flags(self, config) -> frozenset[str]:
+        """pdl: the kernels' `//[pdl]` lines (griddepcontrol.wait before the first global access, then
+        launch_dependents); the knob is no template argument, so that a config without it keeps its source."""
+        return frozenset({"pdl"}) if is_pdl(config) else frozenset()
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
