@@ -10,7 +10,8 @@ config) and every available SDPA backend interleaved (interleave.head_to_head, a
 once per settle length, the lengths in turn `--repeats` times, and prints per length: our median, CUDNN's,
 CUDNN/ours over rounds (median, min-max) and the predecessor effect (interleave.predecessor_effect: how
 much faster than its median a turn runs after each contender; 1.000 is no effect). settle 0 is one
-settling replay, the behaviour before SETTLE_US. $OUT/settle_probe.json keeps every head-to-head.
+settling replay, the default (interleave.SETTLE_US says why, with what this tool measured on the H100).
+$OUT/settle_probe.json keeps every head-to-head.
 """
 
 from __future__ import annotations

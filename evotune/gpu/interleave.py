@@ -8,10 +8,9 @@ carries a bias of that size, as large as the effects it is meant to show.
 
 How: each contender is prepared once, the way evaluate.time_launches prepares one (warm-up on a side
 stream, launches per replay for about TARGET_REPLAY_US, a captured CUDA graph or back-to-back
-launches), then `rounds` rounds run; in each round every contender has one turn: untimed replays
-for about SETTLE_US (so the first timed one pays neither for the switch from another contender's graph
-and L2 lines nor for the clock the previous contender's power draw left), then `reps_per_round` timed
-replays. The whole pool is queued on the stream and synchronized once,
+launches), then `rounds` rounds run; in each round every contender has one turn: one untimed replay
+(so the first timed one does not pay for the switch from another contender's graph and L2 lines; more
+can be asked, see SETTLE_US), then `reps_per_round` timed replays. The whole pool is queued on the stream and synchronized once,
 so the GPU runs it back to back with no idle gaps between turns. A slow drift then reaches every
 contender alike, and the per-round ratio of two contenders compares turns a few milliseconds apart.
 
@@ -38,18 +37,22 @@ from .evaluate import (CUDA_EVENTS, TIMING_SEED, GateViolation, GuardedOutput, I
                        check_after_timing, enqueue_replays, expect_untimed, per_call_us, prepare_launches,
                        timing_of)
 
-# A 2 ms kernel with 4 baselines: 12 rounds x (10 timed + 10 settling) replays of ~2 ms each is about 0.5 s of
-# GPU per contender, well under 10 s in all; a 5 us kernel's replays hold ~80 launches, still 100 samples each.
+# A 2 ms kernel with 4 baselines: 12 rounds x (10 + 1) replays of ~2 ms each is about 0.3 s of GPU per
+# contender, well under 10 s in all; a 5 us kernel's replays hold ~80 launches, still 100 samples each.
 DEFAULT_ROUNDS = 10   # at least; head_to_head rounds it up to whole Williams cycles (whole_cycles)
 MIN_REPS_PER_ROUND = 3
 SETTLE_REPLAYS = 1    # untimed replays that open each turn, at least
-# ... and at least this long: the large shapes run at the H100's 700 W power limit (SM clock 1455 of 1980 MHz
-# read after a bench), so a turn's clock depends on how much power the contender before it drew. Measured with
-# one 2 ms settling replay (2026-11-23, runs/*-h100-persistent's closing jobs): a turn that followed the
-# EFFICIENT backend (slow, low power) ran 4-7% faster than the same contender's median. 20 ms of the
-# contender's own launches before its timed replays let the clock settle to what its own draw allows
-# (tools/settle_probe.py measures the effect at several settle lengths).
-SETTLE_US = 20_000.0
+# ... and at least SETTLE_US of them. The large shapes run at the H100's 700 W power limit, so a turn's clock
+# depends on how much power the contender before it drew: with one ~2 ms settling replay (2026-11-23, the
+# closing jobs of runs/*-h100-persistent) a turn that followed the EFFICIENT backend (slow, low power) ran 4-7%
+# faster than its contender's median. Settling longer does not remove that and costs pairing: with 20 and 50 ms
+# of a contender's own launches before its timed replays (tools/settle_probe.py, docs/data/settle/), every
+# contender ran slower (the power state settled lower), the effect after EFFICIENT still read 2-8%, the
+# CUDNN/ours median moved within the run-to-run noise (llama-4k 0.97/0.97 at one replay, 0.97/0.93 at 20 ms,
+# 0.95/0.95 at 50 ms) and the per-round spread widened (gpt2: 0.93-0.95 at one replay, 0.87-0.99 at 20 ms),
+# since the two turns a ratio pairs lie further apart. So one replay it stays; what balances the predecessors
+# is whole Williams cycles (whole_cycles), and each record carries the effect (predecessor_effect).
+SETTLE_US = 0.0
 
 
 def split_reps(reps: int, rounds: int = DEFAULT_ROUNDS) -> int:
