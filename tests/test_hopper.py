@@ -273,7 +273,8 @@ def test_launch_plan_and_wgmma_args_are_memoised(attention, space, monkeypatch, 
     tma.map_param.cache_clear()
     launched = []
     monkeypatch.setattr(evotune.build.compile, "torch_stream_launcher",
-                        lambda kernel, grid, block, args, smem, keep=(): launched.append((grid, block, args, smem)))
+                        lambda kernel, grid, block, args, smem, keep=(), pdl=False:
+                        launched.append((grid, block, args, smem)))
     inputs = attention.make_inputs(shape, 0, device="cpu")  # (B, S, H, D) memory: CPU tensors, never launched
     out = attention.new_output(inputs)
     for _ in range(3):

@@ -368,18 +368,38 @@ def cupy_stream(handle: int, device_index: int):
     return stream
 
 
-def torch_stream_launcher(kernel, grid, block, args: tuple, shared_mem: int = 0, keep=()):
+def torch_stream_launcher(kernel, grid, block, args: tuple, shared_mem: int = 0, keep=(), pdl: bool = False):
     """A zero-argument callable that launches `kernel` on torch's current stream.
 
     The stream is read at every launch (graph capture runs on a side stream, so the handle can
     change between calls); its CuPy view comes from `cupy_stream`'s process-wide cache. `keep`
     (e.g. a workspace the arguments point into) lives as long as the callable, as its first
-    default argument.
+    default argument. With `pdl` (a kernel compiled with programmatic dependent launch's wait, e.g. the
+    attention family's pdl knob) the launch goes through cuLaunchKernelEx with programmatic stream
+    serialization (launch_ex), the arguments packed once; without, through CuPy's call as always.
     """
     import torch
+
+    if pdl:
+        return _pdl_stream_launcher(kernel, grid, block, args, shared_mem, keep)
 
     def launch(_keep=keep):
         stream = torch.cuda.current_stream()
         kernel(grid, block, args, shared_mem=shared_mem, stream=cupy_stream(stream.cuda_stream, stream.device_index))
+
+    return launch
+
+
+def _pdl_stream_launcher(kernel, grid, block, args: tuple, shared_mem: int, keep):
+    """torch_stream_launcher's pdl launch: cuLaunchKernelEx of the kernel's CUfunction (CuPy's Function.ptr)."""
+    import torch
+
+    from .launch_ex import ArgPack, launch_config, launch_ex
+
+    function, pack = kernel.kernel.ptr, ArgPack(args)
+
+    def launch(_keep=keep, _pack=pack):  # `keep` first, as torch_stream_launcher's own
+        stream = torch.cuda.current_stream().cuda_stream
+        launch_ex(function, launch_config(grid, block, shared_mem, stream, pdl=True), pack.kernel_params)
 
     return launch

@@ -57,10 +57,18 @@ class ParamPacket:
         return ctypes.string_at(ctypes.addressof(slot), ctypes.sizeof(slot))
 
 
-def launch_packet(function_ptr: int, grid, block, shared_mem: int, stream_handle: int, packet: ParamPacket) -> None:
+def launch_packet(function_ptr: int, grid, block, shared_mem: int, stream_handle: int, packet: ParamPacket,
+                  pdl: bool = False) -> None:
     """cuLaunchKernel(function, grid, block, shared_mem, stream, packet) (CuPy's driver binding; a
     failure raises its CUDADriverError). The function's context must be current: the op has allocated
-    its output on that device just before, which makes torch's (the primary) context current."""
+    its output on that device just before, which makes torch's (the primary) context current. With `pdl`
+    (a kernel compiled with programmatic dependent launch's wait: LaunchPlan.pdl) it is cuLaunchKernelEx with
+    programmatic stream serialization instead (evotune.build.launch_ex; a failure raises its LaunchExError)."""
+    if pdl:
+        from ..build.launch_ex import launch_config, launch_ex
+
+        launch_ex(function_ptr, launch_config(grid, block, shared_mem, stream_handle, pdl=True), packet.kernel_params)
+        return
     from cupy.cuda import driver
 
     driver.launchKernel(function_ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,

@@ -324,6 +324,12 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def launch_notes(self, config, shape: Shape) -> list[str]:
         """Extra launch requirements for an export header."""
+        pdl = ["pdl          cudaLaunchKernelEx with cudaLaunchAttributeProgrammaticStreamSerialization = 1 lets it "
+               "start under the previous kernel's tail (its griddepcontrol.wait precedes every global access); a "
+               "plain launch is correct too (the wait then returns at once)"] if is_pdl(config) else []
+        return self._workspace_notes(config, shape) + pdl
+
+    def _workspace_notes(self, config, shape: Shape) -> list[str]:
         n_o, n_lse, n_count = self.workspace_elems(config, shape)
         if not is_wgmma(config):
             if not n_count:
@@ -434,7 +440,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def launch_plan(self, config, shape: Shape) -> "LaunchPlan":
         """What a launch of `config` on `shape` needs besides the tensors (grid, block, shared memory, the
-        variant, the workspace sizes), worked out once per (config, shape): the op launches the same key
+        variant, the workspace sizes, whether it is a programmatic dependent launch), worked out once per
+        (config, shape): the op launches the same key
         call after call, and each call then only packs pointers and strides."""
         return _launch_plan(self, config, shape, current_multiprocessors() if is_persistent(config) else MULTIPROCESSORS)
 
@@ -495,7 +502,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         values = self.launch_values(config, shape, q, k, v, out, inputs["scale"], lse, workspace)
         args = tuple(as_kernel_arg(kind, values[name]) for name, kind in self.entry_params(config, lse is not None))
         # The workspace is kept alive by the launcher (its first default argument).
-        return torch_stream_launcher(kernel, plan.grid, plan.block, args, plan.dynamic_smem, keep=workspace)
+        return torch_stream_launcher(kernel, plan.grid, plan.block, args, plan.dynamic_smem, keep=workspace,
+                                     pdl=plan.pdl)
 
     def tensor_map_args(self, config, shape: Shape, strides: dict) -> dict:
         """name -> TiledMapArgs of the Q, K and V maps a wgmma launch needs; `strides` maps each name
@@ -584,6 +592,10 @@ class LaunchPlan:
     seq_k: object
     workspace: tuple      # (ws_o floats, ws_lse floats, ws_count ints); zeros without a K/V split
     kv_magic: object      # np.uint32 kv_head_magic(shape.kv_group): 0 without grouped-query attention
+    # Programmatic dependent launch (knob pdl): the one fact both launch paths read (the search's and the gate's
+    # torch_stream_launcher, the op's PreparedLaunch); only a kernel compiled with pdl may be launched so, since
+    # its griddepcontrol.wait is what keeps it from reading the previous kernel's output early.
+    pdl: bool = False
 
 
 @lru_cache(maxsize=1024)
@@ -593,7 +605,7 @@ def _launch_plan(problem, config, shape: Shape, multiprocessors: int) -> LaunchP
     geo = problem.geometry(config, shape, multiprocessors)
     return LaunchPlan(is_wgmma(config), tuple(geo.grid), tuple(geo.block), int(geo.dynamic_smem),
                       np.int32(shape.seq_q), np.int32(shape.seq_k), problem.workspace_elems(config, shape),
-                      np.uint32(kv_head_magic(shape.kv_group)))
+                      np.uint32(kv_head_magic(shape.kv_group)), is_pdl(config))
 
 
 @lru_cache(maxsize=1024)

@@ -154,13 +154,15 @@ class PreparedLaunch:
     """A loaded kernel on one shape with one set of strides and scale, ready to launch again and again:
     grid, block and shared memory worked out once, and per thread a ParamPacket (evotune.gpu.packet) in which
     a call rewrites only the buffer addresses (and, for the Hopper variant, copies in the tensor maps of
-    the new addresses, each encoded once per address) before cuLaunchKernel on torch's current stream."""
+    the new addresses, each encoded once per address) before cuLaunchKernel on torch's current stream
+    (cuLaunchKernelEx with programmatic stream serialization for a pdl config: launch_packet)."""
 
     def __init__(self, loaded: LoadedKernel, shape, strides: tuple, scale: float):
         plan = PROBLEM.launch_plan(loaded.config, shape)
         self.loaded, self.shape, self.scale = loaded, shape, scale
         self.grid, self.block, self.smem = plan.grid, plan.block, plan.dynamic_smem
         self.wgmma = plan.wgmma
+        self.pdl = plan.pdl  # a pdl config's kernel goes out with programmatic stream serialization (cuLaunchKernelEx)
         # A split-KV workspace or a causal persistent grid's tile counters: fresh (zeroed) per call, since
         # calls on two streams may run at once.
         self.needs_workspace = bool(plan.workspace[2])
@@ -179,7 +181,7 @@ class PreparedLaunch:
         else:
             self._patch(packet, q, k, v, out, lse, workspace)
         launch_packet(self.loaded.function, self.grid, self.block, self.smem, current_stream_handle(out.device.index),
-                      packet)
+                      packet, self.pdl)
 
     def _new_packet(self, q, k, v, out, lse, workspace):
         from ..gpu.packet import ParamPacket
