@@ -149,6 +149,23 @@ def test_graph_capture_and_replay(gpu, variant, layout):
     assert_graph_replays_follow_inputs(shape, q, k, v, seeds=(2, 3))
 
 
+def test_pdl_config_through_the_op(gpu):
+    """A pdl config (the mission winner with pdl, attention-small-pdl.yaml) through the op: its PreparedLaunch
+    launches with programmatic stream serialization, eagerly and replayed from a CUDA graph right after the copies
+    of new inputs into the captured buffers (torch kernels its griddepcontrol.wait must wait for)."""
+    from evotune.torch.kernels import PREPARED
+
+    shape = Shape(1, 8, 512, 512, 64, "fp16", False)
+    config = dict(block_m=32, block_n=128, compute_warps=4, kv_splits=1, producer_warps=0, q_in_regs=True,
+                  smem_layout="swizzle", stages=4, warp_key_groups=2, pdl=True)
+    et.use_table(table(entry(shape, config, "attention-small-pdl", gpu=gpu)))
+    q, k, v = make_qkv(shape, seed=7)
+    assert_close(run_tuned(q, k, v, False), q, k, v, shape)
+    assert any(p.pdl for p in PREPARED._prepared.values())
+    assert all(p.pdl == bool(p.loaded.config.get("pdl")) for p in PREPARED._prepared.values())
+    assert_graph_replays_follow_inputs(shape, q, k, v, seeds=(8, 9))
+
+
 def test_capture_refuses_a_kernel_not_loaded(gpu):
     """Capturing a kernel not loaded yet is one clear UsageError; after warmup() the same call captures."""
     from evotune.torch.kernels import CACHE
