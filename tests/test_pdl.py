@@ -265,6 +265,7 @@ def _late_writer(old, new):
     from evotune.build.compile import load_kernel, torch_stream_launcher
 
     writer = load_kernel(compile_source(LATE_WRITER, "late_writer"))
+    assert writer.kernel.ptr  # the function is loaded now, not on its first call (which may be inside a capture)
     assert all(t[n].is_contiguous() for t in (old, new) for n in "qkv")
 
     def ptr(t):

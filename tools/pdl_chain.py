@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     inputs = problem.make_inputs(shape, args.seed, device=DEVICE)
     backends, left_out = usable_backends(problem, shape, args.backends, inputs["q"], inputs["k"], inputs["v"],
                                          inputs["scale"])
-    record = {"tool": "tools/pdl_chain.py", "command": sys.argv,
+    record = {"tool": "tools/pdl_chain.py", "argv": sys.argv[1:] if argv is None else list(argv),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": device_info(), **gpu_clocks(), "shape": shape.spec, "shape_dict": shape.as_dict(),
               "config": args.config, "config_summary": config_summary(args.config),
