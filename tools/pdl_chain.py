@@ -147,22 +147,15 @@ def build(problem, shape, knobs: dict) -> dict:
     return built
 
 
-def sdpa_call(backend: str | None, q, k, v, shape, scale: float):
-    """A callable running SDPA on q, k, v (one backend forced, or None: torch's own choice)."""
+def sdpa_call(problem, backend: str | None, q, k, v, shape, scale: float):
+    """A callable running SDPA on q, k, v: one backend forced (the family's own baseline_launcher, as bench and the
+    gate run it), or None: torch's own choice."""
+    if backend is not None:
+        return problem.baseline_launcher(backend, shape, {"q": q, "k": k, "v": v, "scale": scale}, probe=False)
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gqa = {"enable_gqa": True} if shape.kv_heads != shape.heads else {}
-    forced = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}.get(backend)
-
-    def run():
-        if forced is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, scale=scale, **gqa)
-        with sdpa_kernel([forced]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, scale=scale, **gqa)
-
-    return run
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, scale=scale, **gqa)
 
 
 def usable_backends(problem, shape, names, q, k, v, scale) -> tuple[list[str], dict]:
@@ -174,7 +167,7 @@ def usable_backends(problem, shape, names, q, k, v, scale) -> tuple[list[str], d
             why[name] = skip
             continue
         try:
-            sdpa_call(name, q, k, v, shape, scale)()
+            sdpa_call(problem, name, q, k, v, shape, scale)()
             sync()
             usable.append(name)
         except RuntimeError as e:
@@ -188,7 +181,7 @@ def gate(problem, shape, out, q, k, v, scale) -> dict:
 
     inputs = {"q": q, "k": k, "v": v, "scale": scale}
     ref = problem.reference(shape, inputs)
-    sdpa = sdpa_call(None, q, k, v, shape, scale)().float()
+    sdpa = sdpa_call(problem, None, q, k, v, shape, scale)().float()
     atol, rtol = problem.tolerance(shape)
     max_abs, _, nonfinite, ratio = output_errors(out, ref, atol * problem.error_scale(inputs), rtol)
     vs_sdpa = float((out.float() - sdpa).abs().max().item()) if not nonfinite else math.inf
@@ -230,7 +223,7 @@ def single_setting(problem, shape, built, backends, args, launches_per_rep) -> d
     launches = {label: problem.launcher(built[pdl][1], built[pdl][0], shape, inputs, outs[label])
                 for label, pdl in ((OFF, False), (ON, True))}
     before = checked(problem, shape, lambda label: launches[label](), outs, q, k, v, scale)
-    fns = {**launches, **{f"sdpa {b}": sdpa_call(b, q, k, v, shape, scale) for b in backends}}
+    fns = {**launches, **{f"sdpa {b}": sdpa_call(problem, b, q, k, v, shape, scale) for b in backends}}
     reps = args.reps * (ALONE_REPS_FACTOR if launches_per_rep == 1 else 1)
     timed, result = time_pool(fns, args.rounds, reps, launches_per_rep)
     after = checked(problem, shape, lambda label: result.replays[label](), outs, q, k, v, scale)
@@ -282,10 +275,10 @@ def chain_setting(problem, shape, built, backends, args) -> dict:
     ours = {label: chain(lambda label=label: (launches[label](), outs[label])[1]) for label in (OFF, ON)}
     torch.matmul(x_in, w_qkv[0], out=qkv)  # a backend may refuse these strided views where it took the family's
     usable, left_out = usable_backends(problem, shape, backends, q, k, v, scale)
-    fns = {**ours, **{f"sdpa {n}": chain(sdpa_call(n, q, k, v, shape, scale)) for n in usable}}
+    fns = {**ours, **{f"sdpa {n}": chain(sdpa_call(problem, n, q, k, v, shape, scale)) for n in usable}}
     before = checked(problem, shape, lambda label: ours[label](), outs, q, k, v, scale)
     ends = {label: ours[label]().clone() for label in (OFF, ON)}
-    reference_end = chain(sdpa_call(None, q, k, v, shape, scale))().float()
+    reference_end = chain(sdpa_call(problem, None, q, k, v, shape, scale))().float()
     sync()
     for label, end in ends.items():
         before[label]["chain_output_max_abs_vs_sdpa"] = float((end.float() - reference_end).abs().max().item())
