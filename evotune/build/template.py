@@ -52,12 +52,17 @@ def read_template(filename: str, _seen: tuple[str, ...] = ()) -> tuple[Path, str
         where = f" (included from {_seen[-1]})" if _seen else ""
         raise UsageError(f"{path}: kernel template not found{where}") from None
 
+    return path, inline_includes(text, _seen + (filename,))
+
+
+def inline_includes(text: str, seen: tuple[str, ...] = ()) -> str:
+    """`text` with each local `#include "name"` line replaced by that header (read_template: recursively)."""
     def inline(match: re.Match) -> str:
         name = match.group(1)
-        _, body = read_template(name, _seen + (filename,))
+        _, body = read_template(name, seen)
         return f"// ---- begin {name}\n{body.rstrip()}\n// ---- end {name}"
 
-    return path, _LOCAL_INCLUDE.sub(inline, text)
+    return _LOCAL_INCLUDE.sub(inline, text)
 
 
 # A template line that only some configs keep: `//[flag] code`, the marker first on the line after its indentation.
@@ -90,7 +95,9 @@ def instantiate(problem, config, shape, **options) -> KernelSource:
     lines of the config's template_flags. `options` select a family's output variant (e.g. attention's
     write_lse=True); without them, the searched kernel."""
     path, template = read_template(problem.kernel_file)
-    template = select_flagged_lines(template, problem.template_flags(config))
+    # A flagged line may name a header (`//[flag] #include "x.cuh"`): code only that flag's configs compile, in a
+    # file of its own rather than one comment line each; it is inlined once the line is selected.
+    template = inline_includes(select_flagged_lines(template, problem.template_flags(config)), (path.name,))
     block = problem.instantiation(config, shape, **options) if options else problem.instantiation(config, shape)
     # Only what changes the code goes in: the same kernel for two shapes is one source and one cache entry.
     variant = "".join(f" {k}={v}" for k, v in sorted(options.items()))
