@@ -391,6 +391,7 @@ __device__ __forceinline__ int kv_tile_count(int q_row0, int seq_k) {
     return (kv_end + T::kBlockN - 1) / T::kBlockN;
 }
 // ---- end of the persistent tile order
+//[tma_store] #include "hopper_tma_store.cuh"
 
 // q_map, k_map, v_map: the CUtensorMaps of Q, K and V, each over the 4-D view (head_dim, seq, head,
 // batch) with boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows. They point at the entry
@@ -415,6 +416,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                                                     long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k,
                                                     float scale_log2, unsigned kv_magic, int n_heads, int n_batch,
                                                     unsigned* __restrict__ tile_counter,
+                                                    //[tma_store] const CUtensorMap* o_map,
                                                     float* __restrict__ lse = nullptr, long long lse_sb = 0,
                                                     long long lse_sh = 0) {
     // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
@@ -449,6 +451,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         tma_prefetch_map(q_map);
         tma_prefetch_map(k_map);
         tma_prefetch_map(v_map);
+        //[tma_store] tma_prefetch_map(o_map);
     }
     __syncthreads();
     //[pdl] // Above: shared-memory carve-up, index arithmetic, mbarrier init and the prefetch of the tensor maps (kernel
@@ -574,8 +577,13 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[last]));
         }
 
+        //[tma_store] // epilogue = tma (kernels/hopper_tma_store.cuh): O goes out through shared memory and TMA instead.
+        //[tma_store] #if 0
         unsigned short* gO = o + batch * o_sb + head * o_sh;
         store_out<T>(o_acc, l_run, gO, o_ss, q_row, seq_q, lane);
+        //[tma_store] #endif
+        //[tma_store] store_out_tma<T>(o_acc, l_run, o_map, o_stage_addr<T>(sQ, sV, wg), wg, q_row0 + 64 * wg, head, batch,
+        //[tma_store]                  warp_in_wg, lane);
         if constexpr (WRITE_LSE)
             store_row_lse<T>(m_run, l_run, lse + batch * lse_sb + head * lse_sh, q_row, seq_q, scale_log2, lane);
     };
@@ -692,6 +700,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, it, qi & 1);
             it += n_tiles;
         }
+        //[tma_store] // The last tile's O store must have read the staging rows before the CTA may leave.
+        //[tma_store] if (tid % 128 == 0) bulk_wait_read<0>();
     }
 }
 

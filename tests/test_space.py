@@ -49,27 +49,28 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its thirteen parameters (the variant knob mma first), six derived values
-    and twenty-one constraints, each with its reason."""
+    """The shipped attention.yaml loads with its fourteen parameters (the variant knob mma first), six derived values
+    and twenty-two constraints, each with its reason."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
                                    "smem_layout", "q_in_regs", "kv_splits", "warp_key_groups", "pingpong", "persistent",
-                                   "pdl"]
+                                   "pdl", "epilogue"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 21
+    assert len(space.constraints) == 22
     assert all(c.why for c in space.constraints)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
     assert block_m.values == (16, 32, 64, 128, 192) and block_m.default == 64 and block_m.line == 15
-    assert space.params[-7].values == ("pad", "swizzle", "plain")
-    assert space.params[-6].values == (True, False)
-    assert space.params[-5].values == (1, 2, 4, 8)
-    assert space.params[-4].values == (1, 2, 4)
-    assert space.params[-3].values == (False, True)
+    assert space.params[-8].values == ("pad", "swizzle", "plain")
+    assert space.params[-7].values == (True, False)
+    assert space.params[-6].values == (1, 2, 4, 8)
+    assert space.params[-5].values == (1, 2, 4)
+    assert space.params[-4].values == (False, True)
+    assert space.params[-3].values == (False, True) and space.params[-3].default is False
     assert space.params[-2].values == (False, True) and space.params[-2].default is False
-    assert space.params[-1].values == (False, True) and space.params[-1].default is False
+    assert space.params[-1].values == ("regs", "tma") and space.params[-1].default == "regs"
 
 
 def test_wgmma_pins_the_knobs_it_does_not_read(space, attention):
@@ -155,7 +156,7 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 def test_size(space):
     """size() is the product of the value counts: 2*5*5*5*4*4*3*2*4*3*2*2*2."""
-    assert space.size() == 2304000
+    assert space.size() == 4608000
 
 
 def test_all_configs_is_the_full_product_in_order(space):
@@ -163,13 +164,14 @@ def test_all_configs_is_the_full_product_in_order(space):
     configs = list(space.all_configs())
     assert len(configs) == space.size() == len(set(configs))
     assert configs == list(space.all_configs())
-    assert [c["pdl"] for c in configs[:2]] == [False, True]
-    assert [c["persistent"] for c in configs[0:4:2]] == [False, True]
-    assert [c["pingpong"] for c in configs[0:8:4]] == [False, True]
-    assert [c["warp_key_groups"] for c in configs[0:24:8]] == [1, 2, 4]
-    assert [c["kv_splits"] for c in configs[0:96:24]] == [1, 2, 4, 8]
-    assert [c["q_in_regs"] for c in configs[0:192:96]] == [True, False]
-    assert [c["smem_layout"] for c in configs[0:576:192]] == ["pad", "swizzle", "plain"]
+    assert [c["epilogue"] for c in configs[:2]] == ["regs", "tma"]
+    assert [c["pdl"] for c in configs[0:4:2]] == [False, True]
+    assert [c["persistent"] for c in configs[0:8:4]] == [False, True]
+    assert [c["pingpong"] for c in configs[0:16:8]] == [False, True]
+    assert [c["warp_key_groups"] for c in configs[0:48:16]] == [1, 2, 4]
+    assert [c["kv_splits"] for c in configs[0:192:48]] == [1, 2, 4, 8]
+    assert [c["q_in_regs"] for c in configs[0:384:192]] == [True, False]
+    assert [c["smem_layout"] for c in configs[0:1152:384]] == ["pad", "swizzle", "plain"]
     assert [c["mma"] for c in (configs[0], configs[-1])] == ["sync", "wgmma"]
 
 
@@ -271,7 +273,8 @@ def test_config_hash_equality_and_keys(space):
     c = Config.from_dict(dict(reversed(list(a.as_dict().items()))))
     assert a == b == c and hash(a) == hash(b) == hash(c)
     assert len({a, b, c, space.default_config()}) == 2
-    assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,kv_splits=1,mma=sync,pdl=False,persistent=False,"
+    assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,epilogue=regs,kv_splits=1,mma=sync,pdl=False,"
+                                  "persistent=False,"
                                   "pingpong=False,producer_warps=0,q_in_regs=True,smem_layout=swizzle,stages=3,"
                                   "warp_key_groups=1")
     assert a.digest() == c.digest() and len(a.digest()) == 12 and int(a.digest(), 16) >= 0
@@ -512,7 +515,7 @@ BAD_KNOBS = [
     ("too-many-stages", attention_space("  stages: {values: [5]}\n"), 3, ("an integer from 1 to 4",)),
     ("unknown-knob", attention_space("  block_n: {values: [64]}\n  blok_m: {values: [64, 128]}\n"), 4,
      ("parameter 'blok_m' is not a knob of the attention family", "did you mean 'block_m'?")),
-    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl)")),
+    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl, epilogue)")),
     ("softmax-vec", softmax_space("  vec: {values: [8, 3]}\n"), 3, ("3 is not a value of knob 'vec'", "one of 2, 4, 8")),
     ("softmax-strategy", softmax_space("  strategy: {values: [fast]}\n"), 3, ("one of cached, online, three_pass",)),
     ("softmax-typo", softmax_space("  thread_per_row: {values: [32]}\n"), 3, ("did you mean 'threads_per_row'?",)),

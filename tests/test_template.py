@@ -49,8 +49,10 @@ def test_default_instantiation(attention, space, mission):
     assert src.template_path == str(kernels_dir() / "attention.cu")
     assert src.code.startswith(template)
     tail = src.code[len(template):]
-    # The banner names the config's knobs but pdl at false (Problem.late_knobs: the source as before the knob).
-    assert tail.startswith(f"\n{BANNER} attention {space.default_config().key().replace(',pdl=False', '')}\n")
+    # The banner names the config's knobs but pdl at false and epilogue at regs (Problem.late_knobs: the source as
+    # before the knobs).
+    key = space.default_config().key().replace(',pdl=False', '').replace(',epilogue=regs', '')
+    assert tail.startswith(f"\n{BANNER} attention {key}\n")
     assert tail.count('extern "C"') == 1
     assert len(re.findall(r"\bevotune_attention\s*\(", tail)) == 1
     expected = [

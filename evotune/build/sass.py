@@ -20,6 +20,7 @@ CLASSES = {
     "HGMMA": "wgmma (Hopper warpgroup MMA)",
     "HMMA": "mma.sync (warp MMA)",
     "UTMALDG": "TMA tensor loads",
+    "UTMASTG": "TMA tensor stores",
     "LDGSTS": "cp.async loads",
     "LDSM": "ldmatrix",
     "SYNCS": "mbarrier operations",

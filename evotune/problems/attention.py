@@ -36,7 +36,7 @@ def shape_context(shape: Shape) -> dict:
 # The value a knob takes when a (reduced) search space does not list it.
 KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
                  "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
-                 "mma": "sync", "pingpong": False, "persistent": False, "pdl": False}
+                 "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs"}
 
 
 # The values each knob may take: what the templates' traits (AttnTraits, hopper::HopperTraits) accept for
@@ -55,6 +55,7 @@ KNOB_DOMAINS = {
     "pingpong": (False, True),
     "persistent": (False, True),
     "pdl": (False, True),
+    "epilogue": ("regs", "tma"),
 }
 
 
@@ -83,6 +84,18 @@ def is_pdl(config) -> bool:
     its first global access (griddepcontrol.wait) and is launched with programmatic stream serialization, so its
     launch and prologue overlap that grid's tail (docs/PDL.md)."""
     return bool(knob(config, "pdl"))
+
+
+def is_tma_store(config) -> bool:
+    """The Hopper variant's TMA-store epilogue (knob epilogue = tma, kernels/hopper_tma_store.cuh): each consumer
+    warpgroup stages O in shared memory and one thread stores it with TMA (through a fourth tensor map, o_map)."""
+    return is_wgmma(config) and knob(config, "epilogue") == "tma"
+
+
+def o_stage_bytes(config, shape: Shape) -> int:
+    """Shared memory the TMA-store epilogue adds: a Q-sized staging tile under PERSISTENT (the next tile's Q arrives
+    in Q's buffer meanwhile); none otherwise (O is staged in Q's buffer, free by then)."""
+    return 2 * shape.head_dim * wgmma_block_m(config) if is_tma_store(config) and is_persistent(config) else 0
 
 
 def is_persistent(config) -> bool:
@@ -137,9 +150,10 @@ class AttentionProblem(Problem):
     rate_unit = "TFLOP/s"
     knob_abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
                    "smem_layout": "", "q_in_regs": ("qreg", "qsmem"), "kv_splits": "kv",
-                   "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl")}
-    # pdl came after the recorded runs; at false it leaves the source as it was (its template lines are flagged).
-    late_knobs = {"pdl": False}
+                   "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl"), "epilogue": "epi-"}
+    # pdl and epilogue came after the recorded runs; at false and regs they leave the source as it was (their
+    # template lines are flagged).
+    late_knobs = {"pdl": False, "epilogue": "regs"}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -192,8 +206,9 @@ class AttentionProblem(Problem):
 
     def template_flags(self, config) -> frozenset[str]:
         """pdl: the kernels' `//[pdl]` lines (griddepcontrol.wait before the first global access, then
-        launch_dependents); the knob is no template argument, so that a config without it keeps its source."""
-        return frozenset({"pdl"}) if is_pdl(config) else frozenset()
+        launch_dependents); tma_store: the Hopper kernel's `//[tma_store]` lines (its TMA-store epilogue). Neither
+        knob is a template argument, so that a config without them keeps its source."""
+        return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config))) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
@@ -235,8 +250,23 @@ class AttentionProblem(Problem):
         geo = self.geometry(config, shape)
         asserts = launch_asserts(geo.threads, geo.dynamic_smem, ("kBlockM", rows_per_cta(config)))
         if is_wgmma(config):
-            return f"""using EvotuneTraits = evotune::hopper::HopperTraits<
+            tma = is_tma_store(config)
+            traits = f"""using EvotuneTraits = evotune::hopper::HopperTraits<
+    {targs}>;"""
+            if o_stage_bytes(config, shape):
+                # Only these configs' text differs: the persistent TMA-store epilogue's staging tile follows the K/V
+                # slots (kernels/hopper_tma_store.cuh), so the launch's shared memory is the base traits' plus it.
+                traits = f"""using EvotuneBaseTraits = evotune::hopper::HopperTraits<
     {targs}>;
+struct EvotuneTraits : EvotuneBaseTraits {{
+    static constexpr int kOStageBytes = kQBytes;  // epilogue = tma, persistent: O's staging tile
+    static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes + kOStageBytes;
+}};"""
+            map_param, map_arg, map_note = (
+                (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
+                 "\n// o_map (epilogue = tma): O's CUtensorMap, boxes of 64 columns x 64 rows (one consumer warpgroup's).")
+                if tma else ("", "", ""))
+            return f"""{traits}
 {asserts}
 // Launch: grid (ceil(seq_q / kBlockM), heads, batch), or with PERSISTENT (min(tiles, SMs), 1, 1) for tiles =
 // ceil(seq_q / kBlockM) * heads * batch; block (EvotuneTraits::kThreads), dynamic shared
@@ -246,14 +276,14 @@ class AttentionProblem(Problem):
 // o: fp16/bf16 bit patterns; strides in elements (b = batch, h = head, s = sequence). kv_magic: 0, or with
 // grouped-query attention ceil(2^32 / group) for group = heads / kv_heads; the K and V maps span kv_heads.
 // n_heads, n_batch: the query heads and the batch. tile_counter: PERSISTENT with causal only (else null): two
-// unsigned ints zeroed once; the kernel leaves them zero (one pair per launch that may run concurrently).
+// unsigned ints zeroed once; the kernel leaves them zero (one pair per launch that may run concurrently).{map_note}
 extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 {self.entry_name}(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                   const __grid_constant__ CUtensorMap v_map, unsigned short* __restrict__ o,
                   long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
-                  unsigned kv_magic, int n_heads, int n_batch, unsigned* tile_counter{lse_params}) {{
+                  unsigned kv_magic, int n_heads, int n_batch, unsigned* tile_counter{map_param}{lse_params}) {{
     evotune::hopper::attention_fwd_wgmma<EvotuneTraits{lse_targ}>(&q_map, &k_map, &v_map, o, o_sb, o_sh, o_ss, seq_q, seq_k,
-                                                        scale_log2, kv_magic, n_heads, n_batch, tile_counter{lse_args});
+                                                        scale_log2, kv_magic, n_heads, n_batch, tile_counter{map_arg}{lse_args});
 }}
 """
         return f"""using EvotuneTraits = evotune::AttnTraits<
@@ -286,6 +316,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         if is_wgmma(config):
             # HopperTraits: Q + STAGES (K, V) tiles + 1024 B to align them; consumer and producer warps.
             smem = 2 * shape.head_dim * (block_m + 2 * int(knob(config, "stages")) * block_n) + 1024
+            smem += o_stage_bytes(config, shape)
             threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
             grid = ((min(query_tiles(config, shape), multiprocessors), 1, 1) if is_persistent(config)
                     else (math.ceil(shape.seq_q / block_m), shape.heads, shape.batch))
@@ -315,7 +346,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                     "kernel parameters */, unsigned short* o, int64 o_sb, o_sh, o_ss, int seq_q, int seq_k, "
                     "float scale_log2, uint32 kv_magic, int n_heads, int n_batch, uint32* tile_counter)  // kv_magic = "
                     "kv_head_magic(heads / kv_heads): 0 without grouping; n_heads, n_batch: the query heads and batch; "
-                    "tile_counter: persistent causal only, 2 zeroed uint32 the kernel leaves zero (else null)")
+                    "tile_counter: persistent causal only, 2 zeroed uint32 the kernel leaves zero (else null)"
+                    + (", const __grid_constant__ CUtensorMap o_map  /* epilogue = tma: O's map by value */"
+                       if is_tma_store(config) else ""))
         return ("evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, "
                 "int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, "
                 "int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, uint32 kv_magic)"
@@ -338,7 +371,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                     f"(the kernel leaves the counters zero)"]
         notes = [f"tensor maps  cuTensorMapEncodeTiled, rank 4 (head_dim, seq, head, batch), strides in bytes, "
                  f"SWIZZLE_128B, OOB fill zero; boxes 64 x {wgmma_block_m(config)} (Q), 64 x "
-                 f"{int(knob(config, 'block_n'))} (K, V)",
+                 f"{int(knob(config, 'block_n'))} (K, V)" + (", 64 x 64 (O: epilogue = tma, stored through it)"
+                                                              if is_tma_store(config) else ""),
                  "             passed by value (CUtensorMap arguments of <<<>>>, or pointers to them in "
                  "cuLaunchKernel's kernelParams); nothing to copy to the device"]
         if is_persistent(config):
@@ -449,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         """The entry point's parameters in order, (name, kind), kind one of "ptr" (u64), "i64", "i32",
         "f32", "u32" and "map" (a 128-byte CUtensorMap by value): the one list both launch paths (CuPy's
         call here, the PyTorch op's reusable parameter packet) read, matching `instantiation`."""
-        return _entry_params(is_wgmma(config), write_lse)
+        return _entry_params(is_wgmma(config), write_lse, is_tma_store(config))
 
     def launch_values(self, config, shape: Shape, q, k, v, out, scale: float, lse=None, workspace=()) -> dict:
         """name -> value of every entry parameter for these tensors (ints, floats, map records).
@@ -467,7 +501,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         if plan.workspace[2] and len(workspace) != 3:
             raise UsageError(f"attention: this launch needs its workspace (new_workspace), got {len(workspace)} tensors")
         if plan.wgmma:
-            values.update(zip(("q_map", "k_map", "v_map"), self.tensor_maps(config, shape, {"q": q, "k": k, "v": v})))
+            maps = self.tensor_maps(config, shape, {"q": q, "k": k, "v": v, "o": out})
+            values.update(zip(MAP_PARAMS, maps))
             values["tile_counter"] = workspace[2].data_ptr() if workspace else 0
         else:
             for name, t in (("q", q), ("k", k), ("v", v)):
@@ -506,18 +541,20 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                                      pdl=plan.pdl)
 
     def tensor_map_args(self, config, shape: Shape, strides: dict) -> dict:
-        """name -> TiledMapArgs of the Q, K and V maps a wgmma launch needs; `strides` maps each name
-        to its tensor's (B, H, S, D) element strides. Pure: checked on the CPU."""
-        return dict(zip(("q", "k", "v"), _map_args(config, shape, strides["q"], strides["k"], strides["v"])))
+        """name -> TiledMapArgs of the maps a wgmma launch needs, in the entry's order: Q, K, V, and with the
+        TMA-store epilogue O; `strides` maps each name to its tensor's (B, H, S, D) element strides ("o" is
+        read only for that epilogue). Pure: checked on the CPU."""
+        names = MAP_TENSORS[:4 if is_tma_store(config) else 3]
+        return dict(zip(names, _map_args(config, shape, *(tuple(strides[n]) for n in names))))
 
     def tensor_maps(self, config, shape: Shape, inputs: dict) -> tuple:
-        """The Q, K, V tensor maps as the kernel's by-value arguments (tma.param: 128-byte numpy records),
-        each encoded once per (address, layout) and remembered (tma.map_param)."""
+        """The tensor maps (tensor_map_args) of these tensors ("q", "k", "v", and "o" the output) as the kernel's
+        by-value arguments (tma.param: 128-byte numpy records), each encoded once per (address, layout) and
+        remembered (tma.map_param)."""
         from ..build.tma import map_param
 
-        q, k, v = inputs["q"], inputs["k"], inputs["v"]
-        args = _map_args(config, shape, tuple(q.stride()), tuple(k.stride()), tuple(v.stride()))
-        return tuple(map_param(t.data_ptr(), a) for t, a in zip((q, k, v), args))
+        args = self.tensor_map_args(config, shape, {n: t.stride() for n, t in inputs.items()})
+        return tuple(map_param(inputs[n].data_ptr(), a) for n, a in args.items())
 
     def reference(self, shape: Shape, inputs: dict):
         """softmax(scale·QKᵀ + mask)·V in fp32 (no TF32), one (batch, head-chunk) at a time to bound memory.
@@ -608,27 +645,38 @@ def _launch_plan(problem, config, shape: Shape, multiprocessors: int) -> LaunchP
                       np.uint32(kv_head_magic(shape.kv_group)), is_pdl(config))
 
 
+# The tensors a wgmma launch maps (Q, K, V; O with the TMA-store epilogue) and the entry's parameters for them.
+MAP_TENSORS = ("q", "k", "v", "o")
+MAP_PARAMS = ("q_map", "k_map", "v_map", "o_map")
+
+
 @lru_cache(maxsize=1024)
-def _map_args(config, shape: Shape, q_strides: tuple, k_strides: tuple, v_strides: tuple) -> tuple:
-    """(Q, K, V) TiledMapArgs of a wgmma launch on tensors with these (B, H, S, D) element strides. K's and
-    V's maps span the K/V heads (kv_heads): the kernel reads head h / kv_group of them."""
+def _map_args(config, shape: Shape, q_strides: tuple, k_strides: tuple, v_strides: tuple,
+              o_strides: tuple | None = None) -> tuple:
+    """(Q, K, V) TiledMapArgs of a wgmma launch on tensors with these (B, H, S, D) element strides, and O's
+    where `o_strides` is given (the TMA-store epilogue: a box of 64 rows, one consumer warpgroup's, stored by
+    each warpgroup on its own). K's and V's maps span the K/V heads (kv_heads): the kernel reads head
+    h / kv_group of them."""
     from ..build.tma import tiled_map_args
 
     block_m, block_n = wgmma_block_m(config), int(knob(config, "block_n"))
+    maps = [(q_strides, shape.heads, shape.seq_q, block_m), (k_strides, shape.kv_heads, shape.seq_k, block_n),
+            (v_strides, shape.kv_heads, shape.seq_k, block_n)]
+    if o_strides is not None:
+        maps.append((o_strides, shape.heads, shape.seq_q, 64))
     return tuple(tiled_map_args(shape.dtype, (shape.batch, heads, seq, shape.head_dim), strides, rows)
-                 for strides, heads, seq, rows in ((q_strides, shape.heads, shape.seq_q, block_m),
-                                                   (k_strides, shape.kv_heads, shape.seq_k, block_n),
-                                                   (v_strides, shape.kv_heads, shape.seq_k, block_n)))
+                 for strides, heads, seq, rows in maps)
 
 
-@lru_cache(maxsize=4)
-def _entry_params(wgmma: bool, write_lse: bool) -> tuple:
+@lru_cache(maxsize=8)
+def _entry_params(wgmma: bool, write_lse: bool, tma_store: bool = False) -> tuple:
     """AttentionProblem.entry_params (kernels/attention.cu and attention_hopper.cuh entry points)."""
     tail = (("o_sb", "i64"), ("o_sh", "i64"), ("o_ss", "i64"), ("seq_q", "i32"), ("seq_k", "i32"), ("scale_log2", "f32"))
     lse = (("lse", "ptr"), ("lse_sb", "i64"), ("lse_sh", "i64")) if write_lse else ()
     if wgmma:
         return ((("q_map", "map"), ("k_map", "map"), ("v_map", "map"), ("o", "ptr")) + tail
-                + (("kv_magic", "u32"), ("n_heads", "i32"), ("n_batch", "i32"), ("tile_counter", "ptr")) + lse)
+                + (("kv_magic", "u32"), ("n_heads", "i32"), ("n_batch", "i32"), ("tile_counter", "ptr"))
+                + ((("o_map", "map"),) if tma_store else ()) + lse)
     strides = tuple((f"{t}_s{d}", "i64") for t in "qkv" for d in "bhs")
     return ((("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "ptr")) + strides + tail
             + (("ws_o", "ptr"), ("ws_lse", "ptr"), ("ws_count", "ptr"), ("kv_magic", "u32")) + lse)

@@ -484,7 +484,10 @@ def unusable_reason(entry: Entry, shape) -> str | None:
     problem = get_problem(FAMILY)
     try:
         space = _space(entry.space)
-        if set(entry.config) != set(space.param_names()):
+        # A knob the space gained after the run (Problem.late_knobs), absent from its config, is at the value that
+        # leaves the source as it was: the digest check below still holds the entry to the kernel it measured.
+        late = {k for k, v in problem.late_knobs.items() if k not in entry.config and _default_is(space, k, v)}
+        if set(entry.config) | late != set(space.param_names()):
             return (f"its config names {', '.join(sorted(entry.config))}, not the parameters of space "
                     f"{entry.space!r} ({', '.join(sorted(space.param_names()))})")
         failed = space.violations(space.config(entry.config), problem.context(shape))
@@ -497,6 +500,15 @@ def unusable_reason(entry: Entry, shape) -> str | None:
         return (f"stale: the kernel source changed since run {entry.provenance['run']} measured it "
                 f"(measured {entry.provenance['source_digest']}, now {now})")
     return None
+
+
+def _default_is(space, name: str, value) -> bool:
+    """Whether `space` has a parameter `name` whose default is `value` (of its type)."""
+    default = space.default_config().as_dict().get(name, _MISSING)
+    return type(default) is type(value) and default == value
+
+
+_MISSING = object()
 
 
 def candidates(table: Table, key: TableKey) -> list[Entry]:

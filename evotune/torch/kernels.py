@@ -157,7 +157,7 @@ class PreparedLaunch:
     the new addresses, each encoded once per address) before cuLaunchKernel on torch's current stream
     (cuLaunchKernelEx with programmatic stream serialization for a pdl config: launch_packet)."""
 
-    def __init__(self, loaded: LoadedKernel, shape, strides: tuple, scale: float):
+    def __init__(self, loaded: LoadedKernel, shape, strides: tuple, scale: float, out_strides: tuple | None = None):
         plan = PROBLEM.launch_plan(loaded.config, shape)
         self.loaded, self.shape, self.scale = loaded, shape, scale
         self.grid, self.block, self.smem = plan.grid, plan.block, plan.dynamic_smem
@@ -168,7 +168,11 @@ class PreparedLaunch:
         self.needs_workspace = bool(plan.workspace[2])
         self.params = PROBLEM.entry_params(loaded.config, loaded.write_lse)
         if self.wgmma:
-            self.map_args = tuple(PROBLEM.tensor_map_args(loaded.config, shape, dict(zip("qkv", strides))).values())
+            # (param, tensor index into (q, k, v, out), map args): the TMA-store epilogue maps the output too,
+            # laid out as q unless told (the op allocates it like q).
+            tensors = dict(zip("qkv", strides), o=tuple(out_strides or strides[0]))
+            args = PROBLEM.tensor_map_args(loaded.config, shape, tensors)
+            self.maps = tuple((f"{name}_map", "qkvo".index(name), a) for name, a in args.items())
         self._local = threading.local()
 
     def __call__(self, q, k, v, out, lse=None) -> None:
@@ -198,8 +202,9 @@ class PreparedLaunch:
         if self.wgmma:
             from ..build.tma import map_param
 
-            for name, t, args in zip(("q_map", "k_map", "v_map"), (q, k, v), self.map_args):
-                address = t.data_ptr()
+            tensors = (q, k, v, out)
+            for name, index, args in self.maps:
+                address = tensors[index].data_ptr()
                 if packet.addresses.get(name) != address:
                     packet.set_map(name, map_param(address, args))
                     packet.addresses[name] = address
@@ -224,7 +229,7 @@ class _PreparedCache:
         key = (id(loaded), shape, strides, out.stride(), scale)
         found = self._prepared.get(key)
         if found is None or found.loaded is not loaded:
-            found = self._prepared[key] = PreparedLaunch(loaded, shape, strides, scale)
+            found = self._prepared[key] = PreparedLaunch(loaded, shape, strides, scale, out.stride())
         return found
 
     def clear(self) -> None:
