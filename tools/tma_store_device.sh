@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Issue 13 item 4 (the TMA-store epilogue, knob epilogue = tma) on the GPU machine, in the order that guards each
+# later step: its GPU checks first (a kernel that fails them is never timed), then before/after pairs beside SDPA,
+# then the searches that decide where it pays, then repeated `evotune bench` records of their winners.
+#   STEPS="check pairs" OUT=dir bash tools/tma_store_device.sh
+#   STEPS="search bench" OUT=dir bash tools/tma_store_device.sh
+#   check   pytest -m gpu tests/test_tma_store.py: the gate on 8 shapes x 8 configs (bit for bit the regs epilogue's
+#           output too), write_lse, the op's prepared launch; then the slow compute-sanitizer runs
+#                                                                              -> $OUT/check.txt, $OUT/sanitize.txt
+#   pairs   tools/time_configs.py per committed persistent run whose winner admits the knob: the winner (regs) and
+#           the same config with epilogue = tma, interleaved beside SDPA flash and cudnn  -> $OUT/pairs.tgz
+#   search  SEARCH_SHAPES (default the d64 presets) over attention-hopper3.yaml, TRIALS trials each, warm-started
+#           from the committed *-h100-persistent run of the shape (runs *-h100-tma)        -> $OUT/search.tgz
+#   bench   REPS x `evotune bench best` of each run the search step made                  -> $OUT/bench.tgz
+set -uo pipefail
+OUT=${OUT:?set OUT}; here=$(cd "$(dirname "$0")/.." && pwd)
+export EVOTUNE_RUNS=${EVOTUNE_RUNS:-/tmp/runs} EVOTUNE_CACHE=${EVOTUNE_CACHE:-/tmp/cache}
+PAIR_RUNS=${PAIR_RUNS:-"gpt2-h100-persistent gpt2-bf16-h100-persistent gpt2-causal-h100-persistent
+  gpt2-causal-bf16-h100-persistent long-8k-h100-persistent long-8k-bf16-h100-persistent llama-4k-h100-persistent"}
+SEARCH_SHAPES=${SEARCH_SHAPES:-"gpt2 gpt2:bf16 long-8k long-8k:bf16"}
+for step in ${STEPS:-check pairs}; do
+  start=$(date +%s)
+  case $step in
+    check)
+      (cd "$here" && timeout "${CHECK_S:-300}" python3 -m pytest -q -m "gpu and not slow" tests/test_tma_store.py \
+        -p no:cacheprovider) > "$OUT/check.txt" 2>&1
+      echo "check rc=$? $(tail -1 "$OUT/check.txt")"
+      (cd "$here" && timeout "${SANITIZE_S:-240}" python3 -m pytest -q -m "gpu and slow" tests/test_tma_store.py \
+        -p no:cacheprovider) > "$OUT/sanitize.txt" 2>&1
+      echo "sanitize rc=$? $(tail -1 "$OUT/sanitize.txt")" ;;
+    pairs)
+      pairs=$(mktemp -d)/pairs; mkdir -p "$pairs"
+      for run in $PAIR_RUNS; do
+        read -r shape regs tma < <(python3 -c 'import json, sys
+d = sys.argv[1]; m = json.load(open(d + "/meta.json")); c = json.load(open(d + "/best.json"))["config"]
+print(m["shape_spec"], json.dumps(dict(c, epilogue="regs"), separators=(",", ":")),
+      json.dumps(dict(c, epilogue="tma"), separators=(",", ":")))' "$here/runs/$run")
+        mkdir -p "$pairs/$run"
+        (cd "$here" && OUT="$pairs/$run" timeout 150 python3 tools/time_configs.py "$shape" "$regs" "$tma") \
+          > "$pairs/$run/table.txt" 2>&1 || echo "pair $run failed: $(tail -1 "$pairs/$run/table.txt")"
+        echo "== $run ($shape)"; tail -7 "$pairs/$run/table.txt"
+        tar -czf "$OUT/pairs.tgz" -C "$(dirname "$pairs")" pairs  # after each: a timed-out call keeps the rest
+      done ;;
+    search)
+      mkdir -p "$EVOTUNE_RUNS" /tmp/logs
+      for s in $SEARCH_SHAPES; do
+        from="${s//:/-}-h100-persistent"; name="${s//:/-}-h100-tma"
+        [ -d "$EVOTUNE_RUNS/$from" ] || cp -r "$here/runs/$from" "$EVOTUNE_RUNS/"
+        (cd "$here" && timeout "${PER_SEARCH_S:-150}" python3 -m evotune search --shape "$s" --trials "${TRIALS:-48}" \
+          --run "$name" --space search_spaces/attention-hopper3.yaml --warm-start "$from") > "/tmp/logs/$name.txt" 2>&1
+        echo "$name rc=$? $(grep -h '^finalists:' "/tmp/logs/$name.txt")"
+        tar -czf "$OUT/search.tgz" -C "$(dirname "$EVOTUNE_RUNS")" "$(basename "$EVOTUNE_RUNS")" -C /tmp logs
+      done ;;
+    bench)
+      bench=$(mktemp -d)/bench; mkdir -p "$bench"
+      runs=${BENCH_RUNS:-$(for s in $SEARCH_SHAPES; do echo "${s//:/-}-h100-tma"; done)}
+      for run in $runs; do
+        for i in $(seq 1 "${REPS:-3}"); do
+          (cd "$here" && timeout 120 python3 -m evotune bench best --run "$run" --reps 100 --out "$bench/$run-$i.json") \
+            > "$bench/$run-$i.txt" 2>&1 || echo "bench $run #$i failed: $(tail -1 "$bench/$run-$i.txt")"
+        done
+        tar -czf "$OUT/bench.tgz" -C "$(dirname "$bench")" bench
+      done
+      python3 - "$bench" <<'PY'
+import glob, json, os, sys
+rows = {}
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    rec = json.load(open(path))  # evotune bench --out: one row per kernel, ours first
+    times = {r["name"]: r.get("time_us") for r in rec["rows"] if r.get("available")}
+    rows.setdefault(os.path.basename(path).rsplit("-", 1)[0], []).append((times.get("evotune"), times.get("cudnn")))
+for run, pairs in rows.items():
+    ratios = [c / o for o, c in pairs if o and c]
+    print(f"{run:32s} " + "  ".join(f"{o or 0:8.2f}/{c or 0:8.2f}" for o, c in pairs)
+          + (f"   CUDNN/ours {min(ratios):.3f}-{max(ratios):.3f}x" if ratios else ""))
+PY
+      ;;
+    *) echo "unknown step $step (check, pairs, search, bench)" >&2 ;;
+  esac
+  echo "== $step took $(( $(date +%s) - start )) s"
+done
