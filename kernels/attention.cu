@@ -675,6 +675,9 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
                                               float* __restrict__ ws_o, float* __restrict__ ws_lse, int* __restrict__ ws_count,
                                               unsigned kv_magic, float* __restrict__ lse = nullptr, long long lse_sb = 0,
                                               long long lse_sh = 0) {
+    //[trace] // Phase trace (tools/phase_trace.py, docs/TRACE.md): the entry stamps, held until the recorder below
+    //[trace] // (made after the prologue and the pdl wait) stores them.
+    //[trace] const u64 trace_entry_gt = trace_globaltimer(), trace_entry_clk = trace_clock64();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
     unsigned short* sK = sQ + T::kQElems;
@@ -714,6 +717,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     //[pdl] // grid still reads. Then the next PDL-launched grid may begin launching while this one runs.
     //[pdl] pdl_wait();
     //[pdl] pdl_launch_dependents();
+    //[trace] const TraceWarp tracer(trace_entry_gt, trace_entry_clk, n_tiles);  // stamps entry and start; exit when it ends
 
     if constexpr (T::kHasProducers) {
         // Named barrier ids: FULL[s] = 1 + s (producers arrive, consumers wait),
@@ -776,6 +780,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         // ---- wait for step i (and, at i = 0, for Q)
         if constexpr (T::kHasProducers) {
             named_bar_sync(NamedBarrier::kSlotFull, slot, T::kThreads);
+            //[trace] tracer.mark_tile(i, trace::kWait);
         } else if constexpr (T::kStages == 1) {
             // One slot: everyone must be done with step i-1 before it is overwritten.
             if (i > 0) __syncthreads();
@@ -783,17 +788,20 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
             cp_async_commit();
             cp_async_wait<0>();
             __syncthreads();
+            //[trace] tracer.mark_tile(i, trace::kWait);
         } else {
             cp_async_wait<T::kStages - 2>();
             // After this barrier step i is visible to all, and every warp has
             // finished step i-1, so its slot can take step i + STAGES - 1.
             __syncthreads();
+            //[trace] tracer.mark_tile(i, trace::kWait);
             const int next = i + T::kStages - 1;
             if (next < n_tiles)
                 load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, next % T::kStages, t_begin + next, seq_k,
                                                     thread_id());
             cp_async_commit();
         }
+        //[trace] tracer.mark_tile(i, trace::kReady);  // the freed slot's refill issued (where this warp issues one)
         // This lane's ldmatrix offsets, from a lane id re-read every tile (as the loaders
         // re-read the thread id above): a few integer ops per tile instead of registers held
         // across the loop. Held, they (up to ten XOR variants of them) and the loader offsets
@@ -806,9 +814,12 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         const u32 k_lane = k_lane_offset<T>(warp_key0, lane_t);
         const u32 v_lane = v_lane_offset<T>(warp_key0, lane_t);
         if (T::kQInRegs && i == 0) load_q_frags<T>(qf, sQ_addr, q_lane);
+        //[trace] if constexpr (T::kQInRegs) { if (i == 0) tracer.mark_after(trace::kQ, qf[T::kMFrags - 1][T::kQRegSteps - 1][3]); }
+        //[trace] else if (i == 0) tracer.mark(trace::kQ);  // Q arrived with tile 0 (same cp.async wait); read per k-step
 
         const int kv0 = (t_begin + i) * T::kBlockN + warp_key0;
         qk_tile<T>(s_acc, qf, sQ_addr, q_lane, sK_addr + slot * (2 * T::kKVElems), k_lane);
+        //[trace] tracer.mark_tile_after(i, trace::kQK, s_acc[T::kMFrags - 1][T::kNFrags - 1][3]);
         bool need_mask = kv0 + T::kWarpKeys > seq_k;
         if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kWarpKeys - 1 > q_row0 + warp_row0;
         if (need_mask) mask_tile<T>(s_acc, q_row0 + warp_row0, kv0, seq_k, lane);
@@ -816,7 +827,9 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         float alpha[T::kMFrags][2];
         online_softmax<T>(s_acc, o_acc, m_run, l_run, alpha, p_a, scale_log2);
         if constexpr (T::kLazyRescale) rescale_o_lazy<T>(o_acc, alpha);
+        //[trace] tracer.mark_tile_after(i, trace::kSoftmax, l_run[T::kMFrags - 1][1]);  // masking included
         pv_tile<T>(o_acc, s_acc, p_a, sK_addr + (T::kStages + slot) * (2 * T::kKVElems), v_lane);
+        //[trace] tracer.mark_tile_after(i, trace::kPV, o_acc[T::kMFrags - 1][T::kDFrags - 1][3]);
 
         if constexpr (T::kHasProducers) {
             if (i + T::kStages < n_tiles) named_bar_arrive(NamedBarrier::kSlotEmpty, slot, T::kThreads);
@@ -828,13 +841,17 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         if (key_group > 0)
             write_key_group_partial<T>(o_acc, m_run, l_run, slots + (key_group - 1) * T::kMergeSlotFloats, warp_row0, lane);
         compute_sync<T>();
+        //[trace] tracer.mark(trace::kSync);  // every key group's partial is in shared memory
         if (key_group > 0) return;
         merge_key_groups<T>(o_acc, m_run, l_run, slots, warp_row0, scale_log2, lane);
+        //[trace] tracer.mark_after(trace::kMerge, o_acc[T::kMFrags - 1][T::kDFrags - 1][3]);
         if constexpr (WRITE_LSE) store_lse<T, true>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
         store_o<T, true>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
+        //[trace] tracer.mark(trace::kStore);  // the stores issued
     } else if constexpr (T::kKVSplits == 1) {
         if constexpr (WRITE_LSE) store_lse<T>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
         store_o<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
+        //[trace] tracer.mark(trace::kStore);  // the stores issued
     } else {
         const long long tile_index = ((long long)(batch * gridDim.y + head)) * gridDim.x + m_tile;
         float* wo = ws_o + tile_index * (T::kKVSplits * T::kBlockM * T::kHeadDim);
@@ -852,9 +869,11 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
             if (is_last) ws_count[tile_index] = 0;  // ready for the next launch
         }
         compute_sync<T>();
+        //[trace] tracer.mark(trace::kSync);  // this split's partial published and counted
         if (!is_last) return;
         __threadfence();
         combine_partials<T, WRITE_LSE>(wo, wlse, gO, o_ss, q_row0, seq_q, tid, gL);
+        //[trace] tracer.mark(trace::kStore);  // the last split's combined O stores issued
     }
 }
 

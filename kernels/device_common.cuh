@@ -81,3 +81,60 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
         return *reinterpret_cast<u32*>(&v);
     }
 }
+//[trace]
+//[trace] // Phase trace (tools/phase_trace.py, docs/TRACE.md). Lines marked //[trace] exist only in the trace variant that
+//[trace] // tool builds (template flag "trace", never a knob), so every searched source is what it was without them.
+//[trace] // Lane 0 of every warp stamps %globaltimer (ns, one clock for all SMs) and %clock64 (its SM's cycles) where the
+//[trace] // kernel passes a phase boundary, into the warp's record of evotune_trace; the host zeroes the buffer before a
+//[trace] // launch and reads it back, so an event left 0 was not reached. One lane per warp, not per CTA: the warps of a
+//[trace] // CTA run their tiles unsynchronised between barriers (key groups, producers), and their spread is the point.
+//[trace] namespace trace {
+//[trace] // Record of one warp, in 64-bit words (tools/phase_trace.py reads these constants): [0] 1 << 63 | tiles << 32 |
+//[trace] // smid, [1] the sink of mark_after, then kEvents pairs {globaltimer, clock64}: the fixed events, then per K/V
+//[trace] // tile i < kMaxTiles of the warp's loop the kTileEvents tile events at kTile0 + kTileEvents * i.
+//[trace] enum Event : int { kEntry = 0, kStart = 1, kQ = 2, kSync = 3, kMerge = 4, kStore = 5, kExit = 6, kTile0 = 7 };
+//[trace] enum TileEvent : int { kWait = 0, kReady = 1, kQK = 2, kSoftmax = 3, kPV = 4 };
+//[trace] constexpr int kTileEvents = 5, kMaxTiles = 32, kEvents = kTile0 + kTileEvents * kMaxTiles;
+//[trace] constexpr int kHeaderWords = 2, kRecordWords = kHeaderWords + 2 * kEvents, kRecords = 4096;
+//[trace] }  // namespace trace
+//[trace] // Records (CTA (z * gridDim.y + y) * gridDim.x + x) * warps per CTA + warp; warps past kRecords keep none.
+//[trace] __device__ __align__(16) u64 evotune_trace[trace::kRecords * trace::kRecordWords];
+//[trace] __device__ __forceinline__ u64 trace_globaltimer() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t)); return t; }
+//[trace] __device__ __forceinline__ u64 trace_clock64() { u64 t; asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(t)); return t; }
+//[trace] __device__ __forceinline__ u32 trace_smid() { u32 s; asm volatile("mov.u32 %0, %%smid;\n" : "=r"(s)); return s; }
+//[trace] // One warp's recorder: made after the prologue (griddepcontrol.wait where pdl), since its stores are global
+//[trace] // accesses (so the buffer ends up holding the last of several launches, whatever overlapped); the entry
+//[trace] // stamps wait in registers until then. Its destructor stamps kExit wherever the warp returns.
+//[trace] struct TraceWarp {
+//[trace]     u64* rec;  // this warp's record in lane 0, else null
+//[trace]     __device__ __forceinline__ TraceWarp(u64 entry_gt, u64 entry_clk, int tiles) : rec(nullptr) {
+//[trace]         const u32 cta = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+//[trace]         const u32 index = cta * (blockDim.x / 32) + threadIdx.x / 32;
+//[trace]         if (lane_id() == 0 && index < trace::kRecords) {
+//[trace]             rec = evotune_trace + static_cast<u64>(index) * trace::kRecordWords;
+//[trace]             rec[0] = 1ull << 63 | static_cast<u64>(tiles) << 32 | trace_smid();
+//[trace]             put(trace::kEntry, entry_gt, entry_clk);
+//[trace]             mark(trace::kStart);
+//[trace]         }
+//[trace]     }
+//[trace]     __device__ __forceinline__ ~TraceWarp() { mark(trace::kExit); }
+//[trace]     __device__ __forceinline__ void put(int event, u64 gt, u64 clk) const {
+//[trace]         *reinterpret_cast<ulonglong2*>(rec + trace::kHeaderWords + 2 * event) = make_ulonglong2(gt, clk);
+//[trace]     }
+//[trace]     __device__ __forceinline__ void mark(int event) const {
+//[trace]         if (rec) { const u64 gt = trace_globaltimer(); put(event, gt, trace_clock64()); }
+//[trace]     }
+//[trace]     // A stamp that waits for `dep`: the timers are read only after lane 0 has stored it (a volatile store, which
+//[trace]     // neither compiler drops), so after the instruction that writes it (an mma's accumulator, an ldmatrix) has
+//[trace]     // completed, not merely issued; mma.sync results of one warp complete in order.
+//[trace]     __device__ __forceinline__ void mark_after(int event, u32 dep) const {
+//[trace]         if (rec) { *reinterpret_cast<volatile u32*>(rec + 1) = dep; mark(event); }
+//[trace]     }
+//[trace]     __device__ __forceinline__ void mark_after(int event, float dep) const { mark_after(event, __float_as_uint(dep)); }
+//[trace]     __device__ __forceinline__ void mark_tile(int tile, int event) const {
+//[trace]         if (tile < trace::kMaxTiles) mark(trace::kTile0 + trace::kTileEvents * tile + event);
+//[trace]     }
+//[trace]     __device__ __forceinline__ void mark_tile_after(int tile, int event, float dep) const {
+//[trace]         if (tile < trace::kMaxTiles) mark_after(trace::kTile0 + trace::kTileEvents * tile + event, dep);
+//[trace]     }
+//[trace] };
