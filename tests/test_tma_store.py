@@ -227,6 +227,10 @@ def test_tma_epilogue_passes_the_gate_and_matches_regs(attention, space, few_cta
         pytest.skip("config not admitted for this shape")
     *_, compiled = _compile(attention, space, shape, cfg)
     res = evaluate_compiled(attention, shape, config, compiled, time_it=False)
+    if res.status == R.PRUNED:  # three d128 warpgroups with Q in registers spill with either epilogue
+        regs_config, _, regs = _compile(attention, space, shape, _regs(cfg))
+        assert evaluate_compiled(attention, shape, regs_config, regs, time_it=False).status == R.PRUNED, res.message
+        pytest.skip(f"pruned by the static gate with either epilogue: {res.message}")
     assert res.status == R.OK, res.message
     (tma, regs), _, _ = _run_pair(attention, space, shape, cfg)
     assert torch.equal(tma.view(torch.int16), regs.view(torch.int16))
