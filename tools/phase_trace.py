@@ -538,7 +538,10 @@ class TraceBuffer:
     records at a time, synchronously."""
 
     def __init__(self, kernel, layout: TraceLayout, records: int):
-        got = kernel.kernel.module.get_global_var(TRACE_SYMBOL)  # cuModuleGetGlobal: the device address
+        try:  # cuModuleGetGlobal: the device address (the symbol is local to the cubin, as NVRTC emits it)
+            got = kernel.kernel.module.get_global_var(TRACE_SYMBOL)
+        except Exception as e:
+            raise RuntimeError(f"phase_trace: the traced module has no {TRACE_SYMBOL} (evotune::evotune_trace): {e}")
         self.ptr = int(got[0] if isinstance(got, tuple) else got)
         self.nbytes = 8 * layout.record_words * min(records, layout.records)
 
