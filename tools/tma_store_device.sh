@@ -12,6 +12,8 @@
 #   search  SEARCH_SHAPES (default the d64 presets) over attention-hopper3.yaml, TRIALS trials each, warm-started
 #           from the committed *-h100-persistent run of the shape (runs *-h100-tma)        -> $OUT/search.tgz
 #   bench   REPS x `evotune bench best` of each run the search step made                  -> $OUT/bench.tgz
+#   ncu     Nsight Compute on the best of each run in NCU_RUNS (committed runs/): speed of light, compute workload,
+#           warp states, occupancy of one launch                                        -> $OUT/ncu.tgz (RUN.txt)
 set -uo pipefail
 OUT=${OUT:?set OUT}; here=$(cd "$(dirname "$0")/.." && pwd)
 export EVOTUNE_RUNS=${EVOTUNE_RUNS:-/tmp/runs} EVOTUNE_CACHE=${EVOTUNE_CACHE:-/tmp/cache}
@@ -74,7 +76,18 @@ for run, pairs in rows.items():
           + (f"   CUDNN/ours {min(ratios):.3f}-{max(ratios):.3f}x" if ratios else ""))
 PY
       ;;
-    *) echo "unknown step $step (check, pairs, search, bench)" >&2 ;;
+    ncu)
+      ncu_dir=$(mktemp -d)/ncu; mkdir -p "$ncu_dir" "$EVOTUNE_RUNS"
+      for run in ${NCU_RUNS:?set NCU_RUNS}; do
+        [ -d "$EVOTUNE_RUNS/$run" ] || cp -r "$here/runs/$run" "$EVOTUNE_RUNS/"
+        (cd "$here" && timeout 120 ncu --target-processes all -k regex:evotune_attention -s 3 -c 1 \
+          --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
+          python3 -m evotune verify --run "$run" --launches 2) > "$ncu_dir/$run.txt" 2>&1 || echo "ncu $run failed"
+        echo "== $run"; grep -E "Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Duration|pipe" \
+          "$ncu_dir/$run.txt" | head -8
+        tar -czf "$OUT/ncu.tgz" -C "$(dirname "$ncu_dir")" ncu
+      done ;;
+    *) echo "unknown step $step (check, pairs, search, bench, ncu)" >&2 ;;
   esac
   echo "== $step took $(( $(date +%s) - start )) s"
 done
