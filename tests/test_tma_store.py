@@ -164,15 +164,21 @@ def test_export_names_the_o_map(attention, space):
 
 def test_table_entry_recorded_before_the_knob_stays_usable(attention):
     """A tuning-table entry whose config predates the knob (no epilogue named) is the regs kernel: it is not
-    refused for naming fewer parameters than the space now has."""
+    refused for naming fewer parameters than its space now has, while one that lacks a knob which is not late,
+    or names a digest of another source, still is."""
+    from _tables import entry
     from evotune.records import tuning_table as T
-    from evotune.space.searchspace import load_space
 
-    space = load_space("search_spaces/attention-hopper3.yaml", tuple(attention.context(parse_shape("gpt2"))),
-                       attention.knob_domains())
-    assert "epilogue" in space.param_names()
-    assert T._default_is(space, "epilogue", "regs") and not T._default_is(space, "epilogue", "tma")
-    assert not T._default_is(space, "nonexistent", "regs")
+    shape = parse_shape("gpt2")
+    space = "search_spaces/attention-hopper3.yaml"
+    recorded = dict(mma="wgmma", block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=4,
+                    q_in_regs=False, pingpong=False, persistent=True)  # runs/gpt2-h100-persistent's best
+    T.clear_caches()
+    assert T.unusable_reason(entry(shape, recorded, space=space), shape) is None
+    assert "not the parameters of space" in T.unusable_reason(
+        entry(shape, {k: v for k, v in recorded.items() if k != "stages"}, space=space), shape)
+    assert "stale" in T.unusable_reason(entry(shape, recorded, space=space, digest="0" * 16), shape)
+    assert T._default_is(T._space(space), "epilogue", "regs") and not T._default_is(T._space(space), "epilogue", "tma")
 
 
 # ------------------------------------------------------------------------------------------------ GPU

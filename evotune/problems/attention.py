@@ -262,7 +262,7 @@ struct EvotuneTraits : EvotuneBaseTraits {{
     static constexpr int kOStageBytes = kQBytes;  // epilogue = tma, persistent: O's staging tile
     static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes + kOStageBytes;
 }};"""
-            map_param, map_arg, map_note = (
+            o_map_param, o_map_arg, o_map_note = (
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
                  "\n// o_map (epilogue = tma): O's CUtensorMap, boxes of 64 columns x 64 rows (one consumer warpgroup's).")
                 if tma else ("", "", ""))
@@ -276,14 +276,14 @@ struct EvotuneTraits : EvotuneBaseTraits {{
 // o: fp16/bf16 bit patterns; strides in elements (b = batch, h = head, s = sequence). kv_magic: 0, or with
 // grouped-query attention ceil(2^32 / group) for group = heads / kv_heads; the K and V maps span kv_heads.
 // n_heads, n_batch: the query heads and the batch. tile_counter: PERSISTENT with causal only (else null): two
-// unsigned ints zeroed once; the kernel leaves them zero (one pair per launch that may run concurrently).{map_note}
+// unsigned ints zeroed once; the kernel leaves them zero (one pair per launch that may run concurrently).{o_map_note}
 extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 {self.entry_name}(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                   const __grid_constant__ CUtensorMap v_map, unsigned short* __restrict__ o,
                   long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
-                  unsigned kv_magic, int n_heads, int n_batch, unsigned* tile_counter{map_param}{lse_params}) {{
+                  unsigned kv_magic, int n_heads, int n_batch, unsigned* tile_counter{o_map_param}{lse_params}) {{
     evotune::hopper::attention_fwd_wgmma<EvotuneTraits{lse_targ}>(&q_map, &k_map, &v_map, o, o_sb, o_sh, o_ss, seq_q, seq_k,
-                                                        scale_log2, kv_magic, n_heads, n_batch, tile_counter{map_arg}{lse_args});
+                                                        scale_log2, kv_magic, n_heads, n_batch, tile_counter{o_map_arg}{lse_args});
 }}
 """
         return f"""using EvotuneTraits = evotune::AttnTraits<
