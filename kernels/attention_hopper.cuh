@@ -543,6 +543,9 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 if (wg == 0 || t + 1 < n_tiles) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 1 - wg, 256);
             }
             wgmma_wait<1>();  // S(t) is done; P(t-1) V(t-1) may still run
+            //[no_wg_overlap] // Only `tools/time_configs.py --with-flag no_wg_overlap` (no config has it): wait for P(t-1) V(t-1)
+            //[no_wg_overlap] // too, so this warpgroup's softmax of tile t no longer runs under its own P V.
+            //[no_wg_overlap] wgmma_wait<0>();
             fence_regs(s_acc);
             if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[slot]));
             // Persistent, Q from shared memory: S(t) of the last K/V tile was Q's last reader, so the next tile's

@@ -38,3 +38,34 @@ def test_table_without_a_pool(time_configs):
     """Nothing timed (no config passed, no baseline available): the baselines say n/a, the configs their gate line."""
     lines = time_configs.table_lines([{"config": "{}", "line": "not admitted: x"}], None, {})
     assert lines == ["SDPA flash         n/a", "SDPA cudnn         n/a", "not admitted: x   {}"]
+
+
+def test_with_flag_arguments(time_configs):
+    """--with-flag FLAG comes first; without it every argument after the shape is a config."""
+    assert time_configs.parse_args(["gpt2", "{}"]) == (None, "gpt2", ["{}"])
+    assert time_configs.parse_args(["--with-flag", "no_wg_overlap", "gpt2", "{}", "{}"]) == \
+        ("no_wg_overlap", "gpt2", ["{}", "{}"])
+    for bad in (["--with-flag"], ["--with-flag", "x"], []):
+        with pytest.raises(SystemExit):
+            time_configs.parse_args(bad)
+
+
+def test_no_wg_overlap_variant(time_configs, attention, space):
+    """The variant --with-flag no_wg_overlap measures: the Hopper kernel with one more wgmma_wait<0> per K/V tile
+    (its softmax waits for its own P V), compiled clean for sm_90a (no spills, wgmma not serialised); the config's
+    own source is untouched (no config's flags hold it)."""
+    from evotune.build.compile import compile_source, static_violations
+    from evotune.build.template import instantiate
+    from evotune.problems.shapes import parse_shape
+
+    shape = parse_shape("gpt2")
+    flagged = time_configs.with_flags(attention, {"no_wg_overlap"})
+    wgmma = space.config(dict(mma="wgmma", block_m=128, block_n=64, compute_warps=8, producer_warps=0, stages=4,
+                              q_in_regs=True, epilogue="tma"))  # runs/gpt2-h100-tma's best
+    plain, serial = instantiate(attention, wgmma, shape), instantiate(flagged, wgmma, shape)
+    assert serial.code.count("wgmma_wait<0>();") == plain.code.count("wgmma_wait<0>();") + 1
+    assert attention.template_flags(wgmma) == frozenset({"tma_store"})
+    compiled = compile_source(serial.code, serial.entry)
+    geo = attention.geometry(wgmma, shape)
+    assert static_violations(compiled.resources, geo.threads, geo.dynamic_smem) == []
+    assert not [line for line in compiled.log.splitlines() if any(c in line for c in ("C7514", "C7515", "C7519"))]

@@ -1,6 +1,11 @@
 """Verify and time given configs beside the SDPA backends, in one process (developer tool, GPU).
 
     python3 tools/time_configs.py mission '{"block_m":16,"warp_key_groups":4}' '{...}'
+    python3 tools/time_configs.py --with-flag no_wg_overlap gpt2 '{"mma":"wgmma",...}'
+
+--with-flag FLAG also times each config compiled with the template's `//[FLAG]` lines kept (evotune/build/template.py),
+a variant no search proposes: e.g. no_wg_overlap, the Hopper kernel without its intra-warpgroup overlap (issue 13
+item 1's baseline). Such a variant is measured to explain a technique's effect, never recorded as a config.
 
 Each config passes the gate and is timed alone (evaluate_compiled, as the search does); then every
 config that passed, SDPA flash and SDPA cudnn are timed again interleaved in one pool
@@ -10,6 +15,7 @@ per round (>1: the config is faster), median and min-max. Configs that fail the 
 and not timed; $OUT/time_configs.json keeps everything.
 """
 
+import copy
 import json
 import os
 import sys
@@ -64,24 +70,46 @@ def table_lines(rows: list[dict], interleaved: dict | None, failures: dict[str, 
     return lines
 
 
+def with_flags(problem, flags):
+    """`problem` whose instantiations also keep the template lines of `flags` (for a measured variant only)."""
+    flagged = copy.copy(problem)
+    flagged.template_flags = lambda config: problem.template_flags(config) | frozenset(flags)
+    return flagged
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, str, list[str]]:
+    """(--with-flag's FLAG or None, the shape, the config JSONs)."""
+    flag = None
+    if argv[:1] == ["--with-flag"]:
+        if len(argv) < 2:
+            raise SystemExit("time_configs: --with-flag needs a flag name")
+        flag, argv = argv[1], argv[2:]
+    if not argv:
+        raise SystemExit("time_configs: give a shape and config JSONs")
+    return flag, argv[0], argv[1:]
+
+
 def main() -> None:
     problem, space = get_problem("attention"), load_builtin("attention")
-    shape = parse_shape(sys.argv[1])
+    flag, shape_text, texts = parse_args(sys.argv[1:])
+    shape = parse_shape(shape_text)
+    variants = [(problem, "")] + ([(with_flags(problem, {flag}), f" +{flag}")] if flag else [])
     rows, kernels = [], {}
-    for i, text in enumerate(sys.argv[2:], 1):
+    for i, text in enumerate(texts, 1):
         cfg = space.config(json.loads(text))
         why = space.violations(cfg, problem.context(shape))
         if why:
             rows.append({"config": text, "line": "not admitted: " + "; ".join(why)})
             continue
-        src = instantiate(problem, cfg, shape)
-        compiled = compile_source(src.code, src.entry)
-        res = evaluate_compiled(problem, shape, cfg, compiled)
-        rows.append({"config": text, "line": gate_line(res)})
-        if res.ok:
-            rows[-1]["label"] = f"config {i}"
-            kernel = load_kernel(compiled, problem.geometry(cfg, shape).dynamic_smem)
-            kernels[rows[-1]["label"]] = bind_kernel(problem, shape, cfg, kernel)
+        for source_problem, suffix in variants:
+            src = instantiate(source_problem, cfg, shape)
+            compiled = compile_source(src.code, src.entry)
+            res = evaluate_compiled(problem, shape, cfg, compiled)
+            rows.append({"config": text + suffix, "line": gate_line(res)})
+            if res.ok:
+                rows[-1]["label"] = f"config {i}{suffix}"
+                kernel = load_kernel(compiled, problem.geometry(cfg, shape).dynamic_smem)
+                kernels[rows[-1]["label"]] = bind_kernel(problem, shape, cfg, kernel)
     base = measure_baselines(problem, shape, names=BASELINES)
     available = [n for n, b in base.items() if b.get("available")]
     result, violations = head_to_head(problem, shape, kernels, available, DEFAULT_ROUNDS, split_reps(REPS))

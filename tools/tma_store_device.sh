@@ -12,6 +12,9 @@
 #   search  SEARCH_SHAPES (default the d64 presets) over attention-hopper3.yaml, TRIALS trials each, warm-started
 #           from the committed *-h100-persistent run of the shape (runs *-h100-tma)        -> $OUT/search.tgz
 #   bench   REPS x `evotune bench best` of each run the search step made                  -> $OUT/bench.tgz
+#   overlap tools/time_configs.py --with-flag no_wg_overlap per run in OVERLAP_RUNS (committed runs/): the winner and
+#           the same kernel without its intra-warpgroup overlap (item 1's baseline), interleaved beside SDPA
+#                                                                              -> $OUT/overlap.tgz
 #   ncu     Nsight Compute on the best of each run in NCU_RUNS (committed runs/): speed of light, compute workload,
 #           warp states, occupancy of one launch                                        -> $OUT/ncu.tgz (RUN.txt)
 set -uo pipefail
@@ -76,6 +79,18 @@ for run, pairs in rows.items():
           + (f"   CUDNN/ours {min(ratios):.3f}-{max(ratios):.3f}x" if ratios else ""))
 PY
       ;;
+    overlap)
+      ov=$(mktemp -d)/overlap; mkdir -p "$ov"
+      for run in ${OVERLAP_RUNS:?set OVERLAP_RUNS}; do
+        read -r shape cfg < <(python3 -c 'import json, sys
+d = sys.argv[1]; m = json.load(open(d + "/meta.json"))
+print(m["shape_spec"], json.dumps(json.load(open(d + "/best.json"))["config"], separators=(",", ":")))' "$here/runs/$run")
+        mkdir -p "$ov/$run"
+        (cd "$here" && OUT="$ov/$run" timeout 150 python3 tools/time_configs.py --with-flag no_wg_overlap "$shape" "$cfg") \
+          > "$ov/$run/table.txt" 2>&1 || echo "overlap $run failed: $(tail -1 "$ov/$run/table.txt")"
+        echo "== $run ($shape)"; tail -5 "$ov/$run/table.txt"
+        tar -czf "$OUT/overlap.tgz" -C "$(dirname "$ov")" overlap
+      done ;;
     ncu)
       ncu_dir=$(mktemp -d)/ncu; mkdir -p "$ncu_dir" "$EVOTUNE_RUNS"
       for run in ${NCU_RUNS:?set NCU_RUNS}; do
@@ -87,7 +102,7 @@ PY
           "$ncu_dir/$run.txt" | head -8
         tar -czf "$OUT/ncu.tgz" -C "$(dirname "$ncu_dir")" ncu
       done ;;
-    *) echo "unknown step $step (check, pairs, search, bench, ncu)" >&2 ;;
+    *) echo "unknown step $step (check, pairs, search, bench, overlap, ncu)" >&2 ;;
   esac
   echo "== $step took $(( $(date +%s) - start )) s"
 done
