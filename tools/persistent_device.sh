@@ -17,7 +17,7 @@
 #   final   each run named in FINAL_RUNS (committed runs, copied from runs/ with their study) resumed at its own
 #           trial count: no new trial, only the closing job, which re-times its finalists interleaved beside the
 #           baselines and names the best (records/best.py)                      -> $OUT/final.tgz (RUN/*.json, logs)
-#   bench   REPS x `evotune bench best` of each run named in BENCH_RUNS (default: the searches' runs)
+#   bench   tools/bench_runs.sh: REPS x `evotune bench best` of each run in BENCH_RUNS (default: the searches' runs)
 #                                                                                 -> $OUT/bench.tgz (bench/RUN-N.json)
 # Each step is bounded by a timeout; a failed step is reported and the next one still runs (check's failures are
 # in check.txt: read them before trusting the probe).
@@ -53,28 +53,7 @@ print(m["shape_spec"], m["space"], m["options"]["trials"])' "$EVOTUNE_RUNS/$run/
         tar -czf "$OUT/final.tgz" -C "$(dirname "$final")" final  # after each run: a timed-out call keeps the rest
       done ;;
     bench)
-      bench=$(mktemp -d)/bench; mkdir -p "$bench"  # tarred at the end: the device returns few files from $OUT
-      runs=${BENCH_RUNS:-$(for s in $SHAPES; do echo "${s//:/-}-h100-persistent"; done)}
-      for run in $runs; do
-        for i in $(seq 1 "${REPS:-3}"); do
-          timeout 120 python3 -m evotune bench best --run "$run" --reps 100 --out "$bench/$run-$i.json" \
-            > "$bench/$run-$i.txt" 2>&1 || echo "bench $run #$i failed: $(tail -1 "$bench/$run-$i.txt")"
-        done
-      done
-      tar -czf "$OUT/bench.tgz" -C "$(dirname "$bench")" bench
-      python3 - "$bench" <<'PY'
-import glob, json, os, sys
-rows = {}
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
-    rec = json.load(open(path))  # evotune bench --out: one row per kernel, ours first
-    times = {r["name"]: r.get("time_us") for r in rec["rows"] if r.get("available")}
-    rows.setdefault(os.path.basename(path).rsplit("-", 1)[0], []).append((times.get("evotune"), times.get("cudnn")))
-for run, pairs in rows.items():
-    ratios = [c / o for o, c in pairs if o and c]
-    print(f"{run:40s} " + "  ".join(f"{o or 0:8.2f}/{c or 0:8.2f}" for o, c in pairs)
-          + (f"   CUDNN/ours {min(ratios):.3f}-{max(ratios):.3f}x" if ratios else ""))
-PY
-      ;;
+      RUNS=${BENCH_RUNS:-$(for s in $SHAPES; do echo "${s//:/-}-h100-persistent"; done)} bash "$here/tools/bench_runs.sh" ;;
     *) echo "unknown step $step (check, probe, search, final, bench)" >&2 ;;
   esac
   echo "== $step took $(( $(date +%s) - start )) s"

@@ -11,7 +11,8 @@
 #           the same config with epilogue = tma, interleaved beside SDPA flash and cudnn  -> $OUT/pairs.tgz
 #   search  SEARCH_SHAPES (default the d64 presets) over attention-hopper3.yaml, TRIALS trials each, warm-started
 #           from the committed *-h100-persistent run of the shape (runs *-h100-tma)        -> $OUT/search.tgz
-#   bench   REPS x `evotune bench best` of each run the search step made                  -> $OUT/bench.tgz
+#   bench   tools/bench_runs.sh: REPS x `evotune bench best` of each run the search step made (or BENCH_RUNS)
+#                                                                              -> $OUT/bench.tgz
 #   overlap tools/time_configs.py --with-flag no_wg_overlap per run in OVERLAP_RUNS (committed runs/): the winner and
 #           the same kernel without its intra-warpgroup overlap (item 1's baseline), interleaved beside SDPA
 #                                                                              -> $OUT/overlap.tgz
@@ -23,6 +24,12 @@ export EVOTUNE_RUNS=${EVOTUNE_RUNS:-/tmp/runs} EVOTUNE_CACHE=${EVOTUNE_CACHE:-/t
 PAIR_RUNS=${PAIR_RUNS:-"gpt2-h100-persistent gpt2-bf16-h100-persistent gpt2-causal-h100-persistent
   gpt2-causal-bf16-h100-persistent long-8k-h100-persistent long-8k-bf16-h100-persistent llama-4k-h100-persistent"}
 SEARCH_SHAPES=${SEARCH_SHAPES:-"gpt2 gpt2:bf16 long-8k long-8k:bf16"}
+run_best() {  # RUN [EPILOGUE]: the committed run's shape spec and its best config as JSON (epilogue set if given)
+  python3 -c 'import json, sys
+d = sys.argv[1]; c = json.load(open(d + "/best.json"))["config"]
+if len(sys.argv) > 2: c = dict(c, epilogue=sys.argv[2])
+print(json.load(open(d + "/meta.json"))["shape_spec"], json.dumps(c, separators=(",", ":")))' "$here/runs/$1" "${@:2}"
+}
 for step in ${STEPS:-check pairs}; do
   start=$(date +%s)
   case $step in
@@ -36,10 +43,8 @@ for step in ${STEPS:-check pairs}; do
     pairs)
       pairs=$(mktemp -d)/pairs; mkdir -p "$pairs"
       for run in $PAIR_RUNS; do
-        read -r shape regs tma < <(python3 -c 'import json, sys
-d = sys.argv[1]; m = json.load(open(d + "/meta.json")); c = json.load(open(d + "/best.json"))["config"]
-print(m["shape_spec"], json.dumps(dict(c, epilogue="regs"), separators=(",", ":")),
-      json.dumps(dict(c, epilogue="tma"), separators=(",", ":")))' "$here/runs/$run")
+        read -r shape regs < <(run_best "$run" regs)
+        read -r _ tma < <(run_best "$run" tma)
         mkdir -p "$pairs/$run"
         (cd "$here" && OUT="$pairs/$run" timeout 150 python3 tools/time_configs.py "$shape" "$regs" "$tma") \
           > "$pairs/$run/table.txt" 2>&1 || echo "pair $run failed: $(tail -1 "$pairs/$run/table.txt")"
@@ -57,34 +62,11 @@ print(m["shape_spec"], json.dumps(dict(c, epilogue="regs"), separators=(",", ":"
         tar -czf "$OUT/search.tgz" -C "$(dirname "$EVOTUNE_RUNS")" "$(basename "$EVOTUNE_RUNS")" -C /tmp logs
       done ;;
     bench)
-      bench=$(mktemp -d)/bench; mkdir -p "$bench"
-      runs=${BENCH_RUNS:-$(for s in $SEARCH_SHAPES; do echo "${s//:/-}-h100-tma"; done)}
-      for run in $runs; do
-        for i in $(seq 1 "${REPS:-3}"); do
-          (cd "$here" && timeout 120 python3 -m evotune bench best --run "$run" --reps 100 --out "$bench/$run-$i.json") \
-            > "$bench/$run-$i.txt" 2>&1 || echo "bench $run #$i failed: $(tail -1 "$bench/$run-$i.txt")"
-        done
-        tar -czf "$OUT/bench.tgz" -C "$(dirname "$bench")" bench
-      done
-      python3 - "$bench" <<'PY'
-import glob, json, os, sys
-rows = {}
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
-    rec = json.load(open(path))  # evotune bench --out: one row per kernel, ours first
-    times = {r["name"]: r.get("time_us") for r in rec["rows"] if r.get("available")}
-    rows.setdefault(os.path.basename(path).rsplit("-", 1)[0], []).append((times.get("evotune"), times.get("cudnn")))
-for run, pairs in rows.items():
-    ratios = [c / o for o, c in pairs if o and c]
-    print(f"{run:32s} " + "  ".join(f"{o or 0:8.2f}/{c or 0:8.2f}" for o, c in pairs)
-          + (f"   CUDNN/ours {min(ratios):.3f}-{max(ratios):.3f}x" if ratios else ""))
-PY
-      ;;
+      RUNS=${BENCH_RUNS:-$(for s in $SEARCH_SHAPES; do echo "${s//:/-}-h100-tma"; done)} bash "$here/tools/bench_runs.sh" ;;
     overlap)
       ov=$(mktemp -d)/overlap; mkdir -p "$ov"
       for run in ${OVERLAP_RUNS:?set OVERLAP_RUNS}; do
-        read -r shape cfg < <(python3 -c 'import json, sys
-d = sys.argv[1]; m = json.load(open(d + "/meta.json"))
-print(m["shape_spec"], json.dumps(json.load(open(d + "/best.json"))["config"], separators=(",", ":")))' "$here/runs/$run")
+        read -r shape cfg < <(run_best "$run")
         mkdir -p "$ov/$run"
         (cd "$here" && OUT="$ov/$run" timeout 150 python3 tools/time_configs.py --with-flag no_wg_overlap "$shape" "$cfg") \
           > "$ov/$run/table.txt" 2>&1 || echo "overlap $run failed: $(tail -1 "$ov/$run/table.txt")"
