@@ -194,8 +194,8 @@ def few_ctas(monkeypatch):
 
 
 def _run_pair(attention, space, shape, cfg, seed=5, lse=False):
-    """(tma output, regs output, inputs[, tma lse, regs lse]) of one launch of each on the same inputs, outputs
-    filled with NaN first."""
+    """([tma output, regs output], [tma lse, regs lse] or Nones, inputs): one launch of each on the same inputs,
+    outputs filled with NaN first; with `lse`, the training variant (write_lse) of each."""
     import torch
 
     from evotune.build.compile import load_kernel
@@ -203,10 +203,9 @@ def _run_pair(attention, space, shape, cfg, seed=5, lse=False):
     inputs = attention.make_inputs(shape, seed)
     outs, lses = [], []
     for c in (cfg, _regs(cfg)):
-        config, _, compiled = _compile(attention, space, shape, c)
-        plan = attention.launch_plan(config, shape)
-        kernel_src = instantiate(attention, config, shape, write_lse=True) if lse else None
-        kernel = load_kernel(compile_source(kernel_src.code, kernel_src.entry) if lse else compiled, plan.dynamic_smem)
+        config = space.config(dict(c))
+        src = instantiate(attention, config, shape, **({"write_lse": True} if lse else {}))
+        kernel = load_kernel(compile_source(src.code, src.entry), attention.launch_plan(config, shape).dynamic_smem)
         out = attention.new_output(inputs).fill_(math.nan)
         lse_t = torch.full((shape.batch, shape.heads, shape.seq_q), math.nan, device=out.device) if lse else None
         attention.launcher(kernel, config, shape, inputs, out, lse_t)()
