@@ -643,6 +643,8 @@ __device__ __forceinline__ void compute_sync() {
     if constexpr (T::kHasProducers) named_bar_sync(NamedBarrier::kComputeWarps, 0, T::kComputeThreads);
     else __syncthreads();
 }
+//[split_merge]
+//[split_merge] #include "attention_split_merge.cuh"
 
 // ------------------------------------------------------------------ kernel
 
@@ -838,6 +840,19 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
 
     if constexpr (T::kKeyGroups > 1) {
         float* slots = reinterpret_cast<float*>(sV + T::kStages * T::kKVElems);
+        //[split_merge] // key_merge = split (kernels/attention_split_merge.cuh): each key group merges and stores its
+        //[split_merge] // 1/G of the head dim; gather's code below is compiled out.
+        //[split_merge] write_split_partial<T>(o_acc, m_run, l_run, slots, key_group, warp_row0, lane);
+        //[split_merge] compute_sync<T>();
+        //[trace_split] tracer.mark(trace::kSync);  // every key group's published columns are in shared memory
+        //[split_merge] merge_split<T>(o_acc, m_run, l_run, slots, key_group, warp_row0, scale_log2, lane);
+        //[trace_split] tracer.mark_after(trace::kMerge, split_last_merged<T>(o_acc, key_group));
+        //[split_merge] if constexpr (WRITE_LSE) {
+        //[split_merge]     if (key_group == 0) store_lse<T, true>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
+        //[split_merge] }
+        //[split_merge] store_o_split<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, key_group, lane);
+        //[trace_split] tracer.mark(trace::kStore);  // this warp's stores issued
+        //[split_merge] #if 0
         if (key_group > 0)
             write_key_group_partial<T>(o_acc, m_run, l_run, slots + (key_group - 1) * T::kMergeSlotFloats, warp_row0, lane);
         compute_sync<T>();
@@ -848,6 +863,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         if constexpr (WRITE_LSE) store_lse<T, true>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
         store_o<T, true>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
         //[trace] tracer.mark(trace::kStore);  // the stores issued
+        //[split_merge] #endif
     } else if constexpr (T::kKVSplits == 1) {
         if constexpr (WRITE_LSE) store_lse<T>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
         store_o<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);

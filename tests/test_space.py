@@ -155,8 +155,8 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 
 def test_size(space):
-    """size() is the product of the value counts: 2*5*5*5*4*4*3*2*4*3*2*2*2."""
-    assert space.size() == 4608000
+    """size() is the product of the value counts: 2*5*5*5*4*4*3*2*4*3*2*2*2*2*2."""
+    assert space.size() == 9216000
 
 
 def test_all_configs_is_the_full_product_in_order(space):

@@ -36,7 +36,8 @@ def shape_context(shape: Shape) -> dict:
 # The value a knob takes when a (reduced) search space does not list it.
 KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
                  "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
-                 "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs"}
+                 "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
+                 "key_merge": "gather"}
 
 
 # The values each knob may take: what the templates' traits (AttnTraits, hopper::HopperTraits) accept for
@@ -56,6 +57,7 @@ KNOB_DOMAINS = {
     "persistent": (False, True),
     "pdl": (False, True),
     "epilogue": ("regs", "tma"),
+    "key_merge": ("gather", "split"),
 }
 
 
@@ -90,6 +92,24 @@ def is_tma_store(config) -> bool:
     """The Hopper variant's TMA-store epilogue (knob epilogue = tma, kernels/hopper_tma_store.cuh): each consumer
     warpgroup stages O in shared memory and one thread stores it with TMA (through a fourth tensor map, o_map)."""
     return is_wgmma(config) and knob(config, "epilogue") == "tma"
+
+
+def is_split_merge(config) -> bool:
+    """mma.sync with key groups, knob key_merge = split (kernels/attention_split_merge.cuh): each key group merges
+    and stores 1/warp_key_groups of the head dim, instead of the row group's first warp merging and storing all."""
+    return not is_wgmma(config) and int(knob(config, "warp_key_groups")) > 1 and knob(config, "key_merge") == "split"
+
+
+def merge_bytes(config, shape: Shape) -> int:
+    """Shared memory of the key groups' merge (mma.sync). gather: fp32 O, max and sum of every key group but the
+    first (AttnTraits::kMergeBytes); split: G - 1 slots of O at a pitch of head_dim + 8 floats, then every group's
+    max and sum (SplitMerge::kBytes)."""
+    groups, block_m, dim = int(knob(config, "warp_key_groups")), int(knob(config, "block_m")), shape.head_dim
+    if groups == 1 or is_wgmma(config):
+        return 0
+    if is_split_merge(config):
+        return 4 * ((groups - 1) * block_m * (dim + 8) + 2 * groups * block_m)
+    return 4 * (groups - 1) * block_m * (dim + 2)
 
 
 def o_stage_bytes(config, shape: Shape) -> int:
@@ -150,10 +170,11 @@ class AttentionProblem(Problem):
     rate_unit = "TFLOP/s"
     knob_abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
                    "smem_layout": "", "q_in_regs": ("qreg", "qsmem"), "kv_splits": "kv",
-                   "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl"), "epilogue": "epi-"}
-    # pdl and epilogue came after the recorded runs; at false and regs they leave the source as it was (their
-    # template lines are flagged).
-    late_knobs = {"pdl": False, "epilogue": "regs"}
+                   "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl"), "epilogue": "epi-",
+                   "key_merge": "merge-"}
+    # pdl, epilogue and key_merge came after the recorded runs; at false, regs and gather they leave the source as it
+    # was (their template lines are flagged).
+    late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather"}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -206,9 +227,11 @@ class AttentionProblem(Problem):
 
     def template_flags(self, config) -> frozenset[str]:
         """pdl: the kernels' `//[pdl]` lines (griddepcontrol.wait before the first global access, then
-        launch_dependents); tma_store: the Hopper kernel's `//[tma_store]` lines (its TMA-store epilogue). Neither
-        knob is a template argument, so that a config without them keeps its source."""
-        return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config))) if on)
+        launch_dependents); tma_store: the Hopper kernel's `//[tma_store]` lines (its TMA-store epilogue);
+        split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split). No such knob is a template
+        argument, so that a config without them keeps its source."""
+        return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
+                                               ("split_merge", is_split_merge(config))) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
@@ -286,8 +309,17 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
                                                         scale_log2, kv_magic, n_heads, n_batch, tile_counter{o_map_arg}{lse_args});
 }}
 """
-        return f"""using EvotuneTraits = evotune::AttnTraits<
+        traits = f"""using EvotuneTraits = evotune::AttnTraits<
+    {targs}>;"""
+        if is_split_merge(config):
+            # Only these configs' text differs: the split merge's slots replace gather's (kMergeBytes) in the launch's
+            # shared memory (kernels/attention_split_merge.cuh).
+            traits = f"""using EvotuneBaseTraits = evotune::AttnTraits<
     {targs}>;
+struct EvotuneTraits : EvotuneBaseTraits {{
+    static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes - kMergeBytes + evotune::SplitMerge<EvotuneBaseTraits>::kBytes;
+}};"""
+        return f"""{traits}
 {asserts}
 // Launch: grid (ceil(seq_q / BLOCK_M), heads, batch * KV_SPLITS), block (EvotuneTraits::kThreads),
 // dynamic shared memory EvotuneTraits::kSmemBytes. Pointers are fp16/bf16 bit patterns;
@@ -324,9 +356,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
         pitch = shape.head_dim + (8 if knob(config, "smem_layout") == "pad" else 0)
         smem = 2 * pitch * (block_m + 2 * int(knob(config, "stages")) * block_n)
-        key_groups = int(knob(config, "warp_key_groups"))
-        if key_groups > 1:  # fp32 O, max and sum of every key group but the first (AttnTraits::kMergeBytes)
-            smem += 4 * (key_groups - 1) * block_m * (shape.head_dim + 2)
+        smem += merge_bytes(config, shape)
         return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads,
                                     shape.batch * int(knob(config, "kv_splits"))),
                               block=(threads, 1, 1), dynamic_smem=smem)

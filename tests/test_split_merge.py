@@ -1,0 +1,241 @@
+"""The key groups' split merge (knob key_merge = split, kernels/attention_split_merge.cuh).
+
+CPU: the knob's sources (gather configs keep theirs, split ones inline the header), compiles for sm_90a without
+spills or local memory, shared memory (the launch, the traits and the space's smem_bytes agree), the space's
+constraint, the phase-trace variant. GPU (marked): every code path passes the gate and writes bit for bit the output
+of the same config with key_merge = gather, with the log-sum-exp too; the sanitizers find nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from evotune.build.compile import compile_source, static_violations
+from evotune.build.template import instantiate, template_flag_names
+from evotune.problems.attention import merge_bytes
+from evotune.problems.shapes import parse_shape
+from evotune.space.searchspace import load_builtin
+
+_S = dict(mma="sync", kv_splits=1, key_merge="split")
+# One per code path: two and four key groups, one and two 16-row tiles per warp, a producer warp or not, swizzled and
+# padded tiles, Q in registers or shared memory, one stage, pdl.
+SPLIT_CONFIGS = [
+    dict(_S, block_m=32, block_n=128, compute_warps=4, producer_warps=0, stages=4, smem_layout="swizzle",
+         q_in_regs=True, warp_key_groups=2, pdl=True),  # the mission winner's tiling (runs/mission-h100-exhaustive-small-pdl)
+    dict(_S, block_m=32, block_n=128, compute_warps=8, producer_warps=0, stages=3, smem_layout="swizzle",
+         q_in_regs=True, warp_key_groups=4),
+    dict(_S, block_m=64, block_n=64, compute_warps=4, producer_warps=2, stages=2, smem_layout="pad",
+         q_in_regs=False, warp_key_groups=2),
+    dict(_S, block_m=64, block_n=128, compute_warps=8, producer_warps=0, stages=1, smem_layout="plain",
+         q_in_regs=True, warp_key_groups=4),
+    dict(_S, block_m=128, block_n=64, compute_warps=8, producer_warps=1, stages=2, smem_layout="swizzle",
+         q_in_regs=False, warp_key_groups=2),
+]
+MISSION_WINNER_DIGEST = "4aac853a37e5a9d4"  # pdl true; docs/TRACE.md pins it too
+
+
+def _id(c: dict) -> str:
+    return (f"M{c['block_m']}N{c['block_n']}cw{c['compute_warps']}kg{c['warp_key_groups']}pw{c['producer_warps']}"
+            f"st{c['stages']}{c['smem_layout']}q{int(c['q_in_regs'])}")
+
+
+def _gather(cfg: dict) -> dict:
+    return dict(cfg, key_merge="gather")
+
+
+def _compile(attention, space, shape, cfg):
+    config = space.config(dict(cfg))
+    src = instantiate(attention, config, shape)
+    return config, src, compile_source(src.code, src.entry)
+
+
+def test_gather_configs_keep_their_source(attention, space):
+    """key_merge = gather is the source as it was before the knob: the same text as a config that does not name
+    it, none of the split code, and the mission winner's pinned digest."""
+    shape = parse_shape("mission")
+    for cfg in SPLIT_CONFIGS:
+        stated = instantiate(attention, space.config(_gather(cfg)), shape)
+        unnamed = {k: v for k, v in cfg.items() if k != "key_merge"}
+        assert instantiate(attention, space.config(unnamed), shape).code == stated.code
+        assert "attention_split_merge" not in stated.code and "SplitMerge" not in stated.code
+        assert template_flag_names(stated.code) == set()
+    merge = load_builtin("attention-small-merge")  # the mission search's space: no mma, pingpong, ... knobs
+    winner = {k: v for k, v in _gather(SPLIT_CONFIGS[0]).items() if k != "mma"}
+    assert instantiate(attention, merge.config(winner), shape).digest == MISSION_WINNER_DIGEST
+
+
+def test_every_gather_config_of_the_mission_search_keeps_its_source(attention):
+    """Each gather config of attention-small-merge.yaml instantiates to the source of the same config in
+    attention-small-pdl.yaml, the space its oracle measured (so that run's figures hold for them)."""
+    merge, pdl = load_builtin("attention-small-merge"), load_builtin("attention-small-pdl")
+    shape = parse_shape("mission")
+    ctx = attention.context(shape)
+    oracle = {c: instantiate(attention, c, shape).digest for c in pdl.admitted_configs(ctx)}
+    gathered = [c for c in merge.admitted_configs(ctx) if c["key_merge"] == "gather"]
+    assert len(gathered) == len(oracle) == 912
+    for c in gathered:
+        same = pdl.config({k: v for k, v in c.as_dict().items() if k != "key_merge"})
+        assert instantiate(attention, c, shape).digest == oracle[same]
+
+
+def test_split_source_inlines_its_header(attention, space):
+    """A split config's source has the header inlined (no include left), gather's code compiled out, traits whose
+    shared memory is the split slots', and no flag markers."""
+    src = instantiate(attention, space.config(SPLIT_CONFIGS[0]), parse_shape("mission"))
+    assert "// ---- begin attention_split_merge.cuh" in src.code and '#include "' not in src.code
+    assert "struct EvotuneTraits : EvotuneBaseTraits" in src.code
+    assert "write_split_partial<T>(o_acc" in src.code and "#if 0\n        if (key_group > 0)" in src.code
+    assert template_flag_names(src.code) == set()
+
+
+@pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=_id)
+@pytest.mark.parametrize("shape_text", ["mission", "2,3,300,333,128:bf16:causal:bshd"])
+def test_split_configs_compile_clean(attention, space, cfg, shape_text):
+    """Every path compiles for sm_90a with no stack frame (a runtime index into O would put it in local memory) and
+    within the static gate wherever the gather twin is."""
+    shape = parse_shape(shape_text)
+    if not space.admitted(space.config(cfg), attention.context(shape)):
+        pytest.skip("config not admitted for this shape (shared memory, accumulator registers)")
+    config, _, compiled = _compile(attention, space, shape, cfg)
+    geo = attention.geometry(config, shape)
+    gather_config, _, gather = _compile(attention, space, shape, _gather(cfg))
+    if static_violations(gather.resources, geo.threads, attention.geometry(gather_config, shape).dynamic_smem):
+        pytest.skip(f"the gather twin spills too: {gather.resources}")  # d128 with producer warps: 168 registers
+    res = compiled.resources
+    assert res.stack_frame == 0 and res.spill_stores == 0, res
+    assert not static_violations(res, geo.threads, geo.dynamic_smem)
+
+
+def test_shared_memory(attention, space):
+    """The split slots replace gather's in the launch's shared memory (the instantiation asserts that the traits
+    agree), and the space's smem_bytes counts the same."""
+    for shape_text in ("mission", "1,4,1000,128:bf16:causal"):
+        shape = parse_shape(shape_text)
+        ctx = attention.context(shape)
+        for cfg in SPLIT_CONFIGS:
+            split, gather = space.config(cfg), space.config(_gather(cfg))
+            g, m, d = cfg["warp_key_groups"], cfg["block_m"], shape.head_dim
+            assert merge_bytes(gather, shape) == 4 * (g - 1) * m * (d + 2)
+            assert merge_bytes(split, shape) == 4 * ((g - 1) * m * (d + 8) + 2 * g * m)
+            assert (attention.geometry(split, shape).dynamic_smem - attention.geometry(gather, shape).dynamic_smem
+                    == merge_bytes(split, shape) - merge_bytes(gather, shape))
+            for c in (split, gather):
+                assert space.derive(c, ctx)["smem_bytes"] == attention.geometry(c, shape).dynamic_smem
+
+
+def test_space_admits_split_only_with_key_groups(attention, space):
+    """split needs two or more key groups dividing the head dim's 8-column blocks (so never wgmma); every admitted
+    split config has a gather twin that is admitted too; the mission search space adds 600 split configs."""
+    ctx = attention.context(parse_shape("mission"))
+    assert space.violations(space.config(dict(key_merge="split")), ctx)  # one key group
+    assert space.violations(space.config(dict(SPLIT_CONFIGS[0], warp_key_groups=1, compute_warps=2)), ctx)
+    admitted = space.admitted_configs(ctx)
+    split = [c for c in admitted if c["key_merge"] == "split"]
+    assert split and all(c["mma"] == "sync" and c["warp_key_groups"] > 1 for c in split)
+    keys = set(admitted)
+    assert all(space.config(_gather(c.as_dict())) in keys for c in split)
+    merge = load_builtin("attention-small-merge")
+    assert sum(c["key_merge"] == "split" for c in merge.admitted_configs(ctx)) == 600
+
+
+def test_trace_variant_stamps_the_split_merge(attention):
+    """tools/phase_trace.py's variant of a split config keeps the split path's stamps (`//[trace_split]` lines:
+    both flags), compiles, and its gather twin has none of them."""
+    spec = importlib.util.spec_from_file_location("phase_trace", Path(__file__).parent.parent / "tools" / "phase_trace.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    traced, space = tool.TracedAttention(), load_builtin("attention")
+    shape = parse_shape("mission")
+    split = instantiate(traced, space.config(SPLIT_CONFIGS[0]), shape)
+    gather = instantiate(traced, space.config(_gather(SPLIT_CONFIGS[0])), shape)
+    assert "split_last_merged<T>(o_acc, key_group)" in split.code and "split_last_merged" not in gather.code
+    res = compile_source(split.code, split.entry).resources
+    assert res.stack_frame == 0 and res.spill_stores == 0
+
+
+# --------------------------------------------------------------------------- GPU
+
+SHAPES = ["mission", "2,3,200,333,64", "2,4,257,64:bshd", "1,4,1000,128:bf16:causal", "3,2,77,300,128:causal",
+          "2,2,300,77,64:causal:bshd", "1,8,512,64:causal:kv4", "1,2,1,64"]
+
+
+def _run_pair(attention, space, shape, cfg, seed=5, lse=False):
+    """([split output, gather output], [split lse, gather lse] or Nones): one launch of each on the same inputs,
+    outputs filled with NaN first; with `lse`, the training variant (write_lse) of each."""
+    import torch
+
+    from evotune.build.compile import load_kernel
+
+    inputs = attention.make_inputs(shape, seed)
+    outs, lses = [], []
+    for c in (cfg, _gather(cfg)):
+        config = space.config(dict(c))
+        src = instantiate(attention, config, shape, **({"write_lse": True} if lse else {}))
+        kernel = load_kernel(compile_source(src.code, src.entry), attention.launch_plan(config, shape).dynamic_smem)
+        out = attention.new_output(inputs).fill_(math.nan)
+        lse_t = torch.full((shape.batch, shape.heads, shape.seq_q), math.nan, device=out.device) if lse else None
+        attention.launcher(kernel, config, shape, inputs, out, lse_t)()
+        torch.cuda.synchronize()
+        outs.append(out)
+        lses.append(lse_t)
+    return outs, lses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=_id)
+@pytest.mark.parametrize("shape_text", SHAPES)
+def test_split_merge_passes_the_gate_and_matches_gather(attention, space, cfg, shape_text):
+    """The full gate (stray writes, unwritten output, perturbations) passes, and the output is bit for bit gather's
+    (the same terms in the same order): ragged tails, Sq != Sk, BSHD, causal (groups with no unmasked key), grouped
+    heads, bf16, d128, S = 1."""
+    import torch
+
+    from evotune.gpu.evaluate import evaluate_compiled
+    from evotune.records import result as R
+
+    shape = parse_shape(shape_text)
+    config = space.config(dict(cfg))
+    if not space.admitted(config, attention.context(shape)):
+        pytest.skip("config not admitted for this shape")
+    *_, compiled = _compile(attention, space, shape, cfg)
+    res = evaluate_compiled(attention, shape, config, compiled, time_it=False)
+    if res.status == R.PRUNED:  # d128 with producer warps spills with either merge
+        gather_config, _, gather = _compile(attention, space, shape, _gather(cfg))
+        assert evaluate_compiled(attention, shape, gather_config, gather, time_it=False).status == R.PRUNED, res.message
+        pytest.skip(f"pruned by the static gate with either merge: {res.message}")
+    assert res.status == R.OK, res.message
+    (split, gather), _ = _run_pair(attention, space, shape, cfg)
+    assert torch.equal(split.view(torch.int16), gather.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [SPLIT_CONFIGS[1], SPLIT_CONFIGS[4]], ids=_id)
+def test_split_merge_with_log_sum_exp(attention, space, cfg):
+    """The training variant (write_lse): O and the log-sum-exp equal the gather kernel's."""
+    import torch
+
+    shape = parse_shape("2,3,333,257,128:bf16:causal")
+    (split, gather), (lse_split, lse_gather) = _run_pair(attention, space, shape, cfg, lse=True)
+    assert torch.equal(split.view(torch.int16), gather.view(torch.int16))
+    assert torch.equal(lse_split, lse_gather) and torch.isfinite(lse_split).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "synccheck", "racecheck"])
+@pytest.mark.parametrize("cfg", [SPLIT_CONFIGS[0], SPLIT_CONFIGS[4]], ids=_id)
+def test_sanitizers_clean(attention, space, tool, cfg):
+    """memcheck, synccheck and racecheck find nothing in the split merge (the slots written and read across warps,
+    the Q tile restaged by two warps per row) on a ragged causal shape."""
+    from evotune.gpu.sanitize import run_tool
+    from evotune.gpu.workers import compiled_to_dict
+
+    shape = parse_shape("2,3,197,300,64:causal")
+    config, _, compiled = _compile(attention, space, shape, cfg)
+    job = {"family": "attention", "shape": shape.as_dict(), "config": config.as_dict(),
+           "compiled": compiled_to_dict(compiled)}
+    report = run_tool(tool, job)
+    assert report["clean"], report

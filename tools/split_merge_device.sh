@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The key groups' split merge (knob key_merge = split, kernels/attention_split_merge.cuh) on the GPU machine, in the
+# order that guards each later step: its GPU checks first (a kernel that fails them is never timed), then
+# before/after pairs beside SDPA, then the exhaustive mission search that decides where it pays, its bench records
+# beside the previous winner's, and the phase trace of the new winner.
+#   STEPS="check pairs" OUT=dir bash tools/split_merge_device.sh
+#   STEPS="search bench trace" OUT=dir bash tools/split_merge_device.sh
+#   check   pytest -m gpu tests/test_split_merge.py: the gate on 8 shapes x 5 configs (bit for bit gather's output
+#           too), write_lse; then the slow compute-sanitizer runs                  -> $OUT/check.txt, $OUT/sanitize.txt
+#   pairs   tools/time_configs.py on the mission shape: the pdl winner of runs/mission-h100-exhaustive-small-pdl and
+#           its four-key-group twin, each with key_merge = gather and split, interleaved beside SDPA flash and cudnn
+#                                                                                  -> $OUT/pairs/{table.txt,*.json}
+#   search  evotune search --shape mission over attention-small-merge.yaml, exhaustive (all TRIALS admitted configs)
+#           -> run mission-h100-exhaustive-small-merge                             -> $OUT/search.tgz
+#   bench   tools/bench_runs.sh: REPS x `evotune bench best` of that run and of mission-h100-exhaustive-small-pdl
+#                                                                                  -> $OUT/bench.tgz
+#   trace   tools/phase_trace.py on the new run's winner, then --compare with the committed trace of the old one
+#           (docs/data/trace/pdl_on.json.gz, if carried)                           -> $OUT/trace/
+set -uo pipefail
+OUT=${OUT:?set OUT}; here=$(cd "$(dirname "$0")/.." && pwd)
+export EVOTUNE_RUNS=${EVOTUNE_RUNS:-/tmp/runs} EVOTUNE_CACHE=${EVOTUNE_CACHE:-/tmp/cache}
+RUN=mission-h100-exhaustive-small-merge OLD=mission-h100-exhaustive-small-pdl
+for step in ${STEPS:-check pairs}; do
+  start=$(date +%s)
+  case $step in
+    check)
+      (cd "$here" && timeout "${CHECK_S:-300}" python3 -m pytest -q -m "gpu and not slow" tests/test_split_merge.py \
+        -p no:cacheprovider) > "$OUT/check.txt" 2>&1
+      echo "check rc=$? $(tail -1 "$OUT/check.txt")"
+      (cd "$here" && timeout "${SANITIZE_S:-240}" python3 -m pytest -q -m "gpu and slow" tests/test_split_merge.py \
+        -p no:cacheprovider) > "$OUT/sanitize.txt" 2>&1
+      echo "sanitize rc=$? $(tail -1 "$OUT/sanitize.txt")" ;;
+    pairs)
+      mkdir -p "$OUT/pairs"
+      w='"block_m":32,"block_n":128,"producer_warps":0,"stages":4,"smem_layout":"swizzle","q_in_regs":true,"kv_splits":1,"pdl":true'
+      (cd "$here" && OUT="$OUT/pairs" timeout 240 python3 tools/time_configs.py mission \
+        "{$w,\"compute_warps\":4,\"warp_key_groups\":2,\"key_merge\":\"gather\"}" \
+        "{$w,\"compute_warps\":4,\"warp_key_groups\":2,\"key_merge\":\"split\"}" \
+        "{$w,\"compute_warps\":8,\"warp_key_groups\":4,\"key_merge\":\"gather\"}" \
+        "{$w,\"compute_warps\":8,\"warp_key_groups\":4,\"key_merge\":\"split\"}") > "$OUT/pairs/table.txt" 2>&1 \
+        || echo "pairs failed: $(tail -1 "$OUT/pairs/table.txt")"
+      tail -12 "$OUT/pairs/table.txt" ;;
+    search)
+      mkdir -p "$EVOTUNE_RUNS" /tmp/logs
+      (cd "$here" && timeout "${SEARCH_S:-400}" python3 -m evotune search --shape mission --sampler exhaustive \
+        --trials "${TRIALS:-1512}" --run "$RUN" --space search_spaces/attention-small-merge.yaml) > "/tmp/logs/$RUN.txt" 2>&1
+      echo "$RUN rc=$? $(grep -h '^finalists:' "/tmp/logs/$RUN.txt")"; tail -15 "/tmp/logs/$RUN.txt"
+      tar -czf "$OUT/search.tgz" -C "$(dirname "$EVOTUNE_RUNS")" "$(basename "$EVOTUNE_RUNS")/$RUN" -C /tmp logs ;;
+    bench)
+      [ -d "$EVOTUNE_RUNS/$OLD" ] || cp -r "$here/runs/$OLD" "$EVOTUNE_RUNS/"
+      [ -d "$EVOTUNE_RUNS/$RUN" ] || cp -r "$here/runs/$RUN" "$EVOTUNE_RUNS/"
+      RUNS=${BENCH_RUNS:-"$RUN $OLD"} bash "$here/tools/bench_runs.sh" ;;
+    trace)
+      mkdir -p "$OUT/trace"
+      [ -d "$EVOTUNE_RUNS/$RUN" ] || cp -r "$here/runs/$RUN" "$EVOTUNE_RUNS/"
+      (cd "$here" && timeout "${TRACE_S:-300}" python3 tools/phase_trace.py --run "$RUN" --out "$OUT/trace/new.json") \
+        > "$OUT/trace/new.txt" 2>&1
+      echo "trace rc=$?"; tail -40 "$OUT/trace/new.txt"
+      old=$here/docs/data/trace/pdl_on.json.gz
+      if [ -f "$old" ]; then
+        gunzip -c "$old" > "$OUT/trace/old.json"
+        (cd "$here" && python3 tools/phase_trace.py --compare "$OUT/trace/old.json" "$OUT/trace/new.json") \
+          > "$OUT/trace/compare.txt" 2>&1
+        rm -f "$OUT/trace/old.json"; cat "$OUT/trace/compare.txt"
+      fi ;;
+    *) echo "unknown step $step (check, pairs, search, bench, trace)" >&2 ;;
+  esac
+  echo "== $step took $(( $(date +%s) - start )) s"
+done
