@@ -9,8 +9,9 @@
 // barrier merges and stores only its own, so the G warps of a row group share that chain.
 //
 // The arithmetic is gather's, term for term and in the same order (group 0's partial times its weight, then each
-// further group's added with an FMA; the same sums and the same 1 / l), so O is bitwise the gather epilogue's
-// (tests/test_split_merge.py checks that on the GPU).
+// further group's added; the same sums and the same 1 / l). It is not bitwise gather's: in `a * w0 + w1 * b` ptxas
+// picks which product goes into the FMA element by element (gather's own SASS does both within a row), so a merged
+// value may differ by an fp32 rounding (tests/test_split_merge.py bounds it on the GPU).
 
 template <class T>
 struct SplitMerge {

@@ -2,8 +2,9 @@
 
 CPU: the knob's sources (gather configs keep theirs, split ones inline the header), compiles for sm_90a without
 spills or local memory, shared memory (the launch, the traits and the space's smem_bytes agree), the space's
-constraint, the phase-trace variant. GPU (marked): every code path passes the gate and writes bit for bit the output
-of the same config with key_merge = gather, with the log-sum-exp too; the sanitizers find nothing."""
+constraint, the phase-trace variant. GPU (marked): every code path passes the gate and agrees with the same config
+with key_merge = gather to the rounding of the merge (see _assert_agree), with the log-sum-exp too; the sanitizers
+find nothing."""
 
 from __future__ import annotations
 
@@ -162,6 +163,20 @@ SHAPES = ["mission", "2,3,200,333,64", "2,4,257,64:bshd", "1,4,1000,128:bf16:cau
           "2,2,300,77,64:causal:bshd", "1,8,512,64:causal:kv4", "1,2,1,64"]
 
 
+def _assert_agree(split, gather, dtype: str) -> None:
+    """split's O equals gather's to within two units in the last place of the output (1e-5 absolute where the groups'
+    terms cancel). Not bitwise: both merges sum the same terms in the same order, but ptxas contracts a different
+    product of each `a * w0 + w1 * b` into the FMA, element by element (gather's SASS does both within one row), so
+    the fp32 sums can differ by a rounding. A wrong slot, weight or column would be off by O(0.1)."""
+    import torch
+
+    a, b = split.float(), gather.float()
+    ulp = 2.0 ** (-10 if dtype == "fp16" else -7)  # relative spacing of the output's values
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    bad = (a - b).abs() > 2 * ulp * torch.maximum(a.abs(), b.abs()) + 1e-5
+    assert not bad.any(), f"{int(bad.sum())} elements differ, max {float((a - b).abs().max()):.3g}"
+
+
 def _run_pair(attention, space, shape, cfg, seed=5, lse=False):
     """([split output, gather output], [split lse, gather lse] or Nones): one launch of each on the same inputs,
     outputs filled with NaN first; with `lse`, the training variant (write_lse) of each."""
@@ -188,9 +203,9 @@ def _run_pair(attention, space, shape, cfg, seed=5, lse=False):
 @pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=_id)
 @pytest.mark.parametrize("shape_text", SHAPES)
 def test_split_merge_passes_the_gate_and_matches_gather(attention, space, cfg, shape_text):
-    """The full gate (stray writes, unwritten output, perturbations) passes, and the output is bit for bit gather's
-    (the same terms in the same order): ragged tails, Sq != Sk, BSHD, causal (groups with no unmasked key), grouped
-    heads, bf16, d128, S = 1."""
+    """The full gate (stray writes, unwritten output, perturbations) passes, and the output agrees with gather's to
+    the merge's rounding: ragged tails, Sq != Sk, BSHD, causal (groups with no unmasked key), grouped heads, bf16,
+    d128, S = 1."""
     import torch
 
     from evotune.gpu.evaluate import evaluate_compiled
@@ -208,19 +223,21 @@ def test_split_merge_passes_the_gate_and_matches_gather(attention, space, cfg, s
         pytest.skip(f"pruned by the static gate with either merge: {res.message}")
     assert res.status == R.OK, res.message
     (split, gather), _ = _run_pair(attention, space, shape, cfg)
-    assert torch.equal(split.view(torch.int16), gather.view(torch.int16))
+    _assert_agree(split, gather, shape.dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [SPLIT_CONFIGS[1], SPLIT_CONFIGS[4]], ids=_id)
+@pytest.mark.parametrize("cfg", [SPLIT_CONFIGS[3], SPLIT_CONFIGS[4]], ids=_id)
 def test_split_merge_with_log_sum_exp(attention, space, cfg):
-    """The training variant (write_lse): O and the log-sum-exp equal the gather kernel's."""
+    """The training variant (write_lse): O and the log-sum-exp agree with the gather kernel's (the row sums too
+    may differ by an fp32 rounding)."""
     import torch
 
     shape = parse_shape("2,3,333,257,128:bf16:causal")
+    assert space.admitted(space.config(cfg), attention.context(shape))
     (split, gather), (lse_split, lse_gather) = _run_pair(attention, space, shape, cfg, lse=True)
-    assert torch.equal(split.view(torch.int16), gather.view(torch.int16))
-    assert torch.equal(lse_split, lse_gather) and torch.isfinite(lse_split).all()
+    _assert_agree(split, gather, shape.dtype)
+    assert torch.isfinite(lse_split).all() and torch.allclose(lse_split, lse_gather, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu
@@ -238,4 +255,4 @@ def test_sanitizers_clean(attention, space, tool, cfg):
     job = {"family": "attention", "shape": shape.as_dict(), "config": config.as_dict(),
            "compiled": compiled_to_dict(compiled)}
     report = run_tool(tool, job)
-    assert report["clean"], report
+    assert report["clean"], f"{report['summary']}\n{report['output_tail']}"

@@ -16,6 +16,9 @@
 #                                                                                  -> $OUT/bench.tgz
 #   trace   tools/phase_trace.py on the new run's winner, then --compare with the committed trace of the old one
 #           (docs/data/trace/pdl_on.json.gz, if carried)                           -> $OUT/trace/
+#   race    compute-sanitizer racecheck of one config (RACE_CONFIG, RACE_SHAPE) with key_merge = split and gather,
+#           each with the tool's report                                            -> $OUT/race.txt
+#   ncu     Nsight Compute on the new run's best (speed of light, memory workload, occupancy)  -> $OUT/ncu.txt
 set -uo pipefail
 OUT=${OUT:?set OUT}; here=$(cd "$(dirname "$0")/.." && pwd)
 export EVOTUNE_RUNS=${EVOTUNE_RUNS:-/tmp/runs} EVOTUNE_CACHE=${EVOTUNE_CACHE:-/tmp/cache}
@@ -47,11 +50,11 @@ for step in ${STEPS:-check pairs}; do
       echo "$RUN rc=$? $(grep -h '^finalists:' "/tmp/logs/$RUN.txt")"; tail -15 "/tmp/logs/$RUN.txt"
       tar -czf "$OUT/search.tgz" -C "$(dirname "$EVOTUNE_RUNS")" "$(basename "$EVOTUNE_RUNS")/$RUN" -C /tmp logs ;;
     bench)
-      [ -d "$EVOTUNE_RUNS/$OLD" ] || cp -r "$here/runs/$OLD" "$EVOTUNE_RUNS/"
+      mkdir -p "$EVOTUNE_RUNS"; [ -d "$EVOTUNE_RUNS/$OLD" ] || cp -r "$here/runs/$OLD" "$EVOTUNE_RUNS/"
       [ -d "$EVOTUNE_RUNS/$RUN" ] || cp -r "$here/runs/$RUN" "$EVOTUNE_RUNS/"
       RUNS=${BENCH_RUNS:-"$RUN $OLD"} bash "$here/tools/bench_runs.sh" ;;
     trace)
-      mkdir -p "$OUT/trace"
+      mkdir -p "$OUT/trace" "$EVOTUNE_RUNS"
       [ -d "$EVOTUNE_RUNS/$RUN" ] || cp -r "$here/runs/$RUN" "$EVOTUNE_RUNS/"
       (cd "$here" && timeout "${TRACE_S:-300}" python3 tools/phase_trace.py --run "$RUN" --out "$OUT/trace/new.json") \
         > "$OUT/trace/new.txt" 2>&1
@@ -63,7 +66,38 @@ for step in ${STEPS:-check pairs}; do
           > "$OUT/trace/compare.txt" 2>&1
         rm -f "$OUT/trace/old.json"; cat "$OUT/trace/compare.txt"
       fi ;;
-    *) echo "unknown step $step (check, pairs, search, bench, trace)" >&2 ;;
+    race)
+      # racecheck of one config with key_merge = split and = gather, with the tool's own report (its first hazards)
+      (cd "$here" && timeout 300 python3 - <<'PY') > "$OUT/race.txt" 2>&1; echo "race rc=$?"; tail -60 "$OUT/race.txt"
+import json, os
+from evotune.build.compile import compile_source
+from evotune.build.template import instantiate
+from evotune.gpu.sanitize import run_tool
+from evotune.gpu.workers import compiled_to_dict
+from evotune.problems import get_problem
+from evotune.space.searchspace import load_builtin
+attention, space = get_problem("attention"), load_builtin("attention")
+shape = attention.parse_shape(os.environ.get("RACE_SHAPE", "2,3,197,300,64:causal"))
+cfg = json.loads(os.environ.get("RACE_CONFIG", '{"block_m":128,"block_n":64,"compute_warps":8,"producer_warps":1,'
+                 '"stages":2,"smem_layout":"swizzle","q_in_regs":false,"warp_key_groups":2,"kv_splits":1}'))
+for merge in ("split", "gather"):
+    config = space.config(dict(cfg, key_merge=merge))
+    src = instantiate(attention, config, shape)
+    job = {"family": "attention", "shape": shape.as_dict(), "config": config.as_dict(),
+           "compiled": compiled_to_dict(compile_source(src.code, src.entry))}
+    report = run_tool("racecheck", job)
+    print(f"== key_merge={merge}: {report['summary']}")
+    print(report["output_tail"])
+PY
+      ;;
+    ncu)
+      mkdir -p "$EVOTUNE_RUNS"; [ -d "$EVOTUNE_RUNS/$RUN" ] || cp -r "$here/runs/$RUN" "$EVOTUNE_RUNS/"
+      (cd "$here" && timeout 120 ncu --target-processes all -k regex:evotune_attention -s 3 -c 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+        python3 -m evotune verify --run "$RUN" --launches 2) > "$OUT/ncu.txt" 2>&1 || echo "ncu failed"
+      grep -E "Duration|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth|Compute \(SM\)" \
+        "$OUT/ncu.txt" | head -12 ;;
+    *) echo "unknown step $step (check, pairs, search, bench, trace, race, ncu)" >&2 ;;
   esac
   echo "== $step took $(( $(date +%s) - start )) s"
 done
