@@ -106,6 +106,38 @@ def reference_admitted(space, context: Mapping[str, object]) -> list:
     return admitted
 
 
+def _reference_shard(args) -> list:
+    """reference_admitted over configs [start, stop) of the full attention space, in a worker process."""
+    from itertools import islice
+
+    context, start, stop = args
+    space = load_builtin("attention")
+    admitted = []
+    for cfg in islice(space.all_configs(), start, stop):
+        env = {**context, **cfg.as_dict()}
+        for name, expr, _ in space.derived:
+            env[name] = reference_safe_eval(expr, env)
+        if all([reference_safe_eval(c.expr, env) for c in space.constraints]):
+            admitted.append(cfg)
+    return admitted
+
+
+def reference_admitted_in_parallel(space, context: Mapping[str, object]) -> list:
+    """reference_admitted of the full attention space, its configs cut into contiguous shards, one per worker
+    process (os.cpu_count(), at most 8), concatenated in order: the same list, in a fraction of the time (each
+    knob the space gains doubles the naive loop's ~7 minutes per shape on one core)."""
+    import multiprocessing
+    import os
+
+    assert space.path == load_builtin("attention").path  # the workers load the built-in space themselves
+    workers = max(1, min(8, os.cpu_count() or 1))
+    size = space.size()
+    bounds = [size * i // workers for i in range(workers + 1)]
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        shards = pool.map(_reference_shard, [(dict(context), a, b) for a, b in zip(bounds, bounds[1:])])
+    return [cfg for shard in shards for cfg in shard]
+
+
 def naive_admitted(space, context: Mapping[str, object]) -> list:
     """admitted_configs as it was: the per-config path over every config (errors carry file and line)."""
     return [cfg for cfg in space.all_configs() if space.admitted(cfg, context)]
@@ -250,10 +282,11 @@ def test_small_spaces_enumerate_like_the_reference(name, shape):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["mission", "4,32,4096,128:bf16:causal"])
 def test_attention_enumerates_like_the_reference(shape):
-    """The full attention space (9,216,000 configs) admits the reference's configs in its order (~30 s each)."""
+    """The full attention space (9,216,000 configs) admits the reference's configs in its order (the reference in
+    parallel shards: ~14 minutes per shape on one core)."""
     space = load_builtin("attention")
     context = contexts_of("attention")[shape]
-    assert space.admitted_configs(context) == reference_admitted(space, context)
+    assert space.admitted_configs(context) == reference_admitted_in_parallel(space, context)
 
 
 def test_attention_mission_enumeration_is_quick():
