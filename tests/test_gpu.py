@@ -146,7 +146,10 @@ def test_gqa_matches_reference(attention, space, shape_text, cfg):
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[4], CONFIGS[7], HOPPER_CONFIGS[0], HOPPER_CONFIGS[3]],
                          ids=["M64N64", "M32N64kv4", "M16N64kg4", "wgmma-pw0", "wgmma-pingpong"])
 def test_gate_catches_a_wrong_head_group(attention, space, cfg):
-    """A kernel that maps query head h to K/V head h % kv_heads (repeat, not repeat_interleave) fails the gate."""
+    """A kernel that maps query head h to K/V head h % kv_heads (repeat, not repeat_interleave) fails the gate. The
+    map is planted in kv_head_of, which both variants call on every path (the Hopper kernel's one-tile and persistent
+    loops too): a plant in one call site reached only the mma.sync kernel, and the wgmma cases passed the gate with
+    it (they ran the unplanted Hopper code; found on the H100 at 03e924c)."""
     from evotune.build.compile import load_kernel
     from evotune.gpu.evaluate import kernel_runner, verify
 
@@ -154,8 +157,9 @@ def test_gate_catches_a_wrong_head_group(attention, space, cfg):
     config = space.config(dict(cfg))
     src = instantiate(attention, config, shape)
     # 2 K/V heads: the right map is h // 4 (0,0,0,0,1,1,1,1), the wrong one h % 2 (0,1,0,1,...), still in bounds.
-    wrong = src.code.replace("const int kv_head = kv_head_of(head, kv_magic);", "const int kv_head = head % 2;")
-    assert wrong != src.code
+    right_map = "return kv_magic ? static_cast<int>(__umulhi(static_cast<unsigned>(head), kv_magic)) : head;"
+    assert src.code.count(right_map) == 1
+    wrong = src.code.replace(right_map, "return kv_magic ? head % 2 : head;")
     smem = attention.geometry(config, shape).dynamic_smem
     good = kernel_runner(attention, shape, config, load_kernel(compile_source(src.code, src.entry), smem))
     bad = kernel_runner(attention, shape, config, load_kernel(compile_source(wrong, src.entry), smem))
