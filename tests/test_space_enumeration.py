@@ -94,10 +94,11 @@ def reference_safe_eval(expr: str, env: Mapping[str, object]):
         raise ExpressionError(str(exc)) from None
 
 
-def reference_admitted(space, context: Mapping[str, object]) -> list:
-    """Every config in order, each with all its derived values and all its constraints evaluated by the reference."""
+def reference_admitted(space, context: Mapping[str, object], configs=None) -> list:
+    """Every config in order (or those of `configs`, an iterable of the space's), each with all its derived values and
+    all its constraints evaluated by the reference."""
     admitted = []
-    for cfg in space.all_configs():
+    for cfg in space.all_configs() if configs is None else configs:
         env = {**context, **cfg.as_dict()}
         for name, expr, _ in space.derived:
             env[name] = reference_safe_eval(expr, env)
@@ -112,14 +113,7 @@ def _reference_shard(args) -> list:
 
     context, start, stop = args
     space = load_builtin("attention")
-    admitted = []
-    for cfg in islice(space.all_configs(), start, stop):
-        env = {**context, **cfg.as_dict()}
-        for name, expr, _ in space.derived:
-            env[name] = reference_safe_eval(expr, env)
-        if all([reference_safe_eval(c.expr, env) for c in space.constraints]):
-            admitted.append(cfg)
-    return admitted
+    return reference_admitted(space, context, islice(space.all_configs(), start, stop))
 
 
 def reference_admitted_in_parallel(space, context: Mapping[str, object]) -> list:

@@ -9,10 +9,10 @@ find nothing."""
 from __future__ import annotations
 
 import importlib.util
-import math
 from pathlib import Path
 
 import pytest
+from _variant_pairs import run_configs
 
 from evotune.build.compile import compile_source, static_violations
 from evotune.build.template import instantiate, template_flag_names
@@ -178,24 +178,9 @@ def _assert_agree(split, gather, dtype: str) -> None:
 
 
 def _run_pair(attention, space, shape, cfg, seed=5, lse=False):
-    """([split output, gather output], [split lse, gather lse] or Nones): one launch of each on the same inputs,
-    outputs filled with NaN first; with `lse`, the training variant (write_lse) of each."""
-    import torch
-
-    from evotune.build.compile import load_kernel
-
-    inputs = attention.make_inputs(shape, seed)
-    outs, lses = [], []
-    for c in (cfg, _gather(cfg)):
-        config = space.config(dict(c))
-        src = instantiate(attention, config, shape, **({"write_lse": True} if lse else {}))
-        kernel = load_kernel(compile_source(src.code, src.entry), attention.launch_plan(config, shape).dynamic_smem)
-        out = attention.new_output(inputs).fill_(math.nan)
-        lse_t = torch.full((shape.batch, shape.heads, shape.seq_q), math.nan, device=out.device) if lse else None
-        attention.launcher(kernel, config, shape, inputs, out, lse_t)()
-        torch.cuda.synchronize()
-        outs.append(out)
-        lses.append(lse_t)
+    """([split output, gather output], [split lse, gather lse] or Nones): _variant_pairs.run_configs of the config
+    and its gather twin."""
+    outs, lses, _ = run_configs(attention, space, shape, (cfg, _gather(cfg)), seed, lse)
     return outs, lses
 
 

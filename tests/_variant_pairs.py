@@ -1,0 +1,32 @@
+"""One launch each of several configs on the same inputs, for the GPU tests that compare a knob's value with the
+value that leaves the source as it was (tests/test_tma_store.py: epilogue; tests/test_split_merge.py: key_merge)."""
+
+from __future__ import annotations
+
+import math
+
+from evotune.build.compile import compile_source
+from evotune.build.template import instantiate
+
+
+def run_configs(attention, space, shape, configs, seed=5, lse=False):
+    """([output per config], [lse per config] or Nones, inputs): one launch of each config on the same inputs,
+    outputs filled with NaN first; with `lse`, the training variant (write_lse) of each. Each config compiles only
+    the kernel it launches."""
+    import torch
+
+    from evotune.build.compile import load_kernel
+
+    inputs = attention.make_inputs(shape, seed)
+    outs, lses = [], []
+    for c in configs:
+        config = space.config(dict(c))
+        src = instantiate(attention, config, shape, **({"write_lse": True} if lse else {}))
+        kernel = load_kernel(compile_source(src.code, src.entry), attention.launch_plan(config, shape).dynamic_smem)
+        out = attention.new_output(inputs).fill_(math.nan)
+        lse_t = torch.full((shape.batch, shape.heads, shape.seq_q), math.nan, device=out.device) if lse else None
+        attention.launcher(kernel, config, shape, inputs, out, lse_t)()
+        torch.cuda.synchronize()
+        outs.append(out)
+        lses.append(lse_t)
+    return outs, lses, inputs
