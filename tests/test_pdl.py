@@ -46,11 +46,12 @@ def test_flagged_lines_are_kept_or_dropped_whole():
 
 
 def test_the_kernels_flag_known_knobs_only():
-    """The attention template's flagged lines name pdl, tma_store (the Hopper kernel's TMA-store epilogue), trace
-    (tools/phase_trace.py's stamps) and no_wg_overlap (the baseline `tools/time_configs.py --with-flag` measures)
-    and nothing else (a misspelt flag would drop its lines); the last two are never a searched config's."""
+    """The attention template's flagged lines name pdl, tma_store (the Hopper kernel's TMA-store epilogue),
+    split_merge (the key groups' split merge), trace (tools/phase_trace.py's stamps), trace_split (its stamps in the
+    split merge: both flags) and no_wg_overlap (the baseline `tools/time_configs.py --with-flag` measures) and nothing
+    else (a misspelt flag would drop its lines); the last three are never a searched config's."""
     _, template = read_template("attention.cu")
-    assert template_flag_names(template) == {"pdl", "tma_store", "trace", "no_wg_overlap"}
+    assert template_flag_names(template) == {"pdl", "tma_store", "split_merge", "trace", "trace_split", "no_wg_overlap"}
 
 
 @pytest.mark.parametrize("shape_text, cfg, options, digest", BEFORE_PDL, ids=["mission", "mission-lse", "persistent",
