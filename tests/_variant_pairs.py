@@ -1,5 +1,6 @@
-"""One launch each of several configs on the same inputs, for the GPU tests that compare a knob's value with the
-value that leaves the source as it was (tests/test_tma_store.py: epilogue; tests/test_split_merge.py: key_merge)."""
+"""Compiling a config, and one launch each of several configs on the same inputs, for the tests that compare a knob's
+value with the value that leaves the source as it was (tests/test_tma_store.py: epilogue; tests/test_split_merge.py:
+key_merge)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import math
 
 from evotune.build.compile import compile_source
 from evotune.build.template import instantiate
+
+
+def compile_config(attention, space, shape, cfg):
+    """(config, source, Compiled) of a config given as a dict of knobs over `space`'s defaults (CPU: NVRTC only)."""
+    config = space.config(dict(cfg))
+    src = instantiate(attention, config, shape)
+    return config, src, compile_source(src.code, src.entry)
 
 
 def run_configs(attention, space, shape, configs, seed=5, lse=False):

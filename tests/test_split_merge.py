@@ -12,7 +12,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from _variant_pairs import run_configs
+from _variant_pairs import compile_config, run_configs
 
 from evotune.build.compile import compile_source, static_violations
 from evotune.build.template import instantiate, template_flag_names
@@ -45,12 +45,6 @@ def _id(c: dict) -> str:
 
 def _gather(cfg: dict) -> dict:
     return dict(cfg, key_merge="gather")
-
-
-def _compile(attention, space, shape, cfg):
-    config = space.config(dict(cfg))
-    src = instantiate(attention, config, shape)
-    return config, src, compile_source(src.code, src.entry)
 
 
 def test_gather_configs_keep_their_source(attention, space):
@@ -100,9 +94,9 @@ def test_split_configs_compile_clean(attention, space, cfg, shape_text):
     shape = parse_shape(shape_text)
     if not space.admitted(space.config(cfg), attention.context(shape)):
         pytest.skip("config not admitted for this shape (shared memory, accumulator registers)")
-    config, _, compiled = _compile(attention, space, shape, cfg)
+    config, _, compiled = compile_config(attention, space, shape, cfg)
     geo = attention.geometry(config, shape)
-    gather_config, _, gather = _compile(attention, space, shape, _gather(cfg))
+    gather_config, _, gather = compile_config(attention, space, shape, _gather(cfg))
     if static_violations(gather.resources, geo.threads, attention.geometry(gather_config, shape).dynamic_smem):
         pytest.skip(f"the gather twin spills too: {gather.resources}")  # d128 with producer warps: 168 registers
     res = compiled.resources
@@ -191,8 +185,6 @@ def test_split_merge_passes_the_gate_and_matches_gather(attention, space, cfg, s
     """The full gate (stray writes, unwritten output, perturbations) passes, and the output agrees with gather's to
     the merge's rounding: ragged tails, Sq != Sk, BSHD, causal (groups with no unmasked key), grouped heads, bf16,
     d128, S = 1."""
-    import torch
-
     from evotune.gpu.evaluate import evaluate_compiled
     from evotune.records import result as R
 
@@ -200,10 +192,10 @@ def test_split_merge_passes_the_gate_and_matches_gather(attention, space, cfg, s
     config = space.config(dict(cfg))
     if not space.admitted(config, attention.context(shape)):
         pytest.skip("config not admitted for this shape")
-    *_, compiled = _compile(attention, space, shape, cfg)
+    *_, compiled = compile_config(attention, space, shape, cfg)
     res = evaluate_compiled(attention, shape, config, compiled, time_it=False)
     if res.status == R.PRUNED:  # d128 with producer warps spills with either merge
-        gather_config, _, gather = _compile(attention, space, shape, _gather(cfg))
+        gather_config, _, gather = compile_config(attention, space, shape, _gather(cfg))
         assert evaluate_compiled(attention, shape, gather_config, gather, time_it=False).status == R.PRUNED, res.message
         pytest.skip(f"pruned by the static gate with either merge: {res.message}")
     assert res.status == R.OK, res.message
@@ -240,7 +232,7 @@ def test_sanitizers_clean(attention, space, tool, cfg):
     from evotune.gpu.workers import compiled_to_dict
 
     shape = parse_shape("2,3,197,300,64:causal")
-    config, _, compiled = _compile(attention, space, shape, cfg)
+    config, _, compiled = compile_config(attention, space, shape, cfg)
     job = {"family": "attention", "shape": shape.as_dict(), "config": config.as_dict(),
            "compiled": compiled_to_dict(compiled)}
     report = run_tool(tool, job)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from _variant_pairs import run_configs
+from _variant_pairs import compile_config, run_configs
 
 from evotune.build.compile import compile_source, static_violations
 from evotune.build.template import instantiate, template_flag_names
@@ -41,12 +41,6 @@ def _regs(cfg: dict) -> dict:
     return dict(cfg, epilogue="regs")
 
 
-def _compile(attention, space, shape, cfg):
-    config = space.config(dict(cfg))
-    src = instantiate(attention, config, shape)
-    return config, src, compile_source(src.code, src.entry)
-
-
 def test_regs_configs_keep_their_source(attention, space):
     """epilogue = regs is the source as it was before the knob (its lines are flagged; the banner leaves it out):
     the same text as a config that does not name it, and none of the TMA-store code."""
@@ -75,9 +69,9 @@ def test_tma_configs_compile_clean(attention, space, cfg, shape_text):
     """Every path compiles for sm_90a with wgmma still asynchronous, and within the static gate (no spills) wherever
     the same config with epilogue = regs is (three d128 warpgroups with Q in registers spill either way)."""
     shape = parse_shape(shape_text)
-    config, _, compiled = _compile(attention, space, shape, cfg)
+    config, _, compiled = compile_config(attention, space, shape, cfg)
     geo = attention.geometry(config, shape)
-    regs_config, _, regs = _compile(attention, space, shape, _regs(cfg))
+    regs_config, _, regs = compile_config(attention, space, shape, _regs(cfg))
     if not static_violations(regs.resources, geo.threads, attention.geometry(regs_config, shape).dynamic_smem):
         assert static_violations(compiled.resources, geo.threads, geo.dynamic_smem) == []
     assert not [line for line in compiled.log.splitlines() if any(code in line for code in SERIALISED)]
@@ -89,7 +83,7 @@ def test_sass_has_tma_stores(attention, space, cuobjdump):
 
     shape = parse_shape("gpt2")
     for cfg, stores in ((TMA_CONFIGS[5], True), (_regs(TMA_CONFIGS[5]), False)):
-        *_, compiled = _compile(attention, space, shape, cfg)
+        *_, compiled = compile_config(attention, space, shape, cfg)
         info = summary(disassemble(compiled.cubin_path))
         assert (info["classes"].get("UTMASTG", 0) > 0) == stores, info["classes"]
         assert info["local_memory"] == 0
@@ -215,10 +209,10 @@ def test_tma_epilogue_passes_the_gate_and_matches_regs(attention, space, few_cta
     config = space.config(dict(cfg))
     if not space.admitted(config, dict(attention.context(shape), multiprocessors=0)):
         pytest.skip("config not admitted for this shape")
-    *_, compiled = _compile(attention, space, shape, cfg)
+    *_, compiled = compile_config(attention, space, shape, cfg)
     res = evaluate_compiled(attention, shape, config, compiled, time_it=False)
     if res.status == R.PRUNED:  # three d128 warpgroups with Q in registers spill with either epilogue
-        regs_config, _, regs = _compile(attention, space, shape, _regs(cfg))
+        regs_config, _, regs = compile_config(attention, space, shape, _regs(cfg))
         assert evaluate_compiled(attention, shape, regs_config, regs, time_it=False).status == R.PRUNED, res.message
         pytest.skip(f"pruned by the static gate with either epilogue: {res.message}")
     assert res.status == R.OK, res.message
@@ -278,7 +272,7 @@ def test_sanitizers_clean(attention, space, few_ctas, tool, cfg):
     from evotune.gpu.workers import compiled_to_dict
 
     shape = parse_shape("2,3,197,300,128:bf16:causal")
-    config, _, compiled = _compile(attention, space, shape, cfg)
+    config, _, compiled = compile_config(attention, space, shape, cfg)
     job = {"family": "attention", "shape": shape.as_dict(), "config": config.as_dict(),
            "compiled": compiled_to_dict(compiled)}
     report = run_tool(tool, job)

@@ -5,8 +5,9 @@
 # beside the previous winner's, and the phase trace of the new winner.
 #   STEPS="check pairs" OUT=dir bash tools/split_merge_device.sh
 #   STEPS="search bench trace" OUT=dir bash tools/split_merge_device.sh
-#   check   pytest -m gpu tests/test_split_merge.py: the gate on 8 shapes x 5 configs (bit for bit gather's output
-#           too), write_lse; then the slow compute-sanitizer runs                  -> $OUT/check.txt, $OUT/sanitize.txt
+#   check   tools/gpu_checks.sh tests/test_split_merge.py: the gate on 8 shapes x 5 configs (agreeing with gather's
+#           output to two units in the last place), write_lse; then the slow compute-sanitizer runs
+#                                                                                  -> $OUT/check.txt, $OUT/sanitize.txt
 #   pairs   tools/time_configs.py on the mission shape: the pdl winner of runs/mission-h100-exhaustive-small-pdl and
 #           its four-key-group twin, each with key_merge = gather and split, interleaved beside SDPA flash and cudnn
 #                                                                                  -> $OUT/pairs/{table.txt,*.json}
@@ -23,16 +24,14 @@ set -uo pipefail
 OUT=${OUT:?set OUT}; here=$(cd "$(dirname "$0")/.." && pwd)
 export EVOTUNE_RUNS=${EVOTUNE_RUNS:-/tmp/runs} EVOTUNE_CACHE=${EVOTUNE_CACHE:-/tmp/cache}
 RUN=mission-h100-exhaustive-small-merge OLD=mission-h100-exhaustive-small-pdl
+have_runs() {  # RUN...: each under $EVOTUNE_RUNS, copied from the committed runs/ unless this machine made it
+  mkdir -p "$EVOTUNE_RUNS"
+  for r in "$@"; do [ -d "$EVOTUNE_RUNS/$r" ] || cp -r "$here/runs/$r" "$EVOTUNE_RUNS/"; done
+}
 for step in ${STEPS:-check pairs}; do
   start=$(date +%s)
   case $step in
-    check)
-      (cd "$here" && timeout "${CHECK_S:-300}" python3 -m pytest -q -m "gpu and not slow" tests/test_split_merge.py \
-        -p no:cacheprovider) > "$OUT/check.txt" 2>&1
-      echo "check rc=$? $(tail -1 "$OUT/check.txt")"
-      (cd "$here" && timeout "${SANITIZE_S:-240}" python3 -m pytest -q -m "gpu and slow" tests/test_split_merge.py \
-        -p no:cacheprovider) > "$OUT/sanitize.txt" 2>&1
-      echo "sanitize rc=$? $(tail -1 "$OUT/sanitize.txt")" ;;
+    check) bash "$here/tools/gpu_checks.sh" tests/test_split_merge.py ;;
     pairs)
       mkdir -p "$OUT/pairs"
       w='"block_m":32,"block_n":128,"producer_warps":0,"stages":4,"smem_layout":"swizzle","q_in_regs":true,"kv_splits":1,"pdl":true'
@@ -50,12 +49,10 @@ for step in ${STEPS:-check pairs}; do
       echo "$RUN rc=$? $(grep -h '^finalists:' "/tmp/logs/$RUN.txt")"; tail -15 "/tmp/logs/$RUN.txt"
       tar -czf "$OUT/search.tgz" -C "$(dirname "$EVOTUNE_RUNS")" "$(basename "$EVOTUNE_RUNS")/$RUN" -C /tmp logs ;;
     bench)
-      mkdir -p "$EVOTUNE_RUNS"; [ -d "$EVOTUNE_RUNS/$OLD" ] || cp -r "$here/runs/$OLD" "$EVOTUNE_RUNS/"
-      [ -d "$EVOTUNE_RUNS/$RUN" ] || cp -r "$here/runs/$RUN" "$EVOTUNE_RUNS/"
+      have_runs "$RUN" "$OLD"
       RUNS=${BENCH_RUNS:-"$RUN $OLD"} bash "$here/tools/bench_runs.sh" ;;
     trace)
-      mkdir -p "$OUT/trace" "$EVOTUNE_RUNS"
-      [ -d "$EVOTUNE_RUNS/$RUN" ] || cp -r "$here/runs/$RUN" "$EVOTUNE_RUNS/"
+      mkdir -p "$OUT/trace"; have_runs "$RUN"
       (cd "$here" && timeout "${TRACE_S:-300}" python3 tools/phase_trace.py --run "$RUN" --out "$OUT/trace/new.json") \
         > "$OUT/trace/new.txt" 2>&1
       echo "trace rc=$?"; tail -40 "$OUT/trace/new.txt"
@@ -91,7 +88,7 @@ for merge in ("split", "gather"):
 PY
       ;;
     ncu)
-      mkdir -p "$EVOTUNE_RUNS"; [ -d "$EVOTUNE_RUNS/$RUN" ] || cp -r "$here/runs/$RUN" "$EVOTUNE_RUNS/"
+      have_runs "$RUN"
       (cd "$here" && timeout 120 ncu --target-processes all -k regex:evotune_attention -s 3 -c 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
         python3 -m evotune verify --run "$RUN" --launches 2) > "$OUT/ncu.txt" 2>&1 || echo "ncu failed"

@@ -4,7 +4,7 @@
 # then the searches that decide where it pays, then repeated `evotune bench` records of their winners.
 #   STEPS="check pairs" OUT=dir bash tools/tma_store_device.sh
 #   STEPS="search bench" OUT=dir bash tools/tma_store_device.sh
-#   check   pytest -m gpu tests/test_tma_store.py: the gate on 8 shapes x 8 configs (bit for bit the regs epilogue's
+#   check   tools/gpu_checks.sh tests/test_tma_store.py: the gate on 8 shapes x 8 configs (bit for bit the regs epilogue's
 #           output too), write_lse, the op's prepared launch; then the slow compute-sanitizer runs
 #                                                                              -> $OUT/check.txt, $OUT/sanitize.txt
 #   pairs   tools/time_configs.py per committed persistent run whose winner admits the knob: the winner (regs) and
@@ -33,13 +33,7 @@ print(json.load(open(d + "/meta.json"))["shape_spec"], json.dumps(c, separators=
 for step in ${STEPS:-check pairs}; do
   start=$(date +%s)
   case $step in
-    check)
-      (cd "$here" && timeout "${CHECK_S:-300}" python3 -m pytest -q -m "gpu and not slow" tests/test_tma_store.py \
-        -p no:cacheprovider) > "$OUT/check.txt" 2>&1
-      echo "check rc=$? $(tail -1 "$OUT/check.txt")"
-      (cd "$here" && timeout "${SANITIZE_S:-240}" python3 -m pytest -q -m "gpu and slow" tests/test_tma_store.py \
-        -p no:cacheprovider) > "$OUT/sanitize.txt" 2>&1
-      echo "sanitize rc=$? $(tail -1 "$OUT/sanitize.txt")" ;;
+    check) bash "$here/tools/gpu_checks.sh" tests/test_tma_store.py ;;
     pairs)
       pairs=$(mktemp -d)/pairs; mkdir -p "$pairs"
       for run in $PAIR_RUNS; do
