@@ -645,6 +645,8 @@ __device__ __forceinline__ void compute_sync() {
 }
 //[split_merge]
 //[split_merge] #include "attention_split_merge.cuh"
+//[tma_load]
+//[tma_load] #include "attention_tma_load.cuh"
 
 // ------------------------------------------------------------------ kernel
 
@@ -675,6 +677,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
                                               long long k_ss, long long v_sb, long long v_sh, long long v_ss, long long o_sb,
                                               long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
                                               float* __restrict__ ws_o, float* __restrict__ ws_lse, int* __restrict__ ws_count,
+                                              //[tma_load] const CUtensorMap* q_map, const CUtensorMap* k_map, const CUtensorMap* v_map,
                                               unsigned kv_magic, float* __restrict__ lse = nullptr, long long lse_sb = 0,
                                               long long lse_sh = 0) {
     //[trace] // Phase trace (tools/phase_trace.py, docs/TRACE.md): the entry stamps, held until the recorder below
@@ -682,6 +685,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     //[trace] const u64 trace_entry_gt = trace_globaltimer(), trace_entry_clk = trace_clock64();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
+    //[tma_load] sQ = tma_aligned_tiles<T>(smem_raw);  // kv_load = tma (attention_tma_load.cuh): tiles on the swizzle atom
     unsigned short* sK = sQ + T::kQElems;
     unsigned short* sV = sK + T::kStages * T::kKVElems;
 
@@ -713,6 +717,8 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         t_begin = min(split * per_split, n_tiles_all);
         n_tiles = min(n_tiles_all - t_begin, per_split);
     }
+    //[tma_load] const u32 tma_bars = smem_addr(smem_raw);  // slot s's "full" barrier at + 8 s: its K and V (step 0: and Q) arrived
+    //[tma_load] tma_load_init<T>(tma_bars, q_map, k_map, v_map);
     //[pdl] // Everything above is index arithmetic. Every global access of this CTA follows, in every thread: the
     //[pdl] // cp.async loads of Q, K and V, the stores of O (and the log-sum-exp), the split-KV workspace and its
     //[pdl] // arrival counter. So each one sees the previous grid's writes complete and cannot overwrite what that
@@ -748,6 +754,9 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
             return;
         }
     } else {
+        //[tma_load] tma_load_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
+        //[tma_load]                   kv_head, batch, t_begin, n_tiles);
+        //[tma_load] #if 0
         load_tile_async<T, T::kBlockM, T::kComputeThreads>(sQ, gQ, q_ss, q_row0, seq_q, tid);
         cp_async_commit();
 #pragma unroll
@@ -755,6 +764,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
             if (s < n_tiles) load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, s, t_begin + s, seq_k, tid);
             cp_async_commit();
         }
+        //[tma_load] #endif
     }
 
     // ---- compute warps
@@ -780,6 +790,9 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     for (int i = 0; i < n_tiles; ++i) {
         const int slot = i % T::kStages;
         // ---- wait for step i (and, at i = 0, for Q)
+        //[tma_load] tma_wait_tile<T>(tma_bars, i);
+        //[trace_tma] tracer.mark_tile(i, trace::kWait);
+        //[tma_load] #if 0
         if constexpr (T::kHasProducers) {
             named_bar_sync(NamedBarrier::kSlotFull, slot, T::kThreads);
             //[trace] tracer.mark_tile(i, trace::kWait);
@@ -803,6 +816,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
                                                     thread_id());
             cp_async_commit();
         }
+        //[tma_load] #endif
         //[trace] tracer.mark_tile(i, trace::kReady);  // the freed slot's refill issued (where this warp issues one)
         // This lane's ldmatrix offsets, from a lane id re-read every tile (as the loaders
         // re-read the thread id above): a few integer ops per tile instead of registers held
@@ -836,6 +850,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         if constexpr (T::kHasProducers) {
             if (i + T::kStages < n_tiles) named_bar_arrive(NamedBarrier::kSlotEmpty, slot, T::kThreads);
         }
+        //[tma_load] tma_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
     }
 
     if constexpr (T::kKeyGroups > 1) {

@@ -49,29 +49,30 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its fifteen parameters (the variant knob mma first), six derived values
-    and twenty-three constraints, each with its reason."""
+    """The shipped attention.yaml loads with its sixteen parameters (the variant knob mma first), six derived values
+    and twenty-four constraints, each with its reason."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
                                    "smem_layout", "q_in_regs", "kv_splits", "warp_key_groups", "pingpong", "persistent",
-                                   "pdl", "epilogue", "key_merge"]
+                                   "pdl", "epilogue", "key_merge", "kv_load"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 23
+    assert len(space.constraints) == 24
     assert all(c.why for c in space.constraints)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
     assert block_m.values == (16, 32, 64, 128, 192) and block_m.default == 64 and block_m.line == 15
-    assert space.params[-9].values == ("pad", "swizzle", "plain")
-    assert space.params[-8].values == (True, False)
-    assert space.params[-7].values == (1, 2, 4, 8)
-    assert space.params[-6].values == (1, 2, 4)
-    assert space.params[-5].values == (False, True)
+    assert space.params[-10].values == ("pad", "swizzle", "plain")
+    assert space.params[-9].values == (True, False)
+    assert space.params[-8].values == (1, 2, 4, 8)
+    assert space.params[-7].values == (1, 2, 4)
+    assert space.params[-6].values == (False, True)
+    assert space.params[-5].values == (False, True) and space.params[-5].default is False
     assert space.params[-4].values == (False, True) and space.params[-4].default is False
-    assert space.params[-3].values == (False, True) and space.params[-3].default is False
-    assert space.params[-2].values == ("regs", "tma") and space.params[-2].default == "regs"
-    assert space.params[-1].values == ("gather", "split") and space.params[-1].default == "gather"
+    assert space.params[-3].values == ("regs", "tma") and space.params[-3].default == "regs"
+    assert space.params[-2].values == ("gather", "split") and space.params[-2].default == "gather"
+    assert space.params[-1].values == ("cp_async", "tma") and space.params[-1].default == "cp_async"
 
 
 def test_wgmma_pins_the_knobs_it_does_not_read(space, attention):
@@ -157,12 +158,12 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 def test_size(space):
     """size() is the product of the value counts: 2*5*5*5*4*4*3*2*4*3*2*2*2*2*2."""
-    assert space.size() == 9216000
+    assert space.size() == 18432000
 
 
 def test_all_configs_is_the_full_product_in_order(space):
     """all_configs() yields size() configs: the product of the parameters' values, the last parameter varying fastest.
-    Checked without holding the 9.2 M configs (two lists of them took gigabytes): the count in one pass, and in a
+    Checked without holding the 18.4 M configs (two lists of them took gigabytes): the count in one pass, and in a
     second pass every config at a sampled index (the first 4096, then every 7919th) against the product's config at
     that index, decoded in mixed radix. Every config of the product is distinct, so this also says they all are."""
     from itertools import islice
@@ -176,21 +177,22 @@ def test_all_configs_is_the_full_product_in_order(space):
             picked[name] = vals[digit]
         return picked
 
-    assert sum(1 for _ in space.all_configs()) == space.size() == 9216000
+    assert sum(1 for _ in space.all_configs()) == space.size() == 18432000
     sampled = set(range(4096)) | set(range(0, space.size(), 7919)) | {space.size() - 1}
     for index, cfg in enumerate(space.all_configs()):
         if index in sampled:
             assert cfg.as_dict() == product_config(index), index
-    configs = list(islice(space.all_configs(), 2304))
-    assert [c["key_merge"] for c in configs[:2]] == ["gather", "split"]
-    assert [c["epilogue"] for c in configs[0:4:2]] == ["regs", "tma"]
-    assert [c["pdl"] for c in configs[0:8:4]] == [False, True]
-    assert [c["persistent"] for c in configs[0:16:8]] == [False, True]
-    assert [c["pingpong"] for c in configs[0:32:16]] == [False, True]
-    assert [c["warp_key_groups"] for c in configs[0:96:32]] == [1, 2, 4]
-    assert [c["kv_splits"] for c in configs[0:384:96]] == [1, 2, 4, 8]
-    assert [c["q_in_regs"] for c in configs[0:768:384]] == [True, False]
-    assert [c["smem_layout"] for c in configs[0:2304:768]] == ["pad", "swizzle", "plain"]
+    configs = list(islice(space.all_configs(), 4608))
+    assert [c["kv_load"] for c in configs[:2]] == ["cp_async", "tma"]
+    assert [c["key_merge"] for c in configs[0:4:2]] == ["gather", "split"]
+    assert [c["epilogue"] for c in configs[0:8:4]] == ["regs", "tma"]
+    assert [c["pdl"] for c in configs[0:16:8]] == [False, True]
+    assert [c["persistent"] for c in configs[0:32:16]] == [False, True]
+    assert [c["pingpong"] for c in configs[0:64:32]] == [False, True]
+    assert [c["warp_key_groups"] for c in configs[0:192:64]] == [1, 2, 4]
+    assert [c["kv_splits"] for c in configs[0:768:192]] == [1, 2, 4, 8]
+    assert [c["q_in_regs"] for c in configs[0:1536:768]] == [True, False]
+    assert [c["smem_layout"] for c in configs[0:4608:1536]] == ["pad", "swizzle", "plain"]
     assert [c["mma"] for c in (configs[0], next(islice(space.all_configs(), space.size() - 1, None)))] == ["sync", "wgmma"]
 
 
@@ -292,7 +294,8 @@ def test_config_hash_equality_and_keys(space):
     c = Config.from_dict(dict(reversed(list(a.as_dict().items()))))
     assert a == b == c and hash(a) == hash(b) == hash(c)
     assert len({a, b, c, space.default_config()}) == 2
-    assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,epilogue=regs,key_merge=gather,kv_splits=1,"
+    assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,epilogue=regs,key_merge=gather,"
+                                  "kv_load=cp_async,kv_splits=1,"
                                   "mma=sync,pdl=False,"
                                   "persistent=False,"
                                   "pingpong=False,producer_warps=0,q_in_regs=True,smem_layout=swizzle,stages=3,"
@@ -535,7 +538,7 @@ BAD_KNOBS = [
     ("too-many-stages", attention_space("  stages: {values: [5]}\n"), 3, ("an integer from 1 to 4",)),
     ("unknown-knob", attention_space("  block_n: {values: [64]}\n  blok_m: {values: [64, 128]}\n"), 4,
      ("parameter 'blok_m' is not a knob of the attention family", "did you mean 'block_m'?")),
-    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl, epilogue, key_merge)")),
+    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl, epilogue, key_merge, kv_load)")),
     ("softmax-vec", softmax_space("  vec: {values: [8, 3]}\n"), 3, ("3 is not a value of knob 'vec'", "one of 2, 4, 8")),
     ("softmax-strategy", softmax_space("  strategy: {values: [fast]}\n"), 3, ("one of cached, online, three_pass",)),
     ("softmax-typo", softmax_space("  thread_per_row: {values: [32]}\n"), 3, ("did you mean 'threads_per_row'?",)),

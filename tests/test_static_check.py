@@ -30,7 +30,7 @@ def test_full_space_enumeration_is_quick(mission):
 
     space = load_builtin("attention")
     admitted, enumerated, seconds = static_check.admitted_configs(space, shape_context(mission))
-    assert enumerated == space.size() == 9216000 and len(admitted) == 25312
+    assert enumerated == space.size() == 18432000 and len(admitted) == 28000
     assert seconds < 10
 
 

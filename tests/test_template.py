@@ -49,9 +49,10 @@ def test_default_instantiation(attention, space, mission):
     assert src.template_path == str(kernels_dir() / "attention.cu")
     assert src.code.startswith(template)
     tail = src.code[len(template):]
-    # The banner names the config's knobs but pdl at false, epilogue at regs and key_merge at gather
-    # (Problem.late_knobs: the source as before the knobs).
-    key = space.default_config().key().replace(',pdl=False', '').replace(',epilogue=regs', '').replace(',key_merge=gather', '')
+    # The banner names the config's knobs but pdl at false, epilogue at regs, key_merge at gather and kv_load at
+    # cp_async (Problem.late_knobs: the source as before the knobs).
+    key = (space.default_config().key().replace(',pdl=False', '').replace(',epilogue=regs', '')
+           .replace(',key_merge=gather', '').replace(',kv_load=cp_async', ''))
     assert tail.startswith(f"\n{BANNER} attention {key}\n")
     assert tail.count('extern "C"') == 1
     assert len(re.findall(r"\bevotune_attention\s*\(", tail)) == 1

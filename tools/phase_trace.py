@@ -52,6 +52,7 @@ MISSION_WINNER = {"block_m": 32, "block_n": 128, "compute_warps": 4, "producer_w
                   "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 2, "pdl": True}
 TRACE_FLAG = "trace"
 SPLIT_FLAG, SPLIT_TRACE_FLAG = "split_merge", "trace_split"
+TMA_LOAD_FLAG, TMA_LOAD_TRACE_FLAG = "tma_load", "trace_tma"
 # evotune::evotune_trace, the buffer's symbol in the cubin (a namespace-scope variable: its mangled name).
 TRACE_SYMBOL = "_ZN7evotune13evotune_traceE"
 ISOLATED, BACK_TO_BACK = "isolated", "back to back"
@@ -65,9 +66,11 @@ class TracedAttention(AttentionProblem):
     geometry and launch (pdl included); only the source differs, and only by those lines."""
 
     def template_flags(self, config) -> frozenset[str]:
-        # The split merge's stamps (key_merge = split) are `//[trace_split]` lines: they need both flags.
+        # The split merge's stamps (key_merge = split) are `//[trace_split]` lines, the TMA loads' wait stamp
+        # (kv_load = tma) a `//[trace_tma]` line: each needs both flags.
         flags = super().template_flags(config)
-        return flags | {TRACE_FLAG} | ({SPLIT_TRACE_FLAG} if SPLIT_FLAG in flags else set())
+        return (flags | {TRACE_FLAG} | ({SPLIT_TRACE_FLAG} if SPLIT_FLAG in flags else set())
+                | ({TMA_LOAD_TRACE_FLAG} if TMA_LOAD_FLAG in flags else set()))
 
     def instantiation(self, config, shape, write_lse: bool = False) -> str:
         return "// phase trace variant (tools/phase_trace.py): evotune_trace holds per-warp stamps\n" + \

@@ -37,7 +37,7 @@ def shape_context(shape: Shape) -> dict:
 KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
                  "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
                  "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
-                 "key_merge": "gather"}
+                 "key_merge": "gather", "kv_load": "cp_async"}
 
 
 # The values each knob may take: what the templates' traits (AttnTraits, hopper::HopperTraits) accept for
@@ -58,6 +58,7 @@ KNOB_DOMAINS = {
     "pdl": (False, True),
     "epilogue": ("regs", "tma"),
     "key_merge": ("gather", "split"),
+    "kv_load": ("cp_async", "tma"),
 }
 
 
@@ -98,6 +99,23 @@ def is_split_merge(config) -> bool:
     """mma.sync with key groups, knob key_merge = split (kernels/attention_split_merge.cuh): each key group merges
     and stores 1/warp_key_groups of the head dim, instead of the row group's first warp merging and storing all."""
     return not is_wgmma(config) and int(knob(config, "warp_key_groups")) > 1 and knob(config, "key_merge") == "split"
+
+
+def is_tma_load(config) -> bool:
+    """mma.sync with knob kv_load = tma (kernels/attention_tma_load.cuh): Q, K and V arrive by TMA boxes issued by
+    one thread, on one mbarrier per slot, through three tensor maps, instead of every thread's 16-byte cp.async."""
+    return not is_wgmma(config) and knob(config, "kv_load") == "tma"
+
+
+def tma_load_bytes(config) -> int:
+    """Shared memory kv_load = tma adds (TmaLoad::kExtraBytes): an mbarrier per stage, then the slack that puts the
+    tiles on the next 1024-byte boundary."""
+    return 1024 + 8 * int(knob(config, "stages")) if is_tma_load(config) else 0
+
+
+def uses_tensor_maps(config) -> bool:
+    """Whether the entry takes CUtensorMaps of Q, K and V (the Hopper variant, or mma.sync with kv_load = tma)."""
+    return is_wgmma(config) or is_tma_load(config)
 
 
 def merge_bytes(config, shape: Shape) -> int:
@@ -171,10 +189,10 @@ class AttentionProblem(Problem):
     knob_abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
                    "smem_layout": "", "q_in_regs": ("qreg", "qsmem"), "kv_splits": "kv",
                    "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl"), "epilogue": "epi-",
-                   "key_merge": "merge-"}
-    # pdl, epilogue and key_merge came after the recorded runs; at false, regs and gather they leave the source as it
-    # was (their template lines are flagged).
-    late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather"}
+                   "key_merge": "merge-", "kv_load": "load-"}
+    # pdl, epilogue, key_merge and kv_load came after the recorded runs; at false, regs, gather and cp_async they leave
+    # the source as it was (their template lines are flagged).
+    late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async"}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -228,10 +246,11 @@ class AttentionProblem(Problem):
     def template_flags(self, config) -> frozenset[str]:
         """pdl: the kernels' `//[pdl]` lines (griddepcontrol.wait before the first global access, then
         launch_dependents); tma_store: the Hopper kernel's `//[tma_store]` lines (its TMA-store epilogue);
-        split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split). No such knob is a template
-        argument, so that a config without them keeps its source."""
+        split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
+        lines (kv_load = tma). No such knob is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
-                                               ("split_merge", is_split_merge(config))) if on)
+                                               ("split_merge", is_split_merge(config)),
+                                               ("tma_load", is_tma_load(config))) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
@@ -311,14 +330,26 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 """
         traits = f"""using EvotuneTraits = evotune::AttnTraits<
     {targs}>;"""
-        if is_split_merge(config):
-            # Only these configs' text differs: the split merge's slots replace gather's (kMergeBytes) in the launch's
-            # shared memory (kernels/attention_split_merge.cuh).
+        # Only split-merge and TMA-loading configs' text differs here (so every other config keeps its source): the
+        # split merge's slots replace gather's (kMergeBytes) in the launch's shared memory
+        # (kernels/attention_split_merge.cuh); TMA loads add their mbarriers and the slack that aligns the tiles to
+        # 1024 bytes (kernels/attention_tma_load.cuh).
+        smem_terms = ((" - kMergeBytes + evotune::SplitMerge<EvotuneBaseTraits>::kBytes" if is_split_merge(config) else "")
+                      + (" + evotune::TmaLoad<EvotuneBaseTraits>::kExtraBytes" if is_tma_load(config) else ""))
+        if smem_terms:
             traits = f"""using EvotuneBaseTraits = evotune::AttnTraits<
     {targs}>;
 struct EvotuneTraits : EvotuneBaseTraits {{
-    static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes - kMergeBytes + evotune::SplitMerge<EvotuneBaseTraits>::kBytes;
+    static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes{smem_terms};
 }};"""
+        map_params, map_args, map_note = "", "", ""
+        if is_tma_load(config):
+            map_params = (",\n                  const __grid_constant__ CUtensorMap q_map, const __grid_constant__ "
+                          "CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map")
+            map_args = "&q_map, &k_map, &v_map, "
+            map_note = ("\n// q_map, k_map, v_map (kv_load = tma): the CUtensorMaps of Q, K, V by value (4-D: head_dim, seq, "
+                        "head, batch;\n// 128-byte swizzle; boxes of 64 columns x BLOCK_M or BLOCK_N rows); q, k, v and "
+                        "their strides are then unused.")
         return f"""{traits}
 {asserts}
 // Launch: grid (ceil(seq_q / BLOCK_M), heads, batch * KV_SPLITS), block (EvotuneTraits::kThreads),
@@ -327,16 +358,16 @@ struct EvotuneTraits : EvotuneBaseTraits {{
 // With KV_SPLITS > 1 the fp32 workspace ws_o / ws_lse and the int counters ws_count
 // (zeroed once; the kernel leaves them zero) hold one slice per (batch, head, query tile).
 // kv_magic: 0, or with grouped-query attention ceil(2^32 / group) for group = heads / kv_heads (k and v hold
-// kv_heads heads; query head h reads K/V head h / group).
+// kv_heads heads; query head h reads K/V head h / group).{map_note}
 extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 {self.entry_name}(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                   const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
                   long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
                   long long v_sb, long long v_sh, long long v_ss, long long o_sb, long long o_sh, long long o_ss,
-                  int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, unsigned kv_magic{lse_params}) {{
+                  int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, unsigned kv_magic{map_params}{lse_params}) {{
     evotune::attention_fwd<EvotuneTraits{lse_targ}>(q, k, v, o, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
                                           o_sb, o_sh, o_ss, seq_q, seq_k, scale_log2, ws_o, ws_lse, ws_count,
-                                          kv_magic{lse_args});
+                                          {map_args}kv_magic{lse_args});
 }}
 """
 
@@ -356,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
         pitch = shape.head_dim + (8 if knob(config, "smem_layout") == "pad" else 0)
         smem = 2 * pitch * (block_m + 2 * int(knob(config, "stages")) * block_n)
-        smem += merge_bytes(config, shape)
+        smem += merge_bytes(config, shape) + tma_load_bytes(config)
         return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads,
                                     shape.batch * int(knob(config, "kv_splits"))),
                               block=(threads, 1, 1), dynamic_smem=smem)
@@ -381,8 +412,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                        if is_tma_store(config) else ""))
         return ("evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, "
                 "int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, "
-                "int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, uint32 kv_magic)"
-                "  // strides in elements; scale_log2 = scale*log2(e); workspace only for kv_splits > 1; "
+                "int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, uint32 kv_magic"
+                + (", const __grid_constant__ CUtensorMap q_map, k_map, v_map  /* kv_load = tma: by value */"
+                   if config is not None and is_tma_load(config) else "")
+                + ")  // strides in elements; scale_log2 = scale*log2(e); workspace only for kv_splits > 1; "
                 "kv_magic = 0, or ceil(2^32 / (heads / kv_heads)) with grouped-query attention")
 
     def launch_notes(self, config, shape: Shape) -> list[str]:
@@ -394,17 +427,18 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def _workspace_notes(self, config, shape: Shape) -> list[str]:
         n_o, n_lse, n_count = self.workspace_elems(config, shape)
+        maps = [f"tensor maps  cuTensorMapEncodeTiled, rank 4 (head_dim, seq, head, batch), strides in bytes, "
+                f"SWIZZLE_128B, OOB fill zero; boxes 64 x {rows_per_cta(config)} (Q), 64 x "
+                f"{int(knob(config, 'block_n'))} (K, V)" + (", 64 x 64 (O: epilogue = tma, stored through it)"
+                                                             if is_tma_store(config) else ""),
+                "             passed by value (CUtensorMap arguments of <<<>>>, or pointers to them in "
+                "cuLaunchKernel's kernelParams); nothing to copy to the device"] if uses_tensor_maps(config) else []
         if not is_wgmma(config):
             if not n_count:
-                return ["workspace    none (kv_splits = 1): pass null for ws_o, ws_lse, ws_count"]
+                return ["workspace    none (kv_splits = 1): pass null for ws_o, ws_lse, ws_count"] + maps
             return [f"workspace    ws_o {n_o} fp32, ws_lse {n_lse} fp32, ws_count {n_count} int32 zeroed once "
-                    f"(the kernel leaves the counters zero)"]
-        notes = [f"tensor maps  cuTensorMapEncodeTiled, rank 4 (head_dim, seq, head, batch), strides in bytes, "
-                 f"SWIZZLE_128B, OOB fill zero; boxes 64 x {wgmma_block_m(config)} (Q), 64 x "
-                 f"{int(knob(config, 'block_n'))} (K, V)" + (", 64 x 64 (O: epilogue = tma, stored through it)"
-                                                              if is_tma_store(config) else ""),
-                 "             passed by value (CUtensorMap arguments of <<<>>>, or pointers to them in "
-                 "cuLaunchKernel's kernelParams); nothing to copy to the device"]
+                    f"(the kernel leaves the counters zero)"] + maps
+        notes = maps
         if is_persistent(config):
             notes.append(f"persistent   grid (min({query_tiles(config, shape)} query tiles, the device's SMs), 1, 1): "
                          f"each CTA loops over the tiles; the grid above is the H100's {MULTIPROCESSORS} SMs")
@@ -513,7 +547,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         """The entry point's parameters in order, (name, kind), kind one of "ptr" (u64), "i64", "i32",
         "f32", "u32" and "map" (a 128-byte CUtensorMap by value): the one list both launch paths (CuPy's
         call here, the PyTorch op's reusable parameter packet) read, matching `instantiation`."""
-        return _entry_params(is_wgmma(config), write_lse, is_tma_store(config))
+        return _entry_params(is_wgmma(config), write_lse, is_tma_store(config), is_tma_load(config))
 
     def launch_values(self, config, shape: Shape, q, k, v, out, scale: float, lse=None, workspace=()) -> dict:
         """name -> value of every entry parameter for these tensors (ints, floats, map records).
@@ -539,6 +573,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                 values.update({name: t.data_ptr(), f"{name}_sb": t.stride(0), f"{name}_sh": t.stride(1),
                                f"{name}_ss": t.stride(2)})
             values.update(zip(("ws_o", "ws_lse", "ws_count"), [t.data_ptr() for t in workspace] or (0, 0, 0)))
+            if is_tma_load(config):
+                values.update(zip(MAP_PARAMS, self.tensor_maps(config, shape, {"q": q, "k": k, "v": v})))
         if lse is not None:
             values.update(lse=lse.data_ptr(), lse_sb=lse.stride(0), lse_sh=lse.stride(1))
         return values
@@ -571,8 +607,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                                      pdl=plan.pdl)
 
     def tensor_map_args(self, config, shape: Shape, strides: dict) -> dict:
-        """name -> TiledMapArgs of the maps a wgmma launch needs, in the entry's order: Q, K, V, and with the
-        TMA-store epilogue O; `strides` maps each name to its tensor's (B, H, S, D) element strides ("o" is
+        """name -> TiledMapArgs of the maps a launch needs (uses_tensor_maps), in the entry's order: Q, K, V, and with
+        the Hopper variant's TMA-store epilogue O; `strides` maps each name to its tensor's (B, H, S, D) element strides ("o" is
         read only for that epilogue). Pure: checked on the CPU."""
         names = MAP_TENSORS[:4 if is_tma_store(config) else 3]
         return dict(zip(names, _map_args(config, shape, *(tuple(strides[n]) for n in names))))
@@ -675,7 +711,7 @@ def _launch_plan(problem, config, shape: Shape, multiprocessors: int) -> LaunchP
                       np.uint32(kv_head_magic(shape.kv_group)), is_pdl(config))
 
 
-# The tensors a wgmma launch maps (Q, K, V; O with the TMA-store epilogue) and the entry's parameters for them.
+# The tensors a launch maps (uses_tensor_maps: Q, K, V; O with the TMA-store epilogue) and the entry's parameters for them.
 MAP_TENSORS = ("q", "k", "v", "o")
 MAP_PARAMS = ("q_map", "k_map", "v_map", "o_map")
 
@@ -683,13 +719,13 @@ MAP_PARAMS = ("q_map", "k_map", "v_map", "o_map")
 @lru_cache(maxsize=1024)
 def _map_args(config, shape: Shape, q_strides: tuple, k_strides: tuple, v_strides: tuple,
               o_strides: tuple | None = None) -> tuple:
-    """(Q, K, V) TiledMapArgs of a wgmma launch on tensors with these (B, H, S, D) element strides, and O's
+    """(Q, K, V) TiledMapArgs of a launch (uses_tensor_maps) on tensors with these (B, H, S, D) element strides, and O's
     where `o_strides` is given (the TMA-store epilogue: a box of 64 rows, one consumer warpgroup's, stored by
     each warpgroup on its own). K's and V's maps span the K/V heads (kv_heads): the kernel reads head
     h / kv_group of them."""
     from ..build.tma import tiled_map_args
 
-    block_m, block_n = wgmma_block_m(config), int(knob(config, "block_n"))
+    block_m, block_n = rows_per_cta(config), int(knob(config, "block_n"))
     maps = [(q_strides, shape.heads, shape.seq_q, block_m), (k_strides, shape.kv_heads, shape.seq_k, block_n),
             (v_strides, shape.kv_heads, shape.seq_k, block_n)]
     if o_strides is not None:
@@ -699,7 +735,7 @@ def _map_args(config, shape: Shape, q_strides: tuple, k_strides: tuple, v_stride
 
 
 @lru_cache(maxsize=8)
-def _entry_params(wgmma: bool, write_lse: bool, tma_store: bool = False) -> tuple:
+def _entry_params(wgmma: bool, write_lse: bool, tma_store: bool = False, tma_load: bool = False) -> tuple:
     """AttentionProblem.entry_params (kernels/attention.cu and attention_hopper.cuh entry points)."""
     tail = (("o_sb", "i64"), ("o_sh", "i64"), ("o_ss", "i64"), ("seq_q", "i32"), ("seq_k", "i32"), ("scale_log2", "f32"))
     lse = (("lse", "ptr"), ("lse_sb", "i64"), ("lse_sh", "i64")) if write_lse else ()
@@ -709,7 +745,8 @@ def _entry_params(wgmma: bool, write_lse: bool, tma_store: bool = False) -> tupl
                 + ((("o_map", "map"),) if tma_store else ()) + lse)
     strides = tuple((f"{t}_s{d}", "i64") for t in "qkv" for d in "bhs")
     return ((("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "ptr")) + strides + tail
-            + (("ws_o", "ptr"), ("ws_lse", "ptr"), ("ws_count", "ptr"), ("kv_magic", "u32")) + lse)
+            + (("ws_o", "ptr"), ("ws_lse", "ptr"), ("ws_count", "ptr"), ("kv_magic", "u32"))
+            + ((("q_map", "map"), ("k_map", "map"), ("v_map", "map")) if tma_load else ()) + lse)
 
 
 def as_kernel_arg(kind: str, value):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..errors import EvotuneError, UsageError
 from ..problems import get_problem
+from ..problems.attention import uses_tensor_maps
 
 PROBLEM = get_problem("attention")
 
@@ -153,8 +154,8 @@ def load_for(decision, write_lse: bool = False) -> LoadedKernel:
 class PreparedLaunch:
     """A loaded kernel on one shape with one set of strides and scale, ready to launch again and again:
     grid, block and shared memory worked out once, and per thread a ParamPacket (evotune.gpu.packet) in which
-    a call rewrites only the buffer addresses (and, for the Hopper variant, copies in the tensor maps of
-    the new addresses, each encoded once per address) before cuLaunchKernel on torch's current stream
+    a call rewrites only the buffer addresses (and, for the Hopper variant or an mma.sync config with TMA loads,
+    copies in the tensor maps of the new addresses, each encoded once per address) before cuLaunchKernel on torch's current stream
     (cuLaunchKernelEx with programmatic stream serialization for a pdl config: launch_packet)."""
 
     def __init__(self, loaded: LoadedKernel, shape, strides: tuple, scale: float, out_strides: tuple | None = None):
@@ -167,9 +168,10 @@ class PreparedLaunch:
         # calls on two streams may run at once.
         self.needs_workspace = bool(plan.workspace[2])
         self.params = PROBLEM.entry_params(loaded.config, loaded.write_lse)
-        if self.wgmma:
-            # (param, tensor index into (q, k, v, out), map args): the TMA-store epilogue maps the output too,
-            # laid out as q unless told (the op allocates it like q).
+        # (param, tensor index into (q, k, v, out), map args): the TMA-store epilogue maps the output too, laid out
+        # as q unless told (the op allocates it like q).
+        self.maps = ()
+        if uses_tensor_maps(loaded.config):
             tensors = dict(zip("qkv", strides), o=tuple(out_strides or strides[0]))
             args = PROBLEM.tensor_map_args(loaded.config, shape, tensors)
             self.maps = tuple((f"{name}_map", "qkvo".index(name), a) for name, a in args.items())
@@ -199,7 +201,7 @@ class PreparedLaunch:
         packet.slot("o").value = out.data_ptr()
         if lse is not None:
             packet.slot("lse").value = lse.data_ptr()
-        if self.wgmma:
+        if self.maps:
             from ..build.tma import map_param
 
             tensors = (q, k, v, out)
@@ -208,6 +210,7 @@ class PreparedLaunch:
                 if packet.addresses.get(name) != address:
                     packet.set_map(name, map_param(address, args))
                     packet.addresses[name] = address
+        if self.wgmma:
             if workspace:
                 packet.slot("tile_counter").value = workspace[2].data_ptr()
             return
