@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# The key groups' split merge (knob key_merge = split, kernels/attention_split_merge.cuh) on the GPU machine, in the
-# order that guards each later step: its GPU checks first (a kernel that fails them is never timed), then
-# before/after pairs beside SDPA, then the exhaustive mission search that decides where it pays, its bench records
-# beside the previous winner's, and the phase trace of the new winner.
-#   STEPS="check pairs" OUT=dir bash tools/split_merge_device.sh
-#   STEPS="search bench trace" OUT=dir bash tools/split_merge_device.sh
-#   check   tools/gpu_checks.sh tests/test_split_merge.py: the gate on 8 shapes x 5 configs (agreeing with gather's
-#           output to two units in the last place), write_lse; then the slow compute-sanitizer runs
+# A knob of the mma.sync kernel on the mission shape, on the GPU machine, in the order that guards each later step: its
+# GPU checks first (a kernel that fails them is never timed), then before/after pairs beside SDPA, then the exhaustive
+# mission search that decides where it pays, its bench records beside the previous winner's, and the phase trace of
+# the new winner. The knob's own script sets what differs and calls this one: tools/split_merge_device.sh (key_merge),
+# tools/tma_load_device.sh (kv_load).
+#   KNOB=kv_load VALUES="tma cp_async" TESTS=tests/test_tma_load.py SPACE=search_spaces/attention-small-tma.yaml \
+#   RUN=mission-h100-exhaustive-small-tma OLD=mission-h100-exhaustive-small-merge TRIALS=1890 \
+#   OLD_TRACE=docs/data/split-merge/trace/split_pdl_on.json.gz PAIRS='[{...}, ...]' STEPS="check pairs" OUT=dir \
+#   bash tools/mission_knob_device.sh
+#   check   tools/gpu_checks.sh $TESTS: the knob's gate and agreement tests, then its compute-sanitizer tests
 #                                                                                  -> $OUT/check.txt, $OUT/sanitize.txt
-#   pairs   tools/time_configs.py on the mission shape: the pdl winner of runs/mission-h100-exhaustive-small-pdl and
-#           its four-key-group twin, each with key_merge = gather and split, interleaved beside SDPA flash and cudnn
-#                                                                                  -> $OUT/pairs/{table.txt,*.json}
-#   search  evotune search --shape mission over attention-small-merge.yaml, exhaustive (all TRIALS admitted configs)
-#           -> run mission-h100-exhaustive-small-merge                             -> $OUT/search.tgz
-#   bench   tools/bench_runs.sh: REPS x `evotune bench best` of that run and of mission-h100-exhaustive-small-pdl
-#                                                                                  -> $OUT/bench.tgz
-#   trace   tools/phase_trace.py on the new run's winner, then --compare with the committed trace of the old one
-#           (docs/data/trace/pdl_on.json.gz, if carried)                           -> $OUT/trace/
-#   race    compute-sanitizer racecheck of one config (RACE_CONFIG, RACE_SHAPE) with key_merge = split and gather,
-#           each with the tool's report                                            -> $OUT/race.txt
-#   ncu     Nsight Compute on the new run's best (speed of light, memory workload, occupancy)  -> $OUT/ncu.txt
+#   pairs   tools/time_configs.py on the mission shape: each config of PAIRS (a JSON list of knob dicts) with KNOB at
+#           each of VALUES, interleaved beside SDPA flash and cudnn               -> $OUT/pairs/{table.txt,*.json}
+#   search  evotune search --shape mission over SPACE, exhaustive (all TRIALS admitted configs) -> run RUN
+#                                                                                  -> $OUT/search.tgz
+#   bench   tools/bench_runs.sh: REPS x `evotune bench best` of RUN and OLD        -> $OUT/bench.tgz
+#   trace   tools/phase_trace.py on RUN's winner, then --compare with OLD_TRACE (a committed trace, if carried)
+#                                                                                  -> $OUT/trace/
+#   race    compute-sanitizer racecheck of one config (RACE_CONFIG, RACE_SHAPE) with KNOB at each of VALUES, each with
+#           the tool's report                                                      -> $OUT/race.txt
+#   ncu     Nsight Compute on RUN's best (speed of light, memory workload, occupancy)  -> $OUT/ncu.txt
 set -uo pipefail
 OUT=${OUT:?set OUT}; here=$(cd "$(dirname "$0")/.." && pwd)
 export EVOTUNE_RUNS=${EVOTUNE_RUNS:-/tmp/runs} EVOTUNE_CACHE=${EVOTUNE_CACHE:-/tmp/cache}
-RUN=mission-h100-exhaustive-small-merge OLD=mission-h100-exhaustive-small-pdl
+: "${KNOB:?set KNOB}" "${VALUES:?set VALUES}" "${TESTS:?set TESTS}" "${SPACE:?set SPACE}" "${RUN:?set RUN}" "${OLD:?set OLD}"
+export KNOB VALUES PAIRS
 have_runs() {  # RUN...: each under $EVOTUNE_RUNS, copied from the committed runs/ unless this machine made it
   mkdir -p "$EVOTUNE_RUNS"
   for r in "$@"; do [ -d "$EVOTUNE_RUNS/$r" ] || cp -r "$here/runs/$r" "$EVOTUNE_RUNS/"; done
@@ -31,21 +32,22 @@ have_runs() {  # RUN...: each under $EVOTUNE_RUNS, copied from the committed run
 for step in ${STEPS:-check pairs}; do
   start=$(date +%s)
   case $step in
-    check) bash "$here/tools/gpu_checks.sh" tests/test_split_merge.py ;;
+    check) bash "$here/tools/gpu_checks.sh" "$TESTS" ;;
     pairs)
       mkdir -p "$OUT/pairs"
-      w='"block_m":32,"block_n":128,"producer_warps":0,"stages":4,"smem_layout":"swizzle","q_in_regs":true,"kv_splits":1,"pdl":true'
-      (cd "$here" && OUT="$OUT/pairs" timeout 240 python3 tools/time_configs.py mission \
-        "{$w,\"compute_warps\":4,\"warp_key_groups\":2,\"key_merge\":\"gather\"}" \
-        "{$w,\"compute_warps\":4,\"warp_key_groups\":2,\"key_merge\":\"split\"}" \
-        "{$w,\"compute_warps\":8,\"warp_key_groups\":4,\"key_merge\":\"gather\"}" \
-        "{$w,\"compute_warps\":8,\"warp_key_groups\":4,\"key_merge\":\"split\"}") > "$OUT/pairs/table.txt" 2>&1 \
-        || echo "pairs failed: $(tail -1 "$OUT/pairs/table.txt")"
+      # each PAIRS config with KNOB at each of VALUES, as time_configs.py's JSON arguments
+      mapfile -t configs < <(python3 -c '
+import json, os
+for cfg in json.loads(os.environ["PAIRS"]):
+    for value in os.environ["VALUES"].split():
+        print(json.dumps(dict(cfg, **{os.environ["KNOB"]: value})))')
+      (cd "$here" && OUT="$OUT/pairs" timeout 240 python3 tools/time_configs.py mission "${configs[@]}") \
+        > "$OUT/pairs/table.txt" 2>&1 || echo "pairs failed: $(tail -1 "$OUT/pairs/table.txt")"
       tail -12 "$OUT/pairs/table.txt" ;;
     search)
       mkdir -p "$EVOTUNE_RUNS" /tmp/logs
       (cd "$here" && timeout "${SEARCH_S:-400}" python3 -m evotune search --shape mission --sampler exhaustive \
-        --trials "${TRIALS:-1512}" --run "$RUN" --space search_spaces/attention-small-merge.yaml) > "/tmp/logs/$RUN.txt" 2>&1
+        --trials "${TRIALS:?set TRIALS}" --run "$RUN" --space "$SPACE") > "/tmp/logs/$RUN.txt" 2>&1
       echo "$RUN rc=$? $(grep -h '^finalists:' "/tmp/logs/$RUN.txt")"; tail -15 "/tmp/logs/$RUN.txt"
       tar -czf "$OUT/search.tgz" -C "$(dirname "$EVOTUNE_RUNS")" "$(basename "$EVOTUNE_RUNS")/$RUN" -C /tmp logs ;;
     bench)
@@ -56,7 +58,7 @@ for step in ${STEPS:-check pairs}; do
       (cd "$here" && timeout "${TRACE_S:-300}" python3 tools/phase_trace.py --run "$RUN" --out "$OUT/trace/new.json") \
         > "$OUT/trace/new.txt" 2>&1
       echo "trace rc=$?"; tail -40 "$OUT/trace/new.txt"
-      old=$here/docs/data/trace/pdl_on.json.gz
+      old=$here/${OLD_TRACE:-none}
       if [ -f "$old" ]; then
         gunzip -c "$old" > "$OUT/trace/old.json"
         (cd "$here" && python3 tools/phase_trace.py --compare "$OUT/trace/old.json" "$OUT/trace/new.json") \
@@ -64,7 +66,7 @@ for step in ${STEPS:-check pairs}; do
         rm -f "$OUT/trace/old.json"; cat "$OUT/trace/compare.txt"
       fi ;;
     race)
-      # racecheck of one config with key_merge = split and = gather, with the tool's own report (its first hazards)
+      # racecheck of one config with KNOB at each of VALUES, with the tool's own report (its first hazards)
       (cd "$here" && timeout 300 python3 - <<'PY') > "$OUT/race.txt" 2>&1; echo "race rc=$?"; tail -60 "$OUT/race.txt"
 import json, os
 from evotune.build.compile import compile_source
@@ -77,13 +79,13 @@ attention, space = get_problem("attention"), load_builtin("attention")
 shape = attention.parse_shape(os.environ.get("RACE_SHAPE", "2,3,197,300,64:causal"))
 cfg = json.loads(os.environ.get("RACE_CONFIG", '{"block_m":128,"block_n":64,"compute_warps":8,"producer_warps":1,'
                  '"stages":2,"smem_layout":"swizzle","q_in_regs":false,"warp_key_groups":2,"kv_splits":1}'))
-for merge in ("split", "gather"):
-    config = space.config(dict(cfg, key_merge=merge))
+for value in os.environ["VALUES"].split():
+    config = space.config(dict(cfg, **{os.environ["KNOB"]: value}))
     src = instantiate(attention, config, shape)
     job = {"family": "attention", "shape": shape.as_dict(), "config": config.as_dict(),
            "compiled": compiled_to_dict(compile_source(src.code, src.entry))}
     report = run_tool("racecheck", job)
-    print(f"== key_merge={merge}: {report['summary']}")
+    print(f"== {os.environ['KNOB']}={value}: {report['summary']}")
     print(report["output_tail"])
 PY
       ;;
