@@ -5,6 +5,7 @@ file, a kill -9 that stalls nobody and damages nothing, and damage named rather 
 
 from __future__ import annotations
 
+import gzip
 import multiprocessing as mp
 import os
 import signal
@@ -16,7 +17,8 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from evotune.records.journal import DamagedJournal, RunJournal, journal_storage
+from evotune.errors import UsageError
+from evotune.records.journal import DamagedJournal, RunJournal, archived_name, journal_storage
 from evotune.records.runs import Run
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -44,6 +46,28 @@ def test_new_run_keeps_its_study_in_the_journal(runs_root):
     [t] = again.get_trials()
     assert t.state == TrialState.COMPLETE and t.values == [5.5, 1e-4] and t.user_attrs["digest"] == "abc"
     assert t.params == trial.params
+
+
+def test_archived_journal_is_unpacked_once(runs_root):
+    """A committed run keeps study.journal.gz: opening its study unpacks it beside (the archive stays) and reads the
+    same trials; a journal already there is never replaced (it may hold appends); a damaged archive is one error."""
+    run = Run.create("packed", {})
+    study = optuna.create_study(study_name=run.study_name, storage=run.storage(), directions=["minimize", "minimize"])
+    study.tell(study.ask(DISTS), [5.5, 1e-4])
+    journal = run.path / "study.journal"
+    archived_name(journal).write_bytes(gzip.compress(journal.read_bytes()))
+    journal.unlink()
+    [t] = optuna.load_study(study_name=run.study_name, storage=run.storage()).get_trials()
+    assert t.values == [5.5, 1e-4] and journal.is_file() and archived_name(journal).is_file()
+    again = optuna.load_study(study_name=run.study_name, storage=run.storage())  # the unpacked file, appended to
+    again.tell(again.ask(DISTS), [6.0, 1e-4])
+    assert len(optuna.load_study(study_name=run.study_name, storage=run.storage()).get_trials()) == 2
+    assert sorted(p.name for p in run.path.iterdir() if "unpack" in p.name) == []
+    journal.unlink()
+    archived_name(journal).write_bytes(b"not gzip")
+    with pytest.raises(UsageError, match="cannot unpack the run's archived journal"):
+        run.storage()
+    assert not journal.exists()
 
 
 def test_run_made_before_the_journal_keeps_sqlite(runs_root):

@@ -15,13 +15,19 @@ The file backend is evotune's, not Optuna's JournalFileBackend, for the guarante
 - A half line at the end (a writer that died in the write, or a power loss) is cut off by the next
   append, under the lock, before it writes: the journal stays a sequence of whole lines. A whole line
   that is not JSON is damage, named with its line number; reading never repairs it.
+
+A run committed to the repository keeps its journal gzipped (study.journal.gz; Optuna's JSON lines shrink some
+25-fold, and an exhaustive mission search's journal is 10 MB): opening the study unpacks it beside, once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
+import shutil
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,7 +108,34 @@ def _cut_torn_tail(fd: int) -> None:
 
 
 def journal_storage(path: Path):
-    """Optuna's JournalStorage over the run's journal file."""
+    """Optuna's JournalStorage over the run's journal file (unpacked first where the run keeps it gzipped)."""
     from optuna.storages.journal import JournalStorage
 
+    unpack_archived(Path(path))
     return JournalStorage(RunJournal(path))
+
+
+def archived_name(path: Path) -> Path:
+    """Where a committed run keeps the journal `path` gzipped: study.journal.gz beside it."""
+    return path.with_name(path.name + ".gz")
+
+
+def unpack_archived(path: Path) -> None:
+    """Unpack the gzipped journal beside `path` to `path` if only the archive is there. Written under a temporary
+    name and hard-linked into place: a killed unpack leaves no half journal, and of two processes unpacking at once
+    the second's link fails and it uses the first's file (which may already hold appends: never replaced)."""
+    packed = archived_name(path)
+    if path.exists() or not packed.exists():
+        return
+    tmp = path.with_name(f".{path.name}.unpack-{os.getpid()}")
+    try:
+        with gzip.open(packed, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+            dst.flush()
+            os.fsync(dst.fileno())
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    except (OSError, EOFError, zlib.error) as e:
+        raise UsageError(f"{packed}: cannot unpack the run's archived journal ({e})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
