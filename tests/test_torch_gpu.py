@@ -166,6 +166,26 @@ def test_pdl_config_through_the_op(gpu):
     assert_graph_replays_follow_inputs(shape, q, k, v, seeds=(8, 9))
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_tma_load_config_through_the_op(gpu, layout):
+    """An mma.sync config with TMA loads (the mission winner, attention-small-tma.yaml) through the op: its
+    PreparedLaunch carries Q's, K's and V's tensor maps, patches them when the buffers change, and its graph replays
+    follow new inputs copied into the captured ones."""
+    from evotune.torch.kernels import PREPARED
+
+    shape = Shape(1, 8, 512, 512, 64, "fp16", False, layout)
+    config = dict(block_m=32, block_n=128, compute_warps=4, kv_splits=1, producer_warps=0, q_in_regs=True,
+                  smem_layout="swizzle", stages=3, warp_key_groups=2, pdl=True, key_merge="split", kv_load="tma")
+    et.use_table(table(entry(shape, config, "attention-small-tma", gpu=gpu)))
+    q, k, v = make_qkv(shape, seed=7)
+    assert_close(run_tuned(q, k, v, False), q, k, v, shape)
+    tma = [p for p in PREPARED._prepared.values() if p.loaded.config.get("kv_load") == "tma"]
+    assert tma and all([name for name, _, _ in p.maps] == ["q_map", "k_map", "v_map"] for p in tma)
+    q2, k2, v2 = make_qkv(shape, seed=8)
+    assert_close(run_tuned(q2, k2, v2, False), q2, k2, v2, shape)
+    assert_graph_replays_follow_inputs(shape, q, k, v, seeds=(9, 10))
+
+
 def test_capture_refuses_a_kernel_not_loaded(gpu):
     """Capturing a kernel not loaded yet is one clear UsageError; after warmup() the same call captures."""
     from evotune.torch.kernels import CACHE

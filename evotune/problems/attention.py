@@ -328,28 +328,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
                                                         scale_log2, kv_magic, n_heads, n_batch, tile_counter{o_map_arg}{lse_args});
 }}
 """
-        traits = f"""using EvotuneTraits = evotune::AttnTraits<
-    {targs}>;"""
-        # Only split-merge and TMA-loading configs' text differs here (so every other config keeps its source): the
-        # split merge's slots replace gather's (kMergeBytes) in the launch's shared memory
-        # (kernels/attention_split_merge.cuh); TMA loads add their mbarriers and the slack that aligns the tiles to
-        # 1024 bytes (kernels/attention_tma_load.cuh).
-        smem_terms = ((" - kMergeBytes + evotune::SplitMerge<EvotuneBaseTraits>::kBytes" if is_split_merge(config) else "")
-                      + (" + evotune::TmaLoad<EvotuneBaseTraits>::kExtraBytes" if is_tma_load(config) else ""))
-        if smem_terms:
-            traits = f"""using EvotuneBaseTraits = evotune::AttnTraits<
-    {targs}>;
-struct EvotuneTraits : EvotuneBaseTraits {{
-    static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes{smem_terms};
-}};"""
-        map_params, map_args, map_note = "", "", ""
-        if is_tma_load(config):
-            map_params = (",\n                  const __grid_constant__ CUtensorMap q_map, const __grid_constant__ "
-                          "CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map")
-            map_args = "&q_map, &k_map, &v_map, "
-            map_note = ("\n// q_map, k_map, v_map (kv_load = tma): the CUtensorMaps of Q, K, V by value (4-D: head_dim, seq, "
-                        "head, batch;\n// 128-byte swizzle; boxes of 64 columns x BLOCK_M or BLOCK_N rows); q, k, v and "
-                        "their strides are then unused.")
+        traits = _sync_traits(config, targs)
+        map_params, map_args, map_note = _tma_load_entry(config)
         return f"""{traits}
 {asserts}
 // Launch: grid (ceil(seq_q / BLOCK_M), heads, batch * KV_SPLITS), block (EvotuneTraits::kThreads),
@@ -681,6 +661,36 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                 return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, scale=inputs["scale"], **gqa)
 
         return self.probed(run, probe)
+
+
+def _sync_traits(config, targs: str) -> str:
+    """The mma.sync instantiation's EvotuneTraits. Only split-merge and TMA-loading configs' text differs from the plain
+    AttnTraits (so every other config keeps its source): the split merge's slots replace gather's (kMergeBytes) in the
+    launch's shared memory (kernels/attention_split_merge.cuh); TMA loads add their mbarriers and the slack that
+    aligns the tiles to 1024 bytes (kernels/attention_tma_load.cuh)."""
+    smem_terms = ((" - kMergeBytes + evotune::SplitMerge<EvotuneBaseTraits>::kBytes" if is_split_merge(config) else "")
+                  + (" + evotune::TmaLoad<EvotuneBaseTraits>::kExtraBytes" if is_tma_load(config) else ""))
+    if not smem_terms:
+        return f"""using EvotuneTraits = evotune::AttnTraits<
+    {targs}>;"""
+    return f"""using EvotuneBaseTraits = evotune::AttnTraits<
+    {targs}>;
+struct EvotuneTraits : EvotuneBaseTraits {{
+    static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes{smem_terms};
+}};"""
+
+
+def _tma_load_entry(config) -> tuple[str, str, str]:
+    """(parameters, arguments, comment) the mma.sync entry adds for kv_load = tma: the three maps by value; empty
+    strings otherwise."""
+    if not is_tma_load(config):
+        return "", "", ""
+    return ((",\n                  const __grid_constant__ CUtensorMap q_map, const __grid_constant__ "
+             "CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map"),
+            "&q_map, &k_map, &v_map, ",
+            ("\n// q_map, k_map, v_map (kv_load = tma): the CUtensorMaps of Q, K, V by value (4-D: head_dim, seq, "
+             "head, batch;\n// 128-byte swizzle; boxes of 64 columns x BLOCK_M or BLOCK_N rows); q, k, v and "
+             "their strides are then unused."))
 
 
 @dataclass(frozen=True)
