@@ -1,6 +1,6 @@
-"""Compiling a config, and one launch each of several configs on the same inputs, for the tests that compare a knob's
-value with the value that leaves the source as it was (tests/test_tma_store.py: epilogue; tests/test_split_merge.py:
-key_merge)."""
+"""Compiling a config, one launch each of several configs on the same inputs, and a compute-sanitizer run of one, for
+the tests that compare a knob's value with the value that leaves the source as it was (tests/test_tma_store.py:
+epilogue; tests/test_split_merge.py: key_merge; tests/test_tma_load.py: kv_load)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,16 @@ def compile_config(attention, space, shape, cfg):
     config = space.config(dict(cfg))
     src = instantiate(attention, config, shape)
     return config, src, compile_source(src.code, src.entry)
+
+
+def sanitize_config(attention, space, shape, cfg, tool: str) -> dict:
+    """compute-sanitizer `tool`'s report (evotune.gpu.sanitize.run_tool) on one launch of a config given as a dict."""
+    from evotune.gpu.sanitize import run_tool
+    from evotune.gpu.workers import compiled_to_dict
+
+    config, _, compiled = compile_config(attention, space, shape, cfg)
+    return run_tool(tool, {"family": "attention", "shape": shape.as_dict(), "config": config.as_dict(),
+                           "compiled": compiled_to_dict(compiled)})
 
 
 def run_configs(attention, space, shape, configs, seed=5, lse=False):

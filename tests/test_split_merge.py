@@ -8,11 +8,10 @@ find nothing."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
-from _variant_pairs import compile_config, run_configs
+from _paths import load_tool
+from _variant_pairs import compile_config, run_configs, sanitize_config
 
 from evotune.build.compile import compile_source, static_violations
 from evotune.build.template import instantiate, template_flag_names
@@ -139,10 +138,7 @@ def test_space_admits_split_only_with_key_groups(attention, space):
 def test_trace_variant_stamps_the_split_merge(attention):
     """tools/phase_trace.py's variant of a split config keeps the split path's stamps (`//[trace_split]` lines:
     both flags), compiles, and its gather twin has none of them."""
-    spec = importlib.util.spec_from_file_location("phase_trace", Path(__file__).parent.parent / "tools" / "phase_trace.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    traced, space = tool.TracedAttention(), load_builtin("attention")
+    traced, space = load_tool("phase_trace").TracedAttention(), load_builtin("attention")
     shape = parse_shape("mission")
     split = instantiate(traced, space.config(SPLIT_CONFIGS[0]), shape)
     gather = instantiate(traced, space.config(_gather(SPLIT_CONFIGS[0])), shape)
@@ -228,12 +224,5 @@ def test_sanitizers_clean(attention, space, tool, cfg):
     config: it reports the producer's cp.async into a K/V slot the consumers released with bar.arrive, with either
     merge (docs/data/split-merge/race.txt: the same 16 reports with gather), a handoff the PTX ISA orders that
     tools/racecheck_probe.py reproduces on a race-free kernel (tests/test_gpu.py, docs/CORRECTNESS.md)."""
-    from evotune.gpu.sanitize import run_tool
-    from evotune.gpu.workers import compiled_to_dict
-
-    shape = parse_shape("2,3,197,300,64:causal")
-    config, _, compiled = compile_config(attention, space, shape, cfg)
-    job = {"family": "attention", "shape": shape.as_dict(), "config": config.as_dict(),
-           "compiled": compiled_to_dict(compiled)}
-    report = run_tool(tool, job)
+    report = sanitize_config(attention, space, parse_shape("2,3,197,300,64:causal"), cfg, tool)
     assert report["clean"], f"{report['summary']}\n{report['output_tail']}"

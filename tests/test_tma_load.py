@@ -8,12 +8,11 @@ tiles in shared memory, the same math), the log-sum-exp too; the sanitizers find
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
-from _variant_pairs import compile_config, run_configs
+from _paths import load_tool
+from _variant_pairs import compile_config, run_configs, sanitize_config
 
 from evotune.build.compile import compile_source, static_violations
 from evotune.build.template import instantiate, template_flag_names
@@ -171,10 +170,7 @@ def test_space_admits_tma_only_where_the_layout_is_tmas(attention, space):
 def test_trace_variant_stamps_the_tma_wait(attention):
     """tools/phase_trace.py's variant of a tma config stamps the barrier wait (a `//[trace_tma]` line: both flags)
     and compiles; its cp_async twin has no such line."""
-    spec = importlib.util.spec_from_file_location("phase_trace", Path(__file__).parent.parent / "tools" / "phase_trace.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    traced, space = tool.TracedAttention(), load_builtin("attention")
+    traced, space = load_tool("phase_trace").TracedAttention(), load_builtin("attention")
     shape = parse_shape("mission")
     tma = instantiate(traced, space.config(TMA_CONFIGS[0]), shape)
     copies = instantiate(traced, space.config(_cp_async(TMA_CONFIGS[0])), shape)
@@ -235,12 +231,5 @@ def test_tma_loads_with_log_sum_exp(attention, space, cfg):
 def test_sanitizers_clean(attention, space, tool, cfg):
     """memcheck, synccheck and racecheck find nothing in the TMA loads (the maps' out-of-bounds rows, slots refilled
     after the barrier) on a ragged causal shape."""
-    from evotune.gpu.sanitize import run_tool
-    from evotune.gpu.workers import compiled_to_dict
-
-    shape = parse_shape("2,3,197,300,64:causal")
-    config, _, compiled = compile_config(attention, space, shape, cfg)
-    job = {"family": "attention", "shape": shape.as_dict(), "config": config.as_dict(),
-           "compiled": compiled_to_dict(compiled)}
-    report = run_tool(tool, job)
+    report = sanitize_config(attention, space, parse_shape("2,3,197,300,64:causal"), cfg, tool)
     assert report["clean"], f"{report['summary']}\n{report['output_tail']}"
