@@ -544,17 +544,15 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                   "kv_magic": int(plan.kv_magic), "n_heads": shape.heads, "n_batch": shape.batch}
         if plan.workspace[2] and len(workspace) != 3:
             raise UsageError(f"attention: this launch needs its workspace (new_workspace), got {len(workspace)} tensors")
+        if uses_tensor_maps(config):
+            values.update(zip(MAP_PARAMS, self.tensor_maps(config, shape, {"q": q, "k": k, "v": v, "o": out})))
         if plan.wgmma:
-            maps = self.tensor_maps(config, shape, {"q": q, "k": k, "v": v, "o": out})
-            values.update(zip(MAP_PARAMS, maps))
             values["tile_counter"] = workspace[2].data_ptr() if workspace else 0
         else:
             for name, t in (("q", q), ("k", k), ("v", v)):
                 values.update({name: t.data_ptr(), f"{name}_sb": t.stride(0), f"{name}_sh": t.stride(1),
                                f"{name}_ss": t.stride(2)})
             values.update(zip(("ws_o", "ws_lse", "ws_count"), [t.data_ptr() for t in workspace] or (0, 0, 0)))
-            if is_tma_load(config):
-                values.update(zip(MAP_PARAMS, self.tensor_maps(config, shape, {"q": q, "k": k, "v": v})))
         if lse is not None:
             values.update(lse=lse.data_ptr(), lse_sb=lse.stride(0), lse_sh=lse.stride(1))
         return values
