@@ -647,6 +647,7 @@ __device__ __forceinline__ void compute_sync() {
 //[split_merge] #include "attention_split_merge.cuh"
 //[tma_load]
 //[tma_load] #include "attention_tma_load.cuh"
+//[tma_multicast] #include "attention_tma_multicast.cuh"
 
 // ------------------------------------------------------------------ kernel
 
@@ -707,6 +708,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     // Causal: tiles wholly after this CTA's last query row contribute nothing; skip them.
     int kv_end = seq_k;
     if constexpr (T::kIsCausal) kv_end = min(seq_k, q_row0 + T::kBlockM);
+    //[tma_multicast] if constexpr (T::kIsCausal) kv_end = min(seq_k, tma_cluster_row_end<T>(q_row0));  // the cluster's tiles (kv_cluster)
     const int n_tiles_all = (kv_end + T::kBlockN - 1) / T::kBlockN;
     // This CTA's share of the K/V tiles: [t_begin, t_begin + n_tiles); may be empty in a split.
     // Without splits both are written plainly: with t_begin = min(0, ...) the compiler could
@@ -718,7 +720,10 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         n_tiles = min(n_tiles_all - t_begin, per_split);
     }
     //[tma_load] const u32 tma_bars = smem_addr(smem_raw);  // slot s's "full" barrier at + 8 s: its K and V (step 0: and Q) arrived
+    //[tma_multicast] #if 0
     //[tma_load] tma_load_init<T>(tma_bars, q_map, k_map, v_map);
+    //[tma_multicast] #endif
+    //[tma_multicast] tma_mc_init<T>(tma_bars, q_map, k_map, v_map);  // kv_cluster (attention_tma_multicast.cuh): + a cluster barrier
     //[pdl] // Everything above is index arithmetic. Every global access of this CTA follows, in every thread: the
     //[pdl] // cp.async loads of Q, K and V, the stores of O (and the log-sum-exp), the split-KV workspace and its
     //[pdl] // arrival counter. So each one sees the previous grid's writes complete and cannot overwrite what that
@@ -754,8 +759,12 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
             return;
         }
     } else {
+        //[tma_multicast] #if 0
         //[tma_load] tma_load_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
         //[tma_load]                   kv_head, batch, t_begin, n_tiles);
+        //[tma_multicast] #endif
+        //[tma_multicast] tma_mc_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
+        //[tma_multicast]                 kv_head, batch, t_begin, n_tiles);
         //[tma_load] #if 0
         load_tile_async<T, T::kBlockM, T::kComputeThreads>(sQ, gQ, q_ss, q_row0, seq_q, tid);
         cp_async_commit();
@@ -850,8 +859,12 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         if constexpr (T::kHasProducers) {
             if (i + T::kStages < n_tiles) named_bar_arrive(NamedBarrier::kSlotEmpty, slot, T::kThreads);
         }
+        //[tma_multicast] #if 0
         //[tma_load] tma_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
+        //[tma_multicast] #endif
+        //[tma_multicast] tma_mc_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
     }
+    //[tma_multicast] tma_mc_loads_landed();  // every part multicast to this CTA has landed: arrive (exit waits)
 
     if constexpr (T::kKeyGroups > 1) {
         float* slots = reinterpret_cast<float*>(sV + T::kStages * T::kKVElems);
@@ -906,6 +919,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         combine_partials<T, WRITE_LSE>(wo, wlse, gO, o_ss, q_row0, seq_q, tid, gL);
         //[trace] tracer.mark(trace::kStore);  // the last split's combined O stores issued
     }
+    //[tma_multicast] tma_mc_exit_wait();  // no CTA of the cluster exits while a part it multicast is in flight
 }
 
 // The Hopper variant (mma = wgmma): sm_90a only, instantiated only by configs that ask for it.

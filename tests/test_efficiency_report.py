@@ -125,7 +125,8 @@ def test_incomplete_exhaustive_run_is_refused(exhaustive_run, tmp_path):
 def test_attention_small_is_a_subset_of_attention(attention, mission):
     """search_spaces/attention-small.yaml is a slice of attention.yaml: each knob's values a subset, the knobs it
     omits at their defaults (mma = sync; the Hopper-only epilogue knob, added later, = regs; the key_merge knob, added
-    later still, = gather; the kv_load knob, added after it, = cp_async), and on every one of
+    later still, = gather; the kv_load knob, added after it, = cp_async; the kv_cluster knob, after that, = 1), and on
+    every one of
     its configs the same derived values and the same admit/reject decision as the full space, on the mission shape
     and a causal d128 bf16 one; it admits the 456 configs its header and the README promise on the mission shape."""
     from evotune.problems.attention import KNOB_DEFAULTS
@@ -137,10 +138,10 @@ def test_attention_small_is_a_subset_of_attention(attention, mission):
     assert {p.name for p in small.params} <= set(domains)
     assert all(set(p.values) <= domains[p.name] for p in small.params)
     omitted = set(domains) - {p.name for p in small.params}
-    assert omitted == {"mma", "pingpong", "persistent", "pdl", "epilogue", "key_merge", "kv_load"}
+    assert omitted == {"mma", "pingpong", "persistent", "pdl", "epilogue", "key_merge", "kv_load", "kv_cluster"}
     pinned = {name: KNOB_DEFAULTS[name] for name in omitted}
     assert pinned == {"mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
-                      "key_merge": "gather", "kv_load": "cp_async"}
+                      "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1}
     for shape in (mission, parse_shape("2,4,300,300,128:bf16:causal")):
         ctx = attention.context(shape)
         for cfg in small.all_configs():

@@ -49,30 +49,31 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its sixteen parameters (the variant knob mma first), six derived values
-    and twenty-four constraints, each with its reason."""
+    """The shipped attention.yaml loads with its seventeen parameters (the variant knob mma first), six derived values
+    and twenty-five constraints, each with its reason."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
                                    "smem_layout", "q_in_regs", "kv_splits", "warp_key_groups", "pingpong", "persistent",
-                                   "pdl", "epilogue", "key_merge", "kv_load"]
+                                   "pdl", "epilogue", "key_merge", "kv_load", "kv_cluster"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 24
+    assert len(space.constraints) == 25
     assert all(c.why for c in space.constraints)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
     assert block_m.values == (16, 32, 64, 128, 192) and block_m.default == 64 and block_m.line == 15
-    assert space.params[-10].values == ("pad", "swizzle", "plain")
-    assert space.params[-9].values == (True, False)
-    assert space.params[-8].values == (1, 2, 4, 8)
-    assert space.params[-7].values == (1, 2, 4)
-    assert space.params[-6].values == (False, True)
+    assert space.params[-11].values == ("pad", "swizzle", "plain")
+    assert space.params[-10].values == (True, False)
+    assert space.params[-9].values == (1, 2, 4, 8)
+    assert space.params[-8].values == (1, 2, 4)
+    assert space.params[-7].values == (False, True)
+    assert space.params[-6].values == (False, True) and space.params[-6].default is False
     assert space.params[-5].values == (False, True) and space.params[-5].default is False
-    assert space.params[-4].values == (False, True) and space.params[-4].default is False
-    assert space.params[-3].values == ("regs", "tma") and space.params[-3].default == "regs"
-    assert space.params[-2].values == ("gather", "split") and space.params[-2].default == "gather"
-    assert space.params[-1].values == ("cp_async", "tma") and space.params[-1].default == "cp_async"
+    assert space.params[-4].values == ("regs", "tma") and space.params[-4].default == "regs"
+    assert space.params[-3].values == ("gather", "split") and space.params[-3].default == "gather"
+    assert space.params[-2].values == ("cp_async", "tma") and space.params[-2].default == "cp_async"
+    assert space.params[-1].values == (1, 2, 4) and space.params[-1].default == 1
 
 
 def test_wgmma_pins_the_knobs_it_does_not_read(space, attention):
@@ -157,32 +158,35 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 
 def test_size(space):
-    """size() is the product of the value counts: 2*5*5*5*4*4*3*2*4*3*2*2*2*2*2."""
-    assert space.size() == 18432000
+    """size() is the product of the value counts: 2*5*5*5*4*4*3*2*4*3*2*2*2*2*2*3."""
+    assert space.size() == 55296000
 
 
 def test_all_configs_is_the_full_product_in_order(space):
-    """all_configs() yields size() configs: the product of the parameters' values, the last parameter varying fastest.
-    Checked without holding the 18.4 M configs (two lists of them took gigabytes): the count in one pass, and in a
-    second pass every config at a sampled index (the first 4096, then every 7919th) against the product's config at
-    that index, decoded in mixed radix. Every config of the product is distinct, so this also says they all are."""
+    """all_configs() yields size() configs: the product of the parameters' values, the last parameter varying fastest,
+    each config the product's config at its index, decoded in mixed radix. Every config of a smaller shipped space
+    (attention-small-mc.yaml: 23,328), and attention.yaml's first 221,184 (in which every knob but the first four
+    takes each of its values); the whole 55.3 M would take minutes a pass, and two lists of them gigabytes."""
     from itertools import islice
 
-    names, values = space.param_names(), [list(p.values) for p in space.params]
-
-    def product_config(index: int) -> dict:
+    def product_config(space, index: int) -> dict:
         picked = {}
-        for name, vals in zip(reversed(names), reversed(values)):
-            index, digit = divmod(index, len(vals))
-            picked[name] = vals[digit]
+        for p in reversed(space.params):
+            index, digit = divmod(index, len(p.values))
+            picked[p.name] = list(p.values)[digit]
         return picked
 
-    assert sum(1 for _ in space.all_configs()) == space.size() == 18432000
-    sampled = set(range(4096)) | set(range(0, space.size(), 7919)) | {space.size() - 1}
-    for index, cfg in enumerate(space.all_configs()):
-        if index in sampled:
-            assert cfg.as_dict() == product_config(index), index
-    configs = list(islice(space.all_configs(), 4608))
+    small = load_builtin("attention-small-mc")
+    assert sum(1 for _ in small.all_configs()) == small.size() == 23328
+    for index, cfg in enumerate(small.all_configs()):
+        assert cfg.as_dict() == product_config(small, index), index
+    prefix = list(islice(space.all_configs(), 221184))
+    assert all(cfg.as_dict() == product_config(space, index) for index, cfg in enumerate(prefix))
+    assert all(len({c[p.name] for c in prefix}) == len(p.values) for p in space.params[4:])
+    assert product_config(space, space.size() - 1) == {p.name: list(p.values)[-1] for p in space.params}
+    configs = prefix[:3 * 4608]
+    assert [c["kv_cluster"] for c in configs[:3]] == [1, 2, 4]
+    configs = configs[::3]
     assert [c["kv_load"] for c in configs[:2]] == ["cp_async", "tma"]
     assert [c["key_merge"] for c in configs[0:4:2]] == ["gather", "split"]
     assert [c["epilogue"] for c in configs[0:8:4]] == ["regs", "tma"]
@@ -295,7 +299,7 @@ def test_config_hash_equality_and_keys(space):
     assert a == b == c and hash(a) == hash(b) == hash(c)
     assert len({a, b, c, space.default_config()}) == 2
     assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,epilogue=regs,key_merge=gather,"
-                                  "kv_load=cp_async,kv_splits=1,"
+                                  "kv_cluster=1,kv_load=cp_async,kv_splits=1,"
                                   "mma=sync,pdl=False,"
                                   "persistent=False,"
                                   "pingpong=False,producer_warps=0,q_in_regs=True,smem_layout=swizzle,stages=3,"
@@ -538,7 +542,7 @@ BAD_KNOBS = [
     ("too-many-stages", attention_space("  stages: {values: [5]}\n"), 3, ("an integer from 1 to 4",)),
     ("unknown-knob", attention_space("  block_n: {values: [64]}\n  blok_m: {values: [64, 128]}\n"), 4,
      ("parameter 'blok_m' is not a knob of the attention family", "did you mean 'block_m'?")),
-    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl, epilogue, key_merge, kv_load)")),
+    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl, epilogue, key_merge, kv_load, kv_cluster)")),
     ("softmax-vec", softmax_space("  vec: {values: [8, 3]}\n"), 3, ("3 is not a value of knob 'vec'", "one of 2, 4, 8")),
     ("softmax-strategy", softmax_space("  strategy: {values: [fast]}\n"), 3, ("one of cached, online, three_pass",)),
     ("softmax-typo", softmax_space("  thread_per_row: {values: [32]}\n"), 3, ("did you mean 'threads_per_row'?",)),

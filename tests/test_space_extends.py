@@ -50,8 +50,10 @@ RECORDED = {
 # terms in smem_bytes were added (43ce725a0b728f1d before; 9216000 configs, 25312 admitted on the mission shape), and
 # again when the kv_load knob (cp_async, tma), its constraint (tma only with mma.sync, head dim 64, swizzled tiles and
 # no producer warps) and its term in smem_bytes were added (1183466078ba2edc before; 18432000 configs, 28000 admitted
-# on the mission shape).
-RECORDED_ATTENTION_DIGEST = "99f1e8dcac4fe6e8"
+# on the mission shape), and again when the kv_cluster knob (1, 2, 4) and its constraint (2 and 4 only with kv_load =
+# tma, no K/V split and parts of whole 8-row swizzle atoms) were added (99f1e8dcac4fe6e8 before; 55296000 configs,
+# 30640 admitted on the mission shape).
+RECORDED_ATTENTION_DIGEST = "8e6fa5df4a9559af"
 
 
 def admitted_digest(space, context, derived_names) -> list:

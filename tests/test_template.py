@@ -49,10 +49,10 @@ def test_default_instantiation(attention, space, mission):
     assert src.template_path == str(kernels_dir() / "attention.cu")
     assert src.code.startswith(template)
     tail = src.code[len(template):]
-    # The banner names the config's knobs but pdl at false, epilogue at regs, key_merge at gather and kv_load at
-    # cp_async (Problem.late_knobs: the source as before the knobs).
+    # The banner names the config's knobs but pdl at false, epilogue at regs, key_merge at gather, kv_load at
+    # cp_async and kv_cluster at 1 (Problem.late_knobs: the source as before the knobs).
     key = (space.default_config().key().replace(',pdl=False', '').replace(',epilogue=regs', '')
-           .replace(',key_merge=gather', '').replace(',kv_load=cp_async', ''))
+           .replace(',key_merge=gather', '').replace(',kv_load=cp_async', '').replace(',kv_cluster=1', ''))
     assert tail.startswith(f"\n{BANNER} attention {key}\n")
     assert tail.count('extern "C"') == 1
     assert len(re.findall(r"\bevotune_attention\s*\(", tail)) == 1
@@ -82,14 +82,16 @@ def test_template_args_match_traits_parameters(attention, space, mission):
 def test_every_knob_changes_the_code(attention, space, mission, name):
     """Changing one knob to another admitted value changes the generated code beyond the banner: from the default,
     or, for a knob only the Hopper variant reads (pingpong, persistent), from a two-warpgroup wgmma config, or, for
-    one only key groups read (key_merge), from a two-key-group config; on the mission shape, or for persistent
-    (admitted only with more query tiles than SMs) on llama-4k."""
+    one only key groups read (key_merge), from a two-key-group config, or for one only TMA loads read (kv_cluster),
+    from a two-key-group config with kv_load = tma; on the mission shape, or for persistent (admitted only with more
+    query tiles than SMs) on llama-4k."""
     assert name in space.param_names()
     hopper = space.config({"mma": "wgmma", "block_m": 128, "compute_warps": 8, "producer_warps": 4})
     key_groups = space.config({"block_m": 32, "block_n": 128, "compute_warps": 4, "warp_key_groups": 2})
+    tma_loads = space.config({**key_groups.as_dict(), "kv_load": "tma"})
     found = None
     for shape in (mission, parse_shape("llama-4k")):
-        for base in (space.default_config(), hopper, key_groups):
+        for base in (space.default_config(), hopper, key_groups, tma_loads):
             cfg = first_admitted_change(space, name, shape, base)
             if cfg is not None:
                 found = (cfg, base, shape)

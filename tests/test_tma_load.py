@@ -47,7 +47,7 @@ def _static_smem(ptxas_log: str) -> int:
 
 
 def _cp_async(cfg: dict) -> dict:
-    return dict(cfg, kv_load="cp_async")
+    return dict(cfg, kv_load="cp_async", **({"kv_cluster": 1} if "kv_cluster" in cfg else {}))
 
 
 def test_cp_async_configs_keep_their_source(attention, space):

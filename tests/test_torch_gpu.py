@@ -166,17 +166,20 @@ def test_pdl_config_through_the_op(gpu):
     assert_graph_replays_follow_inputs(shape, q, k, v, seeds=(8, 9))
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_tma_load_config_through_the_op(gpu, layout):
-    """An mma.sync config with TMA loads (the mission winner, attention-small-tma.yaml) through the op: its
-    PreparedLaunch carries Q's, K's and V's tensor maps, patches them when the buffers change, and its graph replays
-    follow new inputs copied into the captured ones."""
+@pytest.mark.parametrize("layout, cluster", [("bhsd", 1), ("bshd", 1), ("bhsd", 2), ("bshd", 4)])
+def test_tma_load_config_through_the_op(gpu, layout, cluster):
+    """An mma.sync config with TMA loads (the mission winner, attention-small-tma.yaml; and with its K/V tiles
+    multicast in clusters of 2 or 4, attention-small-mc.yaml) through the op: its PreparedLaunch carries Q's, K's and
+    V's tensor maps, patches them when the buffers change, and its graph replays follow new inputs copied into the
+    captured ones."""
     from evotune.torch.kernels import PREPARED
 
     shape = Shape(1, 8, 512, 512, 64, "fp16", False, layout)
     config = dict(block_m=32, block_n=128, compute_warps=4, kv_splits=1, producer_warps=0, q_in_regs=True,
                   smem_layout="swizzle", stages=3, warp_key_groups=2, pdl=True, key_merge="split", kv_load="tma")
-    et.use_table(table(entry(shape, config, "attention-small-tma", gpu=gpu)))
+    if cluster > 1:
+        config["kv_cluster"] = cluster
+    et.use_table(table(entry(shape, config, "attention-small-mc" if cluster > 1 else "attention-small-tma", gpu=gpu)))
     q, k, v = make_qkv(shape, seed=7)
     assert_close(run_tuned(q, k, v, False), q, k, v, shape)
     tma = [p for p in PREPARED._prepared.values() if p.loaded.config.get("kv_load") == "tma"]

@@ -37,7 +37,7 @@ def shape_context(shape: Shape) -> dict:
 KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
                  "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
                  "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
-                 "key_merge": "gather", "kv_load": "cp_async"}
+                 "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1}
 
 
 # The values each knob may take: what the templates' traits (AttnTraits, hopper::HopperTraits) accept for
@@ -59,6 +59,7 @@ KNOB_DOMAINS = {
     "epilogue": ("regs", "tma"),
     "key_merge": ("gather", "split"),
     "kv_load": ("cp_async", "tma"),
+    "kv_cluster": (1, 2, 4),             # CTAs per cluster sharing each K/V tile (multicast); 1: none
 }
 
 
@@ -111,6 +112,17 @@ def tma_load_bytes(config) -> int:
     """Shared memory kv_load = tma adds (TmaLoad::kExtraBytes): an mbarrier per stage, then the slack that puts the
     tiles on the next 1024-byte boundary."""
     return 1024 + 8 * int(knob(config, "stages")) if is_tma_load(config) else 0
+
+
+def kv_cluster(config) -> int:
+    """CTAs per cluster that share each K/V tile by TMA multicast (knob kv_cluster, with kv_load = tma); 1: none."""
+    return int(knob(config, "kv_cluster")) if is_tma_load(config) else 1
+
+
+def is_tma_multicast(config) -> bool:
+    """kv_load = tma with kv_cluster 2 or 4 (kernels/attention_tma_multicast.cuh): consecutive query tiles of a head
+    form a cluster, and each CTA loads 1/kv_cluster of every K/V tile's rows into every CTA of it."""
+    return kv_cluster(config) > 1
 
 
 def uses_tensor_maps(config) -> bool:
@@ -189,10 +201,10 @@ class AttentionProblem(Problem):
     knob_abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
                    "smem_layout": "", "q_in_regs": ("qreg", "qsmem"), "kv_splits": "kv",
                    "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl"), "epilogue": "epi-",
-                   "key_merge": "merge-", "kv_load": "load-"}
-    # pdl, epilogue, key_merge and kv_load came after the recorded runs; at false, regs, gather and cp_async they leave
-    # the source as it was (their template lines are flagged).
-    late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async"}
+                   "key_merge": "merge-", "kv_load": "load-", "kv_cluster": "cluster"}
+    # pdl, epilogue, key_merge, kv_load and kv_cluster came after the recorded runs; at false, regs, gather, cp_async
+    # and 1 they leave the source as it was (their template lines are flagged).
+    late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -247,10 +259,11 @@ class AttentionProblem(Problem):
         """pdl: the kernels' `//[pdl]` lines (griddepcontrol.wait before the first global access, then
         launch_dependents); tma_store: the Hopper kernel's `//[tma_store]` lines (its TMA-store epilogue);
         split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
-        lines (kv_load = tma). No such knob is a template argument, so that a config without them keeps its source."""
+        lines (kv_load = tma); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4). No such knob is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
-                                               ("tma_load", is_tma_load(config))) if on)
+                                               ("tma_load", is_tma_load(config)),
+                                               ("tma_multicast", is_tma_multicast(config))) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
@@ -339,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 // (zeroed once; the kernel leaves them zero) hold one slice per (batch, head, query tile).
 // kv_magic: 0, or with grouped-query attention ceil(2^32 / group) for group = heads / kv_heads (k and v hold
 // kv_heads heads; query head h reads K/V head h / group).{map_note}
-extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
+extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_dims(config)}
 {self.entry_name}(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
                   const unsigned short* __restrict__ v, unsigned short* __restrict__ o,
                   long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
@@ -368,7 +381,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         pitch = shape.head_dim + (8 if knob(config, "smem_layout") == "pad" else 0)
         smem = 2 * pitch * (block_m + 2 * int(knob(config, "stages")) * block_n)
         smem += merge_bytes(config, shape) + tma_load_bytes(config)
-        return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads,
+        # kv_cluster: the query tiles padded to whole clusters (attention_tma_multicast.cuh: the extra CTA loads its
+        # parts for the others and stores nothing).
+        clusters = math.ceil(math.ceil(shape.seq_q / block_m) / kv_cluster(config))
+        return LaunchGeometry(grid=(clusters * kv_cluster(config), shape.heads,
                                     shape.batch * int(knob(config, "kv_splits"))),
                               block=(threads, 1, 1), dynamic_smem=smem)
 
@@ -400,16 +416,19 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def launch_notes(self, config, shape: Shape) -> list[str]:
         """Extra launch requirements for an export header."""
+        cluster = [f"kv_cluster   the entry's __cluster_dims__({kv_cluster(config)}, 1, 1) groups consecutive query tiles; "
+                   f"grid x is padded to a multiple of {kv_cluster(config)} (a plain launch forms the clusters)"
+                   ] if is_tma_multicast(config) else []
         pdl = ["pdl          cudaLaunchKernelEx with cudaLaunchAttributeProgrammaticStreamSerialization = 1 lets it "
                "start under the previous kernel's tail (its griddepcontrol.wait precedes every global access); a "
                "plain launch is correct too (the wait then returns at once)"] if is_pdl(config) else []
-        return self._workspace_notes(config, shape) + pdl
+        return self._workspace_notes(config, shape) + cluster + pdl
 
     def _workspace_notes(self, config, shape: Shape) -> list[str]:
         n_o, n_lse, n_count = self.workspace_elems(config, shape)
         maps = [f"tensor maps  cuTensorMapEncodeTiled, rank 4 (head_dim, seq, head, batch), strides in bytes, "
                 f"SWIZZLE_128B, OOB fill zero; boxes 64 x {rows_per_cta(config)} (Q), 64 x "
-                f"{int(knob(config, 'block_n'))} (K, V)" + (", 64 x 64 (O: epilogue = tma, stored through it)"
+                f"{int(knob(config, 'block_n')) // kv_cluster(config)} (K, V)" + (", 64 x 64 (O: epilogue = tma, stored through it)"
                                                              if is_tma_store(config) else ""),
                 "             passed by value (CUtensorMap arguments of <<<>>>, or pointers to them in "
                 "cuLaunchKernel's kernelParams); nothing to copy to the device"] if uses_tensor_maps(config) else []
@@ -671,11 +690,19 @@ def _sync_traits(config, targs: str) -> str:
     if not smem_terms:
         return f"""using EvotuneTraits = evotune::AttnTraits<
     {targs}>;"""
+    cluster = (f"\n    static constexpr int kKVCluster = {kv_cluster(config)};  // kv_cluster: CTAs sharing each K/V tile"
+               if is_tma_multicast(config) else "")
     return f"""using EvotuneBaseTraits = evotune::AttnTraits<
     {targs}>;
 struct EvotuneTraits : EvotuneBaseTraits {{
-    static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes{smem_terms};
+    static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes{smem_terms};{cluster}
 }};"""
+
+
+def _cluster_dims(config) -> str:
+    """The mma.sync entry's compile-time cluster shape for kv_cluster 2 or 4 (so a plain launch forms the clusters);
+    nothing otherwise."""
+    return f" __cluster_dims__({kv_cluster(config)}, 1, 1)" if is_tma_multicast(config) else ""
 
 
 def _tma_load_entry(config) -> tuple[str, str, str]:
@@ -688,7 +715,11 @@ def _tma_load_entry(config) -> tuple[str, str, str]:
             "&q_map, &k_map, &v_map, ",
             ("\n// q_map, k_map, v_map (kv_load = tma): the CUtensorMaps of Q, K, V by value (4-D: head_dim, seq, "
              "head, batch;\n// 128-byte swizzle; boxes of 64 columns x BLOCK_M or BLOCK_N rows); q, k, v and "
-             "their strides are then unused."))
+             "their strides are then unused."
+             + (f"\n// kv_cluster = {kv_cluster(config)}: clusters of {kv_cluster(config)} CTAs along x (__cluster_dims__), "
+                f"grid x padded to a multiple of {kv_cluster(config)};\n// K's and V's boxes are BLOCK_N / "
+                f"{kv_cluster(config)} rows, each CTA's part of a tile, multicast to the cluster."
+                if is_tma_multicast(config) else "")))
 
 
 @dataclass(frozen=True)
@@ -733,9 +764,10 @@ def _map_args(config, shape: Shape, q_strides: tuple, k_strides: tuple, v_stride
     h / kv_group of them."""
     from ..build.tma import tiled_map_args
 
-    block_m, block_n = rows_per_cta(config), int(knob(config, "block_n"))
-    maps = [(q_strides, shape.heads, shape.seq_q, block_m), (k_strides, shape.kv_heads, shape.seq_k, block_n),
-            (v_strides, shape.kv_heads, shape.seq_k, block_n)]
+    # kv_cluster: each CTA's box is its part of a K/V tile, BLOCK_N / kv_cluster rows (attention_tma_multicast.cuh).
+    block_m, kv_rows = rows_per_cta(config), int(knob(config, "block_n")) // kv_cluster(config)
+    maps = [(q_strides, shape.heads, shape.seq_q, block_m), (k_strides, shape.kv_heads, shape.seq_k, kv_rows),
+            (v_strides, shape.kv_heads, shape.seq_k, kv_rows)]
     if o_strides is not None:
         maps.append((o_strides, shape.heads, shape.seq_q, 64))
     return tuple(tiled_map_args(shape.dtype, (shape.batch, heads, seq, shape.head_dim), strides, rows)
