@@ -3,7 +3,7 @@
 # GPU checks first (a kernel that fails them is never timed), then before/after pairs beside SDPA, then the exhaustive
 # mission search that decides where it pays, its bench records beside the previous winner's, and the phase trace of
 # the new winner. The knob's own script sets what differs and calls this one: tools/split_merge_device.sh (key_merge),
-# tools/tma_load_device.sh (kv_load).
+# tools/tma_load_device.sh (kv_load), tools/tma_multicast_device.sh (kv_cluster).
 #   KNOB=kv_load VALUES="tma cp_async" TESTS=tests/test_tma_load.py SPACE=search_spaces/attention-small-tma.yaml \
 #   RUN=mission-h100-exhaustive-small-tma OLD=mission-h100-exhaustive-small-merge TRIALS=1890 \
 #   OLD_TRACE=docs/data/split-merge/trace/split_pdl_on.json.gz PAIRS='[{...}, ...]' STEPS="check pairs" OUT=dir \
@@ -38,9 +38,14 @@ for step in ${STEPS:-check pairs}; do
       # each PAIRS config with KNOB at each of VALUES, as time_configs.py's JSON arguments
       mapfile -t configs < <(python3 -c '
 import json, os
+def knob_value(text):  # a VALUES word: a number or a boolean as JSON reads it (kv_cluster 2), else a name (tma)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 for cfg in json.loads(os.environ["PAIRS"]):
     for value in os.environ["VALUES"].split():
-        print(json.dumps(dict(cfg, **{os.environ["KNOB"]: value})))')
+        print(json.dumps(dict(cfg, **{os.environ["KNOB"]: knob_value(value)})))')
       (cd "$here" && OUT="$OUT/pairs" timeout 240 python3 tools/time_configs.py mission "${configs[@]}") \
         > "$OUT/pairs/table.txt" 2>&1 || echo "pairs failed: $(tail -1 "$OUT/pairs/table.txt")"
       tail -12 "$OUT/pairs/table.txt" ;;
@@ -80,6 +85,10 @@ shape = attention.parse_shape(os.environ.get("RACE_SHAPE", "2,3,197,300,64:causa
 cfg = json.loads(os.environ.get("RACE_CONFIG", '{"block_m":128,"block_n":64,"compute_warps":8,"producer_warps":1,'
                  '"stages":2,"smem_layout":"swizzle","q_in_regs":false,"warp_key_groups":2,"kv_splits":1}'))
 for value in os.environ["VALUES"].split():
+    try:
+        value = json.loads(value)  # a number or a boolean (kv_cluster 2), else a name (tma)
+    except ValueError:
+        pass
     config = space.config(dict(cfg, **{os.environ["KNOB"]: value}))
     src = instantiate(attention, config, shape)
     job = {"family": "attention", "shape": shape.as_dict(), "config": config.as_dict(),
