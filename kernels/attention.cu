@@ -708,6 +708,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     // Causal: tiles wholly after this CTA's last query row contribute nothing; skip them.
     int kv_end = seq_k;
     if constexpr (T::kIsCausal) kv_end = min(seq_k, q_row0 + T::kBlockM);
+    //[tma_multicast] const int own_tiles = (kv_end + T::kBlockN - 1) / T::kBlockN;  // this CTA's tiles; a causal cluster's may be more
     //[tma_multicast] if constexpr (T::kIsCausal) kv_end = min(seq_k, tma_cluster_row_end<T>(q_row0));  // the cluster's tiles (kv_cluster)
     const int n_tiles_all = (kv_end + T::kBlockN - 1) / T::kBlockN;
     // This CTA's share of the K/V tiles: [t_begin, t_begin + n_tiles); may be empty in a split.
@@ -801,6 +802,10 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         // ---- wait for step i (and, at i = 0, for Q)
         //[tma_load] tma_wait_tile<T>(tma_bars, i);
         //[trace_tma] tracer.mark_tile(i, trace::kWait);
+        //[tma_multicast] if (i >= own_tiles) {  // a causal cluster's tile past this CTA's last row: loaded for the others
+        //[tma_multicast]     tma_mc_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
+        //[tma_multicast]     continue;
+        //[tma_multicast] }
         //[tma_load] #if 0
         if constexpr (T::kHasProducers) {
             named_bar_sync(NamedBarrier::kSlotFull, slot, T::kThreads);

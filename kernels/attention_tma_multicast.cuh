@@ -17,7 +17,10 @@
 //   peer's barrier (fence.mbarrier_init.release.cluster, then barrier.cluster arrive.release / wait.acquire);
 // - refill: a peer may write slot i % STAGES only after every warp of every CTA of the cluster has read it, so the
 //   refill's __syncthreads becomes a cluster barrier. The condition (tile i + STAGES exists) is the cluster's: the
-//   CTAs of a cluster have the same tiles (kv_splits = 1; causal takes the cluster's last row, attention.cu);
+//   CTAs of a cluster have the same tiles (kv_splits = 1). Causal, a CTA's loop runs to the cluster's last row's
+//   tile (attention.cu): past its own last row it waits for each tile and takes its part in the refills, but skips
+//   the math, so its output is bit for bit that of kv_cluster = 1 (a wholly masked tile would still rescale O by
+//   an alpha of ex2(m * s - m * s) that rounds to 1 + ulp);
 // - exit: a CTA arrives on the cluster barrier once its loop has waited for every tile (every part destined to it
 //   has landed) and waits on it before it exits, so no CTA leaves while a copy it issued is still being written into
 //   a peer.
