@@ -6,6 +6,7 @@ file, a kill -9 that stalls nobody and damages nothing, and damage named rather 
 from __future__ import annotations
 
 import gzip
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -68,6 +69,25 @@ def test_archived_journal_is_unpacked_once(runs_root):
     with pytest.raises(UsageError, match="cannot unpack the run's archived journal"):
         run.storage()
     assert not journal.exists()
+
+
+def test_archived_records_are_unpacked_once(runs_root):
+    """A committed run may keep trials.jsonl.gz: the first read of its records unpacks it beside (the archive stays),
+    with the same records; a trials.jsonl already there is never replaced; a damaged archive is one error."""
+    run = Run.create("packed-records", {})
+    line = json.dumps({"number": 0, "config": {"block_m": 64}, "counted": True}) + "\n"
+    run.trials_path.write_text(line)
+    archived_name(run.trials_path).write_bytes(gzip.compress(line.encode()))
+    (run.path / "trials.jsonl").unlink()
+    assert run.trials_path.read_text() == line and archived_name(run.path / "trials.jsonl").is_file()
+    with open(run.trials_path, "a") as f:
+        f.write(line)
+    assert run.trials_path.read_text() == 2 * line  # the unpacked file, appended to: kept
+    (run.path / "trials.jsonl").unlink()
+    archived_name(run.path / "trials.jsonl").write_bytes(b"not gzip")
+    with pytest.raises(UsageError, match="cannot unpack the run's archived records"):
+        run.trials_path
+    assert not (run.path / "trials.jsonl").exists()
 
 
 def test_run_made_before_the_journal_keeps_sqlite(runs_root):

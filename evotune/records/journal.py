@@ -116,12 +116,14 @@ def journal_storage(path: Path):
 
 
 def archived_name(path: Path) -> Path:
-    """Where a committed run keeps the journal `path` gzipped: study.journal.gz beside it."""
+    """Where a committed run keeps the file `path` (its journal, or its trials.jsonl) gzipped: `path`.gz beside it."""
     return path.with_name(path.name + ".gz")
 
 
 def unpack_archived(path: Path) -> None:
-    """Unpack the gzipped journal beside `path` to `path` if only the archive is there. Written under a temporary
+    """Unpack the gzipped file beside `path` (a run's journal or trials.jsonl: the large files of a committed run, kept
+    gzipped so that the repository stays within what the GPU machine takes) to `path` if only the archive is there.
+    Written under a temporary
     name and hard-linked into place: a killed unpack leaves no half journal, and of two processes unpacking at once
     the second's link fails and it uses the first's file (which may already hold appends: never replaced)."""
     packed = archived_name(path)
@@ -136,6 +138,7 @@ def unpack_archived(path: Path) -> None:
         with contextlib.suppress(FileExistsError):
             os.link(tmp, path)
     except (OSError, EOFError, zlib.error) as e:
-        raise UsageError(f"{packed}: cannot unpack the run's archived journal ({e})") from None
+        raise UsageError(f"{packed}: cannot unpack the run's archived {'journal' if 'journal' in path.name else 'records'} "
+                         f"({e})") from None
     finally:
         tmp.unlink(missing_ok=True)

@@ -34,6 +34,7 @@ from .. import __version__
 from ..errors import EvotuneError, UsageError
 from ..build.template import REPO_ROOT
 from .best import best_record, final_best, ok_records, read_beside  # noqa: F401 (best_record: re-exported)
+from .journal import unpack_archived
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -209,7 +210,10 @@ class Run:
 
     @property
     def trials_path(self) -> Path:
-        return self.path / "trials.jsonl"
+        """trials.jsonl, unpacked first where a committed run keeps it gzipped (trials.jsonl.gz)."""
+        path = self.path / "trials.jsonl"
+        unpack_archived(path)
+        return path
 
     # ---------------------------------------------------------------- create / open
     @classmethod
