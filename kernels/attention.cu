@@ -648,6 +648,7 @@ __device__ __forceinline__ void compute_sync() {
 //[tma_load]
 //[tma_load] #include "attention_tma_load.cuh"
 //[tma_multicast] #include "attention_tma_multicast.cuh"
+//[tma_split] #include "attention_tma_split.cuh"
 
 // ------------------------------------------------------------------ kernel
 
@@ -686,7 +687,10 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     //[trace] const u64 trace_entry_gt = trace_globaltimer(), trace_entry_clk = trace_clock64();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
+    //[tma_split] #if 0
     //[tma_load] sQ = tma_aligned_tiles<T>(smem_raw);  // kv_load = tma (attention_tma_load.cuh): tiles on the swizzle atom
+    //[tma_split] #endif
+    //[tma_split] sQ = tma_split_aligned_tiles<T>(smem_raw);  // kv_load = tma_split (attention_tma_split.cuh): 2 barriers a slot
     unsigned short* sK = sQ + T::kQElems;
     unsigned short* sV = sK + T::kStages * T::kKVElems;
 
@@ -722,8 +726,11 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     }
     //[tma_load] const u32 tma_bars = smem_addr(smem_raw);  // slot s's "full" barrier at + 8 s: its K and V (step 0: and Q) arrived
     //[tma_multicast] #if 0
+    //[tma_split] #if 0
     //[tma_load] tma_load_init<T>(tma_bars, q_map, k_map, v_map);
+    //[tma_split] #endif
     //[tma_multicast] #endif
+    //[tma_split] tma_split_init<T>(tma_bars, q_map, k_map, v_map);  // kv_load = tma_split: K's and V's barriers
     //[tma_multicast] tma_mc_init<T>(tma_bars, q_map, k_map, v_map);  // kv_cluster (attention_tma_multicast.cuh): + a cluster barrier
     //[pdl] // Everything above is index arithmetic. Every global access of this CTA follows, in every thread: the
     //[pdl] // cp.async loads of Q, K and V, the stores of O (and the log-sum-exp), the split-KV workspace and its
@@ -761,9 +768,13 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         }
     } else {
         //[tma_multicast] #if 0
+        //[tma_split] #if 0
         //[tma_load] tma_load_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
         //[tma_load]                   kv_head, batch, t_begin, n_tiles);
+        //[tma_split] #endif
         //[tma_multicast] #endif
+        //[tma_split] tma_split_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
+        //[tma_split]                    kv_head, batch, t_begin, n_tiles);
         //[tma_multicast] tma_mc_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
         //[tma_multicast]                 kv_head, batch, t_begin, n_tiles);
         //[tma_load] #if 0
@@ -800,7 +811,10 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     for (int i = 0; i < n_tiles; ++i) {
         const int slot = i % T::kStages;
         // ---- wait for step i (and, at i = 0, for Q)
+        //[tma_split] #if 0
         //[tma_load] tma_wait_tile<T>(tma_bars, i);
+        //[tma_split] #endif
+        //[tma_split] tma_split_wait_k<T>(tma_bars, i);  // K (step 0: and Q); V before P V
         //[trace_tma] tracer.mark_tile(i, trace::kWait);
         //[tma_multicast] if (i >= own_tiles) {  // a causal cluster's tile past this CTA's last row: loaded for the others
         //[tma_multicast]     tma_mc_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
@@ -858,6 +872,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         online_softmax<T>(s_acc, o_acc, m_run, l_run, alpha, p_a, scale_log2);
         if constexpr (T::kLazyRescale) rescale_o_lazy<T>(o_acc, alpha);
         //[trace] tracer.mark_tile_after(i, trace::kSoftmax, l_run[T::kMFrags - 1][1]);  // masking included
+        //[tma_split] tma_split_wait_v<T>(tma_bars, i);
         pv_tile<T>(o_acc, s_acc, p_a, sK_addr + (T::kStages + slot) * (2 * T::kKVElems), v_lane);
         //[trace] tracer.mark_tile_after(i, trace::kPV, o_acc[T::kMFrags - 1][T::kDFrags - 1][3]);
 
@@ -865,8 +880,11 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
             if (i + T::kStages < n_tiles) named_bar_arrive(NamedBarrier::kSlotEmpty, slot, T::kThreads);
         }
         //[tma_multicast] #if 0
+        //[tma_split] #if 0
         //[tma_load] tma_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
+        //[tma_split] #endif
         //[tma_multicast] #endif
+        //[tma_split] tma_split_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
         //[tma_multicast] tma_mc_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
     }
     //[tma_multicast] tma_mc_loads_landed();  // every part multicast to this CTA has landed: arrive (exit waits)

@@ -58,7 +58,7 @@ KNOB_DOMAINS = {
     "pdl": (False, True),
     "epilogue": ("regs", "tma"),
     "key_merge": ("gather", "split"),
-    "kv_load": ("cp_async", "tma"),
+    "kv_load": ("cp_async", "tma", "tma_split"),
     "kv_cluster": (1, 2, 4),             # CTAs per cluster sharing each K/V tile (multicast); 1: none
 }
 
@@ -104,19 +104,25 @@ def is_split_merge(config) -> bool:
 
 def is_tma_load(config) -> bool:
     """mma.sync with knob kv_load = tma (kernels/attention_tma_load.cuh): Q, K and V arrive by TMA boxes issued by
-    one thread, on one mbarrier per slot, through three tensor maps, instead of every thread's 16-byte cp.async."""
-    return not is_wgmma(config) and knob(config, "kv_load") == "tma"
+    one thread, on one mbarrier per slot, through three tensor maps, instead of every thread's 16-byte cp.async; or
+    kv_load = tma_split, the same with K and V on mbarriers of their own (kernels/attention_tma_split.cuh)."""
+    return not is_wgmma(config) and knob(config, "kv_load") in ("tma", "tma_split")
+
+
+def is_tma_split(config) -> bool:
+    """kv_load = tma_split: a step's Q K^T waits for K only, its P V for V."""
+    return not is_wgmma(config) and knob(config, "kv_load") == "tma_split"
 
 
 def tma_load_bytes(config) -> int:
-    """Shared memory kv_load = tma adds (TmaLoad::kExtraBytes): an mbarrier per stage, then the slack that puts the
-    tiles on the next 1024-byte boundary."""
-    return 1024 + 8 * int(knob(config, "stages")) if is_tma_load(config) else 0
+    """Shared memory kv_load = tma adds (TmaLoad::kExtraBytes): an mbarrier per stage (tma_split: two,
+    TmaSplit::kExtraBytes), then the slack that puts the tiles on the next 1024-byte boundary."""
+    return 1024 + (16 if is_tma_split(config) else 8) * int(knob(config, "stages")) if is_tma_load(config) else 0
 
 
 def kv_cluster(config) -> int:
     """CTAs per cluster that share each K/V tile by TMA multicast (knob kv_cluster, with kv_load = tma); 1: none."""
-    return int(knob(config, "kv_cluster")) if is_tma_load(config) else 1
+    return int(knob(config, "kv_cluster")) if is_tma_load(config) and not is_tma_split(config) else 1
 
 
 def is_tma_multicast(config) -> bool:
@@ -259,11 +265,13 @@ class AttentionProblem(Problem):
         """pdl: the kernels' `//[pdl]` lines (griddepcontrol.wait before the first global access, then
         launch_dependents); tma_store: the Hopper kernel's `//[tma_store]` lines (its TMA-store epilogue);
         split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
-        lines (kv_load = tma); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4). No such knob is a template argument, so that a config without them keeps its source."""
+        lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
+        tma_split: its `//[tma_split]` lines (kv_load = tma_split). No such knob is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
                                                ("tma_load", is_tma_load(config)),
-                                               ("tma_multicast", is_tma_multicast(config))) if on)
+                                               ("tma_multicast", is_tma_multicast(config)),
+                                               ("tma_split", is_tma_split(config))) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
@@ -686,7 +694,8 @@ def _sync_traits(config, targs: str) -> str:
     launch's shared memory (kernels/attention_split_merge.cuh); TMA loads add their mbarriers and the slack that
     aligns the tiles to 1024 bytes (kernels/attention_tma_load.cuh)."""
     smem_terms = ((" - kMergeBytes + evotune::SplitMerge<EvotuneBaseTraits>::kBytes" if is_split_merge(config) else "")
-                  + (" + evotune::TmaLoad<EvotuneBaseTraits>::kExtraBytes" if is_tma_load(config) else ""))
+                  + (f" + evotune::{'TmaSplit' if is_tma_split(config) else 'TmaLoad'}<EvotuneBaseTraits>::kExtraBytes"
+                     if is_tma_load(config) else ""))
     if not smem_terms:
         return f"""using EvotuneTraits = evotune::AttnTraits<
     {targs}>;"""
