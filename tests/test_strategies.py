@@ -318,6 +318,28 @@ def test_variant_knob_is_drawn_first(attention):
     assert counts["variant"] >= 16 and counts["blind"] <= 3, counts
 
 
+def test_variant_draws_come_from_the_admitted_configs():
+    """Given the admitted configs by variant value (the loop's enumeration), a random draw is uniform over the drawn
+    variant's untaken admitted configs, never a taken one, and falls back to the other value when all of the drawn
+    one's are taken."""
+    from optuna.distributions import CategoricalDistribution
+
+    from evotune.search.strategies import SteeredNSGAIISampler
+
+    dists = {"v": CategoricalDistribution(["a", "b"]), "x": CategoricalDistribution([1, 2, 3, 4])}
+    pools = {"a": [{"v": "a", "x": x} for x in (1, 2, 3)], "b": [{"v": "b", "x": 4}]}
+    taken = [{"v": "a", "x": 2}]
+    sampler = SteeredNSGAIISampler(distributions=dists, admissible=lambda p: False, taken=lambda p: p in taken,
+                                   variant="v", admitted_by_variant=pools, population_size=4, seed=3)
+    draws = [sampler._random_admissible(1) for _ in range(200)]
+    assert {d["x"] for d in draws if d["v"] == "a"} == {1, 3} and {"v": "b", "x": 4} in draws
+    assert 60 <= sum(d["v"] == "a" for d in draws) <= 140  # each value first about half the time
+    taken += [{"v": "a", "x": 1}, {"v": "a", "x": 3}]
+    assert all(sampler._random_admissible(1) == {"v": "b", "x": 4} for _ in range(20))
+    taken.append({"v": "b", "x": 4})
+    assert sampler._random_admissible(1) is None
+
+
 def test_variant_must_name_a_parameter(tmp_path):
     """A space whose `variant:` is not one of its parameters is refused with file:line."""
     from evotune.errors import UsageError

@@ -157,9 +157,14 @@ def make_sampler(name: str, population: int, seed: int, *, space=None, admitted:
         admitted_set = frozenset(admitted) if admitted is not None else None
         admissible = ((lambda params: space.config(params) in admitted_set) if admitted_set is not None
                       else (lambda params: space.admitted(space.config(params), context)))
+        by_variant = None
+        if admitted is not None and space.variant:
+            by_variant = {}
+            for c in admitted:
+                by_variant.setdefault(c[space.variant], []).append(c.as_dict())
         return SteeredNSGAIISampler(distributions=distributions(space), admissible=admissible,
                                     taken=lambda params: is_taken(space.config(params).digest()),
-                                    variant=space.variant, **nsga)
+                                    variant=space.variant, admitted_by_variant=by_variant, **nsga)
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True)
     if name == "random":

@@ -81,15 +81,20 @@ class SteeredNSGAIISampler(optuna.samplers.NSGAIISampler):
 
     def __init__(self, *, distributions: dict, admissible: Callable[[dict], bool],
                  taken: Callable[[dict], bool], tries: int = 64, variant: str | None = None,
-                 variant_tries: int = 32768, **kwargs):
+                 variant_tries: int = 32768, admitted_by_variant: dict | None = None, **kwargs):
         super().__init__(**kwargs)
         # Random draws (the first population, immigrants) pick the variant knob's value first, then
         # the rest until admitted: drawn blind, attention's wgmma variant (1 admitted config in ~576
         # draws of the other knobs) never came up in 64 trials of runs/gpt2-h100-fullspace.
         # variant_tries: on d128 (llama 1,4,2048,128) 1 wgmma draw in ~10,100 is admitted since the kv_load knob
         # (which wgmma pins), so 4096 tries found one a third of the time; 32768 find one in 96% of draws.
+        # admitted_by_variant (variant value -> its admitted configs' params, where the loop enumerated them): the
+        # same draw exactly, uniform over the variant's admitted untaken configs, instead of by rejection. Each knob
+        # the variant pins halves or thirds its admitted share of blind draws (1 in ~30,000 on d128 once kv_load
+        # gained tma_split and kv_cluster came: 32768 tries then failed a third of the time).
         self._variant = variant if variant in distributions and not distributions[variant].single() else None
         self._variant_tries = variant_tries
+        self._admitted_by_variant = admitted_by_variant
         self._distributions = dict(distributions)
         self._varying = {name: d for name, d in self._distributions.items() if not d.single()}
         self._admissible = admissible
@@ -142,11 +147,26 @@ class SteeredNSGAIISampler(optuna.samplers.NSGAIISampler):
         choices = list(self._distributions[self._variant].choices)
         order = [choices[i] for i in self._rng.rng.permutation(len(choices))]
         for value in order:  # the drawn value first; the others only if it has nothing left
+            if self._admitted_by_variant is not None:
+                child = self._untaken_admitted(self._admitted_by_variant.get(value, ()))
+                if child is not None:
+                    return child
+                continue
             for _ in range(self._variant_tries):
                 child = self._complete({self._variant: value})
                 if self._wanted(child):
                     return child
         return None
+
+    def _untaken_admitted(self, pool) -> dict | None:
+        """A uniformly drawn untaken config of `pool` (admitted configs' params), or None if all are taken: draws
+        first, then, should they keep landing on taken ones, a scan in a random order."""
+        rng = self._rng.rng
+        for _ in range(min(len(pool), 64)):
+            child = pool[rng.randint(len(pool))]
+            if not self._taken(child):
+                return dict(child)
+        return next((dict(pool[i]) for i in rng.permutation(len(pool)) if not self._taken(pool[i])), None)
 
     def sample_relative(self, study, trial, search_space) -> dict:
         if trial.system_attrs.get("fixed_params"):
