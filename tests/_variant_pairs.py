@@ -1,6 +1,8 @@
 """Compiling a config, one launch each of several configs on the same inputs, and a compute-sanitizer run of one, for
 the tests that compare a knob's value with the value that leaves the source as it was (tests/test_tma_store.py:
-epilogue; tests/test_split_merge.py: key_merge; tests/test_tma_load.py: kv_load)."""
+epilogue; tests/test_split_merge.py: key_merge; tests/test_tma_load.py: kv_load; tests/test_tma_multicast.py:
+kv_cluster; tests/test_tma_split.py: kv_load = tma_split), and the two checks the TMA ones share: the gate with the
+output bit for bit its twin's, and the same with the log-sum-exp."""
 
 from __future__ import annotations
 
@@ -48,3 +50,29 @@ def run_configs(attention, space, shape, configs, seed=5, lse=False):
         outs.append(out)
         lses.append(lse_t)
     return outs, lses, inputs
+
+
+def assert_gate_and_twin(attention, space, shape, cfg, twin) -> None:
+    """The full gate (stray writes, unwritten output, perturbations) passes for the config `cfg` on `shape`, and its
+    output is finite and bit for bit that of the config `twin` (both dicts of knobs over `space`'s defaults)."""
+    import torch
+
+    from evotune.gpu.evaluate import evaluate_compiled
+    from evotune.records import result as R
+
+    config, _, compiled = compile_config(attention, space, shape, cfg)
+    res = evaluate_compiled(attention, shape, config, compiled, time_it=False)
+    assert res.status == R.OK, res.message
+    (out, twin_out), _, _ = run_configs(attention, space, shape, (cfg, twin))
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(out, twin_out), f"max difference {float((out.float() - twin_out.float()).abs().max()):.3g}"
+
+
+def assert_lse_twin(attention, space, shape, cfg, twin) -> None:
+    """The training variant (write_lse) of `cfg` on `shape`: O and the log-sum-exp bit for bit `twin`'s, the
+    log-sum-exp finite."""
+    import torch
+
+    (out, twin_out), (lse, twin_lse), _ = run_configs(attention, space, shape, (cfg, twin), lse=True)
+    assert torch.equal(out, twin_out)
+    assert torch.isfinite(lse).all() and torch.equal(lse, twin_lse)

@@ -12,7 +12,7 @@ import re
 
 import pytest
 from _paths import load_tool
-from _variant_pairs import compile_config, run_configs, sanitize_config
+from _variant_pairs import assert_gate_and_twin, assert_lse_twin, compile_config, sanitize_config
 
 from evotune.build.compile import compile_source, static_violations
 from evotune.build.template import instantiate, template_flag_names
@@ -193,34 +193,20 @@ def test_tma_loads_pass_the_gate_and_match_cp_async(attention, space, cfg, shape
     """The full gate (stray writes, unwritten output, perturbations) passes, and the output is bit for bit the
     cp_async twin's: ragged tails (the maps' zero fill), Sq != Sk, BSHD, causal, grouped heads, bf16, split-KV CTAs
     with no tile, S = 1."""
-    import torch
-
-    from evotune.gpu.evaluate import evaluate_compiled
-    from evotune.records import result as R
-
     shape = parse_shape(shape_text)
     config = space.config(dict(cfg))
     if not space.admitted(config, attention.context(shape)):
         pytest.skip("config not admitted for this shape")
-    *_, compiled = compile_config(attention, space, shape, cfg)
-    res = evaluate_compiled(attention, shape, config, compiled, time_it=False)
-    assert res.status == R.OK, res.message
-    (tma, copies), _, _ = run_configs(attention, space, shape, (cfg, _cp_async(cfg)))
-    assert torch.isfinite(tma.float()).all()
-    assert torch.equal(tma, copies), f"max difference {float((tma.float() - copies.float()).abs().max()):.3g}"
+    assert_gate_and_twin(attention, space, shape, cfg, _cp_async(cfg))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [TMA_CONFIGS[2], TMA_CONFIGS[3]], ids=_id)
 def test_tma_loads_with_log_sum_exp(attention, space, cfg):
     """The training variant (write_lse): O and the log-sum-exp are bit for bit the cp_async kernel's."""
-    import torch
-
     shape = parse_shape("2,3,333,257,64:bf16:causal")
     assert space.admitted(space.config(cfg), attention.context(shape))
-    (tma, copies), (lse_tma, lse_copies), _ = run_configs(attention, space, shape, (cfg, _cp_async(cfg)), lse=True)
-    assert torch.equal(tma, copies)
-    assert torch.isfinite(lse_tma).all() and torch.equal(lse_tma, lse_copies)
+    assert_lse_twin(attention, space, shape, cfg, _cp_async(cfg))
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ sanitizers find nothing."""
 from __future__ import annotations
 
 import pytest
-from _variant_pairs import compile_config, run_configs, sanitize_config
+from _variant_pairs import assert_gate_and_twin, assert_lse_twin, compile_config, sanitize_config
 
 from evotune.build.compile import static_violations
 from evotune.build.template import instantiate, template_flag_names
@@ -178,33 +178,19 @@ SHAPES = ["mission", "2,3,300,333,64", "2,4,257,64:bshd", "1,4,1000,64:bf16:caus
 def test_multicast_passes_the_gate_and_matches_one_cta(attention, space, cfg, shape_text):
     """The full gate (stray writes, unwritten output, perturbations) passes, and the output is bit for bit the
     kv_cluster = 1 twin's."""
-    import torch
-
-    from evotune.gpu.evaluate import evaluate_compiled
-    from evotune.records import result as R
-
     shape = parse_shape(shape_text)
     config = space.config(dict(cfg))
     assert space.admitted(config, attention.context(shape))
-    *_, compiled = compile_config(attention, space, shape, cfg)
-    res = evaluate_compiled(attention, shape, config, compiled, time_it=False)
-    assert res.status == R.OK, res.message
-    (shared, alone), _, _ = run_configs(attention, space, shape, (cfg, _alone(cfg)))
-    assert torch.isfinite(shared.float()).all()
-    assert torch.equal(shared, alone), f"max difference {float((shared.float() - alone.float()).abs().max()):.3g}"
+    assert_gate_and_twin(attention, space, shape, cfg, _alone(cfg))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [MC_CONFIGS[1], MC_CONFIGS[4]], ids=_id)
 def test_multicast_with_log_sum_exp(attention, space, cfg):
     """The training variant (write_lse): O and the log-sum-exp are bit for bit the kv_cluster = 1 kernel's."""
-    import torch
-
     shape = parse_shape("2,3,333,257,64:bf16:causal")
     assert space.admitted(space.config(cfg), attention.context(shape))
-    (shared, alone), (lse_shared, lse_alone), _ = run_configs(attention, space, shape, (cfg, _alone(cfg)), lse=True)
-    assert torch.equal(shared, alone)
-    assert torch.isfinite(lse_shared).all() and torch.equal(lse_shared, lse_alone)
+    assert_lse_twin(attention, space, shape, cfg, _alone(cfg))
 
 
 @pytest.mark.gpu
