@@ -122,7 +122,7 @@ def tma_load_bytes(config) -> int:
 
 def kv_cluster(config) -> int:
     """CTAs per cluster that share each K/V tile by TMA multicast (knob kv_cluster, with kv_load = tma); 1: none."""
-    return int(knob(config, "kv_cluster")) if is_tma_load(config) and not is_tma_split(config) else 1
+    return int(knob(config, "kv_cluster")) if not is_wgmma(config) and knob(config, "kv_load") == "tma" else 1
 
 
 def is_tma_multicast(config) -> bool:
