@@ -51,6 +51,8 @@ static_assert(sizeof(CUtensorMap) == 128 && alignof(CUtensorMap) >= 64, "CUtenso
 namespace evotune {
 
 #include "device_common.cuh"
+//[exp2_fma] // exp2_fma: before the softmax that calls it
+//[exp2_fma] #include "attention_exp2_fma.cuh"
 
 enum SmemLayout { kPlain = 0, kPadded = 1, kSwizzled = 2 };
 
@@ -376,8 +378,12 @@ __device__ __forceinline__ void online_softmax(float (&s)[T::kMFrags][T::kNFrags
             float row_sum = 0.f;
 #pragma unroll
             for (int nf = 0; nf < T::kNFrags; ++nf) {
+                //[exp2_fma] #if 0
                 const float p0 = fast_exp2(fmaf(s[mf][nf][2 * r], scale_log2, -m_scaled));
                 const float p1 = fast_exp2(fmaf(s[mf][nf][2 * r + 1], scale_log2, -m_scaled));
+                //[exp2_fma] #endif
+                //[exp2_fma] const float p0 = exp2_mixed<T>(2 * nf, fmaf(s[mf][nf][2 * r], scale_log2, -m_scaled));  // exp2_fma
+                //[exp2_fma] const float p1 = exp2_mixed<T>(2 * nf + 1, fmaf(s[mf][nf][2 * r + 1], scale_log2, -m_scaled));
                 row_sum += p0 + p1;
                 if constexpr (T::kPackEarly) {
                     // Row r of 8-key block nf: A-operand register r of k-step nf/2, +2 for the odd block.

@@ -222,8 +222,12 @@ __device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < T::kBlockN / 8; ++j) {
+            //[exp2_fma] #if 0
             s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], scale_log2, -shift));
             s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], scale_log2, -shift));
+            //[exp2_fma] #endif
+            //[exp2_fma] s[4 * j + 2 * r] = exp2_mixed<T>(2 * j, fmaf(s[4 * j + 2 * r], scale_log2, -shift));  // exp2_fma
+            //[exp2_fma] s[4 * j + 2 * r + 1] = exp2_mixed<T>(2 * j + 1, fmaf(s[4 * j + 2 * r + 1], scale_log2, -shift));
             sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
         }
         l[r] = l[r] * alpha[r] + sum;

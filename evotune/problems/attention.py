@@ -37,7 +37,7 @@ def shape_context(shape: Shape) -> dict:
 KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
                  "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
                  "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
-                 "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1}
+                 "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1, "exp2_fma": 0}
 
 
 # The values each knob may take: what the templates' traits (AttnTraits, hopper::HopperTraits) accept for
@@ -60,6 +60,7 @@ KNOB_DOMAINS = {
     "key_merge": ("gather", "split"),
     "kv_load": ("cp_async", "tma", "tma_split"),
     "kv_cluster": (1, 2, 4),             # CTAs per cluster sharing each K/V tile (multicast); 1: none
+    "exp2_fma": range(0, 9),             # eighths of the softmax's exp2 computed on the FMA pipe; 0: all on the MUFU
 }
 
 
@@ -129,6 +130,12 @@ def is_tma_multicast(config) -> bool:
     """kv_load = tma with kv_cluster 2 or 4 (kernels/attention_tma_multicast.cuh): consecutive query tiles of a head
     form a cluster, and each CTA loads 1/kv_cluster of every K/V tile's rows into every CTA of it."""
     return kv_cluster(config) > 1
+
+
+def exp2_fma_eighths(config) -> int:
+    """Eighths of each row's softmax exp2 computed by a polynomial on the FMA pipe rather than by the MUFU's ex2.approx
+    (knob exp2_fma, both variants; kernels/attention_exp2_fma.cuh); 0: all on the MUFU."""
+    return int(knob(config, "exp2_fma"))
 
 
 def uses_tensor_maps(config) -> bool:
@@ -207,10 +214,11 @@ class AttentionProblem(Problem):
     knob_abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
                    "smem_layout": "", "q_in_regs": ("qreg", "qsmem"), "kv_splits": "kv",
                    "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl"), "epilogue": "epi-",
-                   "key_merge": "merge-", "kv_load": "load-", "kv_cluster": "cluster"}
-    # pdl, epilogue, key_merge, kv_load and kv_cluster came after the recorded runs; at false, regs, gather, cp_async
-    # and 1 they leave the source as it was (their template lines are flagged).
-    late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1}
+                   "key_merge": "merge-", "kv_load": "load-", "kv_cluster": "cluster", "exp2_fma": "ex2fma"}
+    # pdl, epilogue, key_merge, kv_load, kv_cluster and exp2_fma came after the recorded runs; at false, regs, gather,
+    # cp_async, 1 and 0 they leave the source as it was (their template lines are flagged).
+    late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1,
+                  "exp2_fma": 0}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -266,12 +274,15 @@ class AttentionProblem(Problem):
         launch_dependents); tma_store: the Hopper kernel's `//[tma_store]` lines (its TMA-store epilogue);
         split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
         lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
-        tma_split: its `//[tma_split]` lines (kv_load = tma_split). No such knob is a template argument, so that a config without them keeps its source."""
+        tma_split: its `//[tma_split]` lines (kv_load = tma_split); exp2_fma: both kernels' `//[exp2_fma]` lines (exp2_fma
+        above 0; the share is the traits' kExp2FmaEighths). No such knob is a template argument, so that a config
+        without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
                                                ("tma_load", is_tma_load(config)),
                                                ("tma_multicast", is_tma_multicast(config)),
-                                               ("tma_split", is_tma_split(config))) if on)
+                                               ("tma_split", is_tma_split(config)),
+                                               ("exp2_fma", exp2_fma_eighths(config) > 0)) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
@@ -314,17 +325,12 @@ class AttentionProblem(Problem):
         asserts = launch_asserts(geo.threads, geo.dynamic_smem, ("kBlockM", rows_per_cta(config)))
         if is_wgmma(config):
             tma = is_tma_store(config)
-            traits = f"""using EvotuneTraits = evotune::hopper::HopperTraits<
-    {targs}>;"""
-            if o_stage_bytes(config, shape):
-                # Only these configs' text differs: the persistent TMA-store epilogue's staging tile follows the K/V
-                # slots (kernels/hopper_tma_store.cuh), so the launch's shared memory is the base traits' plus it.
-                traits = f"""using EvotuneBaseTraits = evotune::hopper::HopperTraits<
-    {targs}>;
-struct EvotuneTraits : EvotuneBaseTraits {{
-    static constexpr int kOStageBytes = kQBytes;  // epilogue = tma, persistent: O's staging tile
-    static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes + kOStageBytes;
-}};"""
+            # Only the persistent TMA-store epilogue's text differs here: its staging tile follows the K/V slots
+            # (kernels/hopper_tma_store.cuh), so the launch's shared memory is the base traits' plus it.
+            members = (["static constexpr int kOStageBytes = kQBytes;  // epilogue = tma, persistent: O's staging tile",
+                        "static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes + kOStageBytes;"]
+                       if o_stage_bytes(config, shape) else [])
+            traits = _traits("evotune::hopper::HopperTraits", targs, members + _exp2_fma_member(config))
             o_map_param, o_map_arg, o_map_note = (
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
                  "\n// o_map (epilogue = tma): O's CUtensorMap, boxes of 64 columns x 64 rows (one consumer warpgroup's).")
@@ -692,19 +698,34 @@ def _sync_traits(config, targs: str) -> str:
     """The mma.sync instantiation's EvotuneTraits. Only split-merge and TMA-loading configs' text differs from the plain
     AttnTraits (so every other config keeps its source): the split merge's slots replace gather's (kMergeBytes) in the
     launch's shared memory (kernels/attention_split_merge.cuh); TMA loads add their mbarriers and the slack that
-    aligns the tiles to 1024 bytes (kernels/attention_tma_load.cuh)."""
+    aligns the tiles to 1024 bytes (kernels/attention_tma_load.cuh); kv_cluster and exp2_fma add a constant each."""
     smem_terms = ((" - kMergeBytes + evotune::SplitMerge<EvotuneBaseTraits>::kBytes" if is_split_merge(config) else "")
                   + (f" + evotune::{'TmaSplit' if is_tma_split(config) else 'TmaLoad'}<EvotuneBaseTraits>::kExtraBytes"
                      if is_tma_load(config) else ""))
-    if not smem_terms:
-        return f"""using EvotuneTraits = evotune::AttnTraits<
+    members = [f"static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes{smem_terms};"] if smem_terms else []
+    if is_tma_multicast(config):
+        members.append(f"static constexpr int kKVCluster = {kv_cluster(config)};  // kv_cluster: CTAs sharing each K/V tile")
+    return _traits("evotune::AttnTraits", targs, members + _exp2_fma_member(config))
+
+
+def _exp2_fma_member(config) -> list[str]:
+    """The traits member that exp2_fma adds (kernels/attention_exp2_fma.cuh reads it); none at 0."""
+    eighths = exp2_fma_eighths(config)
+    return [f"static constexpr int kExp2FmaEighths = {eighths};  // exp2_fma: eighths of each row's exp2 on the FMA pipe"
+            ] if eighths else []
+
+
+def _traits(base: str, targs: str, members: list[str]) -> str:
+    """EvotuneTraits: the `base` traits template at `targs`, as they are, or with `members` added in a struct of its own
+    (configs without such members keep the plain alias, and so their source)."""
+    if not members:
+        return f"""using EvotuneTraits = {base}<
     {targs}>;"""
-    cluster = (f"\n    static constexpr int kKVCluster = {kv_cluster(config)};  // kv_cluster: CTAs sharing each K/V tile"
-               if is_tma_multicast(config) else "")
-    return f"""using EvotuneBaseTraits = evotune::AttnTraits<
+    body = "\n    ".join(members)
+    return f"""using EvotuneBaseTraits = {base}<
     {targs}>;
 struct EvotuneTraits : EvotuneBaseTraits {{
-    static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes{smem_terms};{cluster}
+    {body}
 }};"""
 
 
