@@ -53,8 +53,10 @@ RECORDED = {
 # on the mission shape), and again when the kv_cluster knob (1, 2, 4) and its constraint (2 and 4 only with kv_load =
 # tma, no K/V split and parts of whole 8-row swizzle atoms) were added (99f1e8dcac4fe6e8 before; 55296000 configs,
 # 30640 admitted on the mission shape), and again when kv_load gained tma_split (K and V on mbarriers of their own)
-# and its term in smem_bytes (8e6fa5df4a9559af before; 82944000 configs, 33328 admitted on the mission shape).
-RECORDED_ATTENTION_DIGEST = "0d0a9d46090a3da8"
+# and its term in smem_bytes (8e6fa5df4a9559af before; 82944000 configs, 33328 admitted on the mission shape), and
+# again when the exp2_fma knob (0, 1, 2) and its constraint (mma.sync only; 1 only with 32 keys a warp or more) were
+# added (0d0a9d46090a3da8 before; 248832000 configs, 85440 admitted on the mission shape).
+RECORDED_ATTENTION_DIGEST = "c5abe48e177fdc03"
 
 
 def admitted_digest(space, context, derived_names) -> list:

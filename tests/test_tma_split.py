@@ -99,7 +99,7 @@ def test_shared_memory_and_constraints(attention, space):
         assert bool(space.violations(split, ctx)) == bool(space.violations(joint, ctx))
     assert space.violations(space.config(dict(SPLIT_CONFIGS[0], kv_cluster=2)), ctx)
     admitted = space.admitted_configs(ctx)
-    assert sum(c["kv_load"] == "tma_split" for c in admitted) == 2688
+    assert sum(c["kv_load"] == "tma_split" and c["exp2_fma"] == 0 for c in admitted) == 2688
 
 
 # --------------------------------------------------------------------------- GPU
