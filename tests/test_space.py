@@ -166,7 +166,7 @@ def test_size(space):
 def test_all_configs_is_the_full_product_in_order(space):
     """all_configs() yields size() configs: the product of the parameters' values, the last parameter varying fastest,
     each config the product's config at its index, decoded in mixed radix. Every config of a smaller shipped space
-    (attention-small-mc.yaml: 23,328), and attention.yaml's first 995,328 (in which every knob but the first four
+    (attention-small-mc.yaml: 23,328), and attention.yaml's first 248,832 (in which every knob but the first five
     takes each of its values); the whole 249 M would take minutes a pass, and two lists of them gigabytes."""
     from itertools import islice
 
@@ -181,9 +181,9 @@ def test_all_configs_is_the_full_product_in_order(space):
     assert sum(1 for _ in small.all_configs()) == small.size() == 23328
     for index, cfg in enumerate(small.all_configs()):
         assert cfg.as_dict() == product_config(small, index), index
-    prefix = list(islice(space.all_configs(), 995328))
+    prefix = list(islice(space.all_configs(), 248832))
     assert all(cfg.as_dict() == product_config(space, index) for index, cfg in enumerate(prefix))
-    assert all(len({c[p.name] for c in prefix}) == len(p.values) for p in space.params[4:])
+    assert all(len({c[p.name] for c in prefix}) == len(p.values) for p in space.params[5:])
     assert product_config(space, space.size() - 1) == {p.name: list(p.values)[-1] for p in space.params}
     assert [c["exp2_fma"] for c in prefix[:3]] == [0, 1, 2]
     configs = prefix[:27 * 4608:3]  # exp2_fma 0: the knobs before it then vary as the checks below were written
@@ -201,7 +201,9 @@ def test_all_configs_is_the_full_product_in_order(space):
     assert [c["kv_splits"] for c in configs[0:768:192]] == [1, 2, 4, 8]
     assert [c["q_in_regs"] for c in configs[0:1536:768]] == [True, False]
     assert [c["smem_layout"] for c in configs[0:4608:1536]] == ["pad", "swizzle", "plain"]
-    assert [c["mma"] for c in (configs[0], next(islice(space.all_configs(), space.size() - 1, None)))] == ["sync", "wgmma"]
+    # The first knob varies slowest: the prefix never leaves its first value (reaching the last config, wgmma, would
+    # take all 249 M; attention-small-mc's full order is checked above).
+    assert {c["mma"] for c in prefix} == {"sync"}
 
 
 def test_shape_context_has_every_context_name(mission):
