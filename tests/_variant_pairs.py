@@ -1,8 +1,9 @@
-"""Compiling a config, one launch each of several configs on the same inputs, and a compute-sanitizer run of one, for
-the tests that compare a knob's value with the value that leaves the source as it was (tests/test_tma_store.py:
-epilogue; tests/test_split_merge.py: key_merge; tests/test_tma_load.py: kv_load; tests/test_tma_multicast.py:
-kv_cluster; tests/test_tma_split.py: kv_load = tma_split), and the two checks the TMA ones share: the gate with the
-output bit for bit its twin's, and the same with the log-sum-exp."""
+"""Compiling a config (and checking that it compiled clean), one launch each of several configs on the same inputs,
+and a compute-sanitizer run of one, for the tests that compare a knob's value with the value that leaves the source as
+it was (tests/test_tma_store.py: epilogue; tests/test_split_merge.py: key_merge; tests/test_tma_load.py: kv_load;
+tests/test_tma_multicast.py: kv_cluster; tests/test_tma_split.py: kv_load = tma_split; tests/test_exp2_fma.py:
+exp2_fma), and the two checks the TMA ones share: the gate with the output bit for bit its twin's, and the same with
+the log-sum-exp."""
 
 from __future__ import annotations
 
@@ -17,6 +18,19 @@ def compile_config(attention, space, shape, cfg):
     config = space.config(dict(cfg))
     src = instantiate(attention, config, shape)
     return config, src, compile_source(src.code, src.entry)
+
+
+def assert_compiles_clean(attention, space, shape, cfg):
+    """(config, Compiled, launch geometry) of a config given as a dict, after checking it compiled for sm_90a with no
+    stack frame, no spill and within the static gate (registers, shared memory) for its launch."""
+    from evotune.build.compile import static_violations
+
+    config, _, compiled = compile_config(attention, space, shape, cfg)
+    geo = attention.geometry(config, shape)
+    res = compiled.resources
+    assert res.stack_frame == 0 and res.spill_stores == 0, res
+    assert not static_violations(res, geo.threads, geo.dynamic_smem)
+    return config, compiled, geo
 
 
 def sanitize_config(attention, space, shape, cfg, tool: str) -> dict:

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _variant_pairs import compile_config, run_configs
+from _variant_pairs import assert_compiles_clean, compile_config, run_configs
 
-from evotune.build.compile import static_violations
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import exp2_fma_eighths
 from evotune.problems.shapes import parse_shape
@@ -157,10 +156,7 @@ def test_share_configs_compile_clean(attention, space, cfg, shape_text):
     shape = parse_shape(shape_text)
     if not space.admitted(space.config(cfg), attention.context(shape)):
         pytest.skip("config not admitted for this shape")
-    config, _, compiled = compile_config(attention, space, shape, cfg)
-    geo = attention.geometry(config, shape)
-    assert compiled.resources.stack_frame == 0 and compiled.resources.spill_stores == 0, compiled.resources
-    assert not static_violations(compiled.resources, geo.threads, geo.dynamic_smem)
+    assert_compiles_clean(attention, space, shape, cfg)
 
 
 def test_constraints(attention, space):

@@ -12,9 +12,9 @@ import re
 
 import pytest
 from _paths import load_tool
-from _variant_pairs import assert_gate_and_twin, assert_lse_twin, compile_config, sanitize_config
+from _variant_pairs import assert_compiles_clean, assert_gate_and_twin, assert_lse_twin, compile_config, sanitize_config
 
-from evotune.build.compile import compile_source, static_violations
+from evotune.build.compile import compile_source
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_tma_load, tma_load_bytes
 from evotune.problems.shapes import parse_shape
@@ -126,11 +126,7 @@ def test_tma_configs_compile_clean(attention, space, cfg, shape_text):
     shape = parse_shape(shape_text)
     if not space.admitted(space.config(cfg), attention.context(shape)):
         pytest.skip("config not admitted for this shape")
-    config, _, compiled = compile_config(attention, space, shape, cfg)
-    geo = attention.geometry(config, shape)
-    res = compiled.resources
-    assert res.stack_frame == 0 and res.spill_stores == 0, res
-    assert not static_violations(res, geo.threads, geo.dynamic_smem)
+    _, compiled, _ = assert_compiles_clean(attention, space, shape, cfg)
     *_, twin = compile_config(attention, space, shape, _cp_async(cfg))
     assert _static_smem(compiled.log) == _static_smem(twin.log)
 

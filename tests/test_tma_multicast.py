@@ -11,9 +11,8 @@ sanitizers find nothing."""
 from __future__ import annotations
 
 import pytest
-from _variant_pairs import assert_gate_and_twin, assert_lse_twin, compile_config, sanitize_config
+from _variant_pairs import assert_compiles_clean, assert_gate_and_twin, assert_lse_twin, sanitize_config
 
-from evotune.build.compile import static_violations
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_tma_multicast, kv_cluster
 from evotune.problems.shapes import parse_shape
@@ -128,11 +127,7 @@ def test_multicast_configs_compile_clean(attention, space, cfg, shape_text):
     for its cluster (the entry's compile-time cluster dims)."""
     shape = parse_shape(shape_text)
     assert space.admitted(space.config(cfg), attention.context(shape))
-    config, _, compiled = compile_config(attention, space, shape, cfg)
-    geo = attention.geometry(config, shape)
-    res = compiled.resources
-    assert res.stack_frame == 0 and res.spill_stores == 0, res
-    assert not static_violations(res, geo.threads, geo.dynamic_smem)
+    *_, geo = assert_compiles_clean(attention, space, shape, cfg)
     assert geo.grid[0] % cfg["kv_cluster"] == 0
 
 

@@ -10,9 +10,8 @@ nothing."""
 from __future__ import annotations
 
 import pytest
-from _variant_pairs import assert_gate_and_twin, assert_lse_twin, compile_config, sanitize_config
+from _variant_pairs import assert_compiles_clean, assert_gate_and_twin, assert_lse_twin, sanitize_config
 
-from evotune.build.compile import static_violations
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_tma_load, is_tma_split, kv_cluster, tma_load_bytes
 from evotune.problems.shapes import parse_shape
@@ -80,10 +79,7 @@ def test_split_configs_compile_clean(attention, space, cfg, shape_text):
     shape = parse_shape(shape_text)
     if not space.admitted(space.config(cfg), attention.context(shape)):
         pytest.skip("config not admitted for this shape")
-    config, _, compiled = compile_config(attention, space, shape, cfg)
-    geo = attention.geometry(config, shape)
-    assert compiled.resources.stack_frame == 0 and compiled.resources.spill_stores == 0, compiled.resources
-    assert not static_violations(compiled.resources, geo.threads, geo.dynamic_smem)
+    assert_compiles_clean(attention, space, shape, cfg)
 
 
 def test_shared_memory_and_constraints(attention, space):
