@@ -216,8 +216,20 @@ __device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // Every row sees key 0 in its first tile, so mx is finite from the first tile on.
+        //[lazy_rescale] #if 0
         alpha[r] = fast_exp2((m[r] - mx) * scale_log2);
         m[r] = mx;
+        //[lazy_rescale] #endif
+        //[lazy_rescale] // rescale = new_max or lazy (kRescaleSlackLog2 = 0 or 8): the row keeps its max, alpha exactly 1 and O
+        //[lazy_rescale] // left as it is, unless the new max exceeds it by more than 2^kRescaleSlackLog2 in exp2 terms. At 0 that
+        //[lazy_rescale] // is every new max, and the output is bit for bit rescale = always's (whose alpha is ex2(0) = 1 then).
+        //[lazy_rescale] // At 8 (FlashAttention-4's conditional rescaling) P reaches at most 256, far inside fp16's and bf16's
+        //[lazy_rescale] // range, with l and O relative to the same stale m. NaN compares false: it keeps the finite max and
+        //[lazy_rescale] // flows through its own score. The first tile (m = -inf) always takes the max.
+        //[lazy_rescale] const bool grown = (mx - m[r]) * scale_log2 > static_cast<float>(T::kRescaleSlackLog2);
+        //[lazy_rescale] alpha[r] = grown ? fast_exp2((m[r] - mx) * scale_log2) : 1.f;
+        //[lazy_rescale] if (grown) m[r] = mx;
+        //[lazy_rescale] mx = m[r];
         const float shift = mx * scale_log2;
         float sum = 0.f;
 #pragma unroll
@@ -240,6 +252,8 @@ __device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[
 template <class T>
 __device__ __forceinline__ void rescale_and_pack(float (&o)[T::kOAcc], const float (&s)[T::kSAcc], const float (&alpha)[2],
                                                  u32 (&p)[T::kPVSteps][4]) {
+    //[lazy_rescale] // Skipped (a warp-uniform branch) when no row of the warp took a new max: every alpha is exactly 1.
+    //[lazy_rescale] if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
     for (int j = 0; j < T::kHeadDim / 8; ++j) {
         o[4 * j + 0] *= alpha[0];
@@ -247,6 +261,7 @@ __device__ __forceinline__ void rescale_and_pack(float (&o)[T::kOAcc], const flo
         o[4 * j + 2] *= alpha[1];
         o[4 * j + 3] *= alpha[1];
     }
+    //[lazy_rescale] }
 #pragma unroll
     for (int kk = 0; kk < T::kPVSteps; ++kk) {
         p[kk][0] = pack2<T::kIsBf16>(s[8 * kk + 0], s[8 * kk + 1]);

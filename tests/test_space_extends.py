@@ -55,8 +55,10 @@ RECORDED = {
 # 30640 admitted on the mission shape), and again when kv_load gained tma_split (K and V on mbarriers of their own)
 # and its term in smem_bytes (8e6fa5df4a9559af before; 82944000 configs, 33328 admitted on the mission shape), and
 # again when the exp2_fma knob (0, 1, 2) and its constraint (mma.sync only; 1 only with 32 keys a warp or more) were
-# added (0d0a9d46090a3da8 before; 248832000 configs, 85440 admitted on the mission shape).
-RECORDED_ATTENTION_DIGEST = "bcd04ce6c4ecb1d9"
+# added (0d0a9d46090a3da8 before; 248832000 configs, 85440 admitted on the mission shape), and again when the rescale
+# knob (always, new_max, lazy) and its constraint (wgmma only) were added (bcd04ce6c4ecb1d9 before; 746496000 configs,
+# 87680 admitted on the mission shape).
+RECORDED_ATTENTION_DIGEST = "d9fd07e97670a469"
 
 
 def admitted_digest(space, context, derived_names) -> list:

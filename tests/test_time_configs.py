@@ -48,6 +48,11 @@ def test_with_flag_arguments(time_configs):
     for bad in (["--with-flag"], ["--with-flag", "x"], []):
         with pytest.raises(SystemExit):
             time_configs.parse_args(bad)
+    assert time_configs.split_space(["gpt2", "{}"]) == ("attention", ["gpt2", "{}"])
+    assert time_configs.split_space(["--space", "attention-hopper3-rescale", "gpt2", "{}"]) == \
+        ("attention-hopper3-rescale", ["gpt2", "{}"])
+    with pytest.raises(SystemExit):
+        time_configs.split_space(["--space"])
 
 
 def test_no_wg_overlap_variant(time_configs, attention, space):

@@ -2,6 +2,9 @@
 
     python3 tools/time_configs.py mission '{"block_m":16,"warp_key_groups":4}' '{...}'
     python3 tools/time_configs.py --with-flag no_wg_overlap gpt2 '{"mma":"wgmma",...}'
+    python3 tools/time_configs.py --space attention-hopper3-rescale gpt2 '{"mma":"wgmma","rescale":"lazy",...}'
+
+--space NAME reads the configs over that built-in space (default attention), for a knob only a narrower space lists.
 
 --with-flag FLAG also times each config compiled with the template's `//[FLAG]` lines kept (evotune/build/template.py),
 a variant no search proposes: e.g. no_wg_overlap, the Hopper kernel without its intra-warpgroup overlap (issue 13
@@ -89,9 +92,19 @@ def parse_args(argv: list[str]) -> tuple[str | None, str, list[str]]:
     return flag, argv[0], argv[1:]
 
 
+def split_space(argv: list[str]) -> tuple[str, list[str]]:
+    """(--space's built-in space name, default attention; the other arguments)."""
+    if argv[:1] != ["--space"]:
+        return "attention", argv
+    if len(argv) < 2:
+        raise SystemExit("time_configs: --space needs a built-in space name")
+    return argv[1], argv[2:]
+
+
 def main() -> None:
-    problem, space = get_problem("attention"), load_builtin("attention")
-    flag, shape_text, texts = parse_args(sys.argv[1:])
+    space_name, argv = split_space(sys.argv[1:])
+    problem, space = get_problem("attention"), load_builtin(space_name)
+    flag, shape_text, texts = parse_args(argv)
     shape = parse_shape(shape_text)
     variants = [(problem, "")] + ([(with_flags(problem, {flag}), f" +{flag}")] if flag else [])
     rows, kernels = [], {}

@@ -37,7 +37,13 @@ def shape_context(shape: Shape) -> dict:
 KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_warps": 0, "stages": 2,
                  "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
                  "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
-                 "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1, "exp2_fma": 0}
+                 "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1, "exp2_fma": 0,
+                 "rescale": "always"}
+
+
+# Knob rescale (the Hopper kernel's `//[lazy_rescale]` lines): how far a K/V tile's row max may exceed the row's running
+# max before the row takes it and O is rescaled, as a power of two in exp2 terms; always: every tile, as before the knob.
+RESCALE_SLACK_LOG2 = {"always": None, "new_max": 0, "lazy": 8}
 
 
 # The values each knob may take: what the templates' traits (AttnTraits, hopper::HopperTraits) accept for
@@ -61,6 +67,7 @@ KNOB_DOMAINS = {
     "kv_load": ("cp_async", "tma", "tma_split"),
     "kv_cluster": (1, 2, 4),             # CTAs per cluster sharing each K/V tile (multicast); 1: none
     "exp2_fma": range(0, 9),             # eighths of the softmax's exp2 computed on the FMA pipe; 0: all on the MUFU
+    "rescale": tuple(RESCALE_SLACK_LOG2),  # wgmma: when O is rescaled for a row's new max (every tile, or skipped)
 }
 
 
@@ -197,6 +204,15 @@ def current_multiprocessors() -> int:
 # at |ref| ~ 0.1, dozens of times the gate. ATOL is scaled by rms(V) because O is a convex
 # combination of V's rows: with |V| x30 (the "large" input pattern) P's rounding alone
 # errs by ~2^-11 * |V| where O itself may be near zero.
+def rescale_slack_log2(config) -> int | None:
+    """The Hopper variant's conditional rescaling (knob rescale, kernels/attention_hopper.cuh's `//[lazy_rescale]`
+    lines): a row keeps its running max until a tile's exceeds it by more than 2^slack in exp2 terms, and a warp skips
+    O's rescaling (its alpha multiplies) on the tiles where none of its rows took a new one. new_max: slack 0, every
+    new max is taken, the output bit for bit always's; lazy: slack 8 (FlashAttention-4's); None: always rescaled (and
+    every mma.sync config, whose kernel skips the multiplies where no row's max moved anyway)."""
+    return RESCALE_SLACK_LOG2[knob(config, "rescale")] if is_wgmma(config) else None
+
+
 TOLERANCE = {"fp16": (1e-3, 4e-3), "bf16": (8e-3, 3e-2)}  # (atol, rtol)
 
 
@@ -214,11 +230,12 @@ class AttentionProblem(Problem):
     knob_abbrev = {"block_m": "M", "block_n": "N", "compute_warps": "cw", "producer_warps": "pw", "stages": "st",
                    "smem_layout": "", "q_in_regs": ("qreg", "qsmem"), "kv_splits": "kv",
                    "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl"), "epilogue": "epi-",
-                   "key_merge": "merge-", "kv_load": "load-", "kv_cluster": "cluster", "exp2_fma": "ex2fma"}
-    # pdl, epilogue, key_merge, kv_load, kv_cluster and exp2_fma came after the recorded runs; at false, regs, gather,
-    # cp_async, 1 and 0 they leave the source as it was (their template lines are flagged).
+                   "key_merge": "merge-", "kv_load": "load-", "kv_cluster": "cluster", "exp2_fma": "ex2fma",
+                   "rescale": "rescale-"}
+    # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma and rescale came after the recorded runs; at false, regs,
+    # gather, cp_async, 1, 0 and always they leave the source as it was (their template lines are flagged).
     late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1,
-                  "exp2_fma": 0}
+                  "exp2_fma": 0, "rescale": "always"}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -275,14 +292,16 @@ class AttentionProblem(Problem):
         split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
         lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
         tma_split: its `//[tma_split]` lines (kv_load = tma_split); exp2_fma: both kernels' `//[exp2_fma]` lines (exp2_fma
-        above 0; the share is the traits' kExp2FmaEighths). No such knob is a template argument, so that a config
+        above 0; the share is the traits' kExp2FmaEighths); lazy_rescale: the Hopper kernel's `//[lazy_rescale]` lines
+        (rescale new_max or lazy: conditional rescaling of O, the slack the traits' kRescaleSlackLog2). No such knob is a template argument, so that a config
         without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
                                                ("tma_load", is_tma_load(config)),
                                                ("tma_multicast", is_tma_multicast(config)),
                                                ("tma_split", is_tma_split(config)),
-                                               ("exp2_fma", exp2_fma_eighths(config) > 0)) if on)
+                                               ("exp2_fma", exp2_fma_eighths(config) > 0),
+                                               ("lazy_rescale", rescale_slack_log2(config) is not None)) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
@@ -330,6 +349,9 @@ class AttentionProblem(Problem):
             members = (["static constexpr int kOStageBytes = kQBytes;  // epilogue = tma, persistent: O's staging tile",
                         "static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes + kOStageBytes;"]
                        if o_stage_bytes(config, shape) else [])
+            slack = rescale_slack_log2(config)
+            if slack is not None:
+                members.append(f"static constexpr int kRescaleSlackLog2 = {slack};  // rescale: a new max's slack, log2")
             traits = _traits("evotune::hopper::HopperTraits", targs, members + _exp2_fma_member(config))
             o_map_param, o_map_arg, o_map_note = (
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",

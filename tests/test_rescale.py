@@ -1,0 +1,214 @@
+"""Conditional rescaling of O in the Hopper kernel (knob rescale = new_max or lazy, kernels/attention_hopper.cuh's
+`//[lazy_rescale]` lines, search_spaces/attention-hopper3-rescale.yaml).
+
+CPU: every config of the space at rescale = always keeps the source the exhaustive attention-hopper3 search on gpt2
+recorded; a conditional config's source has its slack and the warp vote and no flag left; its SASS branches around
+exactly O's head_dim / 2 multiplies per thread behind a VOTE.ANY; the conditional paths compile clean for sm_90a (no
+spill, no stack frame, wgmma not serialised). GPU (marked): every path passes the gate (whose large-score and
+dominant-key inputs make rows take new maxima tile after tile); new_max's output is bit for bit always's, lazy's
+close to it and yet not equal, the log-sum-exp too; memcheck and racecheck find nothing."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+
+import pytest
+from _variant_pairs import assert_compiles_clean, compile_config, run_configs
+
+from evotune.build.template import instantiate, template_flag_names
+from evotune.problems.attention import rescale_slack_log2
+from evotune.problems.shapes import parse_shape
+from evotune.space.searchspace import load_builtin
+
+ROOT = Path(__file__).resolve().parents[1]
+SERIALISED = ("C7514", "C7515", "C7519")
+
+_H = dict(mma="wgmma", rescale="lazy")
+# The exhaustive winners of gpt2 (one warpgroup, no producer, TMA store), llama-4k (two consumers, persistent, Q in
+# registers) and long-8k (three consumers, persistent, Q in shared memory), and a ping-pong pair with 64-key tiles.
+LAZY_CONFIGS = [
+    dict(_H, block_m=64, block_n=128, compute_warps=4, producer_warps=0, stages=2, q_in_regs=False, pingpong=False,
+         persistent=False, epilogue="tma"),
+    dict(_H, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=2, q_in_regs=True, pingpong=False,
+         persistent=True, epilogue="tma"),
+    dict(_H, block_m=192, block_n=128, compute_warps=12, producer_warps=4, stages=2, q_in_regs=False,
+         pingpong=False, persistent=True, epilogue="regs"),
+    dict(_H, block_m=128, block_n=64, compute_warps=8, producer_warps=4, stages=3, q_in_regs=True, pingpong=True,
+         persistent=False, epilogue="regs"),
+]
+
+
+def _id(c: dict) -> str:
+    return (f"M{c['block_m']}N{c['block_n']}cw{c['compute_warps']}pw{c['producer_warps']}"
+            f"{'pers' if c['persistent'] else ''}{'pp' if c['pingpong'] else ''}")
+
+
+def _eager(cfg: dict) -> dict:
+    return dict(cfg, rescale="always")
+
+
+def _new_max(cfg: dict) -> dict:
+    return dict(cfg, rescale="new_max")
+
+
+@pytest.fixture(scope="module")
+def lazy_space():
+    return load_builtin("attention-hopper3-rescale")
+
+
+def test_every_eager_config_keeps_its_source(attention, lazy_space):
+    """Each rescale = always config of attention-hopper3-rescale.yaml on gpt2 instantiates to the source digest that
+    runs/gpt2-h100-exhaustive-hopper3 (the search before the knob) recorded for it, so that run's figures hold for
+    them; the space admits three times its 640 configs there."""
+    with gzip.open(ROOT / "runs" / "gpt2-h100-exhaustive-hopper3" / "trials.jsonl.gz", "rt") as lines:
+        recorded = [json.loads(line) for line in lines if line.strip()]
+    oracle = {json.dumps(r["config"], sort_keys=True): r["source_digest"] for r in recorded if r.get("source_digest")}
+    shape = parse_shape("gpt2")
+    admitted = lazy_space.admitted_configs(attention.context(shape))
+    eager = [c for c in admitted if c["rescale"] == "always"]
+    assert len(eager) == len(oracle) == 640 and len(admitted) == 1920
+    for c in eager:
+        key = json.dumps({k: v for k, v in c.as_dict().items() if k != "rescale"}, sort_keys=True)
+        assert instantiate(attention, c, shape).digest == oracle[key], key
+
+
+def test_conditional_source(attention, lazy_space):
+    """A lazy or new_max config's source keeps a row's max unless it grew by more than its slack (2^8 or 2^0), declared
+    in the traits, and puts O's rescaling behind a warp vote; no flag is left. The always twin has none of it."""
+    shape = parse_shape("gpt2")
+    for cfg, slack in ((LAZY_CONFIGS[0], 8), (_new_max(LAZY_CONFIGS[0]), 0)):
+        code = instantiate(attention, lazy_space.config(cfg), shape).code
+        assert f"static constexpr int kRescaleSlackLog2 = {slack};" in code
+        assert "const bool grown = (mx - m[r]) * scale_log2 > static_cast<float>(T::kRescaleSlackLog2);" in code
+        assert "alpha[r] = grown ? fast_exp2((m[r] - mx) * scale_log2) : 1.f;" in code
+        assert "if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {" in code
+        assert template_flag_names(code) == set()
+        assert rescale_slack_log2(lazy_space.config(cfg)) == slack
+    plain = instantiate(attention, lazy_space.config(_eager(LAZY_CONFIGS[0])), shape).code
+    assert "grown" not in plain and "alpha[0] != 1.f" not in plain and "kRescaleSlackLog2" not in plain
+    assert rescale_slack_log2(lazy_space.config(_eager(LAZY_CONFIGS[0]))) is None
+    # The knob is the Hopper kernel's: on mma.sync it selects nothing.
+    assert rescale_slack_log2(dict(mma="sync", rescale="lazy")) is None
+
+
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def _rescale_branches(sass: str) -> list[int]:
+    """The length of each run of code that a predicated forward branch skips when that code is FMULs only (O's
+    rescaling; ptxas may hoist the vote that sets the predicate well above the branch, into the softmax)."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in _LINE.finditer(sass)]
+    skipped = []
+    for addr, text in lines:
+        branch = re.match(r"@!?P\d+ BRA (?:`\()?\S*?0x([0-9a-f]+)", text)
+        if not branch or int(branch.group(1), 16) <= addr:
+            continue
+        body = [t for a, t in lines if addr < a < int(branch.group(1), 16)]
+        if body and all(t.startswith("FMUL ") for t in body):
+            skipped.append(len(body))
+    return skipped
+
+
+@pytest.mark.parametrize("cfg,shape_text", [(LAZY_CONFIGS[0], "gpt2"), (LAZY_CONFIGS[1], "llama-4k")],
+                         ids=["d64", "d128"])
+def test_sass_branches_around_the_rescale(attention, lazy_space, cfg, shape_text):
+    """The lazy and new_max SASS have a VOTE.ANY and a branch over exactly O's head_dim / 2 FMULs per thread in the loop
+    (the peeled first tile's O is zero: ptxas selects there instead); the always SASS branches over no run of
+    multiplies."""
+    from evotune.build.sass import disassemble
+
+    shape = parse_shape(shape_text)
+    found = {}
+    for c in (cfg, _new_max(cfg), _eager(cfg)):
+        _, _, compiled = compile_config(attention, lazy_space, shape, c)
+        sass = disassemble(compiled.cubin_path)
+        found[c["rescale"]] = _rescale_branches(sass)
+        assert ("VOTE.ANY" in sass) == (c["rescale"] != "always")
+    for conditional in ("lazy", "new_max"):
+        assert found[conditional] and set(found[conditional]) == {shape.head_dim // 2}, found
+    assert not found["always"], found
+
+
+@pytest.mark.parametrize("cfg", LAZY_CONFIGS, ids=_id)
+@pytest.mark.parametrize("shape_text", ["gpt2", "2,3,300,333,64:bf16:causal:bshd", "1,2,200,128:causal",
+                                        "llama-4k:bf16"])
+def test_lazy_configs_compile_clean(attention, lazy_space, cfg, shape_text):
+    """Every lazy path compiles for sm_90a with no stack frame, no spill, within the static gate, and without ptxas
+    serialising the wgmma (the branch sits between the products' wait and their next issue)."""
+    shape = parse_shape(shape_text)
+    if not lazy_space.admitted(lazy_space.config(cfg), attention.context(shape)):
+        pytest.skip("config not admitted for this shape")
+    _, _, eager = compile_config(attention, lazy_space, shape, _eager(cfg))
+    if eager.resources.spill_stores:
+        # Three consumer warpgroups at head dim 128 (160 registers each): the static gate prunes the eager twin too.
+        pytest.skip(f"the eager twin spills as well ({eager.resources.spill_stores} B): pruned by the static gate")
+    _, compiled, _ = assert_compiles_clean(attention, lazy_space, shape, cfg)
+    assert not [line for line in compiled.log.splitlines() if any(code in line for code in SERIALISED)]
+
+
+# --------------------------------------------------------------------------- GPU
+
+SHAPES = ["gpt2", "2,3,200,333,64", "2,4,257,64:bshd", "1,4,1000,64:bf16:causal", "3,2,77,300,64:causal",
+          "1,8,512,64:causal:kv4", "1,2,1,64", "1,2,300,128:causal", "1,4,1100,128:bf16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", LAZY_CONFIGS, ids=_id)
+@pytest.mark.parametrize("shape_text", SHAPES)
+def test_lazy_passes_the_gate_near_its_eager_twin(attention, lazy_space, cfg, shape_text):
+    """The full gate passes for lazy and new_max (its large-score and dominant-key inputs move rows' maxima by far more
+    than 2^8 between tiles, so the rescaling branch runs too). On normal inputs new_max's output is bit for bit the
+    always twin's, and lazy's within a few 16-bit units of it: P differs from the twin's by a factor of at most 2^8 per
+    row, so its 16-bit rounding differs by one unit of each weight and O's by one. On the longer shapes lazy's output
+    differs (a knob that changed nothing would leave them equal)."""
+    import torch
+
+    from evotune.gpu.evaluate import evaluate_compiled
+    from evotune.records import result as R
+
+    shape = parse_shape(shape_text)
+    config = lazy_space.config(dict(cfg))
+    if not lazy_space.admitted(config, attention.context(shape)):
+        pytest.skip("config not admitted for this shape")
+    for c in (cfg, _new_max(cfg)):
+        _, _, compiled = compile_config(attention, lazy_space, shape, c)
+        res = evaluate_compiled(attention, shape, lazy_space.config(dict(c)), compiled, time_it=False)
+        assert res.status == R.OK, res.message
+    (out, twin, new_max), _, inputs = run_configs(attention, lazy_space, shape, (cfg, _eager(cfg), _new_max(cfg)))
+    assert torch.equal(new_max, twin)
+    assert torch.isfinite(out.float()).all()
+    unit = 2.0 ** (-8 if shape.dtype == "bf16" else -11)
+    bound = 4 * unit * float(inputs["v"].float().abs().max()) + 2 * unit * twin.float().abs() + 1e-6
+    diff = (out.float() - twin.float()).abs()
+    assert bool(diff.le(bound).all()), f"max difference {float(diff.max()):.3g}"
+    if shape.seq_k >= 1000:
+        assert not torch.equal(out, twin)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [LAZY_CONFIGS[0], LAZY_CONFIGS[2]], ids=_id)
+def test_lazy_with_log_sum_exp(attention, lazy_space, cfg):
+    """The training variant (write_lse): m and l stay relative to the same (stale) max, so the log-sum-exp is the
+    always twin's within fp32 rounding of the row sum, and finite; new_max's is the twin's bit for bit."""
+    import torch
+
+    shape = parse_shape("4,16,1333,1257,64:bf16:causal")  # 448 query tiles of 192 rows: the persistent grid too
+    assert lazy_space.admitted(lazy_space.config(cfg), attention.context(shape))
+    _, (lse, twin_lse, new_max_lse), _ = run_configs(attention, lazy_space, shape,
+                                                     (cfg, _eager(cfg), _new_max(cfg)), lse=True)
+    assert torch.isfinite(lse).all() and torch.equal(new_max_lse, twin_lse)
+    assert float((lse - twin_lse).abs().max()) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_sanitizers_clean(attention, lazy_space, tool):
+    """memcheck and racecheck find nothing in a lazy persistent config on a ragged causal shape."""
+    from _variant_pairs import sanitize_config
+
+    report = sanitize_config(attention, lazy_space, parse_shape("2,3,197,300,64:causal"), LAZY_CONFIGS[1], tool)
+    assert report["clean"], f"{report['summary']}\n{report['output_tail']}"
