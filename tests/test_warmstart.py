@@ -16,7 +16,7 @@ from evotune.errors import UsageError
 from evotune.records.runs import Run
 from evotune.search.loop import SearchOptions, run_search
 from evotune.space.searchspace import load_builtin
-from evotune.search.warmstart import admitted, configs_from, pick_runs, similar
+from evotune.search.warmstart import admitted, configs_from, pick_runs, similar, with_new_knobs
 from test_strategies import MemoryRun, fake_compiler, model_evaluate
 
 
@@ -97,6 +97,28 @@ def test_inadmissible_warm_configs_are_dropped_with_a_note(attention, attention_
     assert [c.as_dict() for c in keep] == [good]
     assert len(notes) == 2
     assert "not admitted here" in notes[0] and "not in this space" in notes[1] and "q_in_regs" in notes[1]
+
+
+def test_warm_configs_meet_a_knob_their_runs_lacked(attention, attention_small, mission):
+    """Into a space with a knob the source run's space omitted (attention-small-pdl.yaml's pdl over attention-small's
+    configs), each of the fastest `top` warm configs is followed by its variant at the knob's other value; the rest
+    come as they were; a space with no new knob leaves the list alone, and the CLI's warm start expands its configs
+    the same way."""
+    pdl_space = load_builtin("attention-small-pdl")
+    context = attention.context(mission)
+    configs = [c.as_dict() for c in attention_small.admitted_configs(context)[:6]]
+    assert all("pdl" not in c for c in configs)
+    out = with_new_knobs(pdl_space, context, configs, top=2)
+    assert out == [configs[0], {**configs[0], "pdl": True}, configs[1], {**configs[1], "pdl": True}, *configs[2:]]
+    assert with_new_knobs(attention_small, context, configs) == configs
+    # On a shape where the space's constraint refuses pdl (above 2^32 multiply-adds), no variant is added.
+    from evotune.problems.shapes import parse_shape
+
+    big = attention.context(parse_shape("gpt2"))
+    assert with_new_knobs(pdl_space, big, configs, top=2) == configs
+    recorded_run("small", mission.as_dict(), [(configs[i], 10.0 + i) for i in range(6)])
+    asked, _ = warm_start_configs("small", False, "new", attention, mission, pdl_space, 16, True)
+    assert list(asked[:2]) == [{**configs[0], "pdl": False}, {**configs[0], "pdl": True}]
 
 
 def test_warm_started_search_asks_the_warm_configs_first_and_once(attention, attention_small, mission):

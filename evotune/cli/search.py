@@ -338,11 +338,12 @@ def warm_start_configs(spec: Optional[str], resume: bool, run: Optional[str], pr
         return (), {}
     if resume:
         raise UsageError("--warm-start seeds a new run; a resumed run goes on from its own trials")
-    from ..search.warmstart import admitted, configs_from, pick_runs
+    from ..search.warmstart import admitted, configs_from, pick_runs, with_new_knobs
 
     sources = pick_runs(spec, problem, shp, exclude=run)
     # At most a population's worth: NSGA-II's first generation, from which the first elites are chosen.
-    configs, notes = admitted(spc, problem.context(shp), configs_from(sources, limit=None))
+    context = problem.context(shp)
+    configs, notes = admitted(spc, context, with_new_knobs(spc, context, configs_from(sources, limit=None)))
     configs = configs[:population]
     if not json_out:
         if sources:

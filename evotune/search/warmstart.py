@@ -16,6 +16,7 @@ from ..errors import EvotuneError, UsageError
 from ..records.runs import Run, ok_records, pareto_front, runs_dir
 
 PER_RUN = 8  # fastest passing configs taken from each run, besides its Pareto front
+NEW_KNOB_TOP = 4  # the fastest warm configs also asked at each other value of a knob their runs did not have
 
 @dataclass(frozen=True)
 class Source:
@@ -89,6 +90,31 @@ def configs_from(sources: list[Source], per_run: int = PER_RUN, limit: int | Non
                 seen.add(r["digest"])
                 out.append(dict(r["config"]))
     return out[:limit] if limit is not None else out
+
+
+def with_new_knobs(space, context, dicts: list[dict], top: int = NEW_KNOB_TOP) -> list[dict]:
+    """`dicts` with, after each of the first `top`, its variants at each other value of every knob of `space` that it
+    does not name (a knob the space gained after the run that measured it), one knob at a time and only those `space`
+    admits under `context`. So a new knob is measured on the configs it is most likely to improve, rather than left to
+    the sampler's chance of proposing it on a tile that runs near the best."""
+    out = []
+    for i, d in enumerate(dicts):
+        out.append(d)
+        if i >= top:
+            continue
+        for param in space.params:
+            if param.name in d:
+                continue
+            for value in param.values:
+                if value == param.default:
+                    continue
+                variant = {**d, param.name: value}
+                try:
+                    if space.admitted(space.config(variant), context):
+                        out.append(variant)
+                except UsageError:
+                    continue
+    return out
 
 
 def admitted(space, context, dicts) -> tuple[list, list[str]]:
