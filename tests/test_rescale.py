@@ -152,7 +152,9 @@ def test_lazy_configs_compile_clean(attention, lazy_space, cfg, shape_text):
 # --------------------------------------------------------------------------- GPU
 
 SHAPES = ["gpt2", "2,3,200,333,64", "2,4,257,64:bshd", "1,4,1000,64:bf16:causal", "3,2,77,300,64:causal",
-          "1,8,512,64:causal:kv4", "1,2,1,64", "1,2,300,128:causal", "1,4,1100,128:bf16"]
+          "1,8,512,64:causal:kv4", "1,2,1,64", "1,2,300,128:causal", "1,4,1100,128:bf16",
+          # Enough query tiles for the persistent configs (more than the 132 SMs): ragged, Sq != Sk, causal, GQA, d128.
+          "2,16,1100,1300,64:bf16:causal", "2,32,1000,128:kv8"]
 
 
 @pytest.mark.gpu
