@@ -175,6 +175,8 @@ def test_lazy_passes_the_gate_near_its_eager_twin(attention, lazy_space, cfg, sh
     config = lazy_space.config(dict(cfg))
     if not lazy_space.admitted(config, attention.context(shape)):
         pytest.skip("config not admitted for this shape")
+    if compile_config(attention, lazy_space, shape, _eager(cfg))[2].resources.spill_stores:
+        pytest.skip("the always twin spills as well: pruned by the static gate")
     for c in (cfg, _new_max(cfg)):
         _, _, compiled = compile_config(attention, lazy_space, shape, c)
         res = evaluate_compiled(attention, shape, lazy_space.config(dict(c)), compiled, time_it=False)
