@@ -288,8 +288,9 @@ def test_search_help_lists_the_evolution_options():
 
 def test_variant_knob_is_drawn_first(attention):
     """With the space's `variant: mma`, the steered NSGA-II's random draws propose the Hopper variant about as often
-    as mma.sync, although the constraints admit ~1% of its draws; without it a 48-trial search saw it at most a few
-    times (the H100 run runs/gpt2-h100-fullspace: none in 64). Here the wgmma model is faster, and the elites find it."""
+    as mma.sync, although the constraints admit a few percent of its draws; without it a 48-trial search saw it at most a
+    few times before the rescale knob and half as often since (the H100 run runs/gpt2-h100-fullspace: none in 64).
+    Here the wgmma model is faster, and the elites find it."""
     from dataclasses import replace
 
     from evotune.problems.shapes import parse_shape
@@ -315,7 +316,9 @@ def test_variant_knob_is_drawn_first(attention):
             first = [r["config"]["mma"] for r in run.trials()[:16]]
             assert 4 <= first.count("wgmma") <= 12, first
             assert summary["best"]["config"]["mma"] == "wgmma"
-    assert counts["variant"] >= 16 and counts["blind"] <= 3, counts
+    # Blind, 20 of 48 since the rescale knob (wgmma only: its constraint rejects two thirds of the mma.sync draws),
+    # 3 or fewer before it; the variant draw still proposes the Hopper variant about twice as often.
+    assert counts["variant"] >= 16 and counts["variant"] >= 1.5 * counts["blind"], counts
 
 
 def test_variant_draws_come_from_the_admitted_configs():
