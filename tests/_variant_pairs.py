@@ -13,6 +13,15 @@ from evotune.build.compile import compile_source
 from evotune.build.template import instantiate
 
 
+# ptxas's notes that it serialised the wgmma of a function (C7514, C7515, C7519: its products then wait for each other).
+SERIALISED = ("C7514", "C7515", "C7519")
+
+
+def serialised_notes(compiled) -> list[str]:
+    """The lines of a compile log where ptxas says it serialised wgmma."""
+    return [line for line in compiled.log.splitlines() if any(code in line for code in SERIALISED)]
+
+
 def compile_config(attention, space, shape, cfg):
     """(config, source, Compiled) of a config given as a dict of knobs over `space`'s defaults (CPU: NVRTC only)."""
     config = space.config(dict(cfg))

@@ -13,6 +13,7 @@ from evotune.errors import EvotuneError, UsageError
 from evotune.problems.shapes import parse_shape
 from evotune.build.template import instantiate
 from _paths import REPO_ROOT
+from _variant_pairs import serialised_notes
 
 W = dict(mma="wgmma", smem_layout="swizzle")
 # The committed llama-4k winner (runs/llama-4k-h100-hopper) and a spread of the variant's code paths.
@@ -39,7 +40,6 @@ SPREAD = [
 ]
 # ptxas's notes when it cannot keep wgmma asynchronous: C7514/C7515 serialise every wgmma (a 25% loss on
 # llama-4k before the loop was restructured), C7519 inserts a fence of its own.
-SERIALISED = ("C7514", "C7515", "C7519")
 
 
 def _compile(attention, space, shape_text, cfg):
@@ -89,7 +89,7 @@ def test_hopper_configs_compile_async_and_clean(attention, space, shape_text, cf
     res = compiled.resources
     geo = attention.geometry(config, shape)
     assert static_violations(res, geo.threads, geo.dynamic_smem) == []
-    notes = [line for line in compiled.log.splitlines() if any(code in line for code in SERIALISED)]
+    notes = serialised_notes(compiled)
     assert notes == []
     if cfg["producer_warps"] == 4 and cfg["compute_warps"] == 8:
         assert geo.threads == 384 and res.registers == 168

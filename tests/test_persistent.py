@@ -17,6 +17,7 @@ from evotune.problems.attention import MULTIPROCESSORS, query_tiles
 from evotune.problems.shapes import parse_shape
 from evotune.space.searchspace import load_builtin
 from _paths import REPO_ROOT
+from _variant_pairs import serialised_notes
 
 W = dict(mma="wgmma", smem_layout="swizzle")
 PERSISTENT = dict(W, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=2, q_in_regs=False,
@@ -29,7 +30,6 @@ SPREAD = [
     ("2,16,8192,64", dict(PERSISTENT, block_m=192, compute_warps=12)),
     ("16,12,1024,64:causal", dict(PERSISTENT, block_m=64, compute_warps=4, q_in_regs=True)),
 ]
-SERIALISED = ("C7514", "C7515", "C7519")
 
 
 # ---------------------------------------------------------------- the tile order, as the kernel computes it
@@ -258,7 +258,7 @@ def test_persistent_kernels_compile_async_and_clean(attention, space, shape_text
     compiled = compile_source(src.code, src.entry)
     geo = attention.geometry(config, shape)
     assert static_violations(compiled.resources, geo.threads, geo.dynamic_smem) == []
-    assert not [line for line in compiled.log.splitlines() if any(code in line for code in SERIALISED)]
+    assert not serialised_notes(compiled)
     sass = summary(disassemble(compiled.cubin_path))
     assert sass["tensor_core"] == "wgmma" and sass["local_memory"] == 0
     one_tile = instantiate(attention, space.config(dict(cfg, persistent=False)), shape)

@@ -349,10 +349,8 @@ class AttentionProblem(Problem):
             members = (["static constexpr int kOStageBytes = kQBytes;  // epilogue = tma, persistent: O's staging tile",
                         "static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes + kOStageBytes;"]
                        if o_stage_bytes(config, shape) else [])
-            slack = rescale_slack_log2(config)
-            if slack is not None:
-                members.append(f"static constexpr int kRescaleSlackLog2 = {slack};  // rescale: a new max's slack, log2")
-            traits = _traits("evotune::hopper::HopperTraits", targs, members + _exp2_fma_member(config))
+            traits = _traits("evotune::hopper::HopperTraits", targs,
+                             members + _exp2_fma_member(config) + _rescale_member(config))
             o_map_param, o_map_arg, o_map_note = (
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
                  "\n// o_map (epilogue = tma): O's CUtensorMap, boxes of 64 columns x 64 rows (one consumer warpgroup's).")
@@ -735,6 +733,14 @@ def _exp2_fma_member(config) -> list[str]:
     eighths = exp2_fma_eighths(config)
     return [f"static constexpr int kExp2FmaEighths = {eighths};  // exp2_fma: eighths of each row's exp2 on the FMA pipe"
             ] if eighths else []
+
+
+def _rescale_member(config) -> list[str]:
+    """The traits member that rescale new_max or lazy adds (kernels/attention_hopper.cuh's `//[lazy_rescale]` lines
+    read it); none at always."""
+    slack = rescale_slack_log2(config)
+    return [] if slack is None else [
+        f"static constexpr int kRescaleSlackLog2 = {slack};  // rescale: a new max's slack, log2"]
 
 
 def _traits(base: str, targs: str, members: list[str]) -> str:
