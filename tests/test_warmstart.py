@@ -121,6 +121,23 @@ def test_warm_configs_meet_a_knob_their_runs_lacked(attention, attention_small, 
     assert list(asked[:2]) == [{**configs[0], "pdl": False}, {**configs[0], "pdl": True}]
 
 
+def test_the_fastest_warm_config_meets_new_knobs_together(attention):
+    """Warm configs of attention-hopper3 (no rescale, no softmax_overlap) into attention-hopper3-overlap: each of the
+    first `top` is asked at each new value alone (rescale new_max and lazy, softmax_overlap true); the fastest one
+    also at the two combinations with both knobs off their defaults, which is where the two pay on llama-4k."""
+    from evotune.problems.shapes import parse_shape
+
+    hopper3 = load_builtin("attention-hopper3")
+    overlap = load_builtin("attention-hopper3-overlap")
+    context = attention.context(parse_shape("gpt2"))
+    configs = [c.as_dict() for c in hopper3.admitted_configs(context)[:3]]
+    out = with_new_knobs(overlap, context, configs, top=2)
+    alone = [{"rescale": "new_max"}, {"rescale": "lazy"}, {"softmax_overlap": True}]
+    joint = [{"rescale": "new_max", "softmax_overlap": True}, {"rescale": "lazy", "softmax_overlap": True}]
+    assert out == ([configs[0]] + [{**configs[0], **v} for v in alone + joint]
+                   + [configs[1]] + [{**configs[1], **v} for v in alone] + [configs[2]])
+
+
 def test_warm_started_search_asks_the_warm_configs_first_and_once(attention, attention_small, mission):
     """The first proposals of a warm-started search are the admitted warm configs, in order; a resume of that run
     enqueues nothing again; inadmissible warm configs are never proposed."""
