@@ -538,9 +538,33 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             if (lane == 0 && n_tiles == 1) mbar_arrive(smem_addr(&bars.q_empty));
         }
         scores_to_probs<T>(s_acc, m_run, l_run, alpha, 0, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
+        //[softmax_overlap] #if 0
         rescale_and_pack<T>(o_acc, s_acc, alpha, p);
+        //[softmax_overlap] #endif
+        //[softmax_overlap] // softmax_overlap: the loop below is rotated. Written as one iteration (products of tile t, its softmax,
+        //[softmax_overlap] // the wait for P(t-1) V(t-1), O's rescaling and P's packing), ptxas schedules that wait near the top of
+        //[softmax_overlap] // the block, above the softmax, which then never runs under its own P V (the SASS has no MUFU.EX2
+        //[softmax_overlap] // between the waits for S and for P V). Here the wait opens the next iteration, across the back edge
+        //[softmax_overlap] // from the softmax. The instructions run in the same order as without the knob, so is the output.
+        //[softmax_overlap] // finish_tile(u): tile u's softmax is done; wait for P(u-1) V(u-1), release V(u-1)'s slot (and refill it
+        //[softmax_overlap] // without a producer), rescale O and pack P(u).
+        //[softmax_overlap] auto finish_tile = [&](int u) {
+        //[softmax_overlap]     wgmma_wait<0>();
+        //[softmax_overlap]     fence_regs(o_acc);
+        //[softmax_overlap]     fence_a_regs(p);
+        //[softmax_overlap]     if (u >= 1) {
+        //[softmax_overlap]         if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[(it0 + u - 1) % T::kStages]));
+        //[softmax_overlap]         if constexpr (!T::kHasProducer) {
+        //[softmax_overlap]             if (tid == loader && u - 1 + T::kStages < n_tiles)
+        //[softmax_overlap]                 refill<T>(k_map, v_map, sK, sV, &bars, u - 1, kv_head, batch);
+        //[softmax_overlap]             __syncwarp();
+        //[softmax_overlap]         }
+        //[softmax_overlap]     }
+        //[softmax_overlap]     rescale_and_pack<T>(o_acc, s_acc, alpha, p);
+        //[softmax_overlap] };
 
         for (int t = 1; t < n_tiles; ++t) {
+            //[softmax_overlap] finish_tile(t - 1);
             const int use = it0 + t;            // K/V tile t's place in the slots' sequence
             const int slot = use % T::kStages;
             const int prev = (use - 1) % T::kStages;  // tile t-1's slot
@@ -574,6 +598,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             }
             scores_to_probs<T>(s_acc, m_run, l_run, alpha, t * T::kBlockN, q_row0 + 64 * wg, q_row, seq_k, lane,
                                scale_log2);
+            //[softmax_overlap] #if 0
             wgmma_wait<0>();
             fence_regs(o_acc);
             fence_a_regs(p);
@@ -583,7 +608,9 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 __syncwarp();
             }
             rescale_and_pack<T>(o_acc, s_acc, alpha, p);
+            //[softmax_overlap] #endif
         }
+        //[softmax_overlap] finish_tile(n_tiles - 1);
         // P V of the last tile.
         const int last = (it0 + n_tiles - 1) % T::kStages;
         mbar_wait(smem_addr(&bars.v_full[last]), ((it0 + n_tiles - 1) / T::kStages) & 1);

@@ -75,10 +75,31 @@ def opcode_counts(sass: str) -> dict[str, int]:
     return counts
 
 
+_WAIT_ONE = "WARPGROUP.DEPBAR.LE gsb0, 0x1"  # wgmma.wait_group 1: all but the last committed group done
+
+
+def exp2_under_wgmma(sass: str) -> list[int]:
+    """For each wait that leaves one wgmma group running (the Hopper kernel's wait for S while P V runs on), the
+    MUFU.EX2 that follow it in program order before the next warpgroup wait: the softmax's exp2 that may run while the
+    warpgroup's own P V is still on the tensor cores. 0 means ptxas put the wait for P V above the softmax."""
+    found = []
+    lines = [m.group(2).strip() for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    for i, text in enumerate(lines):
+        if _WAIT_ONE not in text:
+            continue
+        count = 0
+        for later in lines[i + 1:]:
+            if later.startswith("WARPGROUP.DEPBAR"):
+                break
+            count += later.startswith("MUFU.EX2")
+        found.append(count)
+    return found
+
+
 def summary(sass: str) -> dict:
     """The opcode classes of CLASSES with their static counts, and the verdicts the docs quote."""
     counts = opcode_counts(sass)
     classes = {op: counts.get(op, 0) for op in CLASSES}
     return {"instructions": sum(counts.values()), "classes": classes,
             "tensor_core": "wgmma" if classes["HGMMA"] else ("mma.sync" if classes["HMMA"] else "none"),
-            "local_memory": classes["LDL"] + classes["STL"]}
+            "local_memory": classes["LDL"] + classes["STL"], "exp2_under_wgmma": exp2_under_wgmma(sass)}

@@ -331,5 +331,8 @@ def sass(
         console.print(f"  {op:<8} {info['classes'][op]:>5}  {what}")
     console.print(f"tensor cores: {info['tensor_core']}; local memory instructions: {info['local_memory']}; "
                   f"{res.registers} registers, {info['spill_bytes']} B spilled, {res.stack_frame} B stack frame")
+    if info["exp2_under_wgmma"]:
+        console.print(f"softmax under the warpgroup's own P V: {max(info['exp2_under_wgmma'])} MUFU.EX2 between the "
+                      "wait for S and the wait for P V (0: ptxas put that wait above the softmax)")
     if output is not None:
         console.print(f"wrote {output}")

@@ -38,7 +38,7 @@ KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_war
                  "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
                  "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
                  "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1, "exp2_fma": 0,
-                 "rescale": "always"}
+                 "rescale": "always", "softmax_overlap": False}
 
 
 # Knob rescale (the Hopper kernel's `//[lazy_rescale]` lines): how far a K/V tile's row max may exceed the row's running
@@ -68,6 +68,7 @@ KNOB_DOMAINS = {
     "kv_cluster": (1, 2, 4),             # CTAs per cluster sharing each K/V tile (multicast); 1: none
     "exp2_fma": range(0, 9),             # eighths of the softmax's exp2 computed on the FMA pipe; 0: all on the MUFU
     "rescale": tuple(RESCALE_SLACK_LOG2),  # wgmma: when O is rescaled for a row's new max (every tile, or skipped)
+    "softmax_overlap": (False, True),    # wgmma: the consumer loop rotated so the softmax runs under its own P V
 }
 
 
@@ -102,6 +103,14 @@ def is_tma_store(config) -> bool:
     """The Hopper variant's TMA-store epilogue (knob epilogue = tma, kernels/hopper_tma_store.cuh): each consumer
     warpgroup stages O in shared memory and one thread stores it with TMA (through a fourth tensor map, o_map)."""
     return is_wgmma(config) and knob(config, "epilogue") == "tma"
+
+
+def is_softmax_overlap(config) -> bool:
+    """The Hopper variant's consumer loop rotated (knob softmax_overlap, kernels/attention_hopper.cuh's
+    `//[softmax_overlap]` lines): the wait for P(t-1) V(t-1) opens the next iteration, so ptxas cannot schedule it above
+    tile t's softmax, which then runs while this warpgroup's P V is on the tensor cores (FlashAttention-3's intra-warpgroup
+    overlap). Without it ptxas puts that wait above the softmax. The instructions run in the same order either way."""
+    return is_wgmma(config) and bool(knob(config, "softmax_overlap"))
 
 
 def is_split_merge(config) -> bool:
@@ -231,11 +240,12 @@ class AttentionProblem(Problem):
                    "smem_layout": "", "q_in_regs": ("qreg", "qsmem"), "kv_splits": "kv",
                    "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl"), "epilogue": "epi-",
                    "key_merge": "merge-", "kv_load": "load-", "kv_cluster": "cluster", "exp2_fma": "ex2fma",
-                   "rescale": "rescale-"}
-    # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma and rescale came after the recorded runs; at false, regs,
-    # gather, cp_async, 1, 0 and always they leave the source as it was (their template lines are flagged).
+                   "rescale": "rescale-", "softmax_overlap": ("overlap", "nooverlap")}
+    # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale and softmax_overlap came after the recorded runs;
+    # at false, regs, gather, cp_async, 1, 0, always and false they leave the source as it was (their template lines are
+    # flagged).
     late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1,
-                  "exp2_fma": 0, "rescale": "always"}
+                  "exp2_fma": 0, "rescale": "always", "softmax_overlap": False}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -293,15 +303,17 @@ class AttentionProblem(Problem):
         lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
         tma_split: its `//[tma_split]` lines (kv_load = tma_split); exp2_fma: both kernels' `//[exp2_fma]` lines (exp2_fma
         above 0; the share is the traits' kExp2FmaEighths); lazy_rescale: the Hopper kernel's `//[lazy_rescale]` lines
-        (rescale new_max or lazy: conditional rescaling of O, the slack the traits' kRescaleSlackLog2). No such knob is a template argument, so that a config
-        without them keeps its source."""
+        (rescale new_max or lazy: conditional rescaling of O, the slack the traits' kRescaleSlackLog2); softmax_overlap:
+        the Hopper kernel's `//[softmax_overlap]` lines (its consumer loop rotated). No such knob is a template argument,
+        so that a config without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
                                                ("tma_load", is_tma_load(config)),
                                                ("tma_multicast", is_tma_multicast(config)),
                                                ("tma_split", is_tma_split(config)),
                                                ("exp2_fma", exp2_fma_eighths(config) > 0),
-                                               ("lazy_rescale", rescale_slack_log2(config) is not None)) if on)
+                                               ("lazy_rescale", rescale_slack_log2(config) is not None),
+                                               ("softmax_overlap", is_softmax_overlap(config))) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,

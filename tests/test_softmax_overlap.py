@@ -1,0 +1,160 @@
+"""The Hopper kernel's consumer loop rotated (knob softmax_overlap, kernels/attention_hopper.cuh's `//[softmax_overlap]`
+lines, search_spaces/attention-hopper3-overlap.yaml).
+
+Written as one iteration, ptxas schedules the wait for P(t-1) V(t-1) above tile t's softmax, so the softmax never ran
+under the warpgroup's own P V; rotated, the wait opens the next iteration.
+
+CPU: every softmax_overlap = false config keeps its source (attention-hopper3-rescale's, whose own test ties it to the
+recorded runs); a true config's source has the rotated loop and no flag left; in the SASS of false configs no
+MUFU.EX2 lies between the wait for S and the wait for P V, in true configs the whole tile's exp2 do; the rotated
+paths compile clean (no spill, no stack frame, wgmma not serialised). GPU (marked): the gate passes and the output is
+bit for bit the false twin's (the same instructions in the same order), the log-sum-exp too; memcheck and racecheck
+find nothing."""
+
+from __future__ import annotations
+
+import pytest
+from _variant_pairs import (assert_compiles_clean, assert_gate_and_twin, assert_lse_twin, compile_config,
+                            serialised_notes)
+
+from evotune.build.template import instantiate, template_flag_names
+from evotune.problems.attention import is_softmax_overlap
+from evotune.problems.shapes import parse_shape
+from evotune.space.searchspace import load_builtin
+
+_H = dict(mma="wgmma", softmax_overlap=True)
+# The exhaustive winners of gpt2 (one warpgroup, no producer, TMA store), llama-4k (two consumers, persistent, Q in
+# registers) and long-8k (three consumers, persistent, Q in shared memory, lazy rescaling), and a ping-pong pair with
+# 64-key tiles.
+ROTATED_CONFIGS = [
+    dict(_H, block_m=64, block_n=128, compute_warps=4, producer_warps=0, stages=2, q_in_regs=False, pingpong=False,
+         persistent=False, epilogue="tma"),
+    dict(_H, block_m=128, block_n=128, compute_warps=8, producer_warps=4, stages=2, q_in_regs=True, pingpong=False,
+         persistent=True, epilogue="tma"),
+    dict(_H, block_m=192, block_n=128, compute_warps=12, producer_warps=4, stages=2, q_in_regs=False,
+         pingpong=False, persistent=True, epilogue="regs", rescale="lazy"),
+    dict(_H, block_m=128, block_n=64, compute_warps=8, producer_warps=4, stages=3, q_in_regs=True, pingpong=True,
+         persistent=False, epilogue="regs"),
+]
+
+
+def _id(c: dict) -> str:
+    return (f"M{c['block_m']}N{c['block_n']}cw{c['compute_warps']}pw{c['producer_warps']}"
+            f"{'pers' if c['persistent'] else ''}{'pp' if c['pingpong'] else ''}")
+
+
+def _written(cfg: dict) -> dict:
+    """The twin with the loop as written before the knob."""
+    return dict(cfg, softmax_overlap=False)
+
+
+def _skip_if_not_admitted_or_pruned(attention, space, shape, cfg) -> None:
+    if not space.admitted(space.config(dict(cfg)), attention.context(shape)):
+        pytest.skip("config not admitted for this shape")
+    spilled = compile_config(attention, space, shape, _written(cfg))[2].resources.spill_stores
+    if spilled:  # three consumer warpgroups at head dim 128: the static gate prunes them whatever the knob
+        pytest.skip(f"the twin spills as well ({spilled} B): pruned by the static gate")
+
+
+@pytest.fixture(scope="module")
+def overlap_space():
+    return load_builtin("attention-hopper3-overlap")
+
+
+def test_every_written_config_keeps_its_source(attention, overlap_space):
+    """Each softmax_overlap = false config of attention-hopper3-overlap.yaml on gpt2 instantiates to the source of the
+    same config in attention-hopper3-rescale.yaml (tests/test_rescale.py ties those to the recorded runs); the space
+    admits twice that space's 1920 configs there."""
+    rescale_space = load_builtin("attention-hopper3-rescale")
+    shape = parse_shape("gpt2")
+    admitted = overlap_space.admitted_configs(attention.context(shape))
+    written = [c for c in admitted if not c["softmax_overlap"]]
+    assert len(written) == 1920 and len(admitted) == 3840
+    for c in written:
+        knobs = {k: v for k, v in c.as_dict().items() if k != "softmax_overlap"}
+        assert instantiate(attention, c, shape).digest == instantiate(attention, rescale_space.config(knobs), shape).digest
+
+
+def test_rotated_source(attention, overlap_space):
+    """A true config's source defines finish_tile, calls it at the top of the loop and once after it, and keeps no
+    flag; the false twin has none of it. On mma.sync the knob selects nothing."""
+    shape = parse_shape("gpt2")
+    code = instantiate(attention, overlap_space.config(ROTATED_CONFIGS[0]), shape).code
+    assert "auto finish_tile = [&](int u) {" in code
+    assert code.count("finish_tile(t - 1);") == 1 and code.count("finish_tile(n_tiles - 1);") == 1
+    assert template_flag_names(code) == set()
+    plain = instantiate(attention, overlap_space.config(_written(ROTATED_CONFIGS[0])), shape).code
+    assert "finish_tile" not in plain
+    assert is_softmax_overlap(overlap_space.config(ROTATED_CONFIGS[0]))
+    assert not is_softmax_overlap(dict(mma="sync", softmax_overlap=True))
+
+
+@pytest.mark.parametrize("cfg", ROTATED_CONFIGS, ids=_id)
+@pytest.mark.parametrize("shape_text", ["gpt2", "llama-4k:bf16:causal"])
+def test_sass_puts_the_softmax_under_p_v(attention, overlap_space, cfg, shape_text):
+    """The measurable claim of the knob, read in the SASS: with the loop as written, no MUFU.EX2 lies between the wait
+    for S (WARPGROUP.DEPBAR.LE gsb0, 0x1) and the next warpgroup wait, because ptxas moved the wait for P V up there;
+    rotated, every exp2 of the tile's scores does (block_n per row pair, a thread's two rows)."""
+    from evotune.build.sass import disassemble, exp2_under_wgmma
+
+    shape = parse_shape(shape_text)
+    _skip_if_not_admitted_or_pruned(attention, overlap_space, shape, cfg)
+    counts = {}
+    for c in (cfg, _written(cfg)):
+        counts[c["softmax_overlap"]] = exp2_under_wgmma(disassemble(compile_config(attention, overlap_space, shape,
+                                                                                    c)[2].cubin_path))
+    assert counts[False] and set(counts[False]) == {0}, counts
+    assert counts[True] and min(counts[True]) >= cfg["block_n"] // 2, counts
+
+
+@pytest.mark.parametrize("cfg", ROTATED_CONFIGS, ids=_id)
+@pytest.mark.parametrize("shape_text", ["gpt2", "2,3,300,333,64:bf16:causal:bshd", "1,2,200,128:causal",
+                                        "llama-4k:bf16"])
+def test_rotated_configs_compile_clean(attention, overlap_space, cfg, shape_text):
+    """Every rotated path compiles for sm_90a with no stack frame, no spill, within the static gate, and without ptxas
+    serialising the wgmma."""
+    shape = parse_shape(shape_text)
+    _skip_if_not_admitted_or_pruned(attention, overlap_space, shape, cfg)
+    _, compiled, _ = assert_compiles_clean(attention, overlap_space, shape, cfg)
+    assert not serialised_notes(compiled)
+
+
+# --------------------------------------------------------------------------- GPU
+
+SHAPES = ["gpt2", "2,3,200,333,64", "2,4,257,64:bshd", "1,4,1000,64:bf16:causal", "3,2,77,300,64:causal",
+          "1,8,512,64:causal:kv4", "1,2,1,64", "1,2,300,128:causal", "1,4,1100,128:bf16",
+          # Enough query tiles for the persistent configs (more than the 132 SMs): ragged, Sq != Sk, causal, GQA, d128.
+          "2,16,1100,1300,64:bf16:causal", "2,32,1000,128:kv8"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ROTATED_CONFIGS, ids=_id)
+@pytest.mark.parametrize("shape_text", SHAPES)
+def test_rotated_passes_the_gate_bit_for_bit(attention, overlap_space, cfg, shape_text):
+    """The full gate passes, and the output is bit for bit the false twin's: the rotation moves the loop's back edge,
+    not an instruction's place in the order they run (one K/V tile, n_tiles = 1, included: 1,2,1,64)."""
+    shape = parse_shape(shape_text)
+    _skip_if_not_admitted_or_pruned(attention, overlap_space, shape, cfg)
+    assert_gate_and_twin(attention, overlap_space, shape, cfg, _written(cfg))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [ROTATED_CONFIGS[0], ROTATED_CONFIGS[2]], ids=_id)
+def test_rotated_with_log_sum_exp(attention, overlap_space, cfg):
+    """The training variant (write_lse): O and the log-sum-exp bit for bit the false twin's."""
+    shape = parse_shape("4,16,1333,1257,64:bf16:causal")  # 448 query tiles of 192 rows: the persistent grid too
+    assert overlap_space.admitted(overlap_space.config(cfg), attention.context(shape))
+    assert_lse_twin(attention, overlap_space, shape, cfg, _written(cfg))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [ROTATED_CONFIGS[0], ROTATED_CONFIGS[1]], ids=_id)
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_sanitizers_clean(attention, overlap_space, cfg, tool):
+    """memcheck and racecheck find nothing in the rotated loop on a ragged causal shape: the one-warpgroup config whose
+    consumer thread refills the slots, and a persistent one with a producer warpgroup."""
+    from _variant_pairs import sanitize_config
+
+    report = sanitize_config(attention, overlap_space, parse_shape("2,3,197,300,64:causal"), cfg, tool)
+    assert report["clean"], f"{report['summary']}\n{report['output_tail']}"
