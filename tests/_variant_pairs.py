@@ -22,6 +22,23 @@ def serialised_notes(compiled) -> list[str]:
     return [line for line in compiled.log.splitlines() if any(code in line for code in SERIALISED)]
 
 
+# The GPU shapes of the Hopper kernel's knob tests (tests/test_rescale.py, tests/test_softmax_overlap.py): ragged, Sq != Sk,
+# BSHD, causal, GQA, bf16, d128, one query row, and two with more query tiles than the 132 SMs for the persistent grid.
+HOPPER_SHAPES = ["gpt2", "2,3,200,333,64", "2,4,257,64:bshd", "1,4,1000,64:bf16:causal", "3,2,77,300,64:causal",
+                 "1,8,512,64:causal:kv4", "1,2,1,64", "1,2,300,128:causal", "1,4,1100,128:bf16",
+                 "2,16,1100,1300,64:bf16:causal", "2,32,1000,128:kv8"]
+
+
+def skip_if_twin_pruned(attention, space, shape, twin) -> None:
+    """pytest.skip when the twin config (a dict of knobs) spills: three consumer warpgroups at head dim 128 (160
+    registers each), which the static gate prunes whatever the knob under test."""
+    import pytest
+
+    spilled = compile_config(attention, space, shape, twin)[2].resources.spill_stores
+    if spilled:
+        pytest.skip(f"the twin spills as well ({spilled} B): pruned by the static gate")
+
+
 def compile_config(attention, space, shape, cfg):
     """(config, source, Compiled) of a config given as a dict of knobs over `space`'s defaults (CPU: NVRTC only)."""
     config = space.config(dict(cfg))

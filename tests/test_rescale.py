@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 
 import pytest
-from _variant_pairs import assert_compiles_clean, compile_config, run_configs, serialised_notes
+from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, compile_config, run_configs, serialised_notes,
+                            skip_if_twin_pruned)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import rescale_slack_log2
@@ -51,14 +52,6 @@ def _eager(cfg: dict) -> dict:
 
 def _new_max(cfg: dict) -> dict:
     return dict(cfg, rescale="new_max")
-
-
-def _skip_if_the_twin_is_pruned(attention, space, shape, cfg) -> None:
-    """Skip a config whose always twin spills: three consumer warpgroups at head dim 128 (160 registers each), which
-    the static gate prunes whatever the knob."""
-    spilled = compile_config(attention, space, shape, _eager(cfg))[2].resources.spill_stores
-    if spilled:
-        pytest.skip(f"the always twin spills as well ({spilled} B): pruned by the static gate")
 
 
 @pytest.fixture(scope="module")
@@ -148,22 +141,17 @@ def test_lazy_configs_compile_clean(attention, lazy_space, cfg, shape_text):
     shape = parse_shape(shape_text)
     if not lazy_space.admitted(lazy_space.config(cfg), attention.context(shape)):
         pytest.skip("config not admitted for this shape")
-    _skip_if_the_twin_is_pruned(attention, lazy_space, shape, cfg)
+    skip_if_twin_pruned(attention, lazy_space, shape, _eager(cfg))
     _, compiled, _ = assert_compiles_clean(attention, lazy_space, shape, cfg)
     assert not serialised_notes(compiled)
 
 
 # --------------------------------------------------------------------------- GPU
 
-SHAPES = ["gpt2", "2,3,200,333,64", "2,4,257,64:bshd", "1,4,1000,64:bf16:causal", "3,2,77,300,64:causal",
-          "1,8,512,64:causal:kv4", "1,2,1,64", "1,2,300,128:causal", "1,4,1100,128:bf16",
-          # Enough query tiles for the persistent configs (more than the 132 SMs): ragged, Sq != Sk, causal, GQA, d128.
-          "2,16,1100,1300,64:bf16:causal", "2,32,1000,128:kv8"]
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", LAZY_CONFIGS, ids=_id)
-@pytest.mark.parametrize("shape_text", SHAPES)
+@pytest.mark.parametrize("shape_text", HOPPER_SHAPES)
 def test_lazy_passes_the_gate_near_its_eager_twin(attention, lazy_space, cfg, shape_text):
     """The full gate passes for lazy and new_max (its large-score and dominant-key inputs move rows' maxima by far more
     than 2^8 between tiles, so the rescaling branch runs too). On normal inputs new_max's output is bit for bit the
@@ -179,7 +167,7 @@ def test_lazy_passes_the_gate_near_its_eager_twin(attention, lazy_space, cfg, sh
     config = lazy_space.config(dict(cfg))
     if not lazy_space.admitted(config, attention.context(shape)):
         pytest.skip("config not admitted for this shape")
-    _skip_if_the_twin_is_pruned(attention, lazy_space, shape, cfg)
+    skip_if_twin_pruned(attention, lazy_space, shape, _eager(cfg))
     for c in (cfg, _new_max(cfg)):
         _, _, compiled = compile_config(attention, lazy_space, shape, c)
         res = evaluate_compiled(attention, shape, lazy_space.config(dict(c)), compiled, time_it=False)

@@ -14,8 +14,8 @@ find nothing."""
 from __future__ import annotations
 
 import pytest
-from _variant_pairs import (assert_compiles_clean, assert_gate_and_twin, assert_lse_twin, compile_config,
-                            serialised_notes)
+from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
+                            compile_config, serialised_notes, skip_if_twin_pruned)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_softmax_overlap
@@ -51,9 +51,7 @@ def _written(cfg: dict) -> dict:
 def _skip_if_not_admitted_or_pruned(attention, space, shape, cfg) -> None:
     if not space.admitted(space.config(dict(cfg)), attention.context(shape)):
         pytest.skip("config not admitted for this shape")
-    spilled = compile_config(attention, space, shape, _written(cfg))[2].resources.spill_stores
-    if spilled:  # three consumer warpgroups at head dim 128: the static gate prunes them whatever the knob
-        pytest.skip(f"the twin spills as well ({spilled} B): pruned by the static gate")
+    skip_if_twin_pruned(attention, space, shape, _written(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +119,10 @@ def test_rotated_configs_compile_clean(attention, overlap_space, cfg, shape_text
 
 # --------------------------------------------------------------------------- GPU
 
-SHAPES = ["gpt2", "2,3,200,333,64", "2,4,257,64:bshd", "1,4,1000,64:bf16:causal", "3,2,77,300,64:causal",
-          "1,8,512,64:causal:kv4", "1,2,1,64", "1,2,300,128:causal", "1,4,1100,128:bf16",
-          # Enough query tiles for the persistent configs (more than the 132 SMs): ragged, Sq != Sk, causal, GQA, d128.
-          "2,16,1100,1300,64:bf16:causal", "2,32,1000,128:kv8"]
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", ROTATED_CONFIGS, ids=_id)
-@pytest.mark.parametrize("shape_text", SHAPES)
+@pytest.mark.parametrize("shape_text", HOPPER_SHAPES)
 def test_rotated_passes_the_gate_bit_for_bit(attention, overlap_space, cfg, shape_text):
     """The full gate passes, and the output is bit for bit the false twin's: the rotation moves the loop's back edge,
     not an instruction's place in the order they run (one K/V tile, n_tiles = 1, included: 1,2,1,64)."""
