@@ -145,6 +145,17 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
     return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(lbo >> 4) << 16) |
            (static_cast<u64>(sbo >> 4) << 32) | (1ull << 62);
 }
+//[lean_addressing] // lean_addressing: the same descriptor from addr >> 4, which the caller computes once per tile and advances by
+//[lean_addressing] // each k-step's offset >> 4 (CUTLASS's descriptor iterator): one add where smem_desc masks, shifts and ors
+//[lean_addressing] // per k-step. The LBO field is added rather than or-ed so it folds into that add's immediate. Shared-window
+//[lean_addressing] // addresses are below 2^18, so addr >> 4 fits the 14-bit field without the mask and the add never carries.
+//[lean_addressing] __device__ __forceinline__ u64 smem_desc16(u32 addr16, u32 lbo, u32 sbo) {
+//[lean_addressing]     const u32 lo = addr16 + ((lbo >> 4) << 16);
+//[lean_addressing]     const u32 hi = (sbo >> 4) | (1u << 30);
+//[lean_addressing]     u64 desc;
+//[lean_addressing]     asm("mov.b64 %0, {%1, %2};" : "=l"(desc) : "r"(lo), "r"(hi));
+//[lean_addressing]     return desc;
+//[lean_addressing] }
 
 // ------------------------------------------------------------------ the math
 
@@ -155,12 +166,19 @@ __device__ __forceinline__ void issue_qk(float (&s)[T::kSAcc], const u32 (&qr)[T
     for (int kk = 0; kk < T::kQKSteps; ++kk) {
         // k-step kk: region kk/4 of the tile, 32 bytes (16 columns) per step inside it.
         const u32 k_off = (kk / 4) * (T::kBlockN * 128) + (kk % 4) * 32;
+        //[lean_addressing] #if 0
         const u64 desc_k = smem_desc(sK + k_off, 16, 1024);
+        //[lean_addressing] #endif
+        //[lean_addressing] const u64 desc_k = smem_desc16((sK >> 4) + (k_off >> 4), 16, 1024);
         if constexpr (T::kQInRegs) {
             wgmma_rs<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, qr[T::kQInRegs ? kk : 0], desc_k, kk > 0);
         } else {
             const u32 q_off = (kk / 4) * (T::kBlockM * 128) + (kk % 4) * 32;
+            //[lean_addressing] #if 0
             wgmma_ss<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, smem_desc(sQ_wg + q_off, 16, 1024), desc_k, kk > 0);
+            //[lean_addressing] #endif
+            //[lean_addressing] wgmma_ss<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, smem_desc16((sQ_wg >> 4) + (q_off >> 4), 16, 1024), desc_k,
+            //[lean_addressing]             kk > 0);
         }
     }
     wgmma_commit();
@@ -171,7 +189,11 @@ template <class T>
 __device__ __forceinline__ void issue_pv(float (&o)[T::kOAcc], const u32 (&p)[T::kPVSteps][4], u32 sV) {
 #pragma unroll
     for (int kk = 0; kk < T::kPVSteps; ++kk)  // 16 keys (2 swizzle atoms of 8 rows) per step
+        //[lean_addressing] #if 0
         wgmma_rs<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, p[kk], smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
+        //[lean_addressing] #endif
+        //[lean_addressing] wgmma_rs<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, p[kk],
+        //[lean_addressing]             smem_desc16((sV >> 4) + kk * 128, T::kBlockN * 128, 1024), 1);
     wgmma_commit();
 }
 
@@ -354,8 +376,13 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barrier
 template <class T>
 __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorMap* v_map, u32 sK, u32 sV, Barriers* bars,
                                        int t, int head, int batch) {
+    //[lean_addressing] #if 0
     const int slot = t % T::kStages;
     const u32 parity = (t / T::kStages) & 1;
+    //[lean_addressing] #endif
+    //[lean_addressing] // lean_addressing: t is never negative; unsigned, % and / by STAGES need no sign fix-up (at 2 and 4: a mask, a shift).
+    //[lean_addressing] const int slot = static_cast<unsigned>(t) % T::kStages;
+    //[lean_addressing] const u32 parity = (static_cast<unsigned>(t) / T::kStages) & 1;
     mbar_wait(smem_addr(&bars->k_empty[slot]), parity);
     load_kv<T, 0>(k_map, sK, bars, slot, t + T::kStages, head, batch);
     mbar_wait(smem_addr(&bars->v_empty[slot]), parity);
@@ -565,7 +592,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
 
         for (int t = 1; t < n_tiles; ++t) {
             //[softmax_overlap] finish_tile(t - 1);
+            //[lean_addressing] #if 0
             const int use = it0 + t;            // K/V tile t's place in the slots' sequence
+            //[lean_addressing] #endif
+            //[lean_addressing] const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence (unsigned: no sign fix-up in % and /)
             const int slot = use % T::kStages;
             const int prev = (use - 1) % T::kStages;  // tile t-1's slot
             mbar_wait(smem_addr(&bars.k_full[slot]), (use / T::kStages) & 1);

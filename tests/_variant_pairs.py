@@ -39,6 +39,22 @@ def skip_if_twin_pruned(attention, space, shape, twin) -> None:
         pytest.skip(f"the twin spills as well ({spilled} B): pruned by the static gate")
 
 
+def skip_unless_admitted(attention, space, shape, cfg, twin) -> None:
+    """pytest.skip when `space` does not admit the config `cfg` (a dict of knobs) on `shape`, or when its twin spills
+    (skip_if_twin_pruned)."""
+    import pytest
+
+    if not space.admitted(space.config(dict(cfg)), attention.context(shape)):
+        pytest.skip("config not admitted for this shape")
+    skip_if_twin_pruned(attention, space, shape, twin)
+
+
+def hopper_config_id(c: dict) -> str:
+    """A pytest id for a Hopper config given as a dict: its tile, warps, stages, where Q lives, persistent, ping-pong."""
+    return (f"M{c['block_m']}N{c['block_n']}cw{c['compute_warps']}pw{c['producer_warps']}st{c['stages']}"
+            f"{'qreg' if c['q_in_regs'] else 'qsmem'}{'pers' if c['persistent'] else ''}{'pp' if c['pingpong'] else ''}")
+
+
 def compile_config(attention, space, shape, cfg):
     """(config, source, Compiled) of a config given as a dict of knobs over `space`'s defaults (CPU: NVRTC only)."""
     config = space.config(dict(cfg))

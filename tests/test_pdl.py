@@ -50,13 +50,13 @@ def test_the_kernels_flag_known_knobs_only():
     split_merge (the key groups' split merge), tma_load (the mma.sync kernel's TMA loads), tma_multicast (their
     multicast across a cluster), tma_split (their K and V on barriers of their own), exp2_fma (a share of the softmax's
     exp2 by a polynomial on the FMA pipe), lazy_rescale (the Hopper kernel's conditional rescaling of O, knob rescale),
-    softmax_overlap (its consumer loop rotated), trace (tools/phase_trace.py's stamps), trace_split and trace_tma (its stamps in the split merge and the TMA loads:
+    softmax_overlap (its consumer loop rotated), lean_addressing (its descriptors advanced by one add), trace (tools/phase_trace.py's stamps), trace_split and trace_tma (its stamps in the split merge and the TMA loads:
     both flags) and no_wg_overlap (the baseline `tools/time_configs.py --with-flag` measures) and nothing else (a
     misspelt flag would drop its lines); the last four are never a searched config's."""
     _, template = read_template("attention.cu")
     assert template_flag_names(template) == {"pdl", "tma_store", "split_merge", "tma_load", "tma_multicast", "tma_split", "trace",
                                                  "trace_split", "trace_tma", "no_wg_overlap", "exp2_fma", "lazy_rescale",
-                                                 "softmax_overlap"}
+                                                 "softmax_overlap", "lean_addressing"}
 
 
 @pytest.mark.parametrize("shape_text, cfg, options, digest", BEFORE_PDL, ids=["mission", "mission-lse", "persistent",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
-                            compile_config, serialised_notes, skip_if_twin_pruned)
+                            compile_config, hopper_config_id, serialised_notes, skip_unless_admitted)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_softmax_overlap
@@ -38,20 +38,9 @@ ROTATED_CONFIGS = [
 ]
 
 
-def _id(c: dict) -> str:
-    return (f"M{c['block_m']}N{c['block_n']}cw{c['compute_warps']}pw{c['producer_warps']}"
-            f"{'pers' if c['persistent'] else ''}{'pp' if c['pingpong'] else ''}")
-
-
 def _written(cfg: dict) -> dict:
     """The twin with the loop as written before the knob."""
     return dict(cfg, softmax_overlap=False)
-
-
-def _skip_if_not_admitted_or_pruned(attention, space, shape, cfg) -> None:
-    if not space.admitted(space.config(dict(cfg)), attention.context(shape)):
-        pytest.skip("config not admitted for this shape")
-    skip_if_twin_pruned(attention, space, shape, _written(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +76,7 @@ def test_rotated_source(attention, overlap_space):
     assert not is_softmax_overlap(dict(mma="sync", softmax_overlap=True))
 
 
-@pytest.mark.parametrize("cfg", ROTATED_CONFIGS, ids=_id)
+@pytest.mark.parametrize("cfg", ROTATED_CONFIGS, ids=hopper_config_id)
 @pytest.mark.parametrize("shape_text", ["gpt2", "llama-4k:bf16:causal"])
 def test_sass_puts_the_softmax_under_p_v(attention, overlap_space, cfg, shape_text):
     """The measurable claim of the knob, read in the SASS: with the loop as written, no MUFU.EX2 lies between the wait
@@ -96,7 +85,7 @@ def test_sass_puts_the_softmax_under_p_v(attention, overlap_space, cfg, shape_te
     from evotune.build.sass import disassemble, exp2_under_wgmma
 
     shape = parse_shape(shape_text)
-    _skip_if_not_admitted_or_pruned(attention, overlap_space, shape, cfg)
+    skip_unless_admitted(attention, overlap_space, shape, cfg, _written(cfg))
     counts = {}
     for c in (cfg, _written(cfg)):
         counts[c["softmax_overlap"]] = exp2_under_wgmma(disassemble(compile_config(attention, overlap_space, shape,
@@ -105,14 +94,14 @@ def test_sass_puts_the_softmax_under_p_v(attention, overlap_space, cfg, shape_te
     assert counts[True] and min(counts[True]) >= cfg["block_n"] // 2, counts
 
 
-@pytest.mark.parametrize("cfg", ROTATED_CONFIGS, ids=_id)
+@pytest.mark.parametrize("cfg", ROTATED_CONFIGS, ids=hopper_config_id)
 @pytest.mark.parametrize("shape_text", ["gpt2", "2,3,300,333,64:bf16:causal:bshd", "1,2,200,128:causal",
                                         "llama-4k:bf16"])
 def test_rotated_configs_compile_clean(attention, overlap_space, cfg, shape_text):
     """Every rotated path compiles for sm_90a with no stack frame, no spill, within the static gate, and without ptxas
     serialising the wgmma."""
     shape = parse_shape(shape_text)
-    _skip_if_not_admitted_or_pruned(attention, overlap_space, shape, cfg)
+    skip_unless_admitted(attention, overlap_space, shape, cfg, _written(cfg))
     _, compiled, _ = assert_compiles_clean(attention, overlap_space, shape, cfg)
     assert not serialised_notes(compiled)
 
@@ -121,18 +110,18 @@ def test_rotated_configs_compile_clean(attention, overlap_space, cfg, shape_text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ROTATED_CONFIGS, ids=_id)
+@pytest.mark.parametrize("cfg", ROTATED_CONFIGS, ids=hopper_config_id)
 @pytest.mark.parametrize("shape_text", HOPPER_SHAPES)
 def test_rotated_passes_the_gate_bit_for_bit(attention, overlap_space, cfg, shape_text):
     """The full gate passes, and the output is bit for bit the false twin's: the rotation moves the loop's back edge,
     not an instruction's place in the order they run (one K/V tile, n_tiles = 1, included: 1,2,1,64)."""
     shape = parse_shape(shape_text)
-    _skip_if_not_admitted_or_pruned(attention, overlap_space, shape, cfg)
+    skip_unless_admitted(attention, overlap_space, shape, cfg, _written(cfg))
     assert_gate_and_twin(attention, overlap_space, shape, cfg, _written(cfg))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [ROTATED_CONFIGS[0], ROTATED_CONFIGS[2]], ids=_id)
+@pytest.mark.parametrize("cfg", [ROTATED_CONFIGS[0], ROTATED_CONFIGS[2]], ids=hopper_config_id)
 def test_rotated_with_log_sum_exp(attention, overlap_space, cfg):
     """The training variant (write_lse): O and the log-sum-exp bit for bit the false twin's."""
     shape = parse_shape("4,16,1333,1257,64:bf16:causal")  # 448 query tiles of 192 rows: the persistent grid too
@@ -142,7 +131,7 @@ def test_rotated_with_log_sum_exp(attention, overlap_space, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg", [ROTATED_CONFIGS[0], ROTATED_CONFIGS[1]], ids=_id)
+@pytest.mark.parametrize("cfg", [ROTATED_CONFIGS[0], ROTATED_CONFIGS[1]], ids=hopper_config_id)
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_sanitizers_clean(attention, overlap_space, cfg, tool):
     """memcheck and racecheck find nothing in the rotated loop on a ragged causal shape: the one-warpgroup config whose

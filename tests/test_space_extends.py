@@ -58,8 +58,10 @@ RECORDED = {
 # added (0d0a9d46090a3da8 before; 248832000 configs, 85440 admitted on the mission shape), and again when the rescale
 # knob (always, new_max, lazy) and its constraint (wgmma only) were added (bcd04ce6c4ecb1d9 before; 746496000 configs,
 # 87680 admitted on the mission shape), and again when the softmax_overlap knob (false, true) and its constraint (wgmma
-# only) were added (d9fd07e97670a469 before; 1492992000 configs, 91040 admitted on the mission shape).
-RECORDED_ATTENTION_DIGEST = "6c617c5571b42d69"
+# only) were added (d9fd07e97670a469 before; 1492992000 configs, 91040 admitted on the mission shape), and again when
+# the lean_addressing knob (false, true) and its constraint (wgmma only) were added and exp2_fma's constraint gave its
+# one-eighth measurement on wgmma (6c617c5571b42d69 before; 2985984000 configs, 97760 admitted on the mission shape).
+RECORDED_ATTENTION_DIGEST = "bbdd8a229b83e763"
 
 
 def admitted_digest(space, context, derived_names) -> list:

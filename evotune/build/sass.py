@@ -96,10 +96,27 @@ def exp2_under_wgmma(sass: str) -> list[int]:
     return found
 
 
+def wgmma_issue_gaps(sass: str) -> list[int]:
+    """For each pair of consecutive HGMMA of one product (the group a wgmma.commit_group closes, its last HGMMA marked
+    gsb0), the instructions ptxas placed between them in program order: what the warp issues between a product's
+    wgmma, mostly the next k-step's shared-memory descriptor (knob lean_addressing)."""
+    gaps, since = [], None
+    for match in _INSTRUCTION.finditer(sass):
+        text = sass[match.start():sass.find(";", match.start())]
+        if match.group(1) == "HGMMA":
+            if since is not None:
+                gaps.append(since)
+            since = None if "gsb0" in text else 0
+        elif since is not None:
+            since += 1
+    return gaps
+
+
 def summary(sass: str) -> dict:
     """The opcode classes of CLASSES with their static counts, and the verdicts the docs quote."""
     counts = opcode_counts(sass)
     classes = {op: counts.get(op, 0) for op in CLASSES}
     return {"instructions": sum(counts.values()), "classes": classes,
             "tensor_core": "wgmma" if classes["HGMMA"] else ("mma.sync" if classes["HMMA"] else "none"),
-            "local_memory": classes["LDL"] + classes["STL"], "exp2_under_wgmma": exp2_under_wgmma(sass)}
+            "local_memory": classes["LDL"] + classes["STL"], "exp2_under_wgmma": exp2_under_wgmma(sass),
+            "wgmma_issue_gaps": wgmma_issue_gaps(sass)}

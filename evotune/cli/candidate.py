@@ -334,5 +334,9 @@ def sass(
     if info["exp2_under_wgmma"]:
         console.print(f"softmax under the warpgroup's own P V: {max(info['exp2_under_wgmma'])} MUFU.EX2 between the "
                       "wait for S and the wait for P V (0: ptxas put that wait above the softmax)")
+    if info["wgmma_issue_gaps"]:
+        gaps = info["wgmma_issue_gaps"]
+        console.print(f"between a product's wgmma: {sum(gaps)} instructions over {len(gaps)} gaps, at most {max(gaps)} "
+                      "(mostly the next k-step's descriptor)")
     if output is not None:
         console.print(f"wrote {output}")
