@@ -64,6 +64,19 @@ def test_every_written_config_keeps_its_source(attention, lean_space):
         assert instantiate(attention, c, shape).digest == instantiate(attention, overlap_space.config(knobs), shape).digest
 
 
+def test_tiles_space_is_the_lean_space_pinned(attention, lean_space):
+    """attention-hopper3-tiles.yaml (the exhaustive searches' space) admits 640 configs on gpt2, each with rescale lazy,
+    the rotated loop and lean addressing, and each instantiates to the source of the same config in
+    attention-hopper3-lean.yaml."""
+    tiles = load_builtin("attention-hopper3-tiles")
+    shape = parse_shape("gpt2")
+    admitted = tiles.admitted_configs(attention.context(shape))
+    assert len(admitted) == 640
+    for c in admitted:
+        assert (c["rescale"], c["softmax_overlap"], c["lean_addressing"]) == ("lazy", True, True)
+        assert instantiate(attention, c, shape).digest == instantiate(attention, lean_space.config(c.as_dict()), shape).digest
+
+
 def test_lean_source(attention, lean_space):
     """A true config's source makes every descriptor with smem_desc16 (defined once, smem_desc no longer called),
     declares the slot sequence number unsigned and keeps no flag; the false twin has none of it. On mma.sync the knob
