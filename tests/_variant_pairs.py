@@ -2,8 +2,10 @@
 and a compute-sanitizer run of one, for the tests that compare a knob's value with the value that leaves the source as
 it was (tests/test_tma_store.py: epilogue; tests/test_split_merge.py: key_merge; tests/test_tma_load.py: kv_load;
 tests/test_tma_multicast.py: kv_cluster; tests/test_tma_split.py: kv_load = tma_split; tests/test_exp2_fma.py:
-exp2_fma), and the two checks the TMA ones share: the gate with the output bit for bit its twin's, and the same with
-the log-sum-exp."""
+exp2_fma; tests/test_rescale.py: rescale; tests/test_softmax_overlap.py: softmax_overlap; tests/test_lean_addressing.py:
+lean_addressing), the two checks the TMA and Hopper ones share: the gate with the output bit for bit its twin's, and the
+same with the log-sum-exp, and what the Hopper ones share: their GPU shapes, the skip of a config a shape does not admit
+or whose twin the static gate prunes, and a config's test id."""
 
 from __future__ import annotations
 

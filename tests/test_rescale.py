@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 
 import pytest
-from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, compile_config, run_configs, serialised_notes,
-                            skip_if_twin_pruned)
+from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, compile_config, hopper_config_id, run_configs,
+                            serialised_notes, skip_unless_admitted)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import rescale_slack_log2
@@ -39,11 +39,6 @@ LAZY_CONFIGS = [
     dict(_H, block_m=128, block_n=64, compute_warps=8, producer_warps=4, stages=3, q_in_regs=True, pingpong=True,
          persistent=False, epilogue="regs"),
 ]
-
-
-def _id(c: dict) -> str:
-    return (f"M{c['block_m']}N{c['block_n']}cw{c['compute_warps']}pw{c['producer_warps']}"
-            f"{'pers' if c['persistent'] else ''}{'pp' if c['pingpong'] else ''}")
 
 
 def _eager(cfg: dict) -> dict:
@@ -132,16 +127,14 @@ def test_sass_branches_around_the_rescale(attention, lazy_space, cfg, shape_text
     assert not found["always"], found
 
 
-@pytest.mark.parametrize("cfg", LAZY_CONFIGS, ids=_id)
+@pytest.mark.parametrize("cfg", LAZY_CONFIGS, ids=hopper_config_id)
 @pytest.mark.parametrize("shape_text", ["gpt2", "2,3,300,333,64:bf16:causal:bshd", "1,2,200,128:causal",
                                         "llama-4k:bf16"])
 def test_lazy_configs_compile_clean(attention, lazy_space, cfg, shape_text):
     """Every lazy path compiles for sm_90a with no stack frame, no spill, within the static gate, and without ptxas
     serialising the wgmma (the branch sits between the products' wait and their next issue)."""
     shape = parse_shape(shape_text)
-    if not lazy_space.admitted(lazy_space.config(cfg), attention.context(shape)):
-        pytest.skip("config not admitted for this shape")
-    skip_if_twin_pruned(attention, lazy_space, shape, _eager(cfg))
+    skip_unless_admitted(attention, lazy_space, shape, cfg, _eager(cfg))
     _, compiled, _ = assert_compiles_clean(attention, lazy_space, shape, cfg)
     assert not serialised_notes(compiled)
 
@@ -150,7 +143,7 @@ def test_lazy_configs_compile_clean(attention, lazy_space, cfg, shape_text):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", LAZY_CONFIGS, ids=_id)
+@pytest.mark.parametrize("cfg", LAZY_CONFIGS, ids=hopper_config_id)
 @pytest.mark.parametrize("shape_text", HOPPER_SHAPES)
 def test_lazy_passes_the_gate_near_its_eager_twin(attention, lazy_space, cfg, shape_text):
     """The full gate passes for lazy and new_max (its large-score and dominant-key inputs move rows' maxima by far more
@@ -164,10 +157,7 @@ def test_lazy_passes_the_gate_near_its_eager_twin(attention, lazy_space, cfg, sh
     from evotune.records import result as R
 
     shape = parse_shape(shape_text)
-    config = lazy_space.config(dict(cfg))
-    if not lazy_space.admitted(config, attention.context(shape)):
-        pytest.skip("config not admitted for this shape")
-    skip_if_twin_pruned(attention, lazy_space, shape, _eager(cfg))
+    skip_unless_admitted(attention, lazy_space, shape, cfg, _eager(cfg))
     for c in (cfg, _new_max(cfg)):
         _, _, compiled = compile_config(attention, lazy_space, shape, c)
         res = evaluate_compiled(attention, shape, lazy_space.config(dict(c)), compiled, time_it=False)
@@ -184,7 +174,7 @@ def test_lazy_passes_the_gate_near_its_eager_twin(attention, lazy_space, cfg, sh
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [LAZY_CONFIGS[0], LAZY_CONFIGS[2]], ids=_id)
+@pytest.mark.parametrize("cfg", [LAZY_CONFIGS[0], LAZY_CONFIGS[2]], ids=hopper_config_id)
 def test_lazy_with_log_sum_exp(attention, lazy_space, cfg):
     """The training variant (write_lse): m and l stay relative to the same (stale) max, so the log-sum-exp is the
     always twin's within fp32 rounding of the row sum, and finite; new_max's is the twin's bit for bit."""
