@@ -24,8 +24,9 @@ def serialised_notes(compiled) -> list[str]:
     return [line for line in compiled.log.splitlines() if any(code in line for code in SERIALISED)]
 
 
-# The GPU shapes of the Hopper kernel's knob tests (tests/test_rescale.py, tests/test_softmax_overlap.py): ragged, Sq != Sk,
-# BSHD, causal, GQA, bf16, d128, one query row, and two with more query tiles than the 132 SMs for the persistent grid.
+# The GPU shapes of the Hopper kernel's knob tests (tests/test_rescale.py, test_softmax_overlap.py and
+# test_lean_addressing.py): ragged, Sq != Sk, BSHD, causal, GQA, bf16, d128, one query row, and two with more query
+# tiles than the 132 SMs for the persistent grid.
 HOPPER_SHAPES = ["gpt2", "2,3,200,333,64", "2,4,257,64:bshd", "1,4,1000,64:bf16:causal", "3,2,77,300,64:causal",
                  "1,8,512,64:causal:kv4", "1,2,1,64", "1,2,300,128:causal", "1,4,1100,128:bf16",
                  "2,16,1100,1300,64:bf16:causal", "2,32,1000,128:kv8"]
@@ -52,9 +53,10 @@ def skip_unless_admitted(attention, space, shape, cfg, twin) -> None:
 
 
 def hopper_config_id(c: dict) -> str:
-    """A pytest id for a Hopper config given as a dict: its tile, warps, stages, where Q lives, persistent, ping-pong."""
+    """A pytest id for a Hopper config given as a dict: tile, warps, stages, where Q lives, persistent, ping-pong."""
     return (f"M{c['block_m']}N{c['block_n']}cw{c['compute_warps']}pw{c['producer_warps']}st{c['stages']}"
-            f"{'qreg' if c['q_in_regs'] else 'qsmem'}{'pers' if c['persistent'] else ''}{'pp' if c['pingpong'] else ''}")
+            f"{'qreg' if c['q_in_regs'] else 'qsmem'}{'pers' if c['persistent'] else ''}"
+            f"{'pp' if c['pingpong'] else ''}")
 
 
 def compile_config(attention, space, shape, cfg):
@@ -85,6 +87,21 @@ def sanitize_config(attention, space, shape, cfg, tool: str) -> dict:
     config, _, compiled = compile_config(attention, space, shape, cfg)
     return run_tool(tool, {"family": "attention", "shape": shape.as_dict(), "config": config.as_dict(),
                            "compiled": compiled_to_dict(compiled)})
+
+
+def assert_sanitizer_clean(attention, space, shape, cfg, tool: str) -> None:
+    """compute-sanitizer `tool` finds nothing on one launch of a config given as a dict (sanitize_config)."""
+    report = sanitize_config(attention, space, shape, cfg, tool)
+    assert report["clean"], f"{report['summary']}\n{report['output_tail']}"
+
+
+def assert_same_sources(attention, configs, other_space, shape, drop: str | None = None) -> None:
+    """Each of `configs` (Config objects) instantiates on `shape` to the source of the same knobs, less `drop`, in
+    `other_space`: a narrower space's configs, or a knob's configs at the value that keeps the source as it was."""
+    for c in configs:
+        knobs = {k: v for k, v in c.as_dict().items() if k != drop}
+        twin = other_space.config(knobs)
+        assert instantiate(attention, c, shape).digest == instantiate(attention, twin, shape).digest
 
 
 def run_configs(attention, space, shape, configs, seed=5, lse=False):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _variant_pairs import assert_compiles_clean, compile_config, run_configs
+from _variant_pairs import assert_compiles_clean, assert_sanitizer_clean, compile_config, run_configs
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import exp2_fma_eighths
@@ -231,7 +231,4 @@ def test_share_with_log_sum_exp(attention, space, cfg):
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_sanitizers_clean(attention, space, tool):
     """memcheck and racecheck find nothing in this knob's mission winner, on a ragged causal shape."""
-    from _variant_pairs import sanitize_config
-
-    report = sanitize_config(attention, space, parse_shape("2,3,197,300,64:causal"), EXP2_CONFIGS[1], tool)
-    assert report["clean"], f"{report['summary']}\n{report['output_tail']}"
+    assert_sanitizer_clean(attention, space, parse_shape("2,3,197,300,64:causal"), EXP2_CONFIGS[1], tool)

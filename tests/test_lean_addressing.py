@@ -19,7 +19,8 @@ import re
 
 import pytest
 from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
-                            compile_config, hopper_config_id, serialised_notes, skip_unless_admitted)
+                            assert_same_sources, assert_sanitizer_clean, compile_config, hopper_config_id,
+                            serialised_notes, skip_unless_admitted)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_lean_addressing
@@ -60,9 +61,7 @@ def test_every_written_config_keeps_its_source(attention, lean_space):
     admitted = lean_space.admitted_configs(attention.context(shape))
     written = [c for c in admitted if not c["lean_addressing"]]
     assert len(written) == 3840 and len(admitted) == 7680
-    for c in written:
-        knobs = {k: v for k, v in c.as_dict().items() if k != "lean_addressing"}
-        assert instantiate(attention, c, shape).digest == instantiate(attention, overlap_space.config(knobs), shape).digest
+    assert_same_sources(attention, written, overlap_space, shape, drop="lean_addressing")
 
 
 def test_tiles_space_is_the_lean_space_pinned(attention, lean_space):
@@ -73,9 +72,8 @@ def test_tiles_space_is_the_lean_space_pinned(attention, lean_space):
     shape = parse_shape("gpt2")
     admitted = tiles.admitted_configs(attention.context(shape))
     assert len(admitted) == 640
-    for c in admitted:
-        assert (c["rescale"], c["softmax_overlap"], c["lean_addressing"]) == ("lazy", True, True)
-        assert instantiate(attention, c, shape).digest == instantiate(attention, lean_space.config(c.as_dict()), shape).digest
+    assert all((c["rescale"], c["softmax_overlap"], c["lean_addressing"]) == ("lazy", True, True) for c in admitted)
+    assert_same_sources(attention, admitted, lean_space, shape)
 
 
 def test_lean_source(attention, lean_space):
@@ -129,7 +127,8 @@ void sweep() {
     static float s[T::kSAcc], o[T::kOAcc];
     static u32 qr[T::kQRegSteps][4], p[T::kPVSteps][4];
     // Every 1024-byte-aligned tile base (TMA's 128-byte swizzle) whose operand ends inside the 228 KB window.
-    const u32 window = 228 * 1024, k_bytes = (T::kHeadDim / 64) * T::kBlockN * 128, q_bytes = (T::kHeadDim / 64) * T::kBlockM * 128;
+    const u32 window = 228 * 1024, regions = T::kHeadDim / 64;
+    const u32 k_bytes = regions * T::kBlockN * 128, q_bytes = regions * T::kBlockM * 128;
     for (u32 base = 0; base + k_bytes <= window; base += 1024) {
         issue_qk<T>(s, qr, base + q_bytes <= window ? base : 0, base);  // Q's tile at the same base (or 0)
         issue_pv<T>(o, p, base);
@@ -156,7 +155,8 @@ def _descriptor_trace(code: str, folder) -> list[str]:
         pytest.skip("no host C++ compiler")
     parts = []
     for name in ("u64 smem_desc(", "u64 smem_desc16(", "void issue_qk(", "void issue_pv("):
-        found = re.search(r"(template <class T>\n)?__device__ __forceinline__ " + re.escape(name) + r".*?\n}\n", code, re.S)
+        found = re.search(r"(template <class T>\n)?__device__ __forceinline__ " + re.escape(name) + r".*?\n}\n", code,
+                          re.S)
         assert found or name == "u64 smem_desc16(", name
         parts.append(found.group(0) if found else "")
     text = "\n".join(parts)
@@ -243,7 +243,4 @@ def test_lean_with_log_sum_exp(attention, lean_space, cfg):
 def test_sanitizers_clean(attention, lean_space, cfg, tool):
     """memcheck and racecheck find nothing on a ragged causal shape: the two-consumer config whose consumer thread
     refills the slots, and a persistent one with a producer warpgroup."""
-    from _variant_pairs import sanitize_config
-
-    report = sanitize_config(attention, lean_space, parse_shape("2,3,197,300,64:causal"), cfg, tool)
-    assert report["clean"], f"{report['summary']}\n{report['output_tail']}"
+    assert_sanitizer_clean(attention, lean_space, parse_shape("2,3,197,300,64:causal"), cfg, tool)

@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 
 import pytest
-from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, compile_config, hopper_config_id, run_configs,
-                            serialised_notes, skip_unless_admitted)
+from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_sanitizer_clean, compile_config,
+                            hopper_config_id, run_configs, serialised_notes, skip_unless_admitted)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import rescale_slack_log2
@@ -193,7 +193,4 @@ def test_lazy_with_log_sum_exp(attention, lazy_space, cfg):
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_sanitizers_clean(attention, lazy_space, tool):
     """memcheck and racecheck find nothing in a lazy persistent config on a ragged causal shape."""
-    from _variant_pairs import sanitize_config
-
-    report = sanitize_config(attention, lazy_space, parse_shape("2,3,197,300,64:causal"), LAZY_CONFIGS[1], tool)
-    assert report["clean"], f"{report['summary']}\n{report['output_tail']}"
+    assert_sanitizer_clean(attention, lazy_space, parse_shape("2,3,197,300,64:causal"), LAZY_CONFIGS[1], tool)

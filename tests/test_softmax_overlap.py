@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
-                            compile_config, hopper_config_id, serialised_notes, skip_unless_admitted)
+                            assert_same_sources, assert_sanitizer_clean, compile_config, hopper_config_id,
+                            serialised_notes, skip_unless_admitted)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_softmax_overlap
@@ -57,9 +58,7 @@ def test_every_written_config_keeps_its_source(attention, overlap_space):
     admitted = overlap_space.admitted_configs(attention.context(shape))
     written = [c for c in admitted if not c["softmax_overlap"]]
     assert len(written) == 1920 and len(admitted) == 3840
-    for c in written:
-        knobs = {k: v for k, v in c.as_dict().items() if k != "softmax_overlap"}
-        assert instantiate(attention, c, shape).digest == instantiate(attention, rescale_space.config(knobs), shape).digest
+    assert_same_sources(attention, written, rescale_space, shape, drop="softmax_overlap")
 
 
 def test_rotated_source(attention, overlap_space):
@@ -136,7 +135,4 @@ def test_rotated_with_log_sum_exp(attention, overlap_space, cfg):
 def test_sanitizers_clean(attention, overlap_space, cfg, tool):
     """memcheck and racecheck find nothing in the rotated loop on a ragged causal shape: the one-warpgroup config whose
     consumer thread refills the slots, and a persistent one with a producer warpgroup."""
-    from _variant_pairs import sanitize_config
-
-    report = sanitize_config(attention, overlap_space, parse_shape("2,3,197,300,64:causal"), cfg, tool)
-    assert report["clean"], f"{report['summary']}\n{report['output_tail']}"
+    assert_sanitizer_clean(attention, overlap_space, parse_shape("2,3,197,300,64:causal"), cfg, tool)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from _paths import load_tool
-from _variant_pairs import compile_config, run_configs, sanitize_config
+from _variant_pairs import assert_sanitizer_clean, compile_config, run_configs
 
 from evotune.build.compile import compile_source, static_violations
 from evotune.build.template import instantiate, template_flag_names
@@ -224,5 +224,4 @@ def test_sanitizers_clean(attention, space, tool, cfg):
     config: it reports the producer's cp.async into a K/V slot the consumers released with bar.arrive, with either
     merge (docs/data/split-merge/race.txt: the same 16 reports with gather), a handoff the PTX ISA orders that
     tools/racecheck_probe.py reproduces on a race-free kernel (tests/test_gpu.py, docs/CORRECTNESS.md)."""
-    report = sanitize_config(attention, space, parse_shape("2,3,197,300,64:causal"), cfg, tool)
-    assert report["clean"], f"{report['summary']}\n{report['output_tail']}"
+    assert_sanitizer_clean(attention, space, parse_shape("2,3,197,300,64:causal"), cfg, tool)

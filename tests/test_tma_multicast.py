@@ -11,7 +11,7 @@ sanitizers find nothing."""
 from __future__ import annotations
 
 import pytest
-from _variant_pairs import assert_compiles_clean, assert_gate_and_twin, assert_lse_twin, sanitize_config
+from _variant_pairs import assert_compiles_clean, assert_gate_and_twin, assert_lse_twin, assert_sanitizer_clean
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_tma_multicast, kv_cluster
@@ -196,5 +196,4 @@ def test_multicast_with_log_sum_exp(attention, space, cfg):
 def test_sanitizers_clean(attention, space, tool, cfg):
     """memcheck, synccheck and racecheck find nothing in the multicast loads (parts landing in peers, slots refilled
     after the cluster barrier, a padded cluster) on a ragged causal shape."""
-    report = sanitize_config(attention, space, parse_shape("2,3,197,300,64:causal"), cfg, tool)
-    assert report["clean"], f"{report['summary']}\n{report['output_tail']}"
+    assert_sanitizer_clean(attention, space, parse_shape("2,3,197,300,64:causal"), cfg, tool)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from _variant_pairs import compile_config, run_configs, sanitize_config, serialised_notes
+from _variant_pairs import assert_sanitizer_clean, compile_config, run_configs, serialised_notes
 
 from evotune.build.compile import compile_source, static_violations
 from evotune.build.template import instantiate, template_flag_names
@@ -267,5 +267,4 @@ def test_prepared_launch_re_maps_a_new_output(attention, space):
 def test_sanitizers_clean(attention, space, few_ctas, tool, cfg):
     """memcheck, synccheck and racecheck find nothing with the TMA epilogue, one tile per CTA (Q's buffer reused,
     ping-pong) and persistent (each CTA's staging tile reused across its tiles), on a ragged causal bf16 d128 shape."""
-    report = sanitize_config(attention, space, parse_shape("2,3,197,300,128:bf16:causal"), cfg, tool)
-    assert report["clean"], report
+    assert_sanitizer_clean(attention, space, parse_shape("2,3,197,300,128:bf16:causal"), cfg, tool)

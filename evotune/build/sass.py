@@ -76,6 +76,13 @@ def opcode_counts(sass: str) -> dict[str, int]:
 
 
 _WAIT_ONE = "WARPGROUP.DEPBAR.LE gsb0, 0x1"  # wgmma.wait_group 1: all but the last committed group done
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+
+
+def _instruction_texts(sass: str) -> list[str]:
+    """Each instruction of the listing in program order, as written after its address (predicate included, up to
+    the ';')."""
+    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)]
 
 
 def exp2_under_wgmma(sass: str) -> list[int]:
@@ -83,7 +90,7 @@ def exp2_under_wgmma(sass: str) -> list[int]:
     MUFU.EX2 that follow it in program order before the next warpgroup wait: the softmax's exp2 that may run while the
     warpgroup's own P V is still on the tensor cores. 0 means ptxas put the wait for P V above the softmax."""
     found = []
-    lines = [m.group(2).strip() for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    lines = _instruction_texts(sass)
     for i, text in enumerate(lines):
         if _WAIT_ONE not in text:
             continue
@@ -101,9 +108,8 @@ def wgmma_issue_gaps(sass: str) -> list[int]:
     gsb0), the instructions ptxas placed between them in program order: what the warp issues between a product's
     wgmma, mostly the next k-step's shared-memory descriptor (knob lean_addressing)."""
     gaps, since = [], None
-    for match in _INSTRUCTION.finditer(sass):
-        text = sass[match.start():sass.find(";", match.start())]
-        if match.group(1) == "HGMMA":
+    for text in _instruction_texts(sass):
+        if _PREDICATE.sub("", text).startswith("HGMMA"):
             if since is not None:
                 gaps.append(since)
             since = None if "gsb0" in text else 0

@@ -123,6 +123,15 @@ def is_lean_addressing(config) -> bool:
     return is_wgmma(config) and bool(knob(config, "lean_addressing"))
 
 
+def rescale_slack_log2(config) -> int | None:
+    """The Hopper variant's conditional rescaling (knob rescale, kernels/attention_hopper.cuh's `//[lazy_rescale]`
+    lines): a row keeps its running max until a tile's exceeds it by more than 2^slack in exp2 terms, and a warp skips
+    O's rescaling (its alpha multiplies) on the tiles where none of its rows took a new one. new_max: slack 0, every
+    new max is taken, the output bit for bit always's; lazy: slack 8 (FlashAttention-4's); None: always rescaled (and
+    every mma.sync config, whose kernel skips the multiplies where no row's max moved anyway)."""
+    return RESCALE_SLACK_LOG2[knob(config, "rescale")] if is_wgmma(config) else None
+
+
 def is_split_merge(config) -> bool:
     """mma.sync with key groups, knob key_merge = split (kernels/attention_split_merge.cuh): each key group merges
     and stores 1/warp_key_groups of the head dim, instead of the row group's first warp merging and storing all."""
@@ -223,15 +232,6 @@ def current_multiprocessors() -> int:
 # at |ref| ~ 0.1, dozens of times the gate. ATOL is scaled by rms(V) because O is a convex
 # combination of V's rows: with |V| x30 (the "large" input pattern) P's rounding alone
 # errs by ~2^-11 * |V| where O itself may be near zero.
-def rescale_slack_log2(config) -> int | None:
-    """The Hopper variant's conditional rescaling (knob rescale, kernels/attention_hopper.cuh's `//[lazy_rescale]`
-    lines): a row keeps its running max until a tile's exceeds it by more than 2^slack in exp2 terms, and a warp skips
-    O's rescaling (its alpha multiplies) on the tiles where none of its rows took a new one. new_max: slack 0, every
-    new max is taken, the output bit for bit always's; lazy: slack 8 (FlashAttention-4's); None: always rescaled (and
-    every mma.sync config, whose kernel skips the multiplies where no row's max moved anyway)."""
-    return RESCALE_SLACK_LOG2[knob(config, "rescale")] if is_wgmma(config) else None
-
-
 TOLERANCE = {"fp16": (1e-3, 4e-3), "bf16": (8e-3, 3e-2)}  # (atol, rtol)
 
 
