@@ -74,13 +74,20 @@ _FLAGGED_LINE = re.compile(r"^([ \t]*)//\[([A-Za-z_][A-Za-z0-9_]*)\] ?(.*\n?)", 
 
 
 def select_flagged_lines(text: str, flags) -> str:
-    """`text` with the `//[flag]` lines of `flags` turned into code and those of any other flag removed."""
-    return _FLAGGED_LINE.sub(lambda m: m.group(1) + m.group(3) if m.group(2) in flags else "", text)
+    """`text` with the `//[flag]` lines of `flags` turned into code and those of any other flag removed. A line may
+    carry two markers, `//[a] //[b] code`: it is code only where both flags are on (the first pass leaves `//[b] code`
+    where a is on, the second selects that), for the lines where two knobs' code meets."""
+    def select(part: str) -> str:
+        return _FLAGGED_LINE.sub(lambda m: m.group(1) + m.group(3) if m.group(2) in flags else "", part)
+
+    return select(select(text))
 
 
 def template_flag_names(text: str) -> set[str]:
-    """The flags that `//[flag]` lines of `text` name."""
-    return {m.group(2) for m in _FLAGGED_LINE.finditer(text)}
+    """The flags that `//[flag]` lines of `text` name (a line's second marker too)."""
+    outer = {m.group(2) for m in _FLAGGED_LINE.finditer(text)}
+    inner = _FLAGGED_LINE.sub(lambda m: m.group(1) + m.group(3), text)
+    return outer | {m.group(2) for m in _FLAGGED_LINE.finditer(inner)}
 
 
 def banner_key(problem, config) -> str:
