@@ -244,3 +244,77 @@ def test_sanitizers_clean(attention, lean_space, cfg, tool):
     """memcheck and racecheck find nothing on a ragged causal shape: the two-consumer config whose consumer thread
     refills the slots, and a persistent one with a producer warpgroup."""
     assert_sanitizer_clean(attention, lean_space, parse_shape("2,3,197,300,64:causal"), cfg, tool)
+
+
+# Host harness for the kernel's own refill (the loader's slot and parity arithmetic, signed as written, unsigned lean):
+# cut from an instantiated source and compiled by the host's C++ compiler, the barrier waits and TMA loads replaced by
+# stubs that print the barrier, slot, parity and tile they are given.
+_REFILL_PRELUDE = """#include <cstdio>
+typedef unsigned int u32;
+#define __device__
+#define __forceinline__ inline
+struct CUtensorMap {};
+struct Barriers {
+    unsigned long long k_empty[4], v_empty[4];
+};
+static Barriers g_bars;
+inline u32 smem_addr(const unsigned long long* bar) { return static_cast<u32>(bar - g_bars.k_empty); }
+inline void mbar_wait(u32 bar, u32 parity) { std::printf("W %u %u\\n", bar, parity); }
+template <class T, int WHICH>
+void load_kv(const CUtensorMap*, u32, Barriers*, int slot, int t, int, int) { std::printf("L%d %d %d\\n", WHICH, slot, t); }
+"""
+_REFILL_MAIN = """
+template <int STAGES>
+struct Traits {
+    static constexpr int kStages = STAGES;
+};
+template <class T>
+void sweep() {
+    static CUtensorMap map;
+    for (int t = 0; t < 20000; ++t) refill<T>(&map, &map, 0, 0, &g_bars, t, 0, 0);
+}
+int main() {
+    sweep<Traits<1>>();
+    sweep<Traits<2>>();
+    sweep<Traits<3>>();
+    sweep<Traits<4>>();
+    return 0;
+}
+"""
+
+
+def _refill_trace(code: str, folder) -> list[str]:
+    """The barrier waits and loads the source's refill makes over the harness's sweep (tiles 0 to 19999 at 1 to 4
+    stages), one line each."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    found = re.search(r"template <class T>\n__device__ __forceinline__ void refill\(.*?\n}\n", code, re.S)
+    assert found
+    (folder / "refill.cpp").write_text(_REFILL_PRELUDE + found.group(0) + _REFILL_MAIN)
+    subprocess.run([cxx, "-std=c++17", "-O1", "refill.cpp", "-o", "refill"], cwd=folder, check=True)
+    return subprocess.run([str(folder / "refill")], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_lean_refill_is_the_written_one(attention, lean_space, tmp_path):
+    """The kernel's own refill (the loader thread's, without a producer warpgroup), compiled on the host: over tiles 0
+    to 19999 at one to four stages, the unsigned slot and parity wait on the same barriers with the same parities and
+    load the same tiles into the same slots as the signed ones; and those are tile t's slot t % STAGES, parity
+    (t / STAGES) & 1."""
+    shape = parse_shape("gpt2")
+    traces = {}
+    for lean in (True, False):
+        code = instantiate(attention, lean_space.config(dict(LEAN_CONFIGS[0], lean_addressing=lean)), shape).code
+        assert ("static_cast<unsigned>(t) % T::kStages" in code) == lean
+        (tmp_path / str(lean)).mkdir()
+        traces[lean] = _refill_trace(code, tmp_path / str(lean))
+    assert traces[True] == traces[False]
+    lines = iter(traces[False])
+    for stages in (1, 2, 3, 4):
+        for t in range(20000):
+            slot, parity = t % stages, (t // stages) & 1
+            assert [next(lines) for _ in range(4)] == [f"W {slot} {parity}", f"L0 {slot} {t + stages}",
+                                                       f"W {4 + slot} {parity}", f"L1 {slot} {t + stages}"]
