@@ -45,18 +45,30 @@ def test_flagged_lines_are_kept_or_dropped_whole():
     assert template_flag_names(text) == {"pdl", "other"}
 
 
+def test_a_line_with_two_flags_is_code_only_where_both_are_on():
+    """`//[a] //[b] code` (where two knobs' code meets) keeps `code` where a and b are on and drops the line where
+    either is off; both names are the template's flags."""
+    text = "a\n    //[pdl]     //[other] z();\nb\n"
+    assert select_flagged_lines(text, {"pdl", "other"}) == "a\n        z();\nb\n"
+    for flags in ((), {"pdl"}, {"other"}):
+        assert select_flagged_lines(text, flags) == "a\nb\n"
+    assert template_flag_names(text) == {"pdl", "other"}
+
+
 def test_the_kernels_flag_known_knobs_only():
     """The attention template's flagged lines name pdl, tma_store (the Hopper kernel's TMA-store epilogue),
     split_merge (the key groups' split merge), tma_load (the mma.sync kernel's TMA loads), tma_multicast (their
     multicast across a cluster), tma_split (their K and V on barriers of their own), exp2_fma (a share of the softmax's
     exp2 by a polynomial on the FMA pipe), lazy_rescale (the Hopper kernel's conditional rescaling of O, knob rescale),
-    softmax_overlap (its consumer loop rotated), lean_addressing (its descriptors advanced by one add), trace (tools/phase_trace.py's stamps), trace_split and trace_tma (its stamps in the split merge and the TMA loads:
-    both flags) and no_wg_overlap (the baseline `tools/time_configs.py --with-flag` measures) and nothing else (a
-    misspelt flag would drop its lines); the last four are never a searched config's."""
+    softmax_overlap (its consumer loop rotated), lean_addressing (its descriptors advanced by one add), p_smem (P V's P
+    from shared memory, knob p_operand), trace (tools/phase_trace.py's stamps), trace_split and trace_tma (its stamps
+    in the split merge and the TMA loads: both flags) and no_wg_overlap (the baseline `tools/time_configs.py
+    --with-flag` measures) and nothing else (a misspelt flag would drop its lines); the last four are never a searched
+    config's."""
     _, template = read_template("attention.cu")
     assert template_flag_names(template) == {"pdl", "tma_store", "split_merge", "tma_load", "tma_multicast", "tma_split", "trace",
                                                  "trace_split", "trace_tma", "no_wg_overlap", "exp2_fma", "lazy_rescale",
-                                                 "softmax_overlap", "lean_addressing"}
+                                                 "softmax_overlap", "lean_addressing", "p_smem"}
 
 
 @pytest.mark.parametrize("shape_text, cfg, options, digest", BEFORE_PDL, ids=["mission", "mission-lse", "persistent",

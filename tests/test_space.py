@@ -49,36 +49,37 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its twenty-one parameters (the variant knob mma first), six derived values
-    and twenty-nine constraints, each with its reason."""
+    """The shipped attention.yaml loads with its twenty-two parameters (the variant knob mma first), six derived values
+    and thirty-one constraints, each with its reason."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
                                    "smem_layout", "q_in_regs", "kv_splits", "warp_key_groups", "pingpong", "persistent",
                                    "pdl", "epilogue", "key_merge", "kv_load", "kv_cluster", "exp2_fma", "rescale",
-                                   "softmax_overlap", "lean_addressing"]
+                                   "softmax_overlap", "lean_addressing", "p_operand"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 29
+    assert len(space.constraints) == 31
     assert all(c.why for c in space.constraints)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
     assert block_m.values == (16, 32, 64, 128, 192) and block_m.default == 64 and block_m.line == 15
-    assert space.params[-15].values == ("pad", "swizzle", "plain")
-    assert space.params[-14].values == (True, False)
-    assert space.params[-13].values == (1, 2, 4, 8)
-    assert space.params[-12].values == (1, 2, 4)
-    assert space.params[-11].values == (False, True)
+    assert space.params[-16].values == ("pad", "swizzle", "plain")
+    assert space.params[-15].values == (True, False)
+    assert space.params[-14].values == (1, 2, 4, 8)
+    assert space.params[-13].values == (1, 2, 4)
+    assert space.params[-12].values == (False, True)
+    assert space.params[-11].values == (False, True) and space.params[-11].default is False
     assert space.params[-10].values == (False, True) and space.params[-10].default is False
-    assert space.params[-9].values == (False, True) and space.params[-9].default is False
-    assert space.params[-8].values == ("regs", "tma") and space.params[-8].default == "regs"
-    assert space.params[-7].values == ("gather", "split") and space.params[-7].default == "gather"
-    assert space.params[-6].values == ("cp_async", "tma", "tma_split") and space.params[-6].default == "cp_async"
-    assert space.params[-5].values == (1, 2, 4) and space.params[-5].default == 1
-    assert space.params[-4].values == (0, 1, 2) and space.params[-4].default == 0
-    assert space.params[-3].values == ("always", "new_max", "lazy") and space.params[-3].default == "always"
-    assert space.params[-2].values == (False, True) and space.params[-2].default is False
-    assert space.params[-1].values == (False, True) and space.params[-1].default is False  # lean_addressing
+    assert space.params[-9].values == ("regs", "tma") and space.params[-9].default == "regs"
+    assert space.params[-8].values == ("gather", "split") and space.params[-8].default == "gather"
+    assert space.params[-7].values == ("cp_async", "tma", "tma_split") and space.params[-7].default == "cp_async"
+    assert space.params[-6].values == (1, 2, 4) and space.params[-6].default == 1
+    assert space.params[-5].values == (0, 1, 2) and space.params[-5].default == 0
+    assert space.params[-4].values == ("always", "new_max", "lazy") and space.params[-4].default == "always"
+    assert space.params[-3].values == (False, True) and space.params[-3].default is False
+    assert space.params[-2].values == (False, True) and space.params[-2].default is False  # lean_addressing
+    assert space.params[-1].values == ("regs", "smem") and space.params[-1].default == "regs"  # p_operand
 
 
 def test_wgmma_pins_the_knobs_it_does_not_read(space, attention):
@@ -163,17 +164,17 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 
 def test_size(space):
-    """size() is the product of the value counts: 2*5*5*5*4*4*3*2*4*3*2*2*2*2*3*3*3*3*2*2."""
-    assert space.size() == 2985984000
+    """size() is the product of the value counts: 2*5*6*5*4*4*3*2*4*3*2*2*2*2*3*3*3*3*2*2*2."""
+    assert space.size() == 7166361600
 
 
 def test_all_configs_is_the_full_product_in_order(space):
     """all_configs() yields size() configs: the product of the parameters' values, the last parameter varying fastest,
     each config the product's config at its index, decoded in mixed radix. Every config of a smaller shipped space
-    (attention-small-mc.yaml: 23,328), and every twelfth of attention.yaml's first 2,985,984 (rescale,
-    softmax_overlap and lean_addressing, the last three knobs, at always, false and false: every knob but the first
-    five then takes each of its values); the whole 3 G would take many minutes a pass, and two lists of them
-    gigabytes."""
+    (attention-small-mc.yaml: 23,328), and every 24th of attention.yaml's first 5,971,968 (rescale,
+    softmax_overlap, lean_addressing and p_operand, the last four knobs, at always, false, false and regs: every knob
+    but the first five then takes each of its values); the whole 7 G would take many minutes a pass, and two lists of
+    them gigabytes."""
     from itertools import islice
 
     def product_config(space, index: int) -> dict:
@@ -187,13 +188,14 @@ def test_all_configs_is_the_full_product_in_order(space):
     assert sum(1 for _ in small.all_configs()) == small.size() == 23328
     for index, cfg in enumerate(small.all_configs()):
         assert cfg.as_dict() == product_config(small, index), index
-    first = list(islice(space.all_configs(), 12))
-    assert [c["lean_addressing"] for c in first] == [False, True] * 6
-    assert [c["softmax_overlap"] for c in first] == [False, False, True, True] * 3
-    assert [c["rescale"] for c in first] == ["always"] * 4 + ["new_max"] * 4 + ["lazy"] * 4
-    prefix = list(islice(space.all_configs(), 0, 12 * 248832, 12))
-    assert all(cfg.as_dict() == product_config(space, 12 * index) for index, cfg in enumerate(prefix))
-    assert all(len({c[p.name] for c in prefix}) == len(p.values) for p in space.params[5:-3])
+    first = list(islice(space.all_configs(), 24))
+    assert [c["p_operand"] for c in first] == ["regs", "smem"] * 12
+    assert [c["lean_addressing"] for c in first] == [False, False, True, True] * 6
+    assert [c["softmax_overlap"] for c in first] == ([False] * 4 + [True] * 4) * 3
+    assert [c["rescale"] for c in first] == ["always"] * 8 + ["new_max"] * 8 + ["lazy"] * 8
+    prefix = list(islice(space.all_configs(), 0, 24 * 248832, 24))
+    assert all(cfg.as_dict() == product_config(space, 24 * index) for index, cfg in enumerate(prefix))
+    assert all(len({c[p.name] for c in prefix}) == len(p.values) for p in space.params[5:-4])
     assert product_config(space, space.size() - 1) == {p.name: list(p.values)[-1] for p in space.params}
     assert [c["exp2_fma"] for c in prefix[:3]] == [0, 1, 2]
     configs = prefix[:27 * 4608:3]  # exp2_fma 0: the knobs before it then vary as the checks below were written
@@ -316,7 +318,7 @@ def test_config_hash_equality_and_keys(space):
     assert len({a, b, c, space.default_config()}) == 2
     assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,epilogue=regs,exp2_fma=0,key_merge=gather,"
                                   "kv_cluster=1,kv_load=cp_async,kv_splits=1,lean_addressing=False,"
-                                  "mma=sync,pdl=False,"
+                                  "mma=sync,p_operand=regs,pdl=False,"
                                   "persistent=False,"
                                   "pingpong=False,producer_warps=0,q_in_regs=True,rescale=always,smem_layout=swizzle,"
                                   "softmax_overlap=False,"
@@ -559,7 +561,7 @@ BAD_KNOBS = [
     ("too-many-stages", attention_space("  stages: {values: [5]}\n"), 3, ("an integer from 1 to 4",)),
     ("unknown-knob", attention_space("  block_n: {values: [64]}\n  blok_m: {values: [64, 128]}\n"), 4,
      ("parameter 'blok_m' is not a knob of the attention family", "did you mean 'block_m'?")),
-    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing)")),
+    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing, p_operand)")),
     ("softmax-vec", softmax_space("  vec: {values: [8, 3]}\n"), 3, ("3 is not a value of knob 'vec'", "one of 2, 4, 8")),
     ("softmax-strategy", softmax_space("  strategy: {values: [fast]}\n"), 3, ("one of cached, online, three_pass",)),
     ("softmax-typo", softmax_space("  thread_per_row: {values: [32]}\n"), 3, ("did you mean 'threads_per_row'?",)),

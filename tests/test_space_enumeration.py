@@ -438,8 +438,9 @@ def test_attention_mission_enumeration_is_quick():
     # configs where tma is admitted without a cluster; the exp2_fma knob the 19904 mma.sync configs with 32 keys a warp or
     # more and exp2_fma = 1, and every mma.sync config, 32208, again with exp2_fma = 2; the rescale knob the 1120 wgmma
     # configs twice more (new_max, lazy); the softmax_overlap knob the 3360 wgmma configs again (true); the
-    # lean_addressing knob the 6720 wgmma configs again (true).
-    assert len(admitted) == 97760
+    # lean_addressing knob the 6720 wgmma configs again (true); the p_operand knob the 7296 wgmma configs with P in
+    # shared memory (64-, 128- and, only so, 1920 of 192-key tiles).
+    assert len(admitted) == 105056
 
 
 def test_context_value_under_a_parameter_name():

@@ -60,8 +60,10 @@ RECORDED = {
 # 87680 admitted on the mission shape), and again when the softmax_overlap knob (false, true) and its constraint (wgmma
 # only) were added (d9fd07e97670a469 before; 1492992000 configs, 91040 admitted on the mission shape), and again when
 # the lean_addressing knob (false, true) and its constraint (wgmma only) were added and exp2_fma's constraint gave its
-# one-eighth measurement on wgmma (6c617c5571b42d69 before; 2985984000 configs, 97760 admitted on the mission shape).
-RECORDED_ATTENTION_DIGEST = "bbdd8a229b83e763"
+# one-eighth measurement on wgmma (6c617c5571b42d69 before; 2985984000 configs, 97760 admitted on the mission shape),
+# and again when the p_operand knob (regs, smem), block_n's value 192, their two constraints and the P tiles' term in
+# smem_bytes were added (bbdd8a229b83e763 before; 7166361600 configs, 105056 admitted on the mission shape).
+RECORDED_ATTENTION_DIGEST = "834b311ce4374f6d"
 
 
 def admitted_digest(space, context, derived_names) -> list:

@@ -50,12 +50,12 @@ def test_default_instantiation(attention, space, mission):
     assert src.code.startswith(template)
     tail = src.code[len(template):]
     # The banner names the config's knobs but pdl at false, epilogue at regs, key_merge at gather, kv_load at
-    # cp_async, kv_cluster at 1, exp2_fma at 0, rescale at always, softmax_overlap at false and lean_addressing at false
-    # (Problem.late_knobs: the source as before the knobs).
+    # cp_async, kv_cluster at 1, exp2_fma at 0, rescale at always, softmax_overlap at false, lean_addressing at false
+    # and p_operand at regs (Problem.late_knobs: the source as before the knobs).
     key = (space.default_config().key().replace(',pdl=False', '').replace(',epilogue=regs', '')
            .replace(',key_merge=gather', '').replace(',kv_load=cp_async', '').replace(',kv_cluster=1', '')
            .replace(',exp2_fma=0', '').replace(',rescale=always', '').replace(',softmax_overlap=False', '')
-           .replace(',lean_addressing=False', ''))
+           .replace(',lean_addressing=False', '').replace(',p_operand=regs', ''))
     assert tail.startswith(f"\n{BANNER} attention {key}\n")
     assert tail.count('extern "C"') == 1
     assert len(re.findall(r"\bevotune_attention\s*\(", tail)) == 1

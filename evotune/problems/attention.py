@@ -38,7 +38,7 @@ KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_war
                  "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
                  "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
                  "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1, "exp2_fma": 0,
-                 "rescale": "always", "softmax_overlap": False, "lean_addressing": False}
+                 "rescale": "always", "softmax_overlap": False, "lean_addressing": False, "p_operand": "regs"}
 
 
 # Knob rescale (the Hopper kernel's `//[lazy_rescale]` lines): how far a K/V tile's row max may exceed the row's running
@@ -70,6 +70,7 @@ KNOB_DOMAINS = {
     "rescale": tuple(RESCALE_SLACK_LOG2),  # wgmma: when O is rescaled for a row's new max (every tile, or skipped)
     "softmax_overlap": (False, True),    # wgmma: the consumer loop rotated so the softmax runs under its own P V
     "lean_addressing": (False, True),    # wgmma: descriptors advanced by one add, slots in unsigned arithmetic
+    "p_operand": ("regs", "smem"),       # wgmma: where P V reads P (FlashAttention-3's MmaPV_is_RS true or false)
 }
 
 
@@ -121,6 +122,20 @@ def is_lean_addressing(config) -> bool:
     and /. The uniform-datapath instructions between a tile's wgmma issues and in its bookkeeping drop (the gpt2
     winner's consumer loop: 434 SASS instructions to 412, 90 uniform to 68); the arithmetic's results are the same."""
     return is_wgmma(config) and bool(knob(config, "lean_addressing"))
+
+
+def is_p_smem(config) -> bool:
+    """The Hopper variant's P V with P from shared memory (knob p_operand = smem, kernels/attention_hopper.cuh's
+    `//[p_smem]` lines; FlashAttention-3's d64 tile runs so): each consumer warpgroup stores P's packed fragments to a
+    64 x block_n tile of its own (stmatrix) and P V reads it through descriptors, so the registers that held P until
+    its P V completed are free, for a 192-key S tile among others. regs: P stays in registers as P V's A operand."""
+    return is_wgmma(config) and knob(config, "p_operand") == "smem"
+
+
+def p_tile_bytes(config, shape: Shape) -> int:
+    """Shared memory that p_operand = smem adds: every consumer warpgroup's P tile (64 rows x block_n keys, 2 bytes
+    each), at the end of the dynamic shared memory; none otherwise."""
+    return 2 * wgmma_block_m(config) * int(knob(config, "block_n")) if is_p_smem(config) else 0
 
 
 def rescale_slack_log2(config) -> int | None:
@@ -251,12 +266,13 @@ class AttentionProblem(Problem):
                    "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl"), "epilogue": "epi-",
                    "key_merge": "merge-", "kv_load": "load-", "kv_cluster": "cluster", "exp2_fma": "ex2fma",
                    "rescale": "rescale-", "softmax_overlap": ("overlap", "nooverlap"),
-                   "lean_addressing": ("leanaddr", "rebuiltaddr")}
-    # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap and lean_addressing came after
-    # the recorded runs; at false, regs, gather, cp_async, 1, 0, always, false and false they leave the source as it was
-    # (their template lines are flagged).
+                   "lean_addressing": ("leanaddr", "rebuiltaddr"), "p_operand": "p-"}
+    # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing and p_operand
+    # came after the recorded runs; at false, regs, gather, cp_async, 1, 0, always, false, false and regs they leave the
+    # source as it was (their template lines are flagged).
     late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1,
-                  "exp2_fma": 0, "rescale": "always", "softmax_overlap": False, "lean_addressing": False}
+                  "exp2_fma": 0, "rescale": "always", "softmax_overlap": False, "lean_addressing": False,
+                  "p_operand": "regs"}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -316,8 +332,9 @@ class AttentionProblem(Problem):
         above 0; the share is the traits' kExp2FmaEighths); lazy_rescale: the Hopper kernel's `//[lazy_rescale]` lines
         (rescale new_max or lazy: conditional rescaling of O, the slack the traits' kRescaleSlackLog2); softmax_overlap:
         the Hopper kernel's `//[softmax_overlap]` lines (its consumer loop rotated); lean_addressing: its
-        `//[lean_addressing]` lines (descriptors advanced by one add, unsigned slot arithmetic). No such knob is a template
-        argument, so that a config without them keeps its source."""
+        `//[lean_addressing]` lines (descriptors advanced by one add, unsigned slot arithmetic); p_smem: its
+        `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers). No such knob
+        is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
                                                ("tma_load", is_tma_load(config)),
@@ -326,7 +343,8 @@ class AttentionProblem(Problem):
                                                ("exp2_fma", exp2_fma_eighths(config) > 0),
                                                ("lazy_rescale", rescale_slack_log2(config) is not None),
                                                ("softmax_overlap", is_softmax_overlap(config)),
-                                               ("lean_addressing", is_lean_addressing(config))) if on)
+                                               ("lean_addressing", is_lean_addressing(config)),
+                                               ("p_smem", is_p_smem(config))) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
@@ -369,13 +387,8 @@ class AttentionProblem(Problem):
         asserts = launch_asserts(geo.threads, geo.dynamic_smem, ("kBlockM", rows_per_cta(config)))
         if is_wgmma(config):
             tma = is_tma_store(config)
-            # Only the persistent TMA-store epilogue's text differs here: its staging tile follows the K/V slots
-            # (kernels/hopper_tma_store.cuh), so the launch's shared memory is the base traits' plus it.
-            members = (["static constexpr int kOStageBytes = kQBytes;  // epilogue = tma, persistent: O's staging tile",
-                        "static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes + kOStageBytes;"]
-                       if o_stage_bytes(config, shape) else [])
             traits = _traits("evotune::hopper::HopperTraits", targs,
-                             members + _exp2_fma_member(config) + _rescale_member(config))
+                             _hopper_smem_members(config, shape) + _exp2_fma_member(config) + _rescale_member(config))
             o_map_param, o_map_arg, o_map_note = (
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
                  "\n// o_map (epilogue = tma): O's CUtensorMap, boxes of 64 columns x 64 rows (one consumer warpgroup's).")
@@ -431,7 +444,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         if is_wgmma(config):
             # HopperTraits: Q + STAGES (K, V) tiles + 1024 B to align them; consumer and producer warps.
             smem = 2 * shape.head_dim * (block_m + 2 * int(knob(config, "stages")) * block_n) + 1024
-            smem += o_stage_bytes(config, shape)
+            smem += o_stage_bytes(config, shape) + p_tile_bytes(config, shape)
             threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
             grid = ((min(query_tiles(config, shape), multiprocessors), 1, 1) if is_persistent(config)
                     else (math.ceil(shape.seq_q / block_m), shape.heads, shape.batch))
@@ -758,6 +771,22 @@ def _exp2_fma_member(config) -> list[str]:
     eighths = exp2_fma_eighths(config)
     return [f"static constexpr int kExp2FmaEighths = {eighths};  // exp2_fma: eighths of each row's exp2 on the FMA pipe"
             ] if eighths else []
+
+
+def _hopper_smem_members(config, shape: Shape) -> list[str]:
+    """The Hopper traits members for the shared memory that some knobs add to the base traits' (Q, the K/V slots and
+    the alignment slack): the persistent TMA-store epilogue's staging tile after the K/V slots
+    (kernels/hopper_tma_store.cuh), and p_operand = smem's P tiles at the end; none otherwise."""
+    members, terms = [], []
+    if o_stage_bytes(config, shape):
+        members.append("static constexpr int kOStageBytes = kQBytes;  // epilogue = tma, persistent: O's staging tile")
+        terms.append("kOStageBytes")
+    if p_tile_bytes(config, shape):
+        members.append("static constexpr int kPBytes = kBlockM * kBlockN * 2;  // p_operand = smem: the P tiles")
+        terms.append("kPBytes")
+    if terms:
+        members.append(f"static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes + {' + '.join(terms)};")
+    return members
 
 
 def _rescale_member(config) -> list[str]:
