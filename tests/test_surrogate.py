@@ -117,14 +117,16 @@ def test_surrogate_random_draws_pick_the_variant_first(attention):
     counts = {}
     for c in admitted:
         counts[c[space.variant]] = counts.get(c[space.variant], 0) + 1
-    assert len(counts) > 1 and min(counts.values()) * 4 < max(counts.values())
+    # Since the p_operand knob the wgmma slice is 26% of gpt2's admitted configs (14808 of 56968; 19% before it).
+    assert len(counts) > 1 and min(counts.values()) * 2 < max(counts.values())
     drawn = {}
     for seed in range(40):
         sampler = SurrogateSampler(admitted, S.distributions(space), lambda d: False, seed=seed, variant=space.variant)
         study = optuna.create_study(directions=["minimize", "minimize"], sampler=sampler)
         value = space.config(study.ask(S.distributions(space)).params)[space.variant]
         drawn[value] = drawn.get(value, 0) + 1
-    assert set(drawn) == set(counts) and min(drawn.values()) >= 40 // len(counts) // 3
+    # Drawn in proportion to the admitted configs, the smaller variant would take about 10 of the 40 draws.
+    assert set(drawn) == set(counts) and min(drawn.values()) >= 14
 
 
 def test_default_strategy_is_the_surrogate():
