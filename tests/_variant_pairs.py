@@ -2,10 +2,11 @@
 and a compute-sanitizer run of one, for the tests that compare a knob's value with the value that leaves the source as
 it was (tests/test_tma_store.py: epilogue; tests/test_split_merge.py: key_merge; tests/test_tma_load.py: kv_load;
 tests/test_tma_multicast.py: kv_cluster; tests/test_tma_split.py: kv_load = tma_split; tests/test_exp2_fma.py:
-exp2_fma; tests/test_rescale.py: rescale; tests/test_softmax_overlap.py: softmax_overlap; tests/test_lean_addressing.py:
-lean_addressing; tests/test_p_operand.py: p_operand), the two checks the TMA and Hopper ones share: the gate with the output bit for bit its twin's, and the
-same with the log-sum-exp, and what the Hopper ones share: their GPU shapes, the skip of a config a shape does not admit
-or whose twin the static gate prunes, and a config's test id."""
+exp2_fma; tests/test_rescale.py: rescale; tests/test_softmax_overlap.py: softmax_overlap;
+tests/test_lean_addressing.py: lean_addressing; tests/test_p_operand.py: p_operand), the two checks the TMA and Hopper
+ones share: the gate with the output bit for bit its twin's, and the same with the log-sum-exp, and what the Hopper ones
+share: their GPU shapes, the skip of a config a shape does not admit or whose twin the static gate prunes, and a
+config's test id."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def serialised_notes(compiled) -> list[str]:
 
 
 # The GPU shapes of the Hopper kernel's knob tests (tests/test_rescale.py, test_softmax_overlap.py,
-# test_lean_addressing.py and test_p_operand.py): ragged, Sq != Sk, BSHD, causal, GQA, bf16, d128, one query row, and two
-# with more query tiles than the 132 SMs for the persistent grid.
+# test_lean_addressing.py and test_p_operand.py): ragged, Sq != Sk, BSHD, causal, GQA, bf16, d128, one query row, and
+# two with more query tiles than the 132 SMs for the persistent grid.
 HOPPER_SHAPES = ["gpt2", "2,3,200,333,64", "2,4,257,64:bshd", "1,4,1000,64:bf16:causal", "3,2,77,300,64:causal",
                  "1,8,512,64:causal:kv4", "1,2,1,64", "1,2,300,128:causal", "1,4,1100,128:bf16",
                  "2,16,1100,1300,64:bf16:causal", "2,32,1000,128:kv8"]

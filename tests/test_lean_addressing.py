@@ -261,7 +261,9 @@ static Barriers g_bars;
 inline u32 smem_addr(const unsigned long long* bar) { return static_cast<u32>(bar - g_bars.k_empty); }
 inline void mbar_wait(u32 bar, u32 parity) { std::printf("W %u %u\\n", bar, parity); }
 template <class T, int WHICH>
-void load_kv(const CUtensorMap*, u32, Barriers*, int slot, int t, int, int) { std::printf("L%d %d %d\\n", WHICH, slot, t); }
+void load_kv(const CUtensorMap*, u32, Barriers*, int slot, int t, int, int) {
+    std::printf("L%d %d %d\\n", WHICH, slot, t);
+}
 """
 _REFILL_MAIN = """
 template <int STAGES>
