@@ -7,7 +7,6 @@
 //     consumer warpgroup owns 64 query rows; K is read K-major and V N-major (transposed)
 //     straight from the swizzled tiles through matrix descriptors; P goes from the S
 //     accumulators to registers as the A operand of P V (never through shared memory);
-//[p_smem] //     with p_operand = smem instead, through a P tile per consumer warpgroup in shared memory (store_p);
 //     Q is read from shared memory by each Q K^T (Q_IN_REGS = false) or loaded once into
 //     registers with ldmatrix (true);
 //   - PRODUCER_WARPS = 4: a producer warpgroup streams K/V through STAGES slots (full and
