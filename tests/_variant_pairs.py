@@ -33,6 +33,25 @@ HOPPER_SHAPES = ["gpt2", "2,3,200,333,64", "2,4,257,64:bshd", "1,4,1000,64:bf16:
                  "2,16,1100,1300,64:bf16:causal", "2,32,1000,128:kv8"]
 
 
+# The shapes of the Hopper knob tests' clean-compile checks (CPU): d64 and d128, causal, bf16, BSHD, ragged.
+COMPILE_SHAPES = ["gpt2", "2,3,300,333,64:bf16:causal:bshd", "1,2,200,128:causal", "llama-4k:bf16"]
+
+
+def without_if0(code: str) -> str:
+    """`code` without its `#if 0` ... `#endif` stretches (the lines a flag turns off), nested ones (p_smem's inside
+    softmax_overlap's) included."""
+    kept, depth = [], 0
+    for line in code.splitlines(keepends=True):
+        directive = line.strip()
+        if depth:
+            depth += directive.startswith("#if") - (directive == "#endif")
+        elif directive == "#if 0":
+            depth = 1
+        else:
+            kept.append(line)
+    return "".join(kept)
+
+
 def skip_if_twin_pruned(attention, space, shape, twin) -> None:
     """pytest.skip when the twin config (a dict of knobs) spills: three consumer warpgroups at head dim 128 (160
     registers each), which the static gate prunes whatever the knob under test."""

@@ -18,9 +18,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
+from _variant_pairs import (COMPILE_SHAPES, HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
                             assert_same_sources, assert_sanitizer_clean, compile_config, hopper_config_id,
-                            serialised_notes, skip_unless_admitted)
+                            serialised_notes, skip_unless_admitted, without_if0)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_lean_addressing
@@ -84,7 +84,7 @@ def test_lean_source(attention, lean_space):
     for cfg in (LEAN_CONFIGS[0], LEAN_CONFIGS[2]):  # Q from registers (wgmma_rs) and from shared memory (wgmma_ss)
         code = instantiate(attention, lean_space.config(cfg), shape).code
         assert code.count("u64 smem_desc16(u32 addr16, u32 lbo, u32 sbo)") == 1
-        compiled_text = _without_if0(code.split("u64 smem_desc16(", 1)[1])
+        compiled_text = without_if0(code.split("u64 smem_desc16(", 1)[1])
         assert "smem_desc(" not in compiled_text and compiled_text.count("smem_desc16(") >= 3
         assert "const unsigned use = it0 + t;" in compiled_text and "const int use = it0 + t;" not in compiled_text
         assert template_flag_names(code) == set()
@@ -92,11 +92,6 @@ def test_lean_source(attention, lean_space):
         assert "smem_desc16" not in plain and "const int use = it0 + t;" in plain
     assert is_lean_addressing(lean_space.config(LEAN_CONFIGS[0]))
     assert not is_lean_addressing(dict(mma="sync", lean_addressing=True))
-
-
-def _without_if0(code: str) -> str:
-    """`code` without its `#if 0` ... `#endif` stretches (the lines a flag turns off; they do not nest)."""
-    return re.sub(r"^[ \t]*#if 0\n.*?^[ \t]*#endif\n", "", code, flags=re.M | re.S)
 
 
 # Host harness for the kernel's own descriptor code: issue_qk and issue_pv (with smem_desc, and smem_desc16 where the
@@ -145,14 +140,22 @@ int main() {
 """
 
 
-def _descriptor_trace(code: str, folder) -> list[str]:
-    """The descriptors the source's issue_qk and issue_pv hand to wgmma over the harness's sweep, one line each."""
+def _run_host_harness(source: str, folder, name: str) -> list[str]:
+    """Compile `source` with the host's C++ compiler in `folder` (pytest.skip without one), run it and return its
+    output lines."""
     import shutil
     import subprocess
 
     cxx = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
+    (folder / f"{name}.cpp").write_text(source)
+    subprocess.run([cxx, "-std=c++17", "-O1", f"{name}.cpp", "-o", name], cwd=folder, check=True)
+    return subprocess.run([str(folder / name)], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def _descriptor_trace(code: str, folder) -> list[str]:
+    """The descriptors the source's issue_qk and issue_pv hand to wgmma over the harness's sweep, one line each."""
     parts = []
     for name in ("u64 smem_desc(", "u64 smem_desc16(", "void issue_qk(", "void issue_pv("):
         found = re.search(r"(template <class T>\n)?__device__ __forceinline__ " + re.escape(name) + r".*?\n}\n", code,
@@ -163,9 +166,7 @@ def _descriptor_trace(code: str, folder) -> list[str]:
     asm = 'asm("mov.b64 %0, {%1, %2};" : "=l"(desc) : "r"(lo), "r"(hi));'
     assert (asm in text) == bool(parts[1])
     text = text.replace(asm, "desc = (static_cast<u64>(hi) << 32) | lo;")
-    (folder / "desc.cpp").write_text(_DESC_PRELUDE + text + _DESC_MAIN)
-    subprocess.run([cxx, "-std=c++17", "-O1", "desc.cpp", "-o", "desc"], cwd=folder, check=True)
-    return subprocess.run([str(folder / "desc")], capture_output=True, text=True, check=True).stdout.splitlines()
+    return _run_host_harness(_DESC_PRELUDE + text + _DESC_MAIN, folder, "desc")
 
 
 def test_lean_descriptors_are_the_written_ones(attention, lean_space, tmp_path):
@@ -203,8 +204,7 @@ def test_sass_issues_fewer_instructions_between_wgmma(attention, lean_space, cfg
 
 
 @pytest.mark.parametrize("cfg", LEAN_CONFIGS, ids=hopper_config_id)
-@pytest.mark.parametrize("shape_text", ["gpt2", "2,3,300,333,64:bf16:causal:bshd", "1,2,200,128:causal",
-                                        "llama-4k:bf16"])
+@pytest.mark.parametrize("shape_text", COMPILE_SHAPES)
 def test_lean_configs_compile_clean(attention, lean_space, cfg, shape_text):
     """Every lean path compiles for sm_90a with no stack frame, no spill, within the static gate, and without ptxas
     serialising the wgmma."""
@@ -288,17 +288,9 @@ int main() {
 def _refill_trace(code: str, folder) -> list[str]:
     """The barrier waits and loads the source's refill makes over the harness's sweep (tiles 0 to 19999 at 1 to 4
     stages), one line each."""
-    import shutil
-    import subprocess
-
-    cxx = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
     found = re.search(r"template <class T>\n__device__ __forceinline__ void refill\(.*?\n}\n", code, re.S)
     assert found
-    (folder / "refill.cpp").write_text(_REFILL_PRELUDE + found.group(0) + _REFILL_MAIN)
-    subprocess.run([cxx, "-std=c++17", "-O1", "refill.cpp", "-o", "refill"], cwd=folder, check=True)
-    return subprocess.run([str(folder / "refill")], capture_output=True, text=True, check=True).stdout.splitlines()
+    return _run_host_harness(_REFILL_PRELUDE + found.group(0) + _REFILL_MAIN, folder, "refill")
 
 
 def test_lean_refill_is_the_written_one(attention, lean_space, tmp_path):

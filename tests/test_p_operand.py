@@ -16,9 +16,9 @@ tile passes the gate; the log-sum-exp; memcheck and racecheck find nothing."""
 from __future__ import annotations
 
 import pytest
-from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
+from _variant_pairs import (COMPILE_SHAPES, HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
                             assert_same_sources, assert_sanitizer_clean, compile_config, hopper_config_id,
-                            serialised_notes, skip_unless_admitted)
+                            serialised_notes, skip_unless_admitted, without_if0)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_p_smem
@@ -81,21 +81,6 @@ def test_every_regs_config_keeps_its_source(attention, ss_space):
     assert_same_sources(attention, regs, tiles, shape, drop="p_operand")
 
 
-def _without_if0(code: str) -> str:
-    """`code` without its `#if 0` ... `#endif` stretches (the lines a flag turns off), nested ones (p_smem's inside
-    softmax_overlap's) included."""
-    kept, depth = [], 0
-    for line in code.splitlines(keepends=True):
-        directive = line.strip()
-        if depth:
-            depth += directive.startswith("#if") - (directive == "#endif")
-        elif directive == "#if 0":
-            depth = 1
-        else:
-            kept.append(line)
-    return "".join(kept)
-
-
 @pytest.mark.parametrize("lean", [True, False])
 def test_smem_source(attention, ss_space, lean):
     """A smem config's source issues every P V from the P tile (issue_pv_smem, never issue_pv), stores P after each
@@ -107,7 +92,7 @@ def test_smem_source(attention, ss_space, lean):
     for cfg in (SMEM_CONFIGS[0], FA3_D64[0]):
         cfg = dict(cfg, lean_addressing=lean)
         code = instantiate(attention, full.config(cfg), shape).code
-        live = _without_if0(code)
+        live = without_if0(code)
         assert template_flag_names(code) == set()
         assert "issue_pv<T>(" not in live and live.count("issue_pv_smem<T>(o_acc, sP_wg") == 2
         assert live.count("store_p<T>(p, sP_wg, warp_in_wg, lane);") == 1  # the rotated loop's finish_tile
@@ -138,8 +123,7 @@ def test_launch_counts_the_p_tiles(attention, ss_space):
 
 
 @pytest.mark.parametrize("cfg", SMEM_CONFIGS + FA3_D64, ids=hopper_config_id)
-@pytest.mark.parametrize("shape_text", ["gpt2", "2,3,300,333,64:bf16:causal:bshd", "1,2,200,128:causal",
-                                        "llama-4k:bf16"])
+@pytest.mark.parametrize("shape_text", COMPILE_SHAPES)
 def test_smem_configs_compile_clean(attention, full_space, cfg, shape_text):
     """Every smem path compiles for sm_90a with no stack frame, no spill, within the static gate, and without ptxas
     serialising the wgmma; except the three-consumer d128 tile on a causal shape, whose mask spills a few bytes (the

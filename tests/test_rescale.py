@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 
 import pytest
-from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_sanitizer_clean, compile_config,
-                            hopper_config_id, run_configs, serialised_notes, skip_unless_admitted)
+from _variant_pairs import (COMPILE_SHAPES, HOPPER_SHAPES, assert_compiles_clean, assert_sanitizer_clean,
+                            compile_config, hopper_config_id, run_configs, serialised_notes, skip_unless_admitted)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import rescale_slack_log2
@@ -128,8 +128,7 @@ def test_sass_branches_around_the_rescale(attention, lazy_space, cfg, shape_text
 
 
 @pytest.mark.parametrize("cfg", LAZY_CONFIGS, ids=hopper_config_id)
-@pytest.mark.parametrize("shape_text", ["gpt2", "2,3,300,333,64:bf16:causal:bshd", "1,2,200,128:causal",
-                                        "llama-4k:bf16"])
+@pytest.mark.parametrize("shape_text", COMPILE_SHAPES)
 def test_lazy_configs_compile_clean(attention, lazy_space, cfg, shape_text):
     """Every lazy path compiles for sm_90a with no stack frame, no spill, within the static gate, and without ptxas
     serialising the wgmma (the branch sits between the products' wait and their next issue)."""

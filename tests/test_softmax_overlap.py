@@ -14,7 +14,7 @@ find nothing."""
 from __future__ import annotations
 
 import pytest
-from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
+from _variant_pairs import (COMPILE_SHAPES, HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
                             assert_same_sources, assert_sanitizer_clean, compile_config, hopper_config_id,
                             serialised_notes, skip_unless_admitted)
 
@@ -94,8 +94,7 @@ def test_sass_puts_the_softmax_under_p_v(attention, overlap_space, cfg, shape_te
 
 
 @pytest.mark.parametrize("cfg", ROTATED_CONFIGS, ids=hopper_config_id)
-@pytest.mark.parametrize("shape_text", ["gpt2", "2,3,300,333,64:bf16:causal:bshd", "1,2,200,128:causal",
-                                        "llama-4k:bf16"])
+@pytest.mark.parametrize("shape_text", COMPILE_SHAPES)
 def test_rotated_configs_compile_clean(attention, overlap_space, cfg, shape_text):
     """Every rotated path compiles for sm_90a with no stack frame, no spill, within the static gate, and without ptxas
     serialising the wgmma."""
