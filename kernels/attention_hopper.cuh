@@ -85,6 +85,7 @@ struct HopperTraits {
     // Persistent: the producer warpgroup alone loads, so it can run a tile ahead; ping-pong's per-tile turn
     // protocol (warpgroup 1 owes no turn after its last K/V tile) is not carried across tiles.
     static_assert(!kPersistent || (kHasProducer && !kPingPong), "a persistent CTA needs a producer and no ping-pong");
+    //[skip_empty] static_assert(!kPingPong, "empty_warpgroups = skip: an empty warpgroup does not take ping-pong's turns");
     static_assert(kStages >= 1 && kStages <= 4, "1 to 4 pipeline stages");
     static_assert(kHasProducer || kStages >= 2,
                   "without a producer the loader refills a slot mid-tile: one stage would wait on itself");
@@ -437,6 +438,30 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
     mbar_wait(smem_addr(&bars->v_empty[slot]), parity);
     load_kv<T, 1>(v_map, sV, bars, slot, t + T::kStages, head, batch);
 }
+//[skip_empty]
+//[skip_empty] // empty_warpgroups = skip: one query tile of a consumer warpgroup whose 64 rows all lie at or past seq_q (the
+//[skip_empty] // padding of a ragged last query tile; with 192-row tiles, gpt2's 1024 rows leave 128 of the last tile's 192
+//[skip_empty] // empty). It computes nothing and stores nothing; it only gives the barriers the arrivals the loop would (one per
+//[skip_empty] // warp): Q's release (persistent), K(t)'s after each S and V(t)'s after each P V (the last V only when the slot
+//[skip_empty] // is refilled across query tiles, as consume_tile). Each arrival waits for the load it releases to have landed:
+//[skip_empty] // that load proves the slot's previous phase complete, so the arrival counts towards this tile's phase and never
+//[skip_empty] // the one before (a warpgroup that ran ahead would otherwise release a slot twice in one phase).
+//[skip_empty] template <class T>
+//[skip_empty] __device__ __forceinline__ void drain_tile(Barriers* bars, int n_tiles, int it0, int q_phase, int lane) {
+//[skip_empty]     mbar_wait(smem_addr(&bars->q_full), q_phase);
+//[skip_empty]     if constexpr (T::kPersistent) {
+//[skip_empty]         if (lane == 0) mbar_arrive(smem_addr(&bars->q_empty));
+//[skip_empty]     }
+//[skip_empty]     for (int t = 0; t < n_tiles; ++t) {
+//[skip_empty]         const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence
+//[skip_empty]         const int slot = use % T::kStages;
+//[skip_empty]         const u32 parity = (use / T::kStages) & 1;
+//[skip_empty]         mbar_wait(smem_addr(&bars->k_full[slot]), parity);
+//[skip_empty]         if (lane == 0) mbar_arrive(smem_addr(&bars->k_empty[slot]));
+//[skip_empty]         mbar_wait(smem_addr(&bars->v_full[slot]), parity);
+//[skip_empty]         if (lane == 0 && (T::kPersistent || t + 1 < n_tiles)) mbar_arrive(smem_addr(&bars->v_empty[slot]));
+//[skip_empty]     }
+//[skip_empty] }
 
 // ---- persistent tile order (plain C++: tests/test_persistent.py compiles this stretch with the host compiler)
 // A query tile: its first row, query head and batch index.
@@ -567,6 +592,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         //[p_smem] const u32 sP_wg = smem_base + T::kSmemBytes - 1024 - T::kPBytes + wg * (64 * T::kBlockN * 2);  // its P tile
         const int q_row0 = w.row0, head = w.head, batch = w.batch;
         const int q_row = q_row0 + 64 * wg + 16 * warp_in_wg + (lane >> 2);  // the first of the thread's two rows
+        //[skip_empty] if (q_row0 + 64 * wg >= seq_q) {  // every row of this warpgroup is padding (uniform per warpgroup)
+        //[skip_empty]     drain_tile<T>(&bars, n_tiles, it0, q_phase, lane);
+        //[skip_empty]     return;
+        //[skip_empty] }
 
         float o_acc[T::kOAcc];
         float s_acc[T::kSAcc];
@@ -771,7 +800,15 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         // Causal only (the non-causal order has no sections). K/V heads: the last query head's, plus one.
         const int section =
             T::kIsCausal ? l2_section_pairs<T>(head_batches, seq_k, n_heads / (kv_head_of(n_heads - 1, kv_magic) + 1)) : 1;
+        //[skip_empty] #if 0
         constexpr bool kDynamic = T::kIsCausal;
+        //[skip_empty] #endif
+        //[skip_empty] // empty_warpgroups = skip: the non-causal tiles are handed out too. A head's last query tile, whose empty
+        //[skip_empty] // warpgroups skip it, costs less than a full one; with the fixed stride every CTA would take tiles of one
+        //[skip_empty] // row block only (132 SMs and 6 row blocks on gpt2), so some CTAs would get only the cheap ones and the
+        //[skip_empty] // launch would last as long as the full ones. Handed out in persistent_tile's order, each head's tiles
+        //[skip_empty] // stay together (its K/V in L2); an order with every thin tile last measured 2.5-4% slower on gpt2.
+        //[skip_empty] constexpr bool kDynamic = true;
         __shared__ int handed_tile[2];  // kDynamic: per q_full phase, its query tile (or -1: none left)
         if (tid >= T::kConsumerThreads) {
             if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();

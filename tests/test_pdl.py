@@ -68,7 +68,7 @@ def test_the_kernels_flag_known_knobs_only():
     _, template = read_template("attention.cu")
     assert template_flag_names(template) == {"pdl", "tma_store", "split_merge", "tma_load", "tma_multicast", "tma_split", "trace",
                                                  "trace_split", "trace_tma", "no_wg_overlap", "exp2_fma", "lazy_rescale",
-                                                 "softmax_overlap", "lean_addressing", "p_smem"}
+                                                 "softmax_overlap", "lean_addressing", "p_smem", "skip_empty"}
 
 
 @pytest.mark.parametrize("shape_text, cfg, options, digest", BEFORE_PDL, ids=["mission", "mission-lse", "persistent",

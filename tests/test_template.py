@@ -51,11 +51,12 @@ def test_default_instantiation(attention, space, mission):
     tail = src.code[len(template):]
     # The banner names the config's knobs but pdl at false, epilogue at regs, key_merge at gather, kv_load at
     # cp_async, kv_cluster at 1, exp2_fma at 0, rescale at always, softmax_overlap at false, lean_addressing at false
-    # and p_operand at regs (Problem.late_knobs: the source as before the knobs).
+    # p_operand at regs and empty_warpgroups at compute (Problem.late_knobs: the source as before the knobs).
     key = (space.default_config().key().replace(',pdl=False', '').replace(',epilogue=regs', '')
            .replace(',key_merge=gather', '').replace(',kv_load=cp_async', '').replace(',kv_cluster=1', '')
            .replace(',exp2_fma=0', '').replace(',rescale=always', '').replace(',softmax_overlap=False', '')
-           .replace(',lean_addressing=False', '').replace(',p_operand=regs', ''))
+           .replace(',lean_addressing=False', '').replace(',p_operand=regs', '')
+           .replace(',empty_warpgroups=compute', ''))
     assert tail.startswith(f"\n{BANNER} attention {key}\n")
     assert tail.count('extern "C"') == 1
     assert len(re.findall(r"\bevotune_attention\s*\(", tail)) == 1
@@ -84,7 +85,8 @@ def test_template_args_match_traits_parameters(attention, space, mission):
 @pytest.mark.parametrize("name", load_builtin("attention").param_names())
 def test_every_knob_changes_the_code(attention, space, mission, name):
     """Changing one knob to another admitted value changes the generated code beyond the banner: from the default,
-    or, for a knob only the Hopper variant reads (pingpong, persistent), from a two-warpgroup wgmma config, or, for
+    or, for a knob only the Hopper variant reads (pingpong, persistent), from a two-warpgroup wgmma config (for
+    empty_warpgroups, admitted only where a warpgroup of the last tile is empty, a three-warpgroup one), or, for
     one only key groups read (key_merge), from a two-key-group config, or for one only TMA loads read (kv_cluster),
     from a two-key-group config with kv_load = tma; on the mission shape, or for persistent (admitted only with more
     query tiles than SMs) on llama-4k."""
@@ -92,9 +94,10 @@ def test_every_knob_changes_the_code(attention, space, mission, name):
     hopper = space.config({"mma": "wgmma", "block_m": 128, "compute_warps": 8, "producer_warps": 4})
     key_groups = space.config({"block_m": 32, "block_n": 128, "compute_warps": 4, "warp_key_groups": 2})
     tma_loads = space.config({**key_groups.as_dict(), "kv_load": "tma"})
+    hopper3 = space.config({"mma": "wgmma", "block_m": 192, "compute_warps": 12, "producer_warps": 4})
     found = None
     for shape in (mission, parse_shape("llama-4k")):
-        for base in (space.default_config(), hopper, key_groups, tma_loads):
+        for base in (space.default_config(), hopper, key_groups, tma_loads, hopper3):
             cfg = first_admitted_change(space, name, shape, base)
             if cfg is not None:
                 found = (cfg, base, shape)

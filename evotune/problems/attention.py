@@ -38,7 +38,8 @@ KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_war
                  "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 1,
                  "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
                  "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1, "exp2_fma": 0,
-                 "rescale": "always", "softmax_overlap": False, "lean_addressing": False, "p_operand": "regs"}
+                 "rescale": "always", "softmax_overlap": False, "lean_addressing": False, "p_operand": "regs",
+                 "empty_warpgroups": "compute"}
 
 
 # Knob rescale (the Hopper kernel's `//[lazy_rescale]` lines): how far a K/V tile's row max may exceed the row's running
@@ -71,6 +72,7 @@ KNOB_DOMAINS = {
     "softmax_overlap": (False, True),    # wgmma: the consumer loop rotated so the softmax runs under its own P V
     "lean_addressing": (False, True),    # wgmma: descriptors advanced by one add, slots in unsigned arithmetic
     "p_operand": ("regs", "smem"),       # wgmma: where P V reads P (FlashAttention-3's MmaPV_is_RS true or false)
+    "empty_warpgroups": ("compute", "skip"),  # wgmma: a consumer warpgroup with only padding rows computes them or not
 }
 
 
@@ -130,6 +132,22 @@ def is_p_smem(config) -> bool:
     64 x block_n tile of its own (stmatrix) and P V reads it through descriptors, so the registers that held P until
     its P V completed are free, for a 192-key S tile among others. regs: P stays in registers as P V's A operand."""
     return is_wgmma(config) and knob(config, "p_operand") == "smem"
+
+
+def is_skip_empty(config) -> bool:
+    """The Hopper variant's empty warpgroups skipped (knob empty_warpgroups = skip, kernels/attention_hopper.cuh's
+    `//[skip_empty]` lines): a consumer warpgroup whose 64 query rows all lie past seq_q (the padding of a ragged last
+    query tile, e.g. 128 of the last 192-row tile's rows at seq_q 1024) computes and stores nothing and only gives the
+    K/V and Q barriers their arrivals; a persistent grid then hands its tiles out from tile_counter (causal or not),
+    so that the CTAs that draw the cheap thin tiles take more. compute: the padding rows are computed and discarded,
+    and the persistent non-causal grid walks a fixed stride."""
+    return is_wgmma(config) and knob(config, "empty_warpgroups") == "skip"
+
+
+def uses_tile_counter(config, shape: Shape) -> bool:
+    """Whether a launch takes the persistent grid's two tile counters: the causal persistent grid, and with
+    empty_warpgroups = skip the non-causal one too (both hand out tiles dynamically)."""
+    return is_persistent(config) and (shape.causal or is_skip_empty(config))
 
 
 def p_tile_bytes(config, shape: Shape) -> int:
@@ -266,13 +284,14 @@ class AttentionProblem(Problem):
                    "persistent": ("persistent", "onetile"), "pdl": ("pdl", "nopdl"), "epilogue": "epi-",
                    "key_merge": "merge-", "kv_load": "load-", "kv_cluster": "cluster", "exp2_fma": "ex2fma",
                    "rescale": "rescale-", "softmax_overlap": ("overlap", "nooverlap"),
-                   "lean_addressing": ("leanaddr", "rebuiltaddr"), "p_operand": "p-"}
-    # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing and p_operand
-    # came after the recorded runs; at false, regs, gather, cp_async, 1, 0, always, false, false and regs they leave the
-    # source as it was (their template lines are flagged).
+                   "lean_addressing": ("leanaddr", "rebuiltaddr"), "p_operand": "p-",
+                   "empty_warpgroups": ("skipempty", "computeempty")}
+    # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing, p_operand and
+    # empty_warpgroups came after the recorded runs; at false, regs, gather, cp_async, 1, 0, always, false, false, regs
+    # and compute they leave the source as it was (their template lines are flagged).
     late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1,
                   "exp2_fma": 0, "rescale": "always", "softmax_overlap": False, "lean_addressing": False,
-                  "p_operand": "regs"}
+                  "p_operand": "regs", "empty_warpgroups": "compute"}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -333,7 +352,8 @@ class AttentionProblem(Problem):
         (rescale new_max or lazy: conditional rescaling of O, the slack the traits' kRescaleSlackLog2); softmax_overlap:
         the Hopper kernel's `//[softmax_overlap]` lines (its consumer loop rotated); lean_addressing: its
         `//[lean_addressing]` lines (descriptors advanced by one add, unsigned slot arithmetic); p_smem: its
-        `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers). No such knob
+        `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
+        `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only). No such knob
         is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
@@ -344,7 +364,8 @@ class AttentionProblem(Problem):
                                                ("lazy_rescale", rescale_slack_log2(config) is not None),
                                                ("softmax_overlap", is_softmax_overlap(config)),
                                                ("lean_addressing", is_lean_addressing(config)),
-                                               ("p_smem", is_p_smem(config))) if on)
+                                               ("p_smem", is_p_smem(config)),
+                                               ("skip_empty", is_skip_empty(config))) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
@@ -393,6 +414,9 @@ class AttentionProblem(Problem):
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
                  "\n// o_map (epilogue = tma): O's CUtensorMap, boxes of 64 columns x 64 rows (one consumer warpgroup's).")
                 if tma else ("", "", ""))
+            if is_skip_empty(config) and is_persistent(config):
+                o_map_note = ("\n// empty_warpgroups = skip: the non-causal PERSISTENT grid takes tile_counter too (its tiles are "
+                              "handed out).") + o_map_note
             return f"""{traits}
 {asserts}
 // Launch: grid (ceil(seq_q / kBlockM), heads, batch), or with PERSISTENT (min(tiles, SMs), 1, 1) for tiles =
@@ -475,7 +499,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
                     "kernel parameters */, unsigned short* o, int64 o_sb, o_sh, o_ss, int seq_q, int seq_k, "
                     "float scale_log2, uint32 kv_magic, int n_heads, int n_batch, uint32* tile_counter)  // kv_magic = "
                     "kv_head_magic(heads / kv_heads): 0 without grouping; n_heads, n_batch: the query heads and batch; "
-                    "tile_counter: persistent causal only, 2 zeroed uint32 the kernel leaves zero (else null)"
+                    "tile_counter: persistent causal (or empty_warpgroups = skip) only, 2 zeroed uint32 the kernel leaves zero "
+                    "(else null)"
                     + (", const __grid_constant__ CUtensorMap o_map  /* epilogue = tma: O's map by value */"
                        if is_tma_store(config) else ""))
         return ("evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, "
@@ -513,16 +538,18 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         if is_persistent(config):
             notes.append(f"persistent   grid (min({query_tiles(config, shape)} query tiles, the device's SMs), 1, 1): "
                          f"each CTA loops over the tiles; the grid above is the H100's {MULTIPROCESSORS} SMs")
-        notes.append(f"tile_counter {n_count} uint32 zeroed once (the causal persistent grid's tile scheduler; the "
+        notes.append(f"tile_counter {n_count} uint32 zeroed once (the persistent grid's tile scheduler, causal or "
+                     "empty_warpgroups = skip; the "
                      "kernel leaves them zero; one pair per concurrently running launch)" if n_count
                      else "tile_counter none: pass null")
         return notes
 
     def workspace_elems(self, config, shape: Shape) -> tuple[int, int, int]:
         """(ws_o floats, ws_lse floats, ws_count ints) a launch needs: the split-KV workspace (kv_splits > 1), or
-        the two tile counters of the causal persistent Hopper grid (tile_counter); zeros otherwise."""
+        the two tile counters of the persistent Hopper grid when causal or empty_warpgroups = skip (tile_counter);
+        zeros otherwise."""
         if is_wgmma(config):
-            return (0, 0, 2) if is_persistent(config) and shape.causal else (0, 0, 0)
+            return (0, 0, 2) if uses_tile_counter(config, shape) else (0, 0, 0)
         splits = int(knob(config, "kv_splits"))
         if splits == 1:
             return 0, 0, 0
@@ -650,7 +677,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
 
     def new_workspace(self, config, shape: Shape, device) -> tuple:
         """The workspace of one launch ((ws_o, ws_lse, ws_count) tensors; () when workspace_elems is zeros): the
-        split-KV slices, or the Hopper persistent causal grid's tile counters (ws_count, as tile_counter). Per
+        split-KV slices, or the Hopper persistent grid's tile counters (ws_count, as tile_counter). Per
         launch, not per plan: two streams may run the same config at once. Counters start at zero and the
         kernel re-zeroes them."""
         n_o, n_lse, n_count = self.launch_plan(config, shape).workspace
