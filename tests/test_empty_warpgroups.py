@@ -56,10 +56,6 @@ def skip_space():
     return load_builtin("attention-hopper3-skip")
 
 
-@pytest.fixture(scope="module")
-def full_space():
-    return load_builtin("attention")
-
 
 def test_every_compute_config_keeps_its_source(attention, skip_space):
     """Each compute config of attention-hopper3-skip.yaml on gpt2 and on a ragged causal shape instantiates to the
@@ -100,13 +96,13 @@ def test_skip_source(attention, skip_space):
     assert is_skip_empty(skip_space.config(SKIP_CONFIGS[0])) and not is_skip_empty(skip_space.config(_compute(SKIP_CONFIGS[0])))
 
 
-def test_the_skipping_persistent_grid_takes_tile_counters(attention, full_space):
+def test_the_skipping_persistent_grid_takes_tile_counters(attention, space):
     """The non-causal persistent grid hands tiles out from the two counters only with skip; the one-tile grid never."""
     gpt2, causal = parse_shape("gpt2"), parse_shape("2,16,1088,1024,64:causal")
-    persistent, one_tile = full_space.config(SKIP_CONFIGS[0]), full_space.config(SKIP_CONFIGS[1])
+    persistent, one_tile = space.config(SKIP_CONFIGS[0]), space.config(SKIP_CONFIGS[1])
     assert uses_tile_counter(persistent, gpt2) and attention.workspace_elems(persistent, gpt2) == (0, 0, 2)
-    assert attention.workspace_elems(full_space.config(_compute(SKIP_CONFIGS[0])), gpt2) == (0, 0, 0)
-    assert attention.workspace_elems(full_space.config(_compute(SKIP_CONFIGS[0])), causal) == (0, 0, 2)
+    assert attention.workspace_elems(space.config(_compute(SKIP_CONFIGS[0])), gpt2) == (0, 0, 0)
+    assert attention.workspace_elems(space.config(_compute(SKIP_CONFIGS[0])), causal) == (0, 0, 2)
     assert attention.workspace_elems(one_tile, gpt2) == (0, 0, 0)
     assert "tile_counter 2 uint32 zeroed once" in "\n".join(attention.launch_notes(persistent, gpt2))
     assert "empty_warpgroups = skip: the non-causal PERSISTENT grid takes tile_counter" in instantiate(
@@ -115,11 +111,11 @@ def test_the_skipping_persistent_grid_takes_tile_counters(attention, full_space)
 
 @pytest.mark.parametrize("cfg", SKIP_CONFIGS, ids=hopper_config_id)
 @pytest.mark.parametrize("shape_text", COMPILE_SHAPES + PERSISTENT_SHAPES)
-def test_skip_configs_compile_clean(attention, full_space, cfg, shape_text):
+def test_skip_configs_compile_clean(attention, space, cfg, shape_text):
     """Where admitted: sm_90a, no spill, within the static gate, and no wgmma serialised by ptxas."""
     shape = parse_shape(shape_text)
-    skip_unless_admitted(attention, full_space, shape, cfg, _compute(cfg))
-    _, compiled, _ = assert_compiles_clean(attention, full_space, shape, cfg)
+    skip_unless_admitted(attention, space, shape, cfg, _compute(cfg))
+    _, compiled, _ = assert_compiles_clean(attention, space, shape, cfg)
     assert not serialised_notes(compiled)
 
 
@@ -129,40 +125,40 @@ def test_skip_configs_compile_clean(attention, full_space, cfg, shape_text):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", SKIP_CONFIGS, ids=hopper_config_id)
 @pytest.mark.parametrize("shape_text", HOPPER_SHAPES + PERSISTENT_SHAPES)
-def test_skip_passes_the_gate_bit_for_bit(attention, full_space, cfg, shape_text):
+def test_skip_passes_the_gate_bit_for_bit(attention, space, cfg, shape_text):
     """The full gate passes, and the output is bit for bit compute's: the rows that exist come out of the same
     instructions, whichever CTA and in whichever order."""
     shape = parse_shape(shape_text)
-    skip_unless_admitted(attention, full_space, shape, cfg, _compute(cfg))
-    assert_gate_and_twin(attention, full_space, shape, cfg, _compute(cfg))
+    skip_unless_admitted(attention, space, shape, cfg, _compute(cfg))
+    assert_gate_and_twin(attention, space, shape, cfg, _compute(cfg))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [SKIP_CONFIGS[0], SKIP_CONFIGS[3]], ids=hopper_config_id)
 @pytest.mark.parametrize("shape_text", PERSISTENT_SHAPES)
-def test_skip_on_few_sms(attention, full_space, cfg, shape_text, monkeypatch):
+def test_skip_on_few_sms(attention, space, cfg, shape_text, monkeypatch):
     """A persistent grid of 5 CTAs (EVOTUNE_SM_COUNT): each CTA takes dozens of tiles from the counter, thin ones
     among them, with launch after launch reusing the counters the last CTA zeroes."""
     monkeypatch.setenv("EVOTUNE_SM_COUNT", "5")
     shape = parse_shape(shape_text)
-    skip_unless_admitted(attention, full_space, shape, cfg, _compute(cfg))
-    assert_gate_and_twin(attention, full_space, shape, cfg, _compute(cfg))
+    skip_unless_admitted(attention, space, shape, cfg, _compute(cfg))
+    assert_gate_and_twin(attention, space, shape, cfg, _compute(cfg))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [SKIP_CONFIGS[0], SKIP_CONFIGS[2]], ids=hopper_config_id)
-def test_skip_with_log_sum_exp(attention, full_space, cfg):
+def test_skip_with_log_sum_exp(attention, space, cfg):
     """The training variant (write_lse): O and the log-sum-exp bit for bit compute's."""
     shape = parse_shape("2,16,1088,1024,64:causal")
-    assert full_space.admitted(full_space.config(cfg), attention.context(shape))
-    assert_lse_twin(attention, full_space, shape, cfg, _compute(cfg))
+    assert space.admitted(space.config(cfg), attention.context(shape))
+    assert_lse_twin(attention, space, shape, cfg, _compute(cfg))
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", [SKIP_CONFIGS[1], SKIP_CONFIGS[2]], ids=hopper_config_id)
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_sanitizers_clean(attention, full_space, cfg, tool):
+def test_sanitizers_clean(attention, space, cfg, tool):
     """memcheck and racecheck find nothing on a ragged causal shape whose last tiles have an empty warpgroup: the
     three-consumer tile with a producer, and the two-consumer tile whose consumer thread refills the slots."""
-    assert_sanitizer_clean(attention, full_space, parse_shape("2,3,65,300,64:causal"), cfg, tool)
+    assert_sanitizer_clean(attention, space, parse_shape("2,3,65,300,64:causal"), cfg, tool)

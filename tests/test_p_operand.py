@@ -61,11 +61,6 @@ def ss_space():
     return load_builtin("attention-hopper3-ss")
 
 
-@pytest.fixture(scope="module")
-def full_space():
-    """attention.yaml: the compile and GPU tests' configs include one the ss space does not (the loop as written)."""
-    return load_builtin("attention")
-
 
 def test_every_regs_config_keeps_its_source(attention, ss_space):
     """Each p_operand = regs config of attention-hopper3-ss.yaml on gpt2 instantiates to the source of the same config
@@ -124,17 +119,17 @@ def test_launch_counts_the_p_tiles(attention, ss_space):
 
 @pytest.mark.parametrize("cfg", SMEM_CONFIGS + FA3_D64, ids=hopper_config_id)
 @pytest.mark.parametrize("shape_text", COMPILE_SHAPES)
-def test_smem_configs_compile_clean(attention, full_space, cfg, shape_text):
+def test_smem_configs_compile_clean(attention, space, cfg, shape_text):
     """Every smem path compiles for sm_90a with no stack frame, no spill, within the static gate, and without ptxas
     serialising the wgmma; except the three-consumer d128 tile on a causal shape, whose mask spills a few bytes (the
     static gate prunes it there, as it did on llama-4k-causal in the measurements)."""
     shape = parse_shape(shape_text)
-    if not full_space.admitted(full_space.config(dict(cfg)), attention.context(shape)):
+    if not space.admitted(space.config(dict(cfg)), attention.context(shape)):
         pytest.skip("config not admitted for this shape")
     if cfg["compute_warps"] == 12 and shape.head_dim == 128 and shape.causal:
-        assert compile_config(attention, full_space, shape, cfg)[2].resources.spill_stores > 0
+        assert compile_config(attention, space, shape, cfg)[2].resources.spill_stores > 0
         return
-    _, compiled, _ = assert_compiles_clean(attention, full_space, shape, cfg)
+    _, compiled, _ = assert_compiles_clean(attention, space, shape, cfg)
     assert not serialised_notes(compiled)
 
 
@@ -154,11 +149,11 @@ def test_192_key_tile_needs_p_in_shared_memory(attention, ss_space):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", SMEM_CONFIGS, ids=hopper_config_id)
 @pytest.mark.parametrize("shape_text", HOPPER_SHAPES)
-def test_smem_passes_the_gate_bit_for_bit(attention, full_space, cfg, shape_text):
+def test_smem_passes_the_gate_bit_for_bit(attention, space, cfg, shape_text):
     """The full gate passes, and the output is bit for bit the regs twin's: the same P through shared memory."""
     shape = parse_shape(shape_text)
-    skip_unless_admitted(attention, full_space, shape, cfg, _regs(cfg))
-    assert_gate_and_twin(attention, full_space, shape, cfg, _regs(cfg))
+    skip_unless_admitted(attention, space, shape, cfg, _regs(cfg))
+    assert_gate_and_twin(attention, space, shape, cfg, _regs(cfg))
 
 
 def _assert_gate(attention, space, shape, cfg) -> None:
@@ -190,10 +185,10 @@ def test_192_key_tile_passes_the_gate(attention, ss_space, cfg, shape_text):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape_text", [s for s in HOPPER_SHAPES if s not in _D64_SHAPES])
-def test_three_consumer_d128_tile_passes_the_gate(attention, full_space, shape_text):
+def test_three_consumer_d128_tile_passes_the_gate(attention, space, shape_text):
     """The three-consumer d128 tile with two stages, which only smem compiles without spills (its regs twin spills,
     so the bit-for-bit test skips it): the full gate passes on the d128 shapes where it does not spill."""
-    _assert_gate(attention, full_space, parse_shape(shape_text), SMEM_CONFIGS[3])
+    _assert_gate(attention, space, parse_shape(shape_text), SMEM_CONFIGS[3])
 
 
 @pytest.mark.gpu

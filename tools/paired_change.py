@@ -12,6 +12,8 @@ import json
 import statistics
 import sys
 
+from evotune.gpu.interleave import paired_ratios
+
 
 def paired(record: dict, base: str, other: str) -> tuple[float, int, int, float, float]:
     """(median change, rounds other won, rounds, base median us, other median us)."""
@@ -19,8 +21,8 @@ def paired(record: dict, base: str, other: str) -> tuple[float, int, int, float,
     if base not in medians or other not in medians:
         raise SystemExit(f"paired_change: no contender {base!r} or {other!r}; the record has {sorted(medians)}")
     a, b = medians[base], medians[other]
-    changes = [y / x - 1 for x, y in zip(a, b)]
-    return (statistics.median(changes), sum(c < 0 for c in changes), len(changes), statistics.median(a),
+    ratios = paired_ratios(a, b)
+    return (ratios["median"] - 1, sum(r < 1 for r in ratios["per_round"]), len(a), statistics.median(a),
             statistics.median(b))
 
 

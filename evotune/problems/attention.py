@@ -414,9 +414,8 @@ class AttentionProblem(Problem):
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
                  "\n// o_map (epilogue = tma): O's CUtensorMap, boxes of 64 columns x 64 rows (one consumer warpgroup's).")
                 if tma else ("", "", ""))
-            if is_skip_empty(config) and is_persistent(config):
-                o_map_note = ("\n// empty_warpgroups = skip: the non-causal PERSISTENT grid takes tile_counter too (its tiles are "
-                              "handed out).") + o_map_note
+            skip_note = ("\n// empty_warpgroups = skip: the non-causal PERSISTENT grid takes tile_counter too (its tiles are "
+                         "handed out).") if is_skip_empty(config) and is_persistent(config) else ""
             return f"""{traits}
 {asserts}
 // Launch: grid (ceil(seq_q / kBlockM), heads, batch), or with PERSISTENT (min(tiles, SMs), 1, 1) for tiles =
@@ -427,7 +426,7 @@ class AttentionProblem(Problem):
 // o: fp16/bf16 bit patterns; strides in elements (b = batch, h = head, s = sequence). kv_magic: 0, or with
 // grouped-query attention ceil(2^32 / group) for group = heads / kv_heads; the K and V maps span kv_heads.
 // n_heads, n_batch: the query heads and the batch. tile_counter: PERSISTENT with causal only (else null): two
-// unsigned ints zeroed once; the kernel leaves them zero (one pair per launch that may run concurrently).{o_map_note}
+// unsigned ints zeroed once; the kernel leaves them zero (one pair per launch that may run concurrently).{skip_note}{o_map_note}
 extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 {self.entry_name}(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                   const __grid_constant__ CUtensorMap v_map, unsigned short* __restrict__ o,
