@@ -69,8 +69,16 @@ struct HopperTraits {
     // 128): producer 32, consumers 160, 128*32 + 384*160 = 65536 (FlashAttention-3's split for
     // its 192-row d64 tiles). One consumer warpgroup already has 255.
     static constexpr bool kSetMaxNReg = kHasProducer && kConsumerWGs >= 2;
+    //[wg4] #if 0
     static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 24;
     static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 240;
+    //[wg4] #endif
+    //[wg4] // Four consumer warpgroups (640 threads, launch bound 96 registers each: 65536 / 640 rounded down to the
+    //[wg4] // allocation's 8): producer 24, consumers 112, 128*24 + 512*112 = 60416 of the CTA's 61440. setmaxnreg.inc
+    //[wg4] // takes what the CTA's setmaxnreg.dec freed, never the SM's unallocated rest: a split above the launch's
+    //[wg4] // allocation (consumers 120: 64512) waits forever (it hung the H100).
+    //[wg4] static constexpr int kProducerRegs = 24;
+    //[wg4] static constexpr int kConsumerRegs = 112;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
     //[p_smem] #if 0
@@ -79,7 +87,10 @@ struct HopperTraits {
     //[p_smem] #endif
     //[p_smem] static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 192,
     //[p_smem]               "p_operand = smem: P in whole 64-key regions of the 128-byte swizzle, up to FlashAttention-3's 192-key d64 tile");
+    //[wg4] #if 0
     static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "one to three consumer warpgroups (64 to 192 query rows)");
+    //[wg4] #endif
+    //[wg4] static_assert(kConsumerWGs == 4, "block_m 256: four consumer warpgroups (wgmma_block_m 256)");
     static_assert(kProducerWarps == 0 || kProducerWarps == 4, "the producer is a whole warpgroup (setmaxnreg is per warpgroup)");
     static_assert(!kPingPong || kConsumerWGs == 2, "ping-pong needs two consumer warpgroups");
     // Persistent: the producer warpgroup alone loads, so it can run a tile ahead; ping-pong's per-tile turn
@@ -512,6 +523,7 @@ __device__ __forceinline__ int kv_tile_count(int q_row0, int seq_k) {
 }
 // ---- end of the persistent tile order
 //[tma_store] #include "hopper_tma_store.cuh"
+//[wg4] //[tma_store] static_assert(kOStageBarrier + 4 <= 16, "four consumer warpgroups' staging barriers must fit the CTA's 16");
 
 // q_map, k_map, v_map: the CUtensorMaps of Q, K and V, each over the 4-D view (head_dim, seq, head,
 // batch) with boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows. They point at the entry

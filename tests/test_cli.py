@@ -329,3 +329,17 @@ def test_resume_with_other_storage_is_usage_error(main_in_process, runs_root, mi
         main_in_process("search", "--run", "local", "--resume", "--storage", "sqlite:////tmp/elsewhere.db"), 2,
         "keeps its study in ", "not sqlite:////tmp/elsewhere.db")
     assert "study.journal" in line
+
+
+def test_config_summaries_spell_every_value_apart():
+    """A config's one-line summary (cfg_short, Problem.knob_abbrev) tells every value of every knob of each family's
+    default space apart: a (true, false) pair of spellings only fits a bool knob (empty_warpgroups' compute once read
+    "skipempty", as skip did)."""
+    from evotune.cli.display import cfg_short
+    from evotune.problems import FAMILIES, get_problem
+    from evotune.space.searchspace import load_builtin
+
+    for family in FAMILIES:
+        for param in load_builtin(get_problem(family).default_space).params:
+            spelled = {cfg_short({param.name: value}) for value in param.values}
+            assert len(spelled) == len(param.values), (family, param.name, spelled)

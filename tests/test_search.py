@@ -303,7 +303,7 @@ def test_compile_error_is_recorded(attention, reduced, mission, monkeypatch):
 def test_static_gate_prunes_before_evaluation(attention, reduced, mission, monkeypatch):
     """A compiled kernel that fails the static resource gate is a counted PRUNED trial with its resources, not evaluated."""
     monkeypatch.setattr("evotune.build.compile.static_violations",
-                        lambda res, threads, smem: ["spills registers (8 B stores, 8 B loads)"])
+                        lambda res, threads, smem, register_split=0: ["spills registers (8 B stores, 8 B loads)"])
     run = Run.create("static", {})
     ev = FakeEvaluator(reduced, attention.context(mission))
     summary = search(attention, reduced, mission, run, ev, trials=2, sampler="random")

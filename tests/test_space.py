@@ -50,7 +50,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_attention_loads(space):
     """The shipped attention.yaml loads with its twenty-three parameters (the variant knob mma first), six derived values
-    and thirty-two constraints, each with its reason."""
+    and thirty-three constraints, each with its reason."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
@@ -59,11 +59,11 @@ def test_attention_loads(space):
                                    "softmax_overlap", "lean_addressing", "p_operand", "empty_warpgroups"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 32
+    assert len(space.constraints) == 33
     assert all(c.why for c in space.constraints)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
-    assert block_m.values == (16, 32, 64, 128, 192) and block_m.default == 64 and block_m.line == 15
+    assert block_m.values == (16, 32, 64, 128, 192, 256) and block_m.default == 64 and block_m.line == 15
     assert space.params[-17].values == ("pad", "swizzle", "plain")
     assert space.params[-16].values == (True, False)
     assert space.params[-15].values == (1, 2, 4, 8)
@@ -108,8 +108,10 @@ def test_wgmma_pins_the_knobs_it_does_not_read(space, attention):
                 if other != cfg[name]:
                     assert space.violations(space.config({**cfg.as_dict(), name: other}), ctx), (name, other)
     # attention-hopper3.yaml leaves out block_n 16: 172 is what `evotune check --space` compiles for it on this d128
-    # shape (attention-hopper.yaml, without the three-warpgroup and 176-key tiles: 114)
-    assert len([c for c in admitted if c["block_n"] != 16]) == 172
+    # shape (attention-hopper.yaml, without the three-warpgroup and 176-key tiles: 114); the four-warpgroup tile
+    # (block_m 256, which attention-hopper3.yaml leaves out) adds 34 (keys up to 128)
+    assert len([c for c in admitted if c["block_n"] != 16 and c["compute_warps"] <= 12]) == 172
+    assert len([c for c in admitted if c["block_n"] != 16 and c["compute_warps"] == 16]) == 34
     assert len([c for c in admitted if c["block_n"] not in (16, 176) and c["compute_warps"] <= 8]) == 114
     assert len({instantiate(attention, c, shape).code for c in admitted}) == len(admitted)
     for pw, pp in ((4, False), (1, True)):
@@ -164,8 +166,8 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 
 def test_size(space):
-    """size() is the product of the value counts: 2*5*6*5*4*4*3*2*4*3*2*2*2*2*3*3*3*3*2*2*2*2."""
-    assert space.size() == 14332723200
+    """size() is the product of the value counts: 2*6*6*6*4*4*3*2*4*3*2*2*2*2*2*3*3*3*3*2*2*2*2."""
+    assert space.size() == 20639121408
 
 
 def test_all_configs_is_the_full_product_in_order(space):

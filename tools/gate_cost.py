@@ -83,7 +83,7 @@ def compile_candidates(problem, shape, configs, n: int) -> list:
             print(f"skipped (does not compile): {config.key()}: {str(e).splitlines()[0]}", file=sys.stderr)
             continue
         geo = problem.geometry(config, shape)
-        if static_violations(compiled.resources, geo.threads, geo.dynamic_smem):
+        if static_violations(compiled.resources, geo.threads, geo.dynamic_smem, geo.register_split):
             continue
         ready.append((config, compiled))
         if len(ready) == n:

@@ -139,7 +139,7 @@ def build(problem, shape, knobs: dict) -> dict:
         src = instantiate(problem, config, shape)
         compiled = compile_source(src.code, src.entry)
         geo = problem.geometry(config, shape)
-        why = static_violations(compiled.resources, geo.threads, geo.dynamic_smem)
+        why = static_violations(compiled.resources, geo.threads, geo.dynamic_smem, geo.register_split)
         if why:
             sys.exit(f"pdl_chain: {config_summary(config.as_dict())} on {shape.spec}: {'; '.join(why)}")
         assert problem.launch_plan(config, shape).pdl == pdl

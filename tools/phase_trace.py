@@ -534,7 +534,8 @@ def build(shape, knobs: dict) -> dict:
         compiled = compile_source(src.code, src.entry)
         geo = problem.geometry(config, shape)
         built[label] = {"problem": problem, "config": config, "digest": src.digest, "compiled": compiled,
-                        "violations": static_violations(compiled.resources, geo.threads, geo.dynamic_smem),
+                        "violations": static_violations(compiled.resources, geo.threads, geo.dynamic_smem,
+                                                        geo.register_split),
                         "smem": geo.dynamic_smem}
     return built
 

@@ -119,6 +119,8 @@ def main() -> None:
             compiled = compile_source(src.code, src.entry)
             res = evaluate_compiled(problem, shape, cfg, compiled)
             rows.append({"config": text + suffix, "line": gate_line(res)})
+            # As each config is done, so that a kernel that hangs the process leaves the ones before it on record.
+            print(f"config {i}{suffix}: {rows[-1]['line']}", file=sys.stderr, flush=True)
             if res.ok:
                 rows[-1]["label"] = f"config {i}{suffix}"
                 kernel = load_kernel(compiled, problem.geometry(cfg, shape).dynamic_smem)

@@ -308,8 +308,9 @@ def compile_pool(workers: int):
                                initializer=_pool_worker_init, initargs=(os.getpid(),))
 
 
-def static_violations(res: Resources, threads: int, dynamic_smem: int) -> list[str]:
-    """Reasons a compiled kernel must not run: spills, local memory, or more than one SM can hold."""
+def static_violations(res: Resources, threads: int, dynamic_smem: int, register_split: int = 0) -> list[str]:
+    """Reasons a compiled kernel must not run: spills, local memory, more than one SM can hold, or a setmaxnreg
+    split (`register_split`, LaunchGeometry's) above the registers its launch allocates."""
     why = []
     if res.spill_stores or res.spill_loads:
         why.append(f"spills registers ({res.spill_stores} B stores, {res.spill_loads} B loads)")
@@ -321,17 +322,21 @@ def static_violations(res: Resources, threads: int, dynamic_smem: int) -> list[s
     regs_per_warp = -(-res.registers * 32 // 256) * 256
     if warps > (REGISTERS_PER_SM // regs_per_warp) // 4 * 4:
         why.append(f"{res.registers} registers x {threads} threads do not fit one SM's register file")
+    if register_split > warps * regs_per_warp:
+        why.append(f"setmaxnreg hands the warpgroups {register_split} registers, more than the launch's "
+                   f"{warps * regs_per_warp} ({res.registers} x {threads} threads): setmaxnreg.inc would wait forever")
     if res.static_smem + dynamic_smem > SMEM_LIMIT_BYTES:
         why.append(f"shared memory {res.static_smem + dynamic_smem} B exceeds {SMEM_LIMIT_BYTES} B")
     return why
 
 
-def judged(compiled: Compiled, threads: int, dynamic_smem: int) -> Compiled:
+def judged(compiled: Compiled, threads: int, dynamic_smem: int, register_split: int = 0) -> Compiled:
     """`compiled` with its static verdict: the one it carries, else static_violations' reasons, computed here
     once. The search judges a candidate before a GPU worker evaluates it; the worker then reads the verdict."""
     if compiled.static_verdict is not None:
         return compiled
-    return replace(compiled, static_verdict=tuple(static_violations(compiled.resources, threads, dynamic_smem)))
+    return replace(compiled, static_verdict=tuple(static_violations(compiled.resources, threads, dynamic_smem,
+                                                                    register_split)))
 
 
 def load_kernel(compiled: Compiled, dynamic_smem: int = 0):

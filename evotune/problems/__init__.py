@@ -32,6 +32,10 @@ class LaunchGeometry:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     dynamic_smem: int
+    # Registers the CTA's warpgroups hold after setmaxnreg, summed over its threads (0: the kernel does not resize
+    # them). setmaxnreg.inc only takes what the CTA's own setmaxnreg.dec freed, so the static gate refuses a kernel
+    # whose launch allocates fewer (ptxas's count x threads): its consumers would wait forever.
+    register_split: int = 0
 
     @property
     def threads(self) -> int:

@@ -91,6 +91,22 @@ def wgmma_block_m(config) -> int:
     return 16 * int(knob(config, "compute_warps"))
 
 
+# The Hopper kernel's setmaxnreg split (kernels/attention_hopper.cuh's kProducerRegs, kConsumerRegs) by consumer
+# warpgroups, with a producer warpgroup: registers per producer thread and per consumer thread.
+SETMAXNREG_SPLIT = {2: (24, 240), 3: (32, 160), 4: (24, 112)}
+
+
+def setmaxnreg_registers(config) -> int:
+    """The registers the Hopper kernel's warpgroups hold after setmaxnreg, over the CTA; 0 where it does not resize
+    them (mma.sync, no producer, one consumer warpgroup). LaunchGeometry.register_split: setmaxnreg.inc takes only what
+    the CTA's setmaxnreg.dec freed, so the launch's allocation must hold this much."""
+    consumers = wgmma_block_m(config) // 64
+    if not is_wgmma(config) or int(knob(config, "producer_warps")) == 0 or consumers < 2:
+        return 0
+    producer_regs, consumer_regs = SETMAXNREG_SPLIT[consumers]
+    return 128 * producer_regs + 128 * consumers * consumer_regs
+
+
 def rows_per_cta(config) -> int:
     """Query rows per CTA (the traits' kBlockM): wgmma_block_m for the Hopper variant, else the block_m knob."""
     return wgmma_block_m(config) if is_wgmma(config) else int(knob(config, "block_m"))
@@ -285,7 +301,7 @@ class AttentionProblem(Problem):
                    "key_merge": "merge-", "kv_load": "load-", "kv_cluster": "cluster", "exp2_fma": "ex2fma",
                    "rescale": "rescale-", "softmax_overlap": ("overlap", "nooverlap"),
                    "lean_addressing": ("leanaddr", "rebuiltaddr"), "p_operand": "p-",
-                   "empty_warpgroups": ("skipempty", "computeempty")}
+                   "empty_warpgroups": "empty-"}
     # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing, p_operand and
     # empty_warpgroups came after the recorded runs; at false, regs, gather, cp_async, 1, 0, always, false, false, regs
     # and compute they leave the source as it was (their template lines are flagged).
@@ -353,7 +369,8 @@ class AttentionProblem(Problem):
         the Hopper kernel's `//[softmax_overlap]` lines (its consumer loop rotated); lean_addressing: its
         `//[lean_addressing]` lines (descriptors advanced by one add, unsigned slot arithmetic); p_smem: its
         `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
-        `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only). No such knob
+        `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); wg4: its
+        `//[wg4]` lines (block_m 256: four consumer warpgroups, their register split). No such knob
         is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
@@ -365,7 +382,8 @@ class AttentionProblem(Problem):
                                                ("softmax_overlap", is_softmax_overlap(config)),
                                                ("lean_addressing", is_lean_addressing(config)),
                                                ("p_smem", is_p_smem(config)),
-                                               ("skip_empty", is_skip_empty(config))) if on)
+                                               ("skip_empty", is_skip_empty(config)),
+                                               ("wg4", is_wgmma(config) and wgmma_block_m(config) == 256)) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
@@ -471,7 +489,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
             threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
             grid = ((min(query_tiles(config, shape), multiprocessors), 1, 1) if is_persistent(config)
                     else (math.ceil(shape.seq_q / block_m), shape.heads, shape.batch))
-            return LaunchGeometry(grid=grid, block=(threads, 1, 1), dynamic_smem=smem)
+            return LaunchGeometry(grid=grid, block=(threads, 1, 1), dynamic_smem=smem,
+                                  register_split=setmaxnreg_registers(config))
         threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
         pitch = shape.head_dim + (8 if knob(config, "smem_layout") == "pad" else 0)
         smem = 2 * pitch * (block_m + 2 * int(knob(config, "stages")) * block_n)

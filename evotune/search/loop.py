@@ -677,7 +677,8 @@ def _compile_and_judge(problem, shape, item: _Pending, compiler, timeline: Timel
     except CompileError as e:
         return Result(status=R.COMPILE_ERROR, message=str(e))
     geo = problem.geometry(config, shape)
-    compiled = judged(compiled, geo.threads, geo.dynamic_smem)  # the worker reads this verdict, not again
+    # The worker reads this verdict, not again.
+    compiled = judged(compiled, geo.threads, geo.dynamic_smem, geo.register_split)
     static = list(compiled.static_verdict)
     if static:
         return Result(status=R.PRUNED, message="static: " + "; ".join(static),

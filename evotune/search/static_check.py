@@ -52,7 +52,7 @@ def check_one(args: tuple) -> dict:
         c = compile_source(src.code, src.entry)
     except CompileError as e:
         return {"config": cfg_dict, "status": "compile_error", "message": str(e)}
-    why = static_violations(c.resources, geo.threads, geo.dynamic_smem)
+    why = static_violations(c.resources, geo.threads, geo.dynamic_smem, geo.register_split)
     return {"config": cfg_dict, "status": "pruned" if why else "ok", "message": "; ".join(why),
             "resources": c.resources.as_dict(), "threads": geo.threads, "dynamic_smem": geo.dynamic_smem,
             "compile_seconds": c.compile_seconds, "cached": c.cached}

@@ -115,7 +115,7 @@ def compile_for(config, shape, expected_digest: str | None = None, write_lse: bo
     built = instantiate(PROBLEM, config, shape, write_lse=True) if write_lse else source
     compiled = compile_source(built.code, built.entry)
     geometry = PROBLEM.geometry(config, shape)
-    why = static_violations(compiled.resources, geometry.threads, geometry.dynamic_smem)
+    why = static_violations(compiled.resources, geometry.threads, geometry.dynamic_smem, geometry.register_split)
     if why:
         raise EvotuneError(f"config {config.key()} on {shape.spec}: {'; '.join(why)}")
     return source, compiled, geometry
