@@ -141,9 +141,15 @@ def model_time(c) -> float:
 
 
 def fake_compiler(config, source):
+    """A compile without ptxas that the static gate passes: 64 registers, or for a Hopper kernel with setmaxnreg what
+    its launch bound allocates (the gate checks the split against them)."""
     from evotune.build.compile import Compiled, Resources
+    from evotune.problems.attention import setmaxnreg_registers
 
-    return Compiled(config.digest(), source.entry, "none", "", (), "", Resources(64, 0, 0, 0, 0, 1), 0.0)
+    knobs = config.as_dict()
+    threads = 32 * (int(knobs.get("compute_warps", 4)) + int(knobs.get("producer_warps", 0)))
+    registers = max(64, -(-setmaxnreg_registers(config) // threads // 8) * 8)
+    return Compiled(config.digest(), source.entry, "none", "", (), "", Resources(registers, 0, 0, 0, 0, 1), 0.0)
 
 
 def model_evaluate(config, compiled):
