@@ -89,13 +89,13 @@ def compile_config(attention, space, shape, cfg):
 def assert_compiles_clean(attention, space, shape, cfg):
     """(config, Compiled, launch geometry) of a config given as a dict, after checking it compiled for sm_90a with no
     stack frame, no spill and within the static gate (registers, setmaxnreg split, shared memory) for its launch."""
-    from evotune.build.compile import static_violations
+    from evotune.build.compile import launch_violations
 
     config, _, compiled = compile_config(attention, space, shape, cfg)
     geo = attention.geometry(config, shape)
     res = compiled.resources
     assert res.stack_frame == 0 and res.spill_stores == 0, res
-    assert not static_violations(res, geo.threads, geo.dynamic_smem, geo.register_split)
+    assert not launch_violations(res, geo)
     return config, compiled, geo
 
 

@@ -33,7 +33,7 @@ except ImportError:  # not installed and not on PYTHONPATH: the checkout this to
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import evotune
 
-from evotune.build.compile import CompileError, compile_source, static_violations  # noqa: E402
+from evotune.build.compile import CompileError, compile_source, launch_violations  # noqa: E402
 from evotune.errors import EvotuneError  # noqa: E402
 from evotune.gpu.evaluate import DEFAULT_REPS, evaluate_compiled  # noqa: E402
 from evotune.problems import get_problem  # noqa: E402
@@ -83,7 +83,7 @@ def compile_candidates(problem, shape, configs, n: int) -> list:
             print(f"skipped (does not compile): {config.key()}: {str(e).splitlines()[0]}", file=sys.stderr)
             continue
         geo = problem.geometry(config, shape)
-        if static_violations(compiled.resources, geo.threads, geo.dynamic_smem, geo.register_split):
+        if launch_violations(compiled.resources, geo):
             continue
         ready.append((config, compiled))
         if len(ready) == n:

@@ -129,7 +129,7 @@ def config_summary(config: dict) -> str:
 
 def build(problem, shape, knobs: dict) -> dict:
     """{False: (config, kernel), True: ...}: the config compiled and loaded with pdl off and on."""
-    from evotune.build.compile import compile_source, load_kernel, static_violations
+    from evotune.build.compile import compile_source, load_kernel, launch_violations
     from evotune.build.template import instantiate
     from evotune.space.searchspace import Config
 
@@ -139,7 +139,7 @@ def build(problem, shape, knobs: dict) -> dict:
         src = instantiate(problem, config, shape)
         compiled = compile_source(src.code, src.entry)
         geo = problem.geometry(config, shape)
-        why = static_violations(compiled.resources, geo.threads, geo.dynamic_smem, geo.register_split)
+        why = launch_violations(compiled.resources, geo)
         if why:
             sys.exit(f"pdl_chain: {config_summary(config.as_dict())} on {shape.spec}: {'; '.join(why)}")
         assert problem.launch_plan(config, shape).pdl == pdl

@@ -522,7 +522,7 @@ def sync() -> None:
 def build(shape, knobs: dict) -> dict:
     """The config compiled untraced (the family's source) and traced (TracedAttention's): per label its config,
     source digest, Compiled and static violations."""
-    from evotune.build.compile import compile_source, static_violations
+    from evotune.build.compile import compile_source, launch_violations
     from evotune.build.template import instantiate
     from evotune.problems import get_problem
     from evotune.space.searchspace import Config
@@ -534,8 +534,7 @@ def build(shape, knobs: dict) -> dict:
         compiled = compile_source(src.code, src.entry)
         geo = problem.geometry(config, shape)
         built[label] = {"problem": problem, "config": config, "digest": src.digest, "compiled": compiled,
-                        "violations": static_violations(compiled.resources, geo.threads, geo.dynamic_smem,
-                                                        geo.register_split),
+                        "violations": launch_violations(compiled.resources, geo),
                         "smem": geo.dynamic_smem}
     return built
 

@@ -330,6 +330,12 @@ def static_violations(res: Resources, threads: int, dynamic_smem: int, register_
     return why
 
 
+def launch_violations(res: Resources, geometry) -> list[str]:
+    """static_violations for a launch geometry (evotune.problems.LaunchGeometry: threads, dynamic shared memory and the
+    setmaxnreg split), so that a call site passes the launch rather than its fields one by one."""
+    return static_violations(res, geometry.threads, geometry.dynamic_smem, geometry.register_split)
+
+
 def judged(compiled: Compiled, threads: int, dynamic_smem: int, register_split: int = 0) -> Compiled:
     """`compiled` with its static verdict: the one it carries, else static_violations' reasons, computed here
     once. The search judges a candidate before a GPU worker evaluates it; the worker then reads the verdict."""

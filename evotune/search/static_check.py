@@ -37,7 +37,7 @@ def pick(admitted: list, sample: int, seed: int) -> list:
 def check_one(args: tuple) -> dict:
     """Compile one config (in a compile-pool process) and judge it by the static gate."""
     family, shape_dict, space_path, cfg_dict = args
-    from ..build.compile import CompileError, compile_source, static_violations
+    from ..build.compile import CompileError, compile_source, launch_violations
     from ..problems import get_problem
     from ..space.searchspace import load_space
     from ..build.template import instantiate
@@ -52,7 +52,7 @@ def check_one(args: tuple) -> dict:
         c = compile_source(src.code, src.entry)
     except CompileError as e:
         return {"config": cfg_dict, "status": "compile_error", "message": str(e)}
-    why = static_violations(c.resources, geo.threads, geo.dynamic_smem, geo.register_split)
+    why = launch_violations(c.resources, geo)
     return {"config": cfg_dict, "status": "pruned" if why else "ok", "message": "; ".join(why),
             "resources": c.resources.as_dict(), "threads": geo.threads, "dynamic_smem": geo.dynamic_smem,
             "compile_seconds": c.compile_seconds, "cached": c.cached}

@@ -105,7 +105,7 @@ def compile_for(config, shape, expected_digest: str | None = None, write_lse: bo
     the variant that also writes the row log-sum-exp. EvotuneError where the searched kernel's source is not
     the one the table measured, or ptxas reports what the search's gate refuses. The KernelSource is the
     searched kernel's (its digest is the table's); the Compiled is the variant asked for."""
-    from ..build.compile import compile_source, static_violations
+    from ..build.compile import compile_source, launch_violations
     from ..build.template import instantiate
 
     source = instantiate(PROBLEM, config, shape)
@@ -115,7 +115,7 @@ def compile_for(config, shape, expected_digest: str | None = None, write_lse: bo
     built = instantiate(PROBLEM, config, shape, write_lse=True) if write_lse else source
     compiled = compile_source(built.code, built.entry)
     geometry = PROBLEM.geometry(config, shape)
-    why = static_violations(compiled.resources, geometry.threads, geometry.dynamic_smem, geometry.register_split)
+    why = launch_violations(compiled.resources, geometry)
     if why:
         raise EvotuneError(f"config {config.key()} on {shape.spec}: {'; '.join(why)}")
     return source, compiled, geometry
