@@ -473,6 +473,31 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
 //[skip_empty]         if (lane == 0 && (T::kPersistent || t + 1 < n_tiles)) mbar_arrive(smem_addr(&bars->v_empty[slot]));
 //[skip_empty]     }
 //[skip_empty] }
+//[causal_wg]
+//[causal_wg] // causal_extent = warpgroup: a consumer warpgroup stops at its own diagonal, the K/V tile of its last row (row0_wg
+//[causal_wg] // + 63); the CTA's later tiles, there for the warpgroups below it, lie wholly past its rows (masked). For those
+//[causal_wg] // it only gives the slots the releases a refill waits for: K(t)'s and V(t)'s where tile t + STAGES comes into
+//[causal_wg] // t's slot (one tile per CTA: while t + STAGES < cta_tiles; persistent: always, the next query tile's K/V come
+//[causal_wg] // after). Each release first waits for the load it releases, as drain_tile's do, so it counts towards this
+//[causal_wg] // use of the slot and never the one before.
+//[causal_wg] template <class T>
+//[causal_wg] __device__ __forceinline__ int warpgroup_kv_tiles(int row0_wg, int seq_k) {
+//[causal_wg]     static_assert(T::kIsCausal, "causal_extent = warpgroup: only a causal tile has K/V tiles past a warpgroup's rows");
+//[causal_wg]     return (min(seq_k, row0_wg + 64) + T::kBlockN - 1) / T::kBlockN;
+//[causal_wg] }
+//[causal_wg] template <class T>
+//[causal_wg] __device__ __forceinline__ void pass_masked_tiles(Barriers* bars, int from, int cta_tiles, int it0, int lane) {
+//[causal_wg]     const int released = T::kPersistent ? cta_tiles : cta_tiles - T::kStages;  // tiles whose slot is refilled
+//[causal_wg]     for (int t = from; t < released; ++t) {
+//[causal_wg]         const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence
+//[causal_wg]         const int slot = use % T::kStages;
+//[causal_wg]         const u32 parity = (use / T::kStages) & 1;
+//[causal_wg]         mbar_wait(smem_addr(&bars->k_full[slot]), parity);
+//[causal_wg]         if (lane == 0) mbar_arrive(smem_addr(&bars->k_empty[slot]));
+//[causal_wg]         mbar_wait(smem_addr(&bars->v_full[slot]), parity);
+//[causal_wg]         if (lane == 0) mbar_arrive(smem_addr(&bars->v_empty[slot]));
+//[causal_wg]     }
+//[causal_wg] }
 
 // ---- persistent tile order (plain C++: tests/test_persistent.py compiles this stretch with the host compiler)
 // A query tile: its first row, query head and batch index.
@@ -567,7 +592,12 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     const int grid_kv_head = kv_head_of(grid_tile.head, kv_magic);  // the K/V maps' head coordinate
     const int grid_n_tiles = kv_tile_count<T>(grid_tile.row0, seq_k);
     // The thread that issues TMA: the producer warpgroup's first, or the first consumer's.
+    //[causal_wg] #if 0
     const int loader = T::kHasProducer ? T::kConsumerThreads : 0;
+    //[causal_wg] #endif
+    //[causal_wg] // causal_extent = warpgroup, without a producer: the last consumer warpgroup's first thread, since that warpgroup
+    //[causal_wg] // alone walks every K/V tile of the CTA (the others stop at their own diagonals) and so refills every slot.
+    //[causal_wg] const int loader = T::kHasProducer ? T::kConsumerThreads : T::kConsumerThreads - 128;
 
     if (tid == loader) {
         mbar_init(smem_addr(&bars.q_full), 1);
@@ -596,7 +626,13 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
 
     // One query tile of the consumer warpgroups: `it0` K/V tiles went through the slots before it (the
     // slot of its K/V tile t is (it0 + t) % STAGES), and its Q arrives in phase `q_phase` of q_full.
+    //[causal_wg] #if 0
     auto consume_tile = [&](const QTile& w, int kv_head, int n_tiles, int it0, int q_phase) {
+    //[causal_wg] #endif
+    //[causal_wg] auto consume_tile = [&](const QTile& w, int kv_head, int cta_tiles, int it0, int q_phase) {
+        //[causal_wg] static_assert(!T::kPingPong, "causal_extent = warpgroup: ping-pong's turns assume equal loops");
+        //[causal_wg] //[skip_empty] static_assert(T::kHasProducer, "causal_extent = warpgroup with skip: an empty last warpgroup would not refill");
+        //[causal_wg] int n_tiles = cta_tiles;  // the CTA's K/V tiles, then (below the empty test) this warpgroup's
         const int wg = tid / 128;
         const int warp_in_wg = (tid % 128) / 32;
         const int lane = tid & 31;
@@ -608,6 +644,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         //[skip_empty]     drain_tile<T>(&bars, n_tiles, it0, q_phase, lane);
         //[skip_empty]     return;
         //[skip_empty] }
+        //[causal_wg] n_tiles = warpgroup_kv_tiles<T>(q_row0 + 64 * wg, seq_k);  // up to its own diagonal
 
         float o_acc[T::kOAcc];
         float s_acc[T::kSAcc];
@@ -765,6 +802,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             // The last V slot is free for the next tile's loads.
             if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[last]));
         }
+        //[causal_wg] if constexpr (!T::kPersistent) {
+        //[causal_wg]     // A later K/V tile of the CTA comes into the slot of this warpgroup's last V.
+        //[causal_wg]     if (lane == 0 && n_tiles - 1 + T::kStages < cta_tiles) mbar_arrive(smem_addr(&bars.v_empty[last]));
+        //[causal_wg] }
 
         //[tma_store] // epilogue = tma (kernels/hopper_tma_store.cuh): O goes out through shared memory and TMA instead.
         //[tma_store] #if 0
@@ -775,6 +816,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         //[tma_store]                  warp_in_wg, lane);
         if constexpr (WRITE_LSE)
             store_row_lse<T>(m_run, l_run, lse + batch * lse_sb + head * lse_sh, q_row, seq_q, scale_log2, lane);
+        //[causal_wg] // Its output is out; now the K/V tiles past its diagonal (their releases only).
+        //[causal_wg] pass_masked_tiles<T>(&bars, n_tiles, cta_tiles, it0, lane);
     };
 
     if constexpr (!T::kPersistent) {

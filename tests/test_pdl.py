@@ -62,14 +62,16 @@ def test_the_kernels_flag_known_knobs_only():
     exp2 by a polynomial on the FMA pipe), lazy_rescale (the Hopper kernel's conditional rescaling of O, knob rescale),
     softmax_overlap (its consumer loop rotated), lean_addressing (its descriptors advanced by one add), p_smem (P V's P
     from shared memory, knob p_operand), skip_empty (empty warpgroups skipped, knob empty_warpgroups), wg4 (the
-    four-warpgroup tile's register split, block_m 256), trace (tools/phase_trace.py's stamps), trace_split and
+    four-warpgroup tile's register split, block_m 256), causal_wg (each consumer warpgroup stopping at its own causal
+    diagonal, knob causal_extent), trace (tools/phase_trace.py's stamps), trace_split and
     trace_tma (its stamps in the split merge and the TMA loads: both flags) and no_wg_overlap (the baseline
     `tools/time_configs.py --with-flag` measures) and nothing else (a misspelt flag would drop its lines); the last four
     are never a searched config's."""
     _, template = read_template("attention.cu")
     assert template_flag_names(template) == {"pdl", "tma_store", "split_merge", "tma_load", "tma_multicast", "tma_split", "trace",
                                                  "trace_split", "trace_tma", "no_wg_overlap", "exp2_fma", "lazy_rescale",
-                                                 "softmax_overlap", "lean_addressing", "p_smem", "skip_empty", "wg4"}
+                                                 "softmax_overlap", "lean_addressing", "p_smem", "skip_empty", "wg4",
+                                                 "causal_wg"}
 
 
 @pytest.mark.parametrize("shape_text, cfg, options, digest", BEFORE_PDL, ids=["mission", "mission-lse", "persistent",

@@ -49,37 +49,40 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its twenty-three parameters (the variant knob mma first), six derived values
-    and thirty-three constraints, each with its reason."""
+    """The shipped attention.yaml loads with its twenty-four parameters (the variant knob mma first), six derived values
+    and thirty-four constraints, each with its reason."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
                                    "smem_layout", "q_in_regs", "kv_splits", "warp_key_groups", "pingpong", "persistent",
                                    "pdl", "epilogue", "key_merge", "kv_load", "kv_cluster", "exp2_fma", "rescale",
-                                   "softmax_overlap", "lean_addressing", "p_operand", "empty_warpgroups"]
+                                   "softmax_overlap", "lean_addressing", "p_operand", "empty_warpgroups",
+                                   "causal_extent"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 33
+    assert len(space.constraints) == 34
     assert all(c.why for c in space.constraints)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
     assert block_m.values == (16, 32, 64, 128, 192, 256) and block_m.default == 64 and block_m.line == 15
-    assert space.params[-17].values == ("pad", "swizzle", "plain")
-    assert space.params[-16].values == (True, False)
-    assert space.params[-15].values == (1, 2, 4, 8)
-    assert space.params[-14].values == (1, 2, 4)
-    assert space.params[-13].values == (False, True)
+    assert space.params[-18].values == ("pad", "swizzle", "plain")
+    assert space.params[-17].values == (True, False)
+    assert space.params[-16].values == (1, 2, 4, 8)
+    assert space.params[-15].values == (1, 2, 4)
+    assert space.params[-14].values == (False, True)
+    assert space.params[-13].values == (False, True) and space.params[-13].default is False
     assert space.params[-12].values == (False, True) and space.params[-12].default is False
-    assert space.params[-11].values == (False, True) and space.params[-11].default is False
-    assert space.params[-10].values == ("regs", "tma") and space.params[-10].default == "regs"
-    assert space.params[-9].values == ("gather", "split") and space.params[-9].default == "gather"
-    assert space.params[-8].values == ("cp_async", "tma", "tma_split") and space.params[-8].default == "cp_async"
-    assert space.params[-7].values == (1, 2, 4) and space.params[-7].default == 1
-    assert space.params[-6].values == (0, 1, 2) and space.params[-6].default == 0
-    assert space.params[-5].values == ("always", "new_max", "lazy") and space.params[-5].default == "always"
-    assert space.params[-4].values == (False, True) and space.params[-4].default is False
-    assert space.params[-3].values == (False, True) and space.params[-3].default is False  # lean_addressing
-    assert space.params[-2].values == ("regs", "smem") and space.params[-2].default == "regs"  # p_operand
+    assert space.params[-11].values == ("regs", "tma") and space.params[-11].default == "regs"
+    assert space.params[-10].values == ("gather", "split") and space.params[-10].default == "gather"
+    assert space.params[-9].values == ("cp_async", "tma", "tma_split") and space.params[-9].default == "cp_async"
+    assert space.params[-8].values == (1, 2, 4) and space.params[-8].default == 1
+    assert space.params[-7].values == (0, 1, 2) and space.params[-7].default == 0
+    assert space.params[-6].values == ("always", "new_max", "lazy") and space.params[-6].default == "always"
+    assert space.params[-5].values == (False, True) and space.params[-5].default is False
+    assert space.params[-4].values == (False, True) and space.params[-4].default is False  # lean_addressing
+    assert space.params[-3].values == ("regs", "smem") and space.params[-3].default == "regs"  # p_operand
+    assert space.params[-2].values == ("compute", "skip") and space.params[-2].default == "compute"  # empty_warpgroups
+    assert space.params[-1].values == ("tile", "warpgroup") and space.params[-1].default == "tile"  # causal_extent
 
 
 def test_wgmma_pins_the_knobs_it_does_not_read(space, attention):
@@ -166,17 +169,17 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 
 def test_size(space):
-    """size() is the product of the value counts: 2*6*6*6*4*4*3*2*4*3*2*2*2*2*2*3*3*3*3*2*2*2*2."""
-    assert space.size() == 20639121408
+    """size() is the product of the value counts: 2*6*6*6*4*4*3*2*4*3*2*2*2*2*2*3*3*3*3*2*2*2*2*2."""
+    assert space.size() == 41278242816
 
 
 def test_all_configs_is_the_full_product_in_order(space):
     """all_configs() yields size() configs: the product of the parameters' values, the last parameter varying fastest,
     each config the product's config at its index, decoded in mixed radix. Every config of a smaller shipped space
-    (attention-small-mc.yaml: 23,328), and every 24th of attention.yaml's first 5,971,968 (rescale,
-    softmax_overlap, lean_addressing and p_operand, the last four knobs, at always, false, false and regs: every knob
-    but the first five then takes each of its values); the whole 7 G would take many minutes a pass, and two lists of
-    them gigabytes."""
+    (attention-small-mc.yaml: 23,328), and every 96th of attention.yaml's first 23,887,872 (rescale, softmax_overlap,
+    lean_addressing, p_operand, empty_warpgroups and causal_extent, the last six knobs, at always, false, false, regs,
+    compute and tile: every knob but the first five then takes each of its values); the whole 41 G would take many
+    minutes a pass, and two lists of them gigabytes."""
     from itertools import islice
 
     def product_config(space, index: int) -> dict:
@@ -191,13 +194,14 @@ def test_all_configs_is_the_full_product_in_order(space):
     for index, cfg in enumerate(small.all_configs()):
         assert cfg.as_dict() == product_config(small, index), index
     first = list(islice(space.all_configs(), 24))
-    assert [c["empty_warpgroups"] for c in first] == ["compute", "skip"] * 12
-    assert [c["p_operand"] for c in first] == ["regs", "regs", "smem", "smem"] * 6
-    assert [c["lean_addressing"] for c in first] == ([False] * 4 + [True] * 4) * 3
-    assert [c["softmax_overlap"] for c in first] == [False] * 8 + [True] * 8 + [False] * 8
-    prefix = list(islice(space.all_configs(), 0, 48 * 248832, 48))
-    assert all(cfg.as_dict() == product_config(space, 48 * index) for index, cfg in enumerate(prefix))
-    assert all(len({c[p.name] for c in prefix}) == len(p.values) for p in space.params[5:-5])
+    assert [c["causal_extent"] for c in first] == ["tile", "warpgroup"] * 12
+    assert [c["empty_warpgroups"] for c in first] == ["compute", "compute", "skip", "skip"] * 6
+    assert [c["p_operand"] for c in first] == (["regs"] * 4 + ["smem"] * 4) * 3
+    assert [c["lean_addressing"] for c in first] == [False] * 8 + [True] * 8 + [False] * 8
+    assert [c["softmax_overlap"] for c in first] == [False] * 16 + [True] * 8
+    prefix = list(islice(space.all_configs(), 0, 96 * 248832, 96))
+    assert all(cfg.as_dict() == product_config(space, 96 * index) for index, cfg in enumerate(prefix))
+    assert all(len({c[p.name] for c in prefix}) == len(p.values) for p in space.params[5:-6])
     assert product_config(space, space.size() - 1) == {p.name: list(p.values)[-1] for p in space.params}
     assert [c["exp2_fma"] for c in prefix[:3]] == [0, 1, 2]
     configs = prefix[:27 * 4608:3]  # exp2_fma 0: the knobs before it then vary as the checks below were written
@@ -318,7 +322,7 @@ def test_config_hash_equality_and_keys(space):
     c = Config.from_dict(dict(reversed(list(a.as_dict().items()))))
     assert a == b == c and hash(a) == hash(b) == hash(c)
     assert len({a, b, c, space.default_config()}) == 2
-    assert a.key() == c.key() == ("block_m=32,block_n=64,compute_warps=4,empty_warpgroups=compute,epilogue=regs,exp2_fma=0,key_merge=gather,"
+    assert a.key() == c.key() == ("block_m=32,block_n=64,causal_extent=tile,compute_warps=4,empty_warpgroups=compute,epilogue=regs,exp2_fma=0,key_merge=gather,"
                                   "kv_cluster=1,kv_load=cp_async,kv_splits=1,lean_addressing=False,"
                                   "mma=sync,p_operand=regs,pdl=False,"
                                   "persistent=False,"
@@ -563,7 +567,7 @@ BAD_KNOBS = [
     ("too-many-stages", attention_space("  stages: {values: [5]}\n"), 3, ("an integer from 1 to 4",)),
     ("unknown-knob", attention_space("  block_n: {values: [64]}\n  blok_m: {values: [64, 128]}\n"), 4,
      ("parameter 'blok_m' is not a knob of the attention family", "did you mean 'block_m'?")),
-    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing, p_operand, empty_warpgroups)")),
+    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing, p_operand, empty_warpgroups, causal_extent)")),
     ("softmax-vec", softmax_space("  vec: {values: [8, 3]}\n"), 3, ("3 is not a value of knob 'vec'", "one of 2, 4, 8")),
     ("softmax-strategy", softmax_space("  strategy: {values: [fast]}\n"), 3, ("one of cached, online, three_pass",)),
     ("softmax-typo", softmax_space("  thread_per_row: {values: [32]}\n"), 3, ("did you mean 'threads_per_row'?",)),

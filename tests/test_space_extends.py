@@ -66,8 +66,9 @@ RECORDED = {
 # again when the empty_warpgroups knob (compute, skip) and its constraint were added (834b311ce4374f6d before;
 # 14332723200 configs, 110048 admitted on the mission shape), and again when block_m 256 and compute_warps 16 (four
 # consumer warpgroups) and their constraint (at most 128 keys) were added (9d01fae10d43ca4a before; 20639121408 configs,
-# 114080 admitted on the mission shape).
-RECORDED_ATTENTION_DIGEST = "67ebcb2ab14a415e"
+# 114080 admitted on the mission shape), and again when the causal_extent knob (tile, warpgroup) and its constraint
+# were added (67ebcb2ab14a415e before; 41278242816 configs, still 114080 admitted on the non-causal mission shape).
+RECORDED_ATTENTION_DIGEST = "5681e74cad58909a"
 
 
 def admitted_digest(space, context, derived_names) -> list:

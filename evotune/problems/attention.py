@@ -39,7 +39,7 @@ KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_war
                  "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
                  "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1, "exp2_fma": 0,
                  "rescale": "always", "softmax_overlap": False, "lean_addressing": False, "p_operand": "regs",
-                 "empty_warpgroups": "compute"}
+                 "empty_warpgroups": "compute", "causal_extent": "tile"}
 
 
 # Knob rescale (the Hopper kernel's `//[lazy_rescale]` lines): how far a K/V tile's row max may exceed the row's running
@@ -73,6 +73,7 @@ KNOB_DOMAINS = {
     "lean_addressing": (False, True),    # wgmma: descriptors advanced by one add, slots in unsigned arithmetic
     "p_operand": ("regs", "smem"),       # wgmma: where P V reads P (FlashAttention-3's MmaPV_is_RS true or false)
     "empty_warpgroups": ("compute", "skip"),  # wgmma: a consumer warpgroup with only padding rows computes them or not
+    "causal_extent": ("tile", "warpgroup"),  # wgmma, causal: each warpgroup's keys end at its tile's diagonal or its own
 }
 
 
@@ -158,6 +159,16 @@ def is_skip_empty(config) -> bool:
     so that the CTAs that draw the cheap thin tiles take more. compute: the padding rows are computed and discarded,
     and the persistent non-causal grid walks a fixed stride."""
     return is_wgmma(config) and knob(config, "empty_warpgroups") == "skip"
+
+
+def is_causal_warpgroup(config) -> bool:
+    """The Hopper variant's causal K/V range per consumer warpgroup (knob causal_extent = warpgroup,
+    kernels/attention_hopper.cuh's `//[causal_wg]` lines): each warpgroup computes the K/V tiles up to its own 64 rows'
+    diagonal and only gives the barriers their releases for the CTA's later tiles, which are masked whole for its rows
+    (at block_m 128 and block_n 64 its first warpgroup skips one of each query tile's tiles, at block_m 256 three,
+    two and one); without a producer the last warpgroup's first thread issues the loads, since it alone walks every
+    tile. tile: every warpgroup walks the tile's range and its masked tiles add nothing to the output."""
+    return is_wgmma(config) and knob(config, "causal_extent") == "warpgroup"
 
 
 def uses_tile_counter(config, shape: Shape) -> bool:
@@ -301,13 +312,13 @@ class AttentionProblem(Problem):
                    "key_merge": "merge-", "kv_load": "load-", "kv_cluster": "cluster", "exp2_fma": "ex2fma",
                    "rescale": "rescale-", "softmax_overlap": ("overlap", "nooverlap"),
                    "lean_addressing": ("leanaddr", "rebuiltaddr"), "p_operand": "p-",
-                   "empty_warpgroups": "empty-"}
-    # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing, p_operand and
-    # empty_warpgroups came after the recorded runs; at false, regs, gather, cp_async, 1, 0, always, false, false, regs
-    # and compute they leave the source as it was (their template lines are flagged).
+                   "empty_warpgroups": "empty-", "causal_extent": "extent-"}
+    # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing, p_operand,
+    # empty_warpgroups and causal_extent came after the recorded runs; at false, regs, gather, cp_async, 1, 0, always,
+    # false, false, regs, compute and tile they leave the source as it was (their template lines are flagged).
     late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1,
                   "exp2_fma": 0, "rescale": "always", "softmax_overlap": False, "lean_addressing": False,
-                  "p_operand": "regs", "empty_warpgroups": "compute"}
+                  "p_operand": "regs", "empty_warpgroups": "compute", "causal_extent": "tile"}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -370,7 +381,8 @@ class AttentionProblem(Problem):
         `//[lean_addressing]` lines (descriptors advanced by one add, unsigned slot arithmetic); p_smem: its
         `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
         `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); wg4: its
-        `//[wg4]` lines (block_m 256: four consumer warpgroups, their register split). No such knob
+        `//[wg4]` lines (block_m 256: four consumer warpgroups, their register split); causal_wg: its `//[causal_wg]` lines
+        (causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal). No such knob
         is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
@@ -383,7 +395,8 @@ class AttentionProblem(Problem):
                                                ("lean_addressing", is_lean_addressing(config)),
                                                ("p_smem", is_p_smem(config)),
                                                ("skip_empty", is_skip_empty(config)),
-                                               ("wg4", is_wgmma(config) and wgmma_block_m(config) == 256)) if on)
+                                               ("wg4", is_wgmma(config) and wgmma_block_m(config) == 256),
+                                               ("causal_wg", is_causal_warpgroup(config))) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
