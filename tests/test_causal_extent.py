@@ -29,10 +29,10 @@ from evotune.space.searchspace import load_builtin
 _H = dict(mma="wgmma", rescale="lazy", softmax_overlap=True, lean_addressing=True, pingpong=False,
           causal_extent="warpgroup")
 # gpt2-causal's previous winner without a producer (the last warpgroup's thread now loads), and the same tile with two
-# stages and Q in shared memory (each slot refilled right after its release); the 256-row persistent tile (its first three warpgroups skip three, two
-# and one tiles at block_n 64); the 192-row tile with empty_warpgroups = skip and a producer; and 32-key tiles, where
-# the first warpgroup skips more tiles than there are stages, so its releases of tiles past its diagonal are awaited
-# by refills (one tile per CTA, no producer; persistent with Q in registers).
+# stages and Q in shared memory (each slot refilled right after its release); the 256-row persistent tile (its first
+# three warpgroups skip three, two and one tiles at block_n 64); the 192-row tile with empty_warpgroups = skip and a
+# producer; and 32-key tiles, where the first warpgroup skips more tiles than there are stages, so its releases of
+# tiles past its diagonal are awaited by refills (one tile per CTA, no producer; persistent with Q in registers).
 CAUSAL_WG_CONFIGS = [
     dict(_H, block_m=128, block_n=64, compute_warps=8, producer_warps=0, stages=4, q_in_regs=True, persistent=False,
          epilogue="tma"),

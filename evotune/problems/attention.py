@@ -73,7 +73,7 @@ KNOB_DOMAINS = {
     "lean_addressing": (False, True),    # wgmma: descriptors advanced by one add, slots in unsigned arithmetic
     "p_operand": ("regs", "smem"),       # wgmma: where P V reads P (FlashAttention-3's MmaPV_is_RS true or false)
     "empty_warpgroups": ("compute", "skip"),  # wgmma: a consumer warpgroup with only padding rows computes them or not
-    "causal_extent": ("tile", "warpgroup"),  # wgmma, causal: each warpgroup's keys end at its tile's diagonal or its own
+    "causal_extent": ("tile", "warpgroup"),  # wgmma, causal: a warpgroup's keys end at its tile's diagonal or its own
 }
 
 
@@ -381,8 +381,8 @@ class AttentionProblem(Problem):
         `//[lean_addressing]` lines (descriptors advanced by one add, unsigned slot arithmetic); p_smem: its
         `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
         `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); wg4: its
-        `//[wg4]` lines (block_m 256: four consumer warpgroups, their register split); causal_wg: its `//[causal_wg]` lines
-        (causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal). No such knob
+        `//[wg4]` lines (block_m 256: four consumer warpgroups, their register split); causal_wg: its `//[causal_wg]`
+        lines (causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal). No such knob
         is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
