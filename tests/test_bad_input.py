@@ -241,9 +241,13 @@ def _alive(pid: int) -> bool:
 def _check_with_busy_workers(tmp_path) -> tuple[subprocess.Popen, list[int]]:
     """`evotune check` compiling a whole space on 2 workers (a fresh cache: real compiles), once they run."""
     env = {**os.environ, "EVOTUNE_CACHE": str(tmp_path / "cache"), "EVOTUNE_RUNS": str(tmp_path / "runs")}
+    # SIGINT back to its default in the child: a shell ignores it for commands it starts in the background (`bash
+    # .ci/run &`), the child would inherit that, and Python then installs no KeyboardInterrupt handler, so the Ctrl-C
+    # this test sends would never arrive (measured: the check ran on past the 60-s wait).
     proc = subprocess.Popen([sys.executable, "-m", "evotune", "check", "--space", SMALL_SPACE, "--sample", "0",
                              "--jobs", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=tmp_path, start_new_session=True)
+                            cwd=tmp_path, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None and len(_children(proc.pid)) < 2:
         time.sleep(0.1)
