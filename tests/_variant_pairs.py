@@ -163,6 +163,16 @@ def assert_gate_and_twin(attention, space, shape, cfg, twin) -> None:
     assert torch.equal(out, twin_out), f"max difference {float((out.float() - twin_out.float()).abs().max()):.3g}"
 
 
+def assert_twin_where_admitted(attention, space, shape_text: str, cfg, twin) -> None:
+    """assert_gate_and_twin on the shape `shape_text`, skipped (skip_unless_admitted) where `space` does not admit
+    `cfg` there or the twin spills."""
+    from evotune.problems.shapes import parse_shape
+
+    shape = parse_shape(shape_text)
+    skip_unless_admitted(attention, space, shape, cfg, twin)
+    assert_gate_and_twin(attention, space, shape, cfg, twin)
+
+
 def assert_lse_twin(attention, space, shape, cfg, twin) -> None:
     """The training variant (write_lse) of `cfg` on `shape`: O and the log-sum-exp bit for bit `twin`'s, the
     log-sum-exp finite."""

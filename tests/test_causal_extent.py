@@ -17,8 +17,8 @@ of SMs too; the log-sum-exp; memcheck and racecheck find nothing."""
 from __future__ import annotations
 
 import pytest
-from _variant_pairs import (COMPILE_SHAPES, HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
-                            assert_same_sources, assert_sanitizer_clean, hopper_config_id, serialised_notes,
+from _variant_pairs import (COMPILE_SHAPES, HOPPER_SHAPES, assert_compiles_clean, assert_lse_twin, assert_same_sources,
+                            assert_sanitizer_clean, assert_twin_where_admitted, hopper_config_id, serialised_notes,
                             skip_unless_admitted, without_if0)
 
 from evotune.build.template import instantiate
@@ -151,9 +151,7 @@ def test_warpgroup_configs_compile_clean(attention, space, cfg, shape_text):
 def test_warpgroup_passes_the_gate_bit_for_bit(attention, space, cfg, shape_text):
     """The full gate passes, and the output is bit for bit tile's: the masked tiles a warpgroup no longer computes
     added nothing."""
-    shape = parse_shape(shape_text)
-    skip_unless_admitted(attention, space, shape, cfg, _tile(cfg))
-    assert_gate_and_twin(attention, space, shape, cfg, _tile(cfg))
+    assert_twin_where_admitted(attention, space, shape_text, cfg, _tile(cfg))
 
 
 @pytest.mark.gpu
@@ -163,9 +161,7 @@ def test_warpgroup_on_few_sms(attention, space, cfg, shape_text, monkeypatch):
     """A persistent grid of 5 CTAs (EVOTUNE_SM_COUNT): each CTA walks dozens of query tiles, its first warpgroups
     passing the masked K/V tiles of one while running ahead into the next."""
     monkeypatch.setenv("EVOTUNE_SM_COUNT", "5")
-    shape = parse_shape(shape_text)
-    skip_unless_admitted(attention, space, shape, cfg, _tile(cfg))
-    assert_gate_and_twin(attention, space, shape, cfg, _tile(cfg))
+    assert_twin_where_admitted(attention, space, shape_text, cfg, _tile(cfg))
 
 
 @pytest.mark.gpu

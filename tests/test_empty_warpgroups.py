@@ -17,8 +17,8 @@ thin ones among them, with a handful of SMs; the log-sum-exp; memcheck and racec
 from __future__ import annotations
 
 import pytest
-from _variant_pairs import (COMPILE_SHAPES, HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
-                            assert_same_sources, assert_sanitizer_clean, hopper_config_id, serialised_notes,
+from _variant_pairs import (COMPILE_SHAPES, HOPPER_SHAPES, assert_compiles_clean, assert_lse_twin, assert_same_sources,
+                            assert_sanitizer_clean, assert_twin_where_admitted, hopper_config_id, serialised_notes,
                             skip_unless_admitted, without_if0)
 
 from evotune.build.template import instantiate
@@ -128,9 +128,7 @@ def test_skip_configs_compile_clean(attention, space, cfg, shape_text):
 def test_skip_passes_the_gate_bit_for_bit(attention, space, cfg, shape_text):
     """The full gate passes, and the output is bit for bit compute's: the rows that exist come out of the same
     instructions, whichever CTA and in whichever order."""
-    shape = parse_shape(shape_text)
-    skip_unless_admitted(attention, space, shape, cfg, _compute(cfg))
-    assert_gate_and_twin(attention, space, shape, cfg, _compute(cfg))
+    assert_twin_where_admitted(attention, space, shape_text, cfg, _compute(cfg))
 
 
 @pytest.mark.gpu
@@ -140,9 +138,7 @@ def test_skip_on_few_sms(attention, space, cfg, shape_text, monkeypatch):
     """A persistent grid of 5 CTAs (EVOTUNE_SM_COUNT): each CTA takes dozens of tiles from the counter, thin ones
     among them, with launch after launch reusing the counters the last CTA zeroes."""
     monkeypatch.setenv("EVOTUNE_SM_COUNT", "5")
-    shape = parse_shape(shape_text)
-    skip_unless_admitted(attention, space, shape, cfg, _compute(cfg))
-    assert_gate_and_twin(attention, space, shape, cfg, _compute(cfg))
+    assert_twin_where_admitted(attention, space, shape_text, cfg, _compute(cfg))
 
 
 @pytest.mark.gpu

@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
-                            assert_same_sources, assert_sanitizer_clean, hopper_config_id, serialised_notes,
+from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_lse_twin, assert_same_sources,
+                            assert_sanitizer_clean, assert_twin_where_admitted, hopper_config_id, serialised_notes,
                             skip_unless_admitted, without_if0)
 
 from evotune.build.compile import Resources, static_violations
@@ -142,9 +142,7 @@ def test_wg4_configs_compile_clean(attention, space, cfg, shape_text):
 @pytest.mark.parametrize("shape_text", D64_SHAPES + PERSISTENT_SHAPES)
 def test_wg4_passes_the_gate_bit_for_bit(attention, space, cfg, shape_text):
     """The full gate passes, and the output is bit for bit the two-warpgroup twin's."""
-    shape = parse_shape(shape_text)
-    skip_unless_admitted(attention, space, shape, cfg, _two_warpgroups(cfg))
-    assert_gate_and_twin(attention, space, shape, cfg, _two_warpgroups(cfg))
+    assert_twin_where_admitted(attention, space, shape_text, cfg, _two_warpgroups(cfg))
 
 
 @pytest.mark.gpu
@@ -153,9 +151,7 @@ def test_wg4_on_few_sms(attention, space, shape_text, monkeypatch):
     """A persistent grid of 5 CTAs (EVOTUNE_SM_COUNT): each walks a dozen or more 256-row tiles."""
     monkeypatch.setenv("EVOTUNE_SM_COUNT", "5")
     cfg = WG4_CONFIGS[0]
-    shape = parse_shape(shape_text)
-    skip_unless_admitted(attention, space, shape, cfg, _two_warpgroups(cfg))
-    assert_gate_and_twin(attention, space, shape, cfg, _two_warpgroups(cfg))
+    assert_twin_where_admitted(attention, space, shape_text, cfg, _two_warpgroups(cfg))
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ import pytest
 from evotune import limits
 from evotune.build.compile import CompileError, Compiled, Resources, compile_source, judged, static_violations
 from evotune.problems import attention as attention_module
-from evotune.problems import get_problem
+from evotune.problems import LaunchGeometry, get_problem
 from evotune.problems.softmax import parse_shape as parse_softmax_shape
 from evotune.problems.shapes import parse_shape
 from evotune.space.searchspace import device_context, load_builtin
@@ -121,14 +121,15 @@ def test_static_verdict_is_judged_once_and_travels(monkeypatch):
     kernel is not judged again."""
     import evotune.build.compile as C
 
+    launch = LaunchGeometry(grid=(1, 1, 1), block=(128, 1, 1), dynamic_smem=0)
     spilling = _compiled(spill_stores=8, spill_loads=8)
-    first = judged(spilling, 128, 0)
+    first = judged(spilling, launch)
     assert first.static_verdict == tuple(static_violations(spilling.resources, 128, 0)) and first.static_verdict
     assert Compiled.from_dict(first.as_dict()).static_verdict == first.static_verdict
-    clean = judged(_compiled(), 128, 0)
+    clean = judged(_compiled(), launch)
     assert clean.static_verdict == () and Compiled.from_dict(clean.as_dict()).static_verdict == ()
     legacy = {k: v for k, v in _compiled().as_dict().items() if k != "static_verdict"}
     assert Compiled.from_dict(legacy).static_verdict is None
     monkeypatch.setattr(C, "static_violations", lambda *a: pytest.fail("judged twice"))
-    assert judged(Compiled.from_dict(first.as_dict()), 128, 0).static_verdict == first.static_verdict
-    assert judged(Compiled.from_dict(clean.as_dict()), 128, 0).static_verdict == ()
+    assert judged(Compiled.from_dict(first.as_dict()), launch).static_verdict == first.static_verdict
+    assert judged(Compiled.from_dict(clean.as_dict()), launch).static_verdict == ()

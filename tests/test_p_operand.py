@@ -16,9 +16,9 @@ tile passes the gate; the log-sum-exp; memcheck and racecheck find nothing."""
 from __future__ import annotations
 
 import pytest
-from _variant_pairs import (COMPILE_SHAPES, HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
-                            assert_same_sources, assert_sanitizer_clean, compile_config, hopper_config_id,
-                            serialised_notes, skip_unless_admitted, without_if0)
+from _variant_pairs import (COMPILE_SHAPES, HOPPER_SHAPES, assert_compiles_clean, assert_lse_twin, assert_same_sources,
+                            assert_sanitizer_clean, assert_twin_where_admitted, compile_config, hopper_config_id,
+                            serialised_notes, without_if0)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_p_smem
@@ -151,9 +151,7 @@ def test_192_key_tile_needs_p_in_shared_memory(attention, ss_space):
 @pytest.mark.parametrize("shape_text", HOPPER_SHAPES)
 def test_smem_passes_the_gate_bit_for_bit(attention, space, cfg, shape_text):
     """The full gate passes, and the output is bit for bit the regs twin's: the same P through shared memory."""
-    shape = parse_shape(shape_text)
-    skip_unless_admitted(attention, space, shape, cfg, _regs(cfg))
-    assert_gate_and_twin(attention, space, shape, cfg, _regs(cfg))
+    assert_twin_where_admitted(attention, space, shape_text, cfg, _regs(cfg))
 
 
 def _assert_gate(attention, space, shape, cfg) -> None:

@@ -336,13 +336,13 @@ def launch_violations(res: Resources, geometry) -> list[str]:
     return static_violations(res, geometry.threads, geometry.dynamic_smem, geometry.register_split)
 
 
-def judged(compiled: Compiled, threads: int, dynamic_smem: int, register_split: int = 0) -> Compiled:
-    """`compiled` with its static verdict: the one it carries, else static_violations' reasons, computed here
-    once. The search judges a candidate before a GPU worker evaluates it; the worker then reads the verdict."""
+def judged(compiled: Compiled, geometry) -> Compiled:
+    """`compiled` with its static verdict for its launch `geometry` (a LaunchGeometry): the one it carries, else
+    launch_violations' reasons, computed here once. The search judges a candidate before a GPU worker evaluates it;
+    the worker then reads the verdict."""
     if compiled.static_verdict is not None:
         return compiled
-    return replace(compiled, static_verdict=tuple(static_violations(compiled.resources, threads, dynamic_smem,
-                                                                    register_split)))
+    return replace(compiled, static_verdict=tuple(launch_violations(compiled.resources, geometry)))
 
 
 def load_kernel(compiled: Compiled, dynamic_smem: int = 0):

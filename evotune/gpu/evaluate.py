@@ -669,8 +669,7 @@ def evaluate_compiled(problem, shape, config, compiled: Compiled, seeds=DEFAULT_
                       time_it: bool = True) -> Result:
     """Gate and time one compiled candidate. Raises on CUDA faults (the worker decides what they poison)."""
     geo = problem.geometry(config, shape)
-    # The search's verdict, where it judged.
-    why = list(judged(compiled, geo.threads, geo.dynamic_smem, geo.register_split).static_verdict)
+    why = list(judged(compiled, geo).static_verdict)  # the search's, where it judged
     resources = compiled.resources.as_dict()
     if why:
         return Result(status=R.PRUNED, message="; ".join(why), resources=resources,

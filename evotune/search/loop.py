@@ -677,8 +677,7 @@ def _compile_and_judge(problem, shape, item: _Pending, compiler, timeline: Timel
     except CompileError as e:
         return Result(status=R.COMPILE_ERROR, message=str(e))
     geo = problem.geometry(config, shape)
-    # The worker reads this verdict, not again.
-    compiled = judged(compiled, geo.threads, geo.dynamic_smem, geo.register_split)
+    compiled = judged(compiled, geo)  # the worker reads this verdict, not again
     static = list(compiled.static_verdict)
     if static:
         return Result(status=R.PRUNED, message="static: " + "; ".join(static),
