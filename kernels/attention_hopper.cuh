@@ -97,7 +97,10 @@ struct HopperTraits {
     // protocol (warpgroup 1 owes no turn after its last K/V tile) is not carried across tiles.
     static_assert(!kPersistent || (kHasProducer && !kPingPong), "a persistent CTA needs a producer and no ping-pong");
     //[skip_empty] static_assert(!kPingPong, "empty_warpgroups = skip: an empty warpgroup does not take ping-pong's turns");
+    //[deep_ring] #if 0
     static_assert(kStages >= 1 && kStages <= 4, "1 to 4 pipeline stages");
+    //[deep_ring] #endif
+    //[deep_ring] static_assert(kStages >= 5 && kStages <= 8, "stages 5 to 8: the deep ring's barriers");
     static_assert(kHasProducer || kStages >= 2,
                   "without a producer the loader refills a slot mid-tile: one stage would wait on itself");
     static_assert(kKVBytes % 1024 == 0, "K/V tiles must keep the 1024-byte swizzle alignment");
@@ -412,12 +415,42 @@ __device__ __forceinline__ void store_row_lse(const float (&m)[2], const float (
 // Shared-memory bookkeeping of one CTA.
 struct Barriers {
     unsigned long long q_full;
+    //[deep_ring] #if 0
     unsigned long long k_full[4];
     unsigned long long v_full[4];
     unsigned long long k_empty[4];  // every consumer warp is done reading K of the slot
     unsigned long long v_empty[4];  // ... V of the slot
+    //[deep_ring] #endif
+    //[deep_ring] // stages 5 to 8 (the ring deeper than the four slots every other config's barriers have room for).
+    //[deep_ring] unsigned long long k_full[8];
+    //[deep_ring] unsigned long long v_full[8];
+    //[deep_ring] unsigned long long k_empty[8];  // every consumer warp is done reading K of the slot
+    //[deep_ring] unsigned long long v_empty[8];  // ... V of the slot
     unsigned long long q_empty;     // PERSISTENT: every consumer warp is done reading the Q tile
+    //[stripe_mirror] // stripe_order = mirrored: Q's two buffers' full and empty barriers (q_full and q_empty stay unused).
+    //[stripe_mirror] unsigned long long q_buf_full[2];
+    //[stripe_mirror] unsigned long long q_buf_empty[2];
 };
+//[stripe_mirror]
+//[stripe_mirror] // stripe_order = mirrored (persistent, causal_extent = warpgroup). With causal_extent = warpgroup, the consumer
+//[stripe_mirror] // warpgroup that takes the tile's last 64 rows (stripe W - 1 of W) walks W - 1 more K/V tiles than the one that
+//[stripe_mirror] // takes its first, so in a fixed assignment the same warpgroup is always the longest and the others wait for it at
+//[stripe_mirror] // every query tile (Q's one buffer frees only after the last warpgroup's last Q K^T). Here the assignment is
+//[stripe_mirror] // mirrored on every other query tile of the CTA: warpgroup wg takes stripe wg on even tiles and W - 1 - wg on odd
+//[stripe_mirror] // ones, so over two tiles every warpgroup walks the same number of K/V tiles, and Q has two buffers (query tile
+//[stripe_mirror] // qi in buffer qi & 1, phase (qi >> 1) & 1), so that a warpgroup done with tile qi starts on tile qi + 1 while
+//[stripe_mirror] // the longest one finishes qi. What stays per physical warpgroup: its O staging rows and named barrier (the
+//[stripe_mirror] // TMA-store epilogue), its P tile (p_operand = smem), its register split.
+//[stripe_mirror] template <class T>
+//[stripe_mirror] __device__ __forceinline__ int mirrored_stripe(int wg, int qi) {
+//[stripe_mirror]     return (qi & 1) ? T::kConsumerWGs - 1 - wg : wg;
+//[stripe_mirror] }
+//[stripe_mirror] // Query tile qi's Q buffer in shared memory: the first at sQ, the second at the traits' kQ1Offset.
+//[stripe_mirror] template <class T>
+//[stripe_mirror] __device__ __forceinline__ u32 q_buffer(u32 smem_base, int qi) {
+//[stripe_mirror]     static_assert(T::kQ1Offset % 1024 == 0, "Q's second buffer keeps the 1024-byte swizzle alignment");
+//[stripe_mirror]     return smem_base + ((qi & 1) ? T::kQ1Offset : 0);
+//[stripe_mirror] }
 
 // Issue the TMA loads of K (WHICH = 0) or V (1) tile `t` into slot `slot` (one thread).
 template <class T, int WHICH>
@@ -459,10 +492,15 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
 //[skip_empty] // the one before (a warpgroup that ran ahead would otherwise release a slot twice in one phase).
 //[skip_empty] template <class T>
 //[skip_empty] __device__ __forceinline__ void drain_tile(Barriers* bars, int n_tiles, int it0, int q_phase, int lane) {
+//[skip_empty] //[stripe_mirror] #if 0
 //[skip_empty]     mbar_wait(smem_addr(&bars->q_full), q_phase);
 //[skip_empty]     if constexpr (T::kPersistent) {
 //[skip_empty]         if (lane == 0) mbar_arrive(smem_addr(&bars->q_empty));
 //[skip_empty]     }
+//[skip_empty] //[stripe_mirror] #endif
+//[skip_empty] //[stripe_mirror]     // stripe_order = mirrored: q_phase is the query tile's index qi (Q's buffer qi & 1, its phase (qi >> 1) & 1).
+//[skip_empty] //[stripe_mirror]     mbar_wait(smem_addr(&bars->q_buf_full[q_phase & 1]), (q_phase >> 1) & 1);
+//[skip_empty] //[stripe_mirror]     if (lane == 0) mbar_arrive(smem_addr(&bars->q_buf_empty[q_phase & 1]));
 //[skip_empty]     for (int t = 0; t < n_tiles; ++t) {
 //[skip_empty]         const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence
 //[skip_empty]         const int slot = use % T::kStages;
@@ -602,6 +640,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     if (tid == loader) {
         mbar_init(smem_addr(&bars.q_full), 1);
         if constexpr (T::kPersistent) mbar_init(smem_addr(&bars.q_empty), T::kConsumerThreads / 32);
+        //[stripe_mirror] for (int b = 0; b < 2; ++b) {
+        //[stripe_mirror]     mbar_init(smem_addr(&bars.q_buf_full[b]), 1);
+        //[stripe_mirror]     mbar_init(smem_addr(&bars.q_buf_empty[b]), T::kConsumerThreads / 32);
+        //[stripe_mirror] }
 #pragma unroll
         for (int s = 0; s < T::kStages; ++s) {
             mbar_init(smem_addr(&bars.k_full[s]), 1);
@@ -629,19 +671,36 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     //[causal_wg] #if 0
     auto consume_tile = [&](const QTile& w, int kv_head, int n_tiles, int it0, int q_phase) {
     //[causal_wg] #endif
+    //[causal_wg] //[stripe_mirror] #if 0
     //[causal_wg] auto consume_tile = [&](const QTile& w, int kv_head, int cta_tiles, int it0, int q_phase) {
+    //[causal_wg] //[stripe_mirror] #endif
+    //[stripe_mirror] // stripe_order = mirrored: qi, the CTA's query tiles before this one, picks Q's buffer, its phase and the stripes.
+    //[stripe_mirror] auto consume_tile = [&](const QTile& w, int kv_head, int cta_tiles, int it0, int qi) {
         //[causal_wg] static_assert(!T::kPingPong, "causal_extent = warpgroup: ping-pong's turns assume equal loops");
         //[causal_wg] //[skip_empty] static_assert(T::kHasProducer, "causal_extent = warpgroup with skip: an empty last warpgroup would not refill");
         //[causal_wg] int n_tiles = cta_tiles;  // the CTA's K/V tiles, then (below the empty test) this warpgroup's
         const int wg = tid / 128;
         const int warp_in_wg = (tid % 128) / 32;
         const int lane = tid & 31;
+        //[stripe_mirror] #if 0
         const u32 sQ_wg = sQ + wg * (64 * 128);  // this warpgroup's 64 rows inside each region
+        //[stripe_mirror] #endif
+        //[stripe_mirror] const int stripe = mirrored_stripe<T>(wg, qi);  // the tile's 64-row stripe this warpgroup computes
+        //[stripe_mirror] const u32 sQ_wg = q_buffer<T>(smem_base, qi) + stripe * (64 * 128);  // its 64 rows inside each region
         //[p_smem] const u32 sP_wg = smem_base + T::kSmemBytes - 1024 - T::kPBytes + wg * (64 * T::kBlockN * 2);  // its P tile
+        //[stripe_mirror] #if 0
         const int q_row0 = w.row0, head = w.head, batch = w.batch;
+        //[stripe_mirror] #endif
+        //[stripe_mirror] // Every use of the tile's first row below is q_row0 + 64 * wg, the first row of the warpgroup's rows (wg stays
+        //[stripe_mirror] // the physical warpgroup: it indexes the staging rows, the P tile and the named barriers). Shifted by the
+        //[stripe_mirror] // stripe's offset, that sum is the first row of the stripe this warpgroup computes.
+        //[stripe_mirror] const int q_row0 = w.row0 + 64 * (stripe - wg), head = w.head, batch = w.batch;
         const int q_row = q_row0 + 64 * wg + 16 * warp_in_wg + (lane >> 2);  // the first of the thread's two rows
         //[skip_empty] if (q_row0 + 64 * wg >= seq_q) {  // every row of this warpgroup is padding (uniform per warpgroup)
+        //[skip_empty] //[stripe_mirror] #if 0
         //[skip_empty]     drain_tile<T>(&bars, n_tiles, it0, q_phase, lane);
+        //[skip_empty] //[stripe_mirror] #endif
+        //[skip_empty] //[stripe_mirror]     drain_tile<T>(&bars, n_tiles, it0, qi, lane);
         //[skip_empty]     return;
         //[skip_empty] }
         //[causal_wg] n_tiles = warpgroup_kv_tiles<T>(q_row0 + 64 * wg, seq_k);  // up to its own diagonal
@@ -656,7 +715,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
 #pragma unroll
         for (int i = 0; i < T::kSAcc; ++i) s_acc[i] = 0.f;
 
+        //[stripe_mirror] #if 0
         mbar_wait(smem_addr(&bars.q_full), q_phase);
+        //[stripe_mirror] #endif
+        //[stripe_mirror] mbar_wait(smem_addr(&bars.q_buf_full[qi & 1]), (qi >> 1) & 1);
         // The previous tile's epilogue branched per lane (rows past seq_q): reconverge before the .aligned
         // instructions (ldmatrix's users, wgmma) rather than rely on ptxas to.
         if constexpr (T::kPersistent) __syncwarp();
@@ -667,7 +729,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 // (ldmatrix) are ordered before the TMA's async-proxy writes by the fence.
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 __syncwarp();
+                //[stripe_mirror] #if 0
                 if (lane == 0) mbar_arrive(smem_addr(&bars.q_empty));
+                //[stripe_mirror] #endif
+                //[stripe_mirror] if (lane == 0) mbar_arrive(smem_addr(&bars.q_buf_empty[qi & 1]));
             }
         }
         if constexpr (T::kPingPong) {
@@ -690,7 +755,9 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[slot0]));
         // Persistent, Q from shared memory: its last reader has completed when the tile has one K/V tile.
         if constexpr (T::kPersistent && !T::kQInRegs) {
+            //[stripe_mirror] #if 0
             if (lane == 0 && n_tiles == 1) mbar_arrive(smem_addr(&bars.q_empty));
+            //[stripe_mirror] #endif
         }
         scores_to_probs<T>(s_acc, m_run, l_run, alpha, 0, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
         //[softmax_overlap] #if 0
@@ -761,7 +828,9 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             // Persistent, Q from shared memory: S(t) of the last K/V tile was Q's last reader, so the next tile's
             // Q may come in under this tile's last softmax, P V and epilogue.
             if constexpr (T::kPersistent && !T::kQInRegs) {
+                //[stripe_mirror] #if 0
                 if (lane == 0 && t == n_tiles - 1) mbar_arrive(smem_addr(&bars.q_empty));
+                //[stripe_mirror] #endif
             }
             scores_to_probs<T>(s_acc, m_run, l_run, alpha, t * T::kBlockN, q_row0 + 64 * wg, q_row, seq_k, lane,
                                scale_log2);
@@ -781,6 +850,12 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             //[softmax_overlap] #endif
         }
         //[softmax_overlap] finish_tile(n_tiles - 1);
+        //[stripe_mirror] // Q from shared memory: released after the loop rather than at its last Q K^T. The next tile's Q goes to the
+        //[stripe_mirror] // other buffer, so this release only gates tile qi + 2's load, and a barrier indexed by qi inside the loop
+        //[stripe_mirror] // cost the 112-register consumers a spill.
+        //[stripe_mirror] if constexpr (!T::kQInRegs) {
+        //[stripe_mirror]     if (lane == 0) mbar_arrive(smem_addr(&bars.q_buf_empty[qi & 1]));
+        //[stripe_mirror] }
         // P V of the last tile.
         const int last = (it0 + n_tiles - 1) % T::kStages;
         mbar_wait(smem_addr(&bars.v_full[last]), ((it0 + n_tiles - 1) / T::kStages) & 1);
@@ -864,7 +939,14 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         //[skip_empty] // launch would last as long as the full ones. Handed out in persistent_tile's order, each head's tiles
         //[skip_empty] // stay together (its K/V in L2); an order with every thin tile last measured 2.5-4% slower on gpt2.
         //[skip_empty] constexpr bool kDynamic = true;
+        //[stripe_mirror] #if 0
         __shared__ int handed_tile[2];  // kDynamic: per q_full phase, its query tile (or -1: none left)
+        //[stripe_mirror] #endif
+        //[stripe_mirror] // stripe_order = mirrored: query tile qi's entry is qi & 3. The producer writes it at the top of tile qi,
+        //[stripe_mirror] // before it awaits anything there. Its last reader was tile qi - 4's: each consumer warp reads before it
+        //[stripe_mirror] // releases that tile's Q, and the producer awaited the release (q_buf_empty) at tile qi - 2's Q load. With
+        //[stripe_mirror] // two entries the last reader would be tile qi - 2's, whose release is awaited only at tile qi's Q load.
+        //[stripe_mirror] __shared__ int handed_tile[4];
         if (tid >= T::kConsumerThreads) {
             if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
             if (tid == loader) {
@@ -876,7 +958,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                     // which the wait for q_empty at tile qi - 1's Q load saw. Both sides use atomics: the mbarriers
                     // order them, but compute-sanitizer's racecheck does not model mbarrier waits and reports
                     // plain accesses here as a race (measured); it leaves atomic ones alone.
+                    //[stripe_mirror] #if 0
                     if constexpr (kDynamic) atomicExch(&handed_tile[qi & 1], work);
+                    //[stripe_mirror] #endif
+                    //[stripe_mirror] atomicExch(&handed_tile[qi & 3], work);  // mirrored is causal: kDynamic
                     const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
                     const int kv_head = kv_head_of(w.head, kv_magic);
                     const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
@@ -889,12 +974,22 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                         if (t == 0) {
                             // Q after the first K: that K's slot was released a few K/V tiles back, Q's buffer only
                             // after the previous tile's last Q K^T (or once it was in registers).
+                            //[stripe_mirror] #if 0
                             if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
                             const u32 qb = smem_addr(&bars.q_full);
                             mbar_expect_tx(qb, T::kQBytes);
 #pragma unroll
                             for (int r = 0; r < T::kRegions; ++r)
                                 tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
+                            //[stripe_mirror] #endif
+                            //[stripe_mirror] // Into buffer qi & 1, once every consumer warp released tile qi - 2's Q there.
+                            //[stripe_mirror] if (qi > 1) mbar_wait(smem_addr(&bars.q_buf_empty[qi & 1]), ((qi - 2) >> 1) & 1);
+                            //[stripe_mirror] const u32 qb = smem_addr(&bars.q_buf_full[qi & 1]);
+                            //[stripe_mirror] mbar_expect_tx(qb, T::kQBytes);
+                            //[stripe_mirror] const u32 q_dst = q_buffer<T>(smem_base, qi);
+                            //[stripe_mirror] #pragma unroll
+                            //[stripe_mirror] for (int r = 0; r < T::kRegions; ++r)
+                            //[stripe_mirror]     tma_load_4d(q_dst + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
                         }
                         if (use > 0) mbar_wait(smem_addr(&bars.v_empty[slot]), (use - 1) & 1);
                         load_kv<T, 1>(v_map, sV, &bars, slot, t, kv_head, w.batch);
@@ -908,9 +1003,14 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 if constexpr (kDynamic) {
                     // No tile left: hand the consumers -1 (their signal to stop) with a bare arrival, once
                     // q_full's previous phase is complete (seen through q_empty).
+                    //[stripe_mirror] #if 0
                     atomicExch(&handed_tile[qi & 1], -1);
                     if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
                     mbar_arrive(smem_addr(&bars.q_full));
+                    //[stripe_mirror] #endif
+                    //[stripe_mirror] atomicExch(&handed_tile[qi & 3], -1);
+                    //[stripe_mirror] if (qi > 1) mbar_wait(smem_addr(&bars.q_buf_empty[qi & 1]), ((qi - 2) >> 1) & 1);
+                    //[stripe_mirror] mbar_arrive(smem_addr(&bars.q_buf_full[qi & 1]));
                     // Every CTA asks until it is refused, then counts itself done: the last one done knows no
                     // CTA of this launch will ask again and zeroes both counters for the next launch.
                     __threadfence();
@@ -926,10 +1026,16 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         int it = 0, qi = 0;
         for (int work = blockIdx.x;; ++qi) {
             if constexpr (kDynamic) {
+                //[stripe_mirror] #if 0
                 mbar_wait(smem_addr(&bars.q_full), qi & 1);  // consume_tile's own wait then passes at once
+                //[stripe_mirror] #endif
+                //[stripe_mirror] mbar_wait(smem_addr(&bars.q_buf_full[qi & 1]), (qi >> 1) & 1);  // consume_tile's then passes at once
                 // One read per warp (see the producer's store), broadcast.
                 int handed = 0;
+                //[stripe_mirror] #if 0
                 if ((tid & 31) == 0) handed = atomicAdd(&handed_tile[qi & 1], 0);
+                //[stripe_mirror] #endif
+                //[stripe_mirror] if ((tid & 31) == 0) handed = atomicAdd(&handed_tile[qi & 3], 0);
                 work = __shfl_sync(0xffffffffu, handed, 0);
             } else if (qi > 0) {
                 work += gridDim.x;
@@ -937,7 +1043,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             if (kDynamic ? work < 0 : work >= n_work) break;
             const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
             const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
+            //[stripe_mirror] #if 0
             consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, it, qi & 1);
+            //[stripe_mirror] #endif
+            //[stripe_mirror] consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, it, qi);
             it += n_tiles;
         }
         //[tma_store] // The last tile's O store must have read the staging rows before the CTA may leave.

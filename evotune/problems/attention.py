@@ -39,7 +39,7 @@ KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_war
                  "mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
                  "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1, "exp2_fma": 0,
                  "rescale": "always", "softmax_overlap": False, "lean_addressing": False, "p_operand": "regs",
-                 "empty_warpgroups": "compute", "causal_extent": "tile"}
+                 "empty_warpgroups": "compute", "causal_extent": "tile", "stripe_order": "fixed"}
 
 
 # Knob rescale (the Hopper kernel's `//[lazy_rescale]` lines): how far a K/V tile's row max may exceed the row's running
@@ -55,7 +55,7 @@ KNOB_DOMAINS = {
     "block_n": range(16, 257, 16),       # whole 16-key ldmatrix steps, at most 256
     "compute_warps": range(1, THREADS_PER_BLOCK // 32 + 1),  # at most 1024 threads per CTA
     "producer_warps": range(0, 5),
-    "stages": range(1, 5),
+    "stages": range(1, 9),               # the Hopper kernel's deep ring (stages 5 to 8): the space's constraint
     "smem_layout": tuple(SMEM_LAYOUTS),
     "q_in_regs": (True, False),
     "kv_splits": range(1, 17),
@@ -74,6 +74,7 @@ KNOB_DOMAINS = {
     "p_operand": ("regs", "smem"),       # wgmma: where P V reads P (FlashAttention-3's MmaPV_is_RS true or false)
     "empty_warpgroups": ("compute", "skip"),  # wgmma: a consumer warpgroup with only padding rows computes them or not
     "causal_extent": ("tile", "warpgroup"),  # wgmma, causal: a warpgroup's keys end at its tile's diagonal or its own
+    "stripe_order": ("fixed", "mirrored"),  # persistent: each warpgroup's 64-row stripe fixed, or mirrored every other tile
 }
 
 
@@ -105,6 +106,7 @@ def setmaxnreg_registers(config) -> int:
     if not is_wgmma(config) or int(knob(config, "producer_warps")) == 0 or consumers < 2:
         return 0
     producer_regs, consumer_regs = SETMAXNREG_SPLIT[consumers]
+    producer_regs = mirrored_producer_regs(config) or producer_regs
     return 128 * producer_regs + 128 * consumers * consumer_regs
 
 
@@ -169,6 +171,32 @@ def is_causal_warpgroup(config) -> bool:
     two and one); without a producer the last warpgroup's first thread issues the loads, since it alone walks every
     tile. tile: every warpgroup walks the tile's range and its masked tiles add nothing to the output."""
     return is_wgmma(config) and knob(config, "causal_extent") == "warpgroup"
+
+
+def is_stripe_mirror(config) -> bool:
+    """The persistent Hopper variant's stripes mirrored (knob stripe_order = mirrored, kernels/attention_hopper.cuh's
+    `//[stripe_mirror]` lines): with causal_extent = warpgroup the warpgroup on a query tile's last 64 rows walks the
+    most K/V tiles; consumer warpgroup wg computes stripe wg of the CTA's even query tiles and W - 1 - wg of its odd
+    ones, and Q has a second buffer, so that a warpgroup done with one tile starts the next (whose long stripe it then
+    takes) while the longest finishes. fixed: warpgroup wg always computes rows 64 wg.., with Q's one buffer."""
+    return is_persistent(config) and knob(config, "stripe_order") == "mirrored"
+
+
+# stripe_order = mirrored with four consumer warpgroups: the producer's registers. Its two Q buffers' barriers and
+# four handed-tile entries took the 24-register producer over (ptxas spilled 8 bytes, the persistent order's section
+# width, which the consumers then reload from local memory at every tile); 32 + 4 x 112 per thread, 61440 registers, is
+# the launch's whole allocation (96 a thread, 640 threads), which setmaxnreg.inc may take.
+MIRRORED_WG4_PRODUCER_REGS = 32
+
+
+def mirrored_producer_regs(config) -> int:
+    """The producer's setmaxnreg count where stripe_order = mirrored changes it (four consumer warpgroups); else 0."""
+    return MIRRORED_WG4_PRODUCER_REGS if is_stripe_mirror(config) and wgmma_block_m(config) == 256 else 0
+
+
+def q_buffer_bytes(config, shape: Shape) -> int:
+    """Shared memory that stripe_order = mirrored adds: Q's second buffer (a Q tile); none otherwise."""
+    return 2 * shape.head_dim * wgmma_block_m(config) if is_stripe_mirror(config) else 0
 
 
 def uses_tile_counter(config, shape: Shape) -> bool:
@@ -312,13 +340,14 @@ class AttentionProblem(Problem):
                    "key_merge": "merge-", "kv_load": "load-", "kv_cluster": "cluster", "exp2_fma": "ex2fma",
                    "rescale": "rescale-", "softmax_overlap": ("overlap", "nooverlap"),
                    "lean_addressing": ("leanaddr", "rebuiltaddr"), "p_operand": "p-",
-                   "empty_warpgroups": "empty-", "causal_extent": "extent-"}
+                   "empty_warpgroups": "empty-", "causal_extent": "extent-", "stripe_order": "stripes-"}
     # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing, p_operand,
-    # empty_warpgroups and causal_extent came after the recorded runs; at false, regs, gather, cp_async, 1, 0, always,
-    # false, false, regs, compute and tile they leave the source as it was (their template lines are flagged).
+    # empty_warpgroups, causal_extent and stripe_order came after the recorded runs; at false, regs, gather, cp_async, 1,
+    # 0, always, false, false, regs, compute, tile and fixed they leave the source as it was (their lines are flagged).
     late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1,
                   "exp2_fma": 0, "rescale": "always", "softmax_overlap": False, "lean_addressing": False,
-                  "p_operand": "regs", "empty_warpgroups": "compute", "causal_extent": "tile"}
+                  "p_operand": "regs", "empty_warpgroups": "compute", "causal_extent": "tile",
+                  "stripe_order": "fixed"}
     # The amount of work, not its form: a tiling tuned on one batch/heads/length is a good start on
     # another; head_dim, dtype, the mask and the layout must match (warm start). K/V heads too are an
     # amount (of K/V traffic): the kernel's code is the same for every group size.
@@ -382,7 +411,9 @@ class AttentionProblem(Problem):
         `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
         `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); wg4: its
         `//[wg4]` lines (block_m 256: four consumer warpgroups, their register split); causal_wg: its `//[causal_wg]`
-        lines (causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal). No such knob
+        lines (causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal); stripe_mirror: its
+        `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers); deep_ring:
+        its `//[deep_ring]` lines (stages 5 to 8: room for their barriers). No such knob
         is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
@@ -396,7 +427,9 @@ class AttentionProblem(Problem):
                                                ("p_smem", is_p_smem(config)),
                                                ("skip_empty", is_skip_empty(config)),
                                                ("wg4", is_wgmma(config) and wgmma_block_m(config) == 256),
-                                               ("causal_wg", is_causal_warpgroup(config))) if on)
+                                               ("causal_wg", is_causal_warpgroup(config)),
+                                               ("stripe_mirror", is_stripe_mirror(config)),
+                                               ("deep_ring", is_wgmma(config) and int(knob(config, "stages")) > 4)) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
@@ -440,7 +473,8 @@ class AttentionProblem(Problem):
         if is_wgmma(config):
             tma = is_tma_store(config)
             traits = _traits("evotune::hopper::HopperTraits", targs,
-                             _hopper_smem_members(config, shape) + _exp2_fma_member(config) + _rescale_member(config))
+                             _hopper_smem_members(config, shape) + _exp2_fma_member(config) + _rescale_member(config)
+                             + _producer_regs_member(config))
             o_map_param, o_map_arg, o_map_note = (
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
                  "\n// o_map (epilogue = tma): O's CUtensorMap, boxes of 64 columns x 64 rows (one consumer warpgroup's).")
@@ -498,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         if is_wgmma(config):
             # HopperTraits: Q + STAGES (K, V) tiles + 1024 B to align them; consumer and producer warps.
             smem = 2 * shape.head_dim * (block_m + 2 * int(knob(config, "stages")) * block_n) + 1024
-            smem += o_stage_bytes(config, shape) + p_tile_bytes(config, shape)
+            smem += o_stage_bytes(config, shape) + q_buffer_bytes(config, shape) + p_tile_bytes(config, shape)
             threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
             grid = ((min(query_tiles(config, shape), multiprocessors), 1, 1) if is_persistent(config)
                     else (math.ceil(shape.seq_q / block_m), shape.heads, shape.batch))
@@ -834,17 +868,30 @@ def _exp2_fma_member(config) -> list[str]:
 def _hopper_smem_members(config, shape: Shape) -> list[str]:
     """The Hopper traits members for the shared memory that some knobs add to the base traits' (Q, the K/V slots and
     the alignment slack): the persistent TMA-store epilogue's staging tile after the K/V slots
-    (kernels/hopper_tma_store.cuh), and p_operand = smem's P tiles at the end; none otherwise."""
+    (kernels/hopper_tma_store.cuh), stripe_order = mirrored's second Q buffer after that, and p_operand = smem's P tiles
+    at the end; none otherwise."""
     members, terms = [], []
     if o_stage_bytes(config, shape):
         members.append("static constexpr int kOStageBytes = kQBytes;  // epilogue = tma, persistent: O's staging tile")
         terms.append("kOStageBytes")
+    if q_buffer_bytes(config, shape):
+        members.append("static constexpr int kQ1Offset = " + " + ".join(["kQBytes + 2 * kStages * kKVBytes"] + terms)
+                       + ";  // stripe_order = mirrored: Q's second buffer, after the K/V slots (and O's staging tile)")
+        terms.append("kQBytes")
     if p_tile_bytes(config, shape):
         members.append("static constexpr int kPBytes = kBlockM * kBlockN * 2;  // p_operand = smem: the P tiles")
         terms.append("kPBytes")
     if terms:
         members.append(f"static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes + {' + '.join(terms)};")
     return members
+
+
+def _producer_regs_member(config) -> list[str]:
+    """The traits member that stripe_order = mirrored adds at four consumer warpgroups (MIRRORED_WG4_PRODUCER_REGS);
+    none otherwise."""
+    regs = mirrored_producer_regs(config)
+    return [f"static constexpr int kProducerRegs = {regs};  // stripe_order = mirrored: the producer's setmaxnreg"
+            ] if regs else []
 
 
 def _rescale_member(config) -> list[str]:
