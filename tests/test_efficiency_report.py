@@ -140,12 +140,12 @@ def test_attention_small_is_a_subset_of_attention(attention, mission):
     omitted = set(domains) - {p.name for p in small.params}
     assert omitted == {"mma", "pingpong", "persistent", "pdl", "epilogue", "key_merge", "kv_load", "kv_cluster",
                        "exp2_fma", "rescale", "softmax_overlap", "lean_addressing", "p_operand", "empty_warpgroups",
-                       "causal_extent"}
+                       "causal_extent", "stripe_order"}
     pinned = {name: KNOB_DEFAULTS[name] for name in omitted}
     assert pinned == {"mma": "sync", "pingpong": False, "persistent": False, "pdl": False, "epilogue": "regs",
                       "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1, "exp2_fma": 0,
                       "rescale": "always", "softmax_overlap": False, "lean_addressing": False, "p_operand": "regs",
-                      "empty_warpgroups": "compute", "causal_extent": "tile"}
+                      "empty_warpgroups": "compute", "causal_extent": "tile", "stripe_order": "fixed"}
     for shape in (mission, parse_shape("2,4,300,300,128:bf16:causal")):
         ctx = attention.context(shape)
         for cfg in small.all_configs():

@@ -63,15 +63,17 @@ def test_the_kernels_flag_known_knobs_only():
     softmax_overlap (its consumer loop rotated), lean_addressing (its descriptors advanced by one add), p_smem (P V's P
     from shared memory, knob p_operand), skip_empty (empty warpgroups skipped, knob empty_warpgroups), wg4 (the
     four-warpgroup tile's register split, block_m 256), causal_wg (each consumer warpgroup stopping at its own causal
-    diagonal, knob causal_extent), trace (tools/phase_trace.py's stamps), trace_split and
-    trace_tma (its stamps in the split merge and the TMA loads: both flags) and no_wg_overlap (the baseline
+    diagonal, knob causal_extent), stripe_mirror (the persistent kernel's stripes mirrored every other tile and Q's
+    second buffer, knob stripe_order), deep_ring (the K/V ring's barriers for stages 5 to 8), trace
+    (tools/phase_trace.py's stamps), trace_split and trace_tma (its stamps in the split merge and the TMA loads: both
+    flags) and no_wg_overlap (the baseline
     `tools/time_configs.py --with-flag` measures) and nothing else (a misspelt flag would drop its lines); the last four
     are never a searched config's."""
     _, template = read_template("attention.cu")
     assert template_flag_names(template) == {"pdl", "tma_store", "split_merge", "tma_load", "tma_multicast", "tma_split", "trace",
                                                  "trace_split", "trace_tma", "no_wg_overlap", "exp2_fma", "lazy_rescale",
                                                  "softmax_overlap", "lean_addressing", "p_smem", "skip_empty", "wg4",
-                                                 "causal_wg"}
+                                                 "causal_wg", "stripe_mirror", "deep_ring"}
 
 
 @pytest.mark.parametrize("shape_text, cfg, options, digest", BEFORE_PDL, ids=["mission", "mission-lse", "persistent",

@@ -49,40 +49,41 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its twenty-four parameters (the variant knob mma first), six derived values
-    and thirty-four constraints, each with its reason."""
+    """The shipped attention.yaml loads with its twenty-five parameters (the variant knob mma first), six derived values
+    and thirty-six constraints, each with its reason."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
                                    "smem_layout", "q_in_regs", "kv_splits", "warp_key_groups", "pingpong", "persistent",
                                    "pdl", "epilogue", "key_merge", "kv_load", "kv_cluster", "exp2_fma", "rescale",
                                    "softmax_overlap", "lean_addressing", "p_operand", "empty_warpgroups",
-                                   "causal_extent"]
+                                   "causal_extent", "stripe_order"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 34
+    assert len(space.constraints) == 36
     assert all(c.why for c in space.constraints)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
     assert block_m.values == (16, 32, 64, 128, 192, 256) and block_m.default == 64 and block_m.line == 15
-    assert space.params[-18].values == ("pad", "swizzle", "plain")
-    assert space.params[-17].values == (True, False)
-    assert space.params[-16].values == (1, 2, 4, 8)
-    assert space.params[-15].values == (1, 2, 4)
-    assert space.params[-14].values == (False, True)
+    assert space.params[-19].values == ("pad", "swizzle", "plain")
+    assert space.params[-18].values == (True, False)
+    assert space.params[-17].values == (1, 2, 4, 8)
+    assert space.params[-16].values == (1, 2, 4)
+    assert space.params[-15].values == (False, True)
+    assert space.params[-14].values == (False, True) and space.params[-14].default is False
     assert space.params[-13].values == (False, True) and space.params[-13].default is False
-    assert space.params[-12].values == (False, True) and space.params[-12].default is False
-    assert space.params[-11].values == ("regs", "tma") and space.params[-11].default == "regs"
-    assert space.params[-10].values == ("gather", "split") and space.params[-10].default == "gather"
-    assert space.params[-9].values == ("cp_async", "tma", "tma_split") and space.params[-9].default == "cp_async"
-    assert space.params[-8].values == (1, 2, 4) and space.params[-8].default == 1
-    assert space.params[-7].values == (0, 1, 2) and space.params[-7].default == 0
-    assert space.params[-6].values == ("always", "new_max", "lazy") and space.params[-6].default == "always"
-    assert space.params[-5].values == (False, True) and space.params[-5].default is False
-    assert space.params[-4].values == (False, True) and space.params[-4].default is False  # lean_addressing
-    assert space.params[-3].values == ("regs", "smem") and space.params[-3].default == "regs"  # p_operand
-    assert space.params[-2].values == ("compute", "skip") and space.params[-2].default == "compute"  # empty_warpgroups
-    assert space.params[-1].values == ("tile", "warpgroup") and space.params[-1].default == "tile"  # causal_extent
+    assert space.params[-12].values == ("regs", "tma") and space.params[-12].default == "regs"
+    assert space.params[-11].values == ("gather", "split") and space.params[-11].default == "gather"
+    assert space.params[-10].values == ("cp_async", "tma", "tma_split") and space.params[-10].default == "cp_async"
+    assert space.params[-9].values == (1, 2, 4) and space.params[-9].default == 1
+    assert space.params[-8].values == (0, 1, 2) and space.params[-8].default == 0
+    assert space.params[-7].values == ("always", "new_max", "lazy") and space.params[-7].default == "always"
+    assert space.params[-6].values == (False, True) and space.params[-6].default is False
+    assert space.params[-5].values == (False, True) and space.params[-5].default is False  # lean_addressing
+    assert space.params[-4].values == ("regs", "smem") and space.params[-4].default == "regs"  # p_operand
+    assert space.params[-3].values == ("compute", "skip") and space.params[-3].default == "compute"  # empty_warpgroups
+    assert space.params[-2].values == ("tile", "warpgroup") and space.params[-2].default == "tile"  # causal_extent
+    assert space.params[-1].values == ("fixed", "mirrored") and space.params[-1].default == "fixed"  # stripe_order
 
 
 def test_wgmma_pins_the_knobs_it_does_not_read(space, attention):
@@ -169,17 +170,17 @@ def test_spaces_folder_override(tmp_path, monkeypatch):
 
 
 def test_size(space):
-    """size() is the product of the value counts: 2*6*6*6*4*4*3*2*4*3*2*2*2*2*2*3*3*3*3*2*2*2*2*2."""
-    assert space.size() == 41278242816
+    """size() is the product of the value counts: 2*6*6*6*4*4*3*2*4*3*2*2*2*2*2*3*3*3*3*2*2*2*2*2*2."""
+    assert space.size() == 82556485632
 
 
 def test_all_configs_is_the_full_product_in_order(space):
     """all_configs() yields size() configs: the product of the parameters' values, the last parameter varying fastest,
     each config the product's config at its index, decoded in mixed radix. Every config of a smaller shipped space
-    (attention-small-mc.yaml: 23,328), and every 96th of attention.yaml's first 23,887,872 (rescale, softmax_overlap,
-    lean_addressing, p_operand, empty_warpgroups and causal_extent, the last six knobs, at always, false, false, regs,
-    compute and tile: every knob but the first five then takes each of its values); the whole 41 G would take many
-    minutes a pass, and two lists of them gigabytes."""
+    (attention-small-mc.yaml: 23,328), and every 192nd of attention.yaml's first 47,775,744 (rescale, softmax_overlap,
+    lean_addressing, p_operand, empty_warpgroups, causal_extent and stripe_order, the last seven knobs, at always,
+    false, false, regs, compute, tile and fixed: every knob but the first five then takes each of its values); the
+    whole 82 G would take many minutes a pass, and two lists of them gigabytes."""
     from itertools import islice
 
     def product_config(space, index: int) -> dict:
@@ -193,15 +194,16 @@ def test_all_configs_is_the_full_product_in_order(space):
     assert sum(1 for _ in small.all_configs()) == small.size() == 23328
     for index, cfg in enumerate(small.all_configs()):
         assert cfg.as_dict() == product_config(small, index), index
-    first = list(islice(space.all_configs(), 24))
-    assert [c["causal_extent"] for c in first] == ["tile", "warpgroup"] * 12
-    assert [c["empty_warpgroups"] for c in first] == ["compute", "compute", "skip", "skip"] * 6
-    assert [c["p_operand"] for c in first] == (["regs"] * 4 + ["smem"] * 4) * 3
-    assert [c["lean_addressing"] for c in first] == [False] * 8 + [True] * 8 + [False] * 8
-    assert [c["softmax_overlap"] for c in first] == [False] * 16 + [True] * 8
-    prefix = list(islice(space.all_configs(), 0, 96 * 248832, 96))
-    assert all(cfg.as_dict() == product_config(space, 96 * index) for index, cfg in enumerate(prefix))
-    assert all(len({c[p.name] for c in prefix}) == len(p.values) for p in space.params[5:-6])
+    first = list(islice(space.all_configs(), 48))
+    assert [c["stripe_order"] for c in first] == ["fixed", "mirrored"] * 24
+    assert [c["causal_extent"] for c in first] == ["tile", "tile", "warpgroup", "warpgroup"] * 12
+    assert [c["empty_warpgroups"] for c in first] == (["compute"] * 4 + ["skip"] * 4) * 6
+    assert [c["p_operand"] for c in first] == (["regs"] * 8 + ["smem"] * 8) * 3
+    assert [c["lean_addressing"] for c in first] == [False] * 16 + [True] * 16 + [False] * 16
+    assert [c["softmax_overlap"] for c in first] == [False] * 32 + [True] * 16
+    prefix = list(islice(space.all_configs(), 0, 192 * 248832, 192))
+    assert all(cfg.as_dict() == product_config(space, 192 * index) for index, cfg in enumerate(prefix))
+    assert all(len({c[p.name] for c in prefix}) == len(p.values) for p in space.params[5:-7])
     assert product_config(space, space.size() - 1) == {p.name: list(p.values)[-1] for p in space.params}
     assert [c["exp2_fma"] for c in prefix[:3]] == [0, 1, 2]
     configs = prefix[:27 * 4608:3]  # exp2_fma 0: the knobs before it then vary as the checks below were written
@@ -220,7 +222,7 @@ def test_all_configs_is_the_full_product_in_order(space):
     assert [c["q_in_regs"] for c in configs[0:1536:768]] == [True, False]
     assert [c["smem_layout"] for c in configs[0:4608:1536]] == ["pad", "swizzle", "plain"]
     # The first knob varies slowest: the prefix never leaves its first value (reaching the last config, wgmma, would
-    # take all 1.5 G; attention-small-mc's full order is checked above).
+    # take all 82 G; attention-small-mc's full order is checked above).
     assert {c["mma"] for c in prefix} == {"sync"}
 
 
@@ -328,7 +330,7 @@ def test_config_hash_equality_and_keys(space):
                                   "persistent=False,"
                                   "pingpong=False,producer_warps=0,q_in_regs=True,rescale=always,smem_layout=swizzle,"
                                   "softmax_overlap=False,"
-                                  "stages=3,warp_key_groups=1")
+                                  "stages=3,stripe_order=fixed,warp_key_groups=1")
     assert a.digest() == c.digest() and len(a.digest()) == 12 and int(a.digest(), 16) >= 0
     assert a.digest() != space.default_config().digest()
 
@@ -564,10 +566,11 @@ BAD_KNOBS = [
      ("'banana' is not a value of knob 'smem_layout'", "one of plain, pad, swizzle")),
     ("bool-as-string", attention_space("  q_in_regs: {values: ['false']}\n"), 3, ("'false'", "one of true, false")),
     ("zero-tile", attention_space("  block_m: {values: [64, 0]}\n"), 3, ("0 is not a value of knob 'block_m'",)),
-    ("too-many-stages", attention_space("  stages: {values: [5]}\n"), 3, ("an integer from 1 to 4",)),
+    ("too-many-stages", attention_space("  stages: {values: [9]}\n"), 3,
+     ("9 is not a value of knob 'stages'", "an integer from 1 to 8")),
     ("unknown-knob", attention_space("  block_n: {values: [64]}\n  blok_m: {values: [64, 128]}\n"), 4,
      ("parameter 'blok_m' is not a knob of the attention family", "did you mean 'block_m'?")),
-    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing, p_operand, empty_warpgroups, causal_extent)")),
+    ("unknown-knob-no-match", attention_space("  zzz: {values: [1]}\n"), 3, ("'zzz' is not a knob", "pingpong, persistent, pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing, p_operand, empty_warpgroups, causal_extent, stripe_order)")),
     ("softmax-vec", softmax_space("  vec: {values: [8, 3]}\n"), 3, ("3 is not a value of knob 'vec'", "one of 2, 4, 8")),
     ("softmax-strategy", softmax_space("  strategy: {values: [fast]}\n"), 3, ("one of cached, online, three_pass",)),
     ("softmax-typo", softmax_space("  thread_per_row: {values: [32]}\n"), 3, ("did you mean 'threads_per_row'?",)),

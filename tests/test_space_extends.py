@@ -67,8 +67,11 @@ RECORDED = {
 # 14332723200 configs, 110048 admitted on the mission shape), and again when block_m 256 and compute_warps 16 (four
 # consumer warpgroups) and their constraint (at most 128 keys) were added (9d01fae10d43ca4a before; 20639121408 configs,
 # 114080 admitted on the mission shape), and again when the causal_extent knob (tile, warpgroup) and its constraint
-# were added (67ebcb2ab14a415e before; 41278242816 configs, still 114080 admitted on the non-causal mission shape).
-RECORDED_ATTENTION_DIGEST = "5681e74cad58909a"
+# were added (67ebcb2ab14a415e before; 41278242816 configs, still 114080 admitted on the non-causal mission shape), and
+# again when the stripe_order knob (fixed, mirrored), its constraint (mirrored only with persistent and causal_extent =
+# warpgroup), its term in smem_bytes (the second Q buffer) and the constraint on stages (5 to 8 only with wgmma) were
+# added (5681e74cad58909a before; 82556485632 configs, still 114080 admitted on the non-causal mission shape).
+RECORDED_ATTENTION_DIGEST = "d6faa19939579432"
 
 
 def admitted_digest(space, context, derived_names) -> list:

@@ -30,7 +30,7 @@ def test_full_space_enumeration_is_quick(mission):
 
     space = load_builtin("attention")
     admitted, enumerated, seconds = static_check.admitted_configs(space, shape_context(mission))
-    assert enumerated == space.size() == 41278242816 and len(admitted) == 114080
+    assert enumerated == space.size() == 82556485632 and len(admitted) == 114080
     assert seconds < 10
 
 

@@ -50,14 +50,15 @@ def test_default_instantiation(attention, space, mission):
     assert src.code.startswith(template)
     tail = src.code[len(template):]
     # The banner names the config's knobs but pdl at false, epilogue at regs, key_merge at gather, kv_load at
-    # cp_async, kv_cluster at 1, exp2_fma at 0, rescale at always, softmax_overlap at false, lean_addressing at false
-    # p_operand at regs, empty_warpgroups at compute and causal_extent at tile (Problem.late_knobs: the source as before
-    # the knobs).
+    # cp_async, kv_cluster at 1, exp2_fma at 0, rescale at always, softmax_overlap at false, lean_addressing at false,
+    # p_operand at regs, empty_warpgroups at compute, causal_extent at tile and stripe_order at fixed
+    # (Problem.late_knobs: the source as before the knobs).
     key = (space.default_config().key().replace(',pdl=False', '').replace(',epilogue=regs', '')
            .replace(',key_merge=gather', '').replace(',kv_load=cp_async', '').replace(',kv_cluster=1', '')
            .replace(',exp2_fma=0', '').replace(',rescale=always', '').replace(',softmax_overlap=False', '')
            .replace(',lean_addressing=False', '').replace(',p_operand=regs', '')
-           .replace(',empty_warpgroups=compute', '').replace(',causal_extent=tile', ''))
+           .replace(',empty_warpgroups=compute', '').replace(',causal_extent=tile', '')
+           .replace(',stripe_order=fixed', ''))
     assert tail.startswith(f"\n{BANNER} attention {key}\n")
     assert tail.count('extern "C"') == 1
     assert len(re.findall(r"\bevotune_attention\s*\(", tail)) == 1
@@ -90,15 +91,19 @@ def test_every_knob_changes_the_code(attention, space, mission, name):
     empty_warpgroups, admitted only where a warpgroup of the last tile is empty, a three-warpgroup one), or, for
     one only key groups read (key_merge), from a two-key-group config, or for one only TMA loads read (kv_cluster),
     from a two-key-group config with kv_load = tma; on the mission shape, or for persistent (admitted only with more
-    query tiles than SMs) on llama-4k, or for causal_extent (admitted only on causal shapes) on llama-4k-causal."""
+    query tiles than SMs) on llama-4k, or for causal_extent (admitted only on causal shapes) on llama-4k-causal, or for
+    stripe_order (admitted only with persistent and causal_extent = warpgroup) from the two-warpgroup wgmma config with
+    both, on llama-4k-causal (a causal shape's base only: on the others it would find causal_extent's change first)."""
     assert name in space.param_names()
     hopper = space.config({"mma": "wgmma", "block_m": 128, "compute_warps": 8, "producer_warps": 4})
     key_groups = space.config({"block_m": 32, "block_n": 128, "compute_warps": 4, "warp_key_groups": 2})
     tma_loads = space.config({**key_groups.as_dict(), "kv_load": "tma"})
     hopper3 = space.config({"mma": "wgmma", "block_m": 192, "compute_warps": 12, "producer_warps": 4})
+    mirror = space.config({**hopper.as_dict(), "persistent": True, "causal_extent": "warpgroup"})
     found = None
     for shape in (mission, parse_shape("llama-4k"), parse_shape("llama-4k-causal")):
-        for base in (space.default_config(), hopper, key_groups, tma_loads, hopper3):
+        causal_bases = (mirror,) if shape.causal else ()
+        for base in (space.default_config(), hopper, key_groups, tma_loads, hopper3) + causal_bases:
             cfg = first_admitted_change(space, name, shape, base)
             if cfg is not None:
                 found = (cfg, base, shape)
