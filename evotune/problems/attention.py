@@ -74,7 +74,7 @@ KNOB_DOMAINS = {
     "p_operand": ("regs", "smem"),       # wgmma: where P V reads P (FlashAttention-3's MmaPV_is_RS true or false)
     "empty_warpgroups": ("compute", "skip"),  # wgmma: a consumer warpgroup with only padding rows computes them or not
     "causal_extent": ("tile", "warpgroup"),  # wgmma, causal: a warpgroup's keys end at its tile's diagonal or its own
-    "stripe_order": ("fixed", "mirrored"),  # persistent: each warpgroup's 64-row stripe fixed, or mirrored every other tile
+    "stripe_order": ("fixed", "mirrored"),  # persistent: each warpgroup's stripe fixed, or mirrored every other tile
 }
 
 
@@ -192,6 +192,13 @@ MIRRORED_WG4_PRODUCER_REGS = 32
 def mirrored_producer_regs(config) -> int:
     """The producer's setmaxnreg count where stripe_order = mirrored changes it (four consumer warpgroups); else 0."""
     return MIRRORED_WG4_PRODUCER_REGS if is_stripe_mirror(config) and wgmma_block_m(config) == 256 else 0
+
+
+def is_deep_ring(config) -> bool:
+    """The Hopper kernel's K/V ring deeper than four slots (stages 5 to 8, kernels/attention_hopper.cuh's
+    `//[deep_ring]` lines: barriers for eight); a warpgroup that runs ahead into the next query tile (stripe_order =
+    mirrored) may then be further ahead of the longest one."""
+    return is_wgmma(config) and int(knob(config, "stages")) > 4
 
 
 def q_buffer_bytes(config, shape: Shape) -> int:
@@ -342,8 +349,8 @@ class AttentionProblem(Problem):
                    "lean_addressing": ("leanaddr", "rebuiltaddr"), "p_operand": "p-",
                    "empty_warpgroups": "empty-", "causal_extent": "extent-", "stripe_order": "stripes-"}
     # pdl, epilogue, key_merge, kv_load, kv_cluster, exp2_fma, rescale, softmax_overlap, lean_addressing, p_operand,
-    # empty_warpgroups, causal_extent and stripe_order came after the recorded runs; at false, regs, gather, cp_async, 1,
-    # 0, always, false, false, regs, compute, tile and fixed they leave the source as it was (their lines are flagged).
+    # empty_warpgroups, causal_extent and stripe_order came after the recorded runs; at false, regs, gather, cp_async,
+    # 1, 0, always, false, false, regs, compute, tile and fixed they leave the source as it was (flagged lines).
     late_knobs = {"pdl": False, "epilogue": "regs", "key_merge": "gather", "kv_load": "cp_async", "kv_cluster": 1,
                   "exp2_fma": 0, "rescale": "always", "softmax_overlap": False, "lean_addressing": False,
                   "p_operand": "regs", "empty_warpgroups": "compute", "causal_extent": "tile",
@@ -412,8 +419,8 @@ class AttentionProblem(Problem):
         `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); wg4: its
         `//[wg4]` lines (block_m 256: four consumer warpgroups, their register split); causal_wg: its `//[causal_wg]`
         lines (causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal); stripe_mirror: its
-        `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers); deep_ring:
-        its `//[deep_ring]` lines (stages 5 to 8: room for their barriers). No such knob
+        `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers);
+        deep_ring: its `//[deep_ring]` lines (stages 5 to 8: room for their barriers). No such knob
         is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
@@ -429,7 +436,7 @@ class AttentionProblem(Problem):
                                                ("wg4", is_wgmma(config) and wgmma_block_m(config) == 256),
                                                ("causal_wg", is_causal_warpgroup(config)),
                                                ("stripe_mirror", is_stripe_mirror(config)),
-                                               ("deep_ring", is_wgmma(config) and int(knob(config, "stages")) > 4)) if on)
+                                               ("deep_ring", is_deep_ring(config))) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
