@@ -15,6 +15,15 @@ from evotune.records.result import Timing
 CORRECT = "none"
 GATE_FAULTS = ("skip_on_repeat", "stateful_counter", "input_mutation", "write_past_o", "write_before_o",
                "write_nan_past_o", "wrong_when_timed")
+# Kernels that remember their own answers (issue 38), each as its CUDA twin in tests/fault_family.py does:
+#   memo_o            returns at once when O's first elements still hold what it last wrote there
+#   memo_fingerprint  when a fingerprint of the inputs (Q's first elements) matches the last launch's, copies the
+#                     answer it kept in private memory into O instead of computing
+#   memo_late         memo_o, but only after its first STATEFUL_LAUNCHES launches (more than the gate checks)
+#   memo_cache        after its first STATEFUL_LAUNCHES launches, keeps one answer per fingerprint in two slots (as
+#                     many as the timing's input sets) and copies the one whose fingerprint matches
+MEMO_FAULTS = ("memo_o", "memo_fingerprint", "memo_late", "memo_cache")
+MEMO_ELEMENTS = 4  # how many leading elements of O (memo_o) or of Q (the fingerprints) a memo compares
 STATEFUL_LAUNCHES = 16  # as tests/fault_family.py: more than the gate's checked launches before timing
 
 # cpu_timer's launches: warm-up, then each replay (a "captured graph" of REPLAY_LAUNCHES launches).
@@ -30,6 +39,12 @@ def on_cpu(problem):
             return super().make_inputs(shape, seed, device="cpu", pattern=pattern)
 
     return OnCPU()
+
+
+def _as_bits(t):
+    import torch
+
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _storage_element(out, offset: int):
@@ -52,6 +67,8 @@ class Planted:
         self.stateful_launches = stateful_launches
         self.mutated = mutated  # the input input_mutation changes (default: the last tensor of the inputs)
         self.launches = self.worked = 0
+        self.memo = None     # memo_o / memo_late: O's leading elements as it last wrote them
+        self.answers = {}    # memo_fingerprint / memo_cache: fingerprint -> the whole answer kept
 
     def launch_for(self, inputs, out):
         def launch():
@@ -63,11 +80,36 @@ class Planted:
         self.worked += 1
         out.copy_((self.problem.reference(self.shape, inputs) * scale).to(out.dtype))
 
+    def _remember(self, inputs, out, fresh: bool) -> None:
+        """The memo faults: skip or copy a kept answer when their key matches, else compute and keep it."""
+        lead = out.reshape(-1)[:MEMO_ELEMENTS] if out.is_contiguous() else out.flatten()[:MEMO_ELEMENTS]
+        if self.fault in ("memo_o", "memo_late"):
+            if fresh and self.memo is not None and bool((_as_bits(lead) == self.memo).all()):
+                return  # O still holds what it wrote: return at once
+            self._compute(inputs, out)
+            self.memo = _as_bits(out.flatten()[:MEMO_ELEMENTS]).clone()
+            return
+        q = [t for t in inputs.values() if hasattr(t, "flatten")][0]
+        key = tuple(_as_bits(q.flatten()[:MEMO_ELEMENTS]).tolist())
+        if fresh and key in self.answers:
+            out.copy_(self.answers[key])  # no compute: the kept answer
+            return
+        self._compute(inputs, out)
+        if self.fault == "memo_fingerprint":
+            self.answers = {}  # only the last launch's
+        elif len(self.answers) >= 2:
+            self.answers.pop(next(iter(self.answers)))
+        self.answers[key] = out.clone()
+
     def run_into(self, inputs, out) -> None:
         import torch
 
         self.launches += 1
         fault = self.fault
+        if fault in MEMO_FAULTS:
+            late = fault in ("memo_late", "memo_cache")
+            self._remember(inputs, out, fresh=not late or self.launches > self.stateful_launches)
+            return
         if fault == "skip_on_repeat":  # computes only into the gate's NaN poison
             if bool(torch.isnan(out[(0,) * out.dim()])):
                 self._compute(inputs, out)

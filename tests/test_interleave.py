@@ -156,8 +156,8 @@ def test_head_to_head_times_kernels_and_baselines_on_the_same_inputs(cpu_attenti
 
 
 def test_head_to_head_catches_a_kernel_whose_later_launches_skip_work(cpu_attention):
-    """A fresh stateful kernel (later launches return at once) leaves a correct O after the interleaved
-    timing; the audit replay over finite garbage shows it. The other kernel is unaffected."""
+    """A fresh stateful kernel (later launches return at once) leaves the answer to an earlier timing set in O
+    after the interleaved timing over rotating input sets. The other kernel is unaffected."""
     problem, shape = cpu_attention
     gpu = FakeGPU({"cheat": 1.0, "ours": 5.0, "flash": 8.0})
     kernels = {"cheat": Planted(problem, shape, "stateful_counter").launch_for,
@@ -165,7 +165,7 @@ def test_head_to_head_catches_a_kernel_whose_later_launches_skip_work(cpu_attent
     res, failures = I.head_to_head(problem, shape, kernels, ["flash"], rounds=3, reps_per_round=3,
                                    timer=cpu_interleaved(gpu))
     assert set(failures) == {"cheat"} and failures["cheat"].check == R.TIMED_OUTPUT
-    assert "refilled with finite garbage" in failures["cheat"].detail
+    assert "rotating input sets, O differs from an untimed launch on the last set" in failures["cheat"].detail
 
 
 def test_head_to_head_does_not_time_a_kernel_whose_untimed_launch_fails(cpu_attention):

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..records.result import Timing
-from .evaluate import (CUDA_EVENTS, TIMING_SEED, GateViolation, GuardedOutput, InputSnapshot, Prepared,
+from .evaluate import (CUDA_EVENTS, GateViolation, GuardedOutput, InputSnapshot, Prepared, Rotation,
                        check_after_timing, enqueue_replays, expect_untimed, per_call_us, prepare_launches,
-                       timing_of)
+                       timing_of, timing_sets)
 
 # A 2 ms kernel with 4 baselines: 12 rounds x (10 + 1) replays of ~2 ms each is about 0.3 s of GPU per
 # contender, well under 10 s in all; a 5 us kernel's replays hold ~80 launches, still 100 samples each.
@@ -184,35 +184,37 @@ def head_to_head(problem, shape, kernels: dict, baselines: list[str], rounds: in
                  reps_per_round: int = 10,
                  timer=time_interleaved) -> tuple[Interleaved | None, dict[str, GateViolation]]:
     """Kernels (`label -> launch_for(inputs, out)`, as evaluate takes them) and the named baselines timed
-    interleaved on the same timing inputs, each kernel held to the timed-output check of
-    evaluate.check_timed: an untimed launch into NaN that passes the gate's error check, then, after
-    the interleaved timing, O bitwise equal to it, and again after an audit replay over finite garbage.
+    interleaved on the same rotating timing input sets (evaluate.timing_sets: the same inputs and the same L2
+    traffic for every contender), each kernel held to the timed-output checks of evaluate.check_timed: an
+    untimed launch on the last set into NaN that passes the gate's error check, then, after the interleaved
+    timing, O bitwise equal to it, and the audit replay on a changed input.
 
     Returns (the Interleaved, or None when nothing was left to time; label -> GateViolation of each
     kernel that failed). A kernel that fails its untimed launch is not timed; baselines whose launcher
     refuses the inputs are left out. `timer(fns, rounds=, reps_per_round=)` is time_interleaved."""
-    inputs = problem.make_inputs(shape, TIMING_SEED)
-    snapshot = InputSnapshot(inputs)
+    sets = timing_sets(problem, shape)
+    snapshots = [InputSnapshot(s) for s in sets]
     failures: dict[str, GateViolation] = {}
     outputs, fns = {}, {}
     for label, launch_for in kernels.items():
-        guarded = GuardedOutput(problem.new_output(inputs))
-        launch = launch_for(inputs, guarded.out)
+        guarded = GuardedOutput(problem.new_output(sets[-1]))
+        rotation = Rotation(launch_for(s, guarded.out) for s in sets)
         try:
-            outputs[label] = (guarded, expect_untimed(problem, shape, inputs, launch, guarded, snapshot))
-            fns[label] = launch
+            outputs[label] = (guarded, expect_untimed(problem, shape, sets[-1], rotation.launches[-1], guarded,
+                                                      snapshots[-1]))
+            fns[label] = rotation
         except GateViolation as v:
             failures[label] = v
     for name in baselines:
-        fn = problem.baseline_launcher(name, shape, inputs)
-        if fn is not None:
-            fns[name] = fn
+        launches = [problem.baseline_launcher(name, shape, s) for s in sets]
+        if all(fn is not None for fn in launches):
+            fns[name] = Rotation(launches)
     if not fns:
         return None, failures
     result = timer(fns, rounds=whole_cycles(len(fns), rounds), reps_per_round=reps_per_round)
     for label, (guarded, expected) in outputs.items():
         try:
-            check_after_timing(guarded, snapshot, inputs, expected, result.replays[label],
+            check_after_timing(problem, shape, guarded, sets, snapshots, expected, result.replays[label],
                                timing="the interleaved timing")
         except GateViolation as v:
             failures[label] = v

@@ -169,8 +169,10 @@ class Problem(ABC):
         """The fp32 answer for `inputs`."""
 
     @abstractmethod
-    def perturb(self, shape, inputs: dict) -> tuple[dict, object]:
-        """(inputs with one element changed, bool mask over all but the output's last dim of the rows that may move)."""
+    def perturb(self, shape, inputs: dict, rng=None) -> tuple[dict, object]:
+        """(inputs with one element changed, bool mask over all but the output's last dim of the rows that may move).
+        `rng` (a random.Random) draws where: the gate passes a fresh one per candidate, so no kernel can learn
+        the position (a family may ignore it, at the cost of a position a kernel could leave out of a fingerprint)."""
 
     @abstractmethod
     def baselines(self) -> list[str]:

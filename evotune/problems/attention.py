@@ -682,23 +682,28 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
 
         return {"q": place(q), "k": place(k), "v": place(v), "scale": 1.0 / math.sqrt(shape.head_dim)}
 
-    def perturb(self, shape: Shape, inputs: dict) -> tuple[dict, object]:
-        """Inputs with one key/value row of the last (batch, K/V head) changed, and the boolean
-        (B, H, Sq) mask of output rows that must change (all others must stay bitwise equal): those of
-        every query head of the last K/V head's group."""
+    def perturb(self, shape: Shape, inputs: dict, rng=None) -> tuple[dict, object]:
+        """Inputs with one key/value row changed, and the boolean (B, H, Sq) mask of output rows that must
+        change (all others must stay bitwise equal): those of every query head of that K/V head's group that
+        can see the key. The row (batch, K/V head, key) is drawn from `rng` (a random.Random); without one,
+        the middle key of the last batch and K/V head."""
         import torch
 
         # A key some query can see: with top-left causal and Sq < Sk, keys past Sq-1 are seen by none.
-        j = (min(shape.seq_q, shape.seq_k) if shape.causal else shape.seq_k) // 2
-        k, v = inputs["k"].clone(), inputs["v"].clone()
-        k[-1, -1, j, :] += 1.0
-        v[-1, -1, j, :] += 8.0
-        must_change = torch.zeros(shape.batch, shape.heads, shape.seq_q, dtype=torch.bool, device=k.device)
-        group = slice(shape.heads - shape.kv_group, shape.heads)  # the query heads that read K/V head -1
-        if shape.causal:
-            must_change[-1, group, j:] = True  # top-left causal: query i sees key j iff j <= i
+        visible = min(shape.seq_q, shape.seq_k) if shape.causal else shape.seq_k
+        if rng is None:
+            b, kvh, j = shape.batch - 1, shape.kv_heads - 1, visible // 2
         else:
-            must_change[-1, group, :] = True
+            b, kvh, j = rng.randrange(shape.batch), rng.randrange(shape.kv_heads), rng.randrange(visible)
+        k, v = inputs["k"].clone(), inputs["v"].clone()
+        k[b, kvh, j, :] += 1.0
+        v[b, kvh, j, :] += 8.0
+        must_change = torch.zeros(shape.batch, shape.heads, shape.seq_q, dtype=torch.bool, device=k.device)
+        group = slice(kvh * shape.kv_group, (kvh + 1) * shape.kv_group)  # the query heads that read K/V head kvh
+        if shape.causal:
+            must_change[b, group, j:] = True  # top-left causal: query i sees key j iff j <= i
+        else:
+            must_change[b, group, :] = True
         return {**inputs, "k": k, "v": v}, must_change
 
     def new_output(self, inputs: dict):

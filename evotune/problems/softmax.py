@@ -267,12 +267,16 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
             x = x.masked_fill(drop, float("-inf"))
         return {"x": x.to(self.torch_dtype(shape)).contiguous()}
 
-    def perturb(self, shape: SoftmaxShape, inputs: dict) -> tuple[dict, object]:
-        """Inputs with one element of the middle row raised by 2, and the (rows,) mask of rows that may change:
-        that row, or none when rows have one element (softmax of one value is 1 whatever the value)."""
+    def perturb(self, shape: SoftmaxShape, inputs: dict, rng=None) -> tuple[dict, object]:
+        """Inputs with one element raised by 2, and the (rows,) mask of rows that may change: that row, or none
+        when rows have one element (softmax of one value is 1 whatever the value). The element is drawn from
+        `rng` (a random.Random); without one, the middle of the middle row."""
         import torch
 
-        r, c = shape.rows // 2, shape.cols // 2
+        if rng is None:
+            r, c = shape.rows // 2, shape.cols // 2
+        else:
+            r, c = rng.randrange(shape.rows), rng.randrange(shape.cols)
         x = inputs["x"].clone()
         x[r, c] += 2.0
         may_change = torch.zeros(shape.rows, dtype=torch.bool, device=x.device)

@@ -12,7 +12,10 @@ LAUNCH_ERROR = "launch_error"  # the launch failed or faulted (e.g. illegal addr
 WRONG = "wrong"                # ran, but failed the correctness gate
 TIMEOUT = "timeout"            # the worker did not answer in time (hang) and was killed
 CRASHED = "crashed"            # the worker process died
-STATUSES = (OK, PRUNED, COMPILE_ERROR, LAUNCH_ERROR, WRONG, TIMEOUT, CRASHED)
+# Passed the gate but timed below the shape's physical floor on this GPU (gpu/plausibility.py): it did not
+# do the work it was timed on, however it got past the checks. Never best, never in a table.
+IMPLAUSIBLE = "implausible"
+STATUSES = (OK, PRUNED, COMPILE_ERROR, LAUNCH_ERROR, WRONG, TIMEOUT, CRASHED, IMPLAUSIBLE)
 
 # The checks of the correctness gate (evaluate.py), as a WRONG result's message and
 # Verification.failed_check name them.
@@ -23,7 +26,8 @@ REPEAT = "repeat"                   # repeated launches on the same inputs diffe
 INPUT_MUTATED = "input mutated"     # a launch changed an input tensor
 WRITE_OUTSIDE = "write outside O"   # a launch wrote into a guard band before or after the output
 TIMED_OUTPUT = "timed output"       # the output of the timed launches is not the output the gate checked
-CHECKS = (NONFINITE, ERROR, DEPENDENCY, REPEAT, INPUT_MUTATED, WRITE_OUTSIDE, TIMED_OUTPUT)
+CHANGED_INPUT = "changed input"     # the timed launches, replayed on a changed timing input, did not follow it
+CHECKS = (NONFINITE, ERROR, DEPENDENCY, REPEAT, INPUT_MUTATED, WRITE_OUTSIDE, TIMED_OUTPUT, CHANGED_INPUT)
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,8 @@ class Verification:
     guards: str = "not checked"              # nothing written in the guard bands before and after O
     inputs_intact: str = "not checked"       # every input tensor bitwise unchanged by every checked launch
     repeat: str = "not checked"              # repeated launches, O refilled between them, bitwise identical
-    timed_output: str = "not checked"        # O after timing (and after an audit replay) equals an untimed launch
+    timed_output: str = "not checked"        # O after rotating timing equals an untimed launch; the audit replay
+                                             # on a changed input follows it
     failed_check: str = ""                   # the check that failed first (CHECKS), "" when passed
 
     def as_dict(self) -> dict:
