@@ -14,12 +14,14 @@ from typer.testing import CliRunner
 from evotune.cli import app
 from evotune.gpu import evaluate as E
 from evotune.gpu.bench import OURS, floor_analysis, summarize, with_head_to_head
+from evotune.gpu.plausibility import Floors
 from evotune.problems import get_problem
 from evotune.records import result as R
 
 CEIL = {"copy": {"gb_s": 3000.0, "bytes": 1, "time_us": 1.0},
         "matmul": {"tflop_s": 700.0, "dtype": "fp16", "n": 8192, "time_us": 1.0},
         "empty_kernel": {"time_us": 1.5}}
+CPU_FLOORS = Floors(lambda dtype: CEIL)  # the floor's ceilings, as a GPU worker would measure them
 
 
 def test_floor_is_launch_plus_the_larger_of_memory_and_compute():
@@ -138,7 +140,7 @@ def test_with_head_to_head_adds_the_interleaved_timings(cpu_attention):
     problem, shape = cpu_attention
     raw = _solo(problem, shape)
     out = with_head_to_head(raw, problem, shape, {OURS: Planted(problem, shape).launch_for}, reps=12, rounds=3,
-                            timer=cpu_interleaved(FakeGPU({OURS: 5.0, "flash": 8.0})))
+                            timer=cpu_interleaved(FakeGPU({OURS: 5.0, "flash": 8.0})), floors=CPU_FLOORS)
     h2h = out["head_to_head"]
     assert out["kernels"] == raw["kernels"] and set(h2h["timings"]) == {OURS, "flash"}
     # 3 rounds asked, 4 run: whole Williams cycles of the two contenders (interleave.whole_cycles)
@@ -154,10 +156,11 @@ def test_with_head_to_head_makes_a_cheat_wrong(cpu_attention):
     problem, shape = cpu_attention
     raw = _solo(problem, shape)
     out = with_head_to_head(raw, problem, shape, {OURS: Planted(problem, shape, "stateful_counter").launch_for},
-                            reps=12, rounds=3, timer=cpu_interleaved(FakeGPU({OURS: 1.0, "flash": 8.0})))
+                            reps=12, rounds=3, timer=cpu_interleaved(FakeGPU({OURS: 1.0, "flash": 8.0})),
+                            floors=CPU_FLOORS)
     kernel = out["kernels"][OURS]
     assert "head_to_head" not in out and kernel["status"] == R.WRONG and kernel["time_us"] is None
-    assert kernel["message"].startswith("timed output: after O was refilled with finite garbage")
+    assert kernel["message"].startswith("timed output: after the interleaved timing over 2 rotating input sets")
     assert kernel["verification"]["failed_check"] == R.TIMED_OUTPUT
     row = summarize({"kernel": kernel, "baselines": out["baselines"], "ceilings": CEIL}, 1e9, 1e6)["rows"][0]
     assert row["time_us"] is None and row["reason"].startswith("wrong: timed output")
@@ -176,12 +179,26 @@ def test_with_head_to_head_names_the_fastest_passing_finalist(cpu_attention):
                 "trial 3": Planted(problem, shape, "stateful_counter").launch_for}
     out = with_head_to_head(raw, problem, shape, launches, reps=12, rounds=3,
                             timer=cpu_interleaved(FakeGPU({"trial 1": 6.0, "trial 2": 4.0, "trial 3": 1.0,
-                                                           "flash": 8.0})))
+                                                           "flash": 8.0})), floors=CPU_FLOORS)
     h2h = out["head_to_head"]
     assert h2h["winner"] == "trial 2" and out["kernels"]["trial 3"]["status"] == R.WRONG
     assert out["kernels"]["trial 1"] == out["kernels"]["trial 2"] == solo
     assert set(h2h["ours_speedup"]) == {"flash"}
     assert h2h["ours_speedup"]["flash"]["median"] == pytest.approx(2.0)
+
+
+def test_with_head_to_head_makes_a_time_below_the_floor_implausible(cpu_attention):
+    """A kernel that keeps its output through the interleaved timing but whose median is below the shape's floor (an
+    empty kernel's 1.5 us here) is IMPLAUSIBLE with the numbers, gets no time and no head-to-head winner."""
+    problem, shape = cpu_attention
+    raw = _solo(problem, shape)
+    out = with_head_to_head(raw, problem, shape, {OURS: Planted(problem, shape).launch_for}, reps=12, rounds=3,
+                            timer=cpu_interleaved(FakeGPU({OURS: 1.0, "flash": 8.0})), floors=CPU_FLOORS)
+    kernel = out["kernels"][OURS]
+    assert "head_to_head" not in out and kernel["status"] == R.IMPLAUSIBLE and kernel["time_us"] is None
+    assert kernel["message"].startswith("timed 1 us, below this shape's floor of 1.52 us on this GPU (an empty "
+                                        "kernel's 1.5 us; compulsory bytes at 3000 GB/s ")
+    assert kernel["extra"]["implausible_time_us"] == pytest.approx(1.0)
 
 
 def test_printed_table_says_the_times_are_interleaved():

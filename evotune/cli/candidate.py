@@ -48,7 +48,9 @@ def replay(
         res = worker_evaluator(worker, problem, shp, seeds=REPLAY_SEEDS)(config, compiled)
         base = worker.call(BaselinesJob(family=problem.family, shape=shp.as_dict()), timeout_s=600) if baselines else {}
     recorded = rec["result"]["time_us"]
+    floor_us = (res.extra or {}).get("floor_us")
     out = {"run_id": rn.run_id, "trial": rec["number"], "config": rec["config"], "shape": shp.spec,
+           "floor_us": floor_us, "recorded_implausible": bool(floor_us and recorded and recorded < floor_us),
            "status": res.status, "message": res.message, "time_us": res.time_us, "recorded_time_us": recorded,
            "drift_pct": (100.0 * (res.time_us - recorded) / recorded) if res.time_us else None,
            "max_abs": res.max_abs, "timing": res.timing, "verification": res.verification,
@@ -59,6 +61,9 @@ def replay(
         _print_comparison(out, shp, problem)
     if res.status != "ok":
         raise EvotuneError(f"replay of trial {rec['number']} failed: {res.status}: {res.message}")
+    if out["recorded_implausible"]:  # the floor's rule (gpu/plausibility.py) on what the run recorded
+        raise EvotuneError(f"trial {rec['number']}'s recorded {recorded:.3g} us is below this shape's floor of "
+                           f"{floor_us:.3g} us on this GPU: the record is implausible, whatever the replay measures")
 
 
 def _print_comparison(out: dict, shp, problem) -> None:
@@ -240,7 +245,8 @@ def verify_cmd(
         rep = worker.call(VerifyJob(family=problem.family, shape=shp.as_dict(), config=cfg, compiled=compiled,
                                     launches=launches, seeds=REPLAY_SEEDS))
     ver, det = rep["verification"], rep["determinism"]
-    ok = ver["passed"] and det["passed"]
+    plausible = rep.get("status", "ok") != "implausible"  # timed below the shape's floor (gpu/plausibility.py)
+    ok = ver["passed"] and det["passed"] and plausible
     if json_out:
         emit_json({"shape": shp.spec, "config": cfg.as_dict(), "passed": ok, **rep})
     else:
@@ -253,7 +259,9 @@ def verify_cmd(
                            ("timed output", "timed_output")):
             console.print(f"  {label:<12} {ver.get(key, 'not checked')}")
         console.print(f"  determinism  {'pass' if det['passed'] else 'FAIL'}: {det['detail']}")
-        if not ver["passed"] and rep.get("message"):
+        if not plausible:
+            console.print(f"  plausibility FAIL: {rep['message']}")
+        elif not ver["passed"] and rep.get("message"):
             console.print(f"  failed: {rep['message']}")
     if not ok:
         raise EvotuneError(f"{cfg_short(cfg.as_dict())} failed the deep check on {shp.spec}")

@@ -29,72 +29,12 @@ from dataclasses import replace
 
 from ..records import result as R
 from ..records.result import Result, Verification
-from .evaluate import DEFAULT_SEEDS, failure_message, time_gpu, with_violation
+from .evaluate import DEFAULT_SEEDS, failure_message, with_violation
 from .interleave import DEFAULT_ROUNDS, head_to_head, split_reps, time_interleaved
+from .plausibility import FLOORS, Floors, ceilings, floor_analysis, flops_and_bytes  # noqa: F401 (bench's API)
 
 BENCH_REPS = 100
-COPY_BYTES = 1 << 30        # 1 GiB each way: far past the 50 MB L2, so the copy streams HBM
-MATMUL_N = 8192             # 2·8192³ FLOPs: long enough to reach cuBLAS's steady tensor rate
-EMPTY_KERNEL = 'extern "C" __global__ void evotune_empty_kernel() {}\n'
 OURS = "evotune"            # the kernel's row, and its name among the head-to-head's contenders
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
-
-
-def ceilings(dtype: str = "fp16", reps: int = 20) -> dict:
-    """Measured roofs of this GPU (runs on the GPU): copy bandwidth, matmul tensor rate, empty-kernel time."""
-    import torch
-
-    from ..build.compile import compile_source, load_kernel, torch_stream_launcher
-
-    out: dict = {}
-    src = torch.randn(COPY_BYTES // 2, dtype=torch.float16, device="cuda")
-    dst = torch.empty_like(src)
-    t = time_gpu(lambda: dst.copy_(src), reps=reps)
-    out["copy"] = {"bytes": 2 * COPY_BYTES, "time_us": t.median_us, "gb_s": 2 * COPY_BYTES / t.median_us / 1e3}
-    del src, dst
-
-    a = torch.randn(MATMUL_N, MATMUL_N, dtype=_torch_dtype(dtype), device="cuda")
-    b = torch.randn_like(a)
-    c = torch.empty_like(a)
-    t = time_gpu(lambda: torch.matmul(a, b, out=c), reps=reps)
-    flops = 2.0 * MATMUL_N ** 3
-    out["matmul"] = {"n": MATMUL_N, "dtype": dtype, "time_us": t.median_us, "tflop_s": flops / t.median_us / 1e6}
-    del a, b, c
-
-    kernel = load_kernel(compile_source(EMPTY_KERNEL, "evotune_empty_kernel"))
-    launch_empty = torch_stream_launcher(kernel, (1, 1, 1), (32, 1, 1), ())
-    t = time_gpu(launch_empty, reps=reps)
-    out["empty_kernel"] = {"time_us": t.median_us, "timing": t.as_dict()}
-    return out
-
-
-def flops_and_bytes(shape) -> tuple[float | None, float | None]:
-    """The shape's FLOPs and compulsory bytes, where its family defines them (None otherwise)."""
-    flops = getattr(shape, "flops", None)
-    nbytes = getattr(shape, "min_bytes", None)
-    return (flops() if flops else None), (nbytes() if nbytes else None)
-
-
-def floor_analysis(flops: float | None, nbytes: float | None, ceil: dict) -> dict:
-    """The shape's floor on this GPU from its compulsory bytes and FLOPs and the measured roofs."""
-    memory_us = nbytes / (ceil["copy"]["gb_s"] * 1e3) if nbytes else None
-    compute_us = flops / (ceil["matmul"]["tflop_s"] * 1e6) if flops else None
-    parts = [x for x in (memory_us, compute_us) if x is not None]
-    work_us = max(parts) if parts else None
-    bound = None
-    if memory_us is not None and compute_us is not None:
-        bound = "memory" if memory_us >= compute_us else "compute"
-    launch_us = ceil["empty_kernel"]["time_us"]
-    return {"memory_us": memory_us, "compute_us": compute_us, "work_us": work_us, "bound": bound,
-            "launch_us": launch_us,
-            # Timed this way, every kernel pays what an empty one costs, and its work starts after
-            # that launch: the floor is the sum.
-            "floor_us": launch_us + (work_us or 0.0)}
 
 
 def bench_candidate(problem, shape, config, compiled, reps: int = BENCH_REPS, seeds=DEFAULT_SEEDS,
@@ -102,26 +42,27 @@ def bench_candidate(problem, shape, config, compiled, reps: int = BENCH_REPS, se
     """The kernel (gate + time) and every baseline (gate + time), then, if the kernel passed, all of them
     again interleaved (with_head_to_head), and the device's ceilings (runs on the GPU)."""
     raw = kernels_beside_baselines(problem, shape, {OURS: (config, compiled)}, reps, seeds, baselines, rounds=rounds)
-    dtype = getattr(shape, "dtype", "fp16")
     kernel = raw.pop("kernels")[OURS]
-    return {"kernel": kernel, **raw, "ceilings": ceilings(dtype)}
+    return {"kernel": kernel, **raw, "ceilings": FLOORS.ceilings_for(shape)}
 
 
 def kernels_beside_baselines(problem, shape, kernels: dict, reps: int, seeds, baselines: list[str] | None = None,
-                             baselines_first: bool = False, rounds: int = DEFAULT_ROUNDS) -> dict:
+                             baselines_first: bool = False, rounds: int = DEFAULT_ROUNDS,
+                             floors: Floors = FLOORS) -> dict:
     """{"kernels": {label: its Result dict}, "baselines": measure_baselines' report[, "head_to_head"]}: each
     kernel (`kernels`: label -> (config, compiled)) and the baselines gated and timed alone (the baselines first
     where `baselines_first`), then the kernels that passed and the baselines all interleaved (with_head_to_head).
     `evotune bench` (one kernel) and the search's closing job (its finalists) both measure this way (runs on the
-    GPU)."""
+    GPU). Every kernel's time, solo and interleaved, is judged against the shape's floor (plausibility.py)."""
     from ..build.compile import load_kernel
     from . import evaluate
+    from .plausibility import evaluate_plausible
 
     def measure():
         return evaluate.measure_baselines(problem, shape, names=baselines, seeds=seeds, reps=reps)
 
     base = measure() if baselines_first else None
-    results = {label: evaluate.evaluate_compiled(problem, shape, config, compiled, seeds=seeds, reps=reps)
+    results = {label: evaluate_plausible(problem, shape, config, compiled, floors, seeds=seeds, reps=reps)
                for label, (config, compiled) in kernels.items()}
     raw = {"kernels": {label: res.as_dict() for label, res in results.items()},
            "baselines": base if baselines_first else measure()}
@@ -130,17 +71,18 @@ def kernels_beside_baselines(problem, shape, kernels: dict, reps: int, seeds, ba
                                             load_kernel(compiled, problem.geometry(config, shape).dynamic_smem))
                 for label, (config, compiled) in kernels.items() if results[label].ok}
     if launches:
-        raw = with_head_to_head(raw, problem, shape, launches, reps, rounds)
+        raw = with_head_to_head(raw, problem, shape, launches, reps, rounds, floors=floors)
     return raw
 
 
 def with_head_to_head(raw: dict, problem, shape, launches: dict, reps: int, rounds: int = DEFAULT_ROUNDS,
-                      timer=time_interleaved) -> dict:
+                      timer=time_interleaved, floors: Floors = FLOORS) -> dict:
     """`raw` (the kernels' and the baselines' solo records, as kernels_beside_baselines makes them) with the
     head-to-head: each kernel's `launch_for(inputs, out)` (`launches`: label -> launch_for) and every available
     baseline timed interleaved (interleave.head_to_head, `rounds` rounds of about reps / rounds replays each).
     A kernel whose output after the interleaved timing is not its untimed launch's becomes WRONG (no time),
-    naming the timed-output check. `winner`: the passing kernel with the fastest median; `ours_speedup`: per
+    naming the timed-output check, and one whose interleaved median is below the shape's floor becomes
+    IMPLAUSIBLE (`floors`). `winner`: the passing kernel with the fastest median; `ours_speedup`: per
     baseline, the per-round speedup of the winner (the baseline's time over its) with median, min and max."""
     names = [n for n, b in raw["baselines"].items() if b.get("available")]
     result, failures = head_to_head(problem, shape, launches, names, rounds, split_reps(reps, rounds), timer)
@@ -150,6 +92,14 @@ def with_head_to_head(raw: dict, problem, shape, launches: dict, reps: int, roun
         check = with_violation(Verification.from_dict(res.verification), violation)
         kernels[label] = replace(res, status=R.WRONG, message=failure_message(check), time_us=None, timing=None,
                                  verification=check.as_dict()).as_dict()
+    for label in launches:
+        if label in failures or not result or label not in result.timings:
+            continue
+        judged = floors.judge(shape, replace(Result.from_dict(kernels[label]),
+                                             time_us=result.timings[label].median_us))
+        if not judged.ok:
+            failures[label] = judged.message
+            kernels[label] = replace(judged, timing=None).as_dict()
     raw = {**raw, "kernels": kernels}
     timed = [label for label in launches if label not in failures and result and label in result.timings]
     if not timed:
@@ -158,8 +108,8 @@ def with_head_to_head(raw: dict, problem, shape, launches: dict, reps: int, roun
     h2h = result.as_dict()
     h2h["winner"] = winner
     h2h["ours_speedup"] = {n: result.ratios(winner, n) for n in names if n in result.timings}
-    h2h["timed_output"] = ("O after the interleaved timing, and after an audit replay over finite garbage, "
-                           "bitwise equal to an untimed launch")
+    h2h["timed_output"] = ("O after the interleaved timing over rotating input sets bitwise equal to an untimed "
+                           "launch on the last set; an audit replay on a changed input passes the gate on it")
     return {**raw, "head_to_head": h2h}
 
 

@@ -311,11 +311,11 @@ def _info_job(job: InfoJob) -> dict:
 
 
 def _evaluate_job(job: EvaluateJob) -> dict:
-    from .evaluate import evaluate_compiled
+    from .plausibility import evaluate_plausible
 
     problem, shape = _problem_shape(job)
-    res = evaluate_compiled(problem, shape, job.config, job.compiled, seeds=job.seeds, reps=job.reps,
-                            time_it=job.time_it)
+    res = evaluate_plausible(problem, shape, job.config, job.compiled, seeds=job.seeds, reps=job.reps,
+                             time_it=job.time_it)
     return res.as_dict()
 
 
@@ -355,16 +355,17 @@ def _verify_job(job: VerifyJob) -> dict:
     determinism over many launches, all on one loaded module. `message` names the check that failed."""
     from ..build.compile import load_kernel
     from .evaluate import bind_kernel, check_determinism, evaluate_launches, kernel_runner
+    from .plausibility import FLOORS
 
     problem, shape = _problem_shape(job)
     config = job.config
     kernel = load_kernel(job.compiled, problem.geometry(config, shape).dynamic_smem)
-    res = evaluate_launches(problem, shape, bind_kernel(problem, shape, config, kernel), seeds=job.seeds,
-                            reps=job.reps)
+    res = FLOORS.judge(shape, evaluate_launches(problem, shape, bind_kernel(problem, shape, config, kernel),
+                                                seeds=job.seeds, reps=job.reps))
     det_ok, det_msg = check_determinism(problem, shape, kernel_runner(problem, shape, config, kernel),
                                         launches=job.launches)
     return {"verification": res.verification, "determinism": {"passed": det_ok, "detail": det_msg},
-            "message": res.message}
+            "message": res.message, "status": res.status}
 
 
 _HANDLERS: dict[type[Job], Callable[[Job], dict]] = {
