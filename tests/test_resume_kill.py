@@ -79,11 +79,11 @@ def test_kill_9_mid_search_then_resume(attention, mission, tmp_path, monkeypatch
     try:
         # Kill once there are 3 records, the last one counted (to be torn below), and an evaluation has begun
         # that has no record: work in flight.
-        deadline = time.time() + 120
+        deadline = time.time() + 600  # only stops the wait: generous for a loaded machine
         while not (len(records := parsed(trials_path)) >= 3 and records[-1]["counted"]
                    and evaluations(log) > counted(trials_path)):
             assert proc.poll() is None, f"the search process ended early:\n{out_path.read_text()}"
-            assert time.time() < deadline, f"no 3 records in 120 s:\n{out_path.read_text()}"
+            assert time.time() < deadline, f"no 3 records in 600 s:\n{out_path.read_text()}"
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
@@ -92,8 +92,9 @@ def test_kill_9_mid_search_then_resume(attention, mission, tmp_path, monkeypatch
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
 
-    # The compile processes notice their parent is gone and exit.
-    deadline = time.time() + 10
+    # The compile processes notice their parent is gone and exit. The deadline only stops the wait: it is
+    # generous (a loaded machine may be mid-compile), and the assertion is that they exit, not how fast.
+    deadline = time.time() + 120
     while group_members(proc.pid) and time.time() < deadline:
         time.sleep(0.1)
     assert group_members(proc.pid) == [], "compile processes outlived the killed search"

@@ -6,10 +6,10 @@ is too many for CI)."""
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import os
 import random
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Mapping
@@ -301,6 +301,19 @@ def test_attention_enumerates_like_the_reference(shape):
     assert space.admitted_configs(context) == reference_admitted_in_parallel(space, context)
 
 
+@functools.lru_cache(maxsize=None)
+def attention_admitted(shape: str) -> tuple[Config, ...]:
+    """The full attention space's admitted configs on `shape` (a named context), enumerated once per session by the
+    pruned walk alone: the naive loop over every config would take hours, so reaching it fails the test."""
+    space = load_builtin("attention")
+    real_naive = searchspace._Enumeration.naive
+    searchspace._Enumeration.naive = lambda self, context: pytest.fail("the naive loop ran on the full space")
+    try:
+        return tuple(space.admitted_configs(contexts_of("attention")[shape]))
+    finally:
+        searchspace._Enumeration.naive = real_naive
+
+
 # A slice's configs at most: the reference takes ~10 s for 150,000 on one core, whatever the full space's size.
 SLICE_MOST = 150_000
 # Slices built around admitted configs of the full space, alternately of each variant (mma), and how many
@@ -405,7 +418,7 @@ def test_attention_enumerates_like_the_reference_in_slices(shape, tmp_path):
     space's size, ~1 core-minute per shape; the exhaustive test above is opt-in."""
     full = load_builtin("attention")
     context = contexts_of("attention")[shape]
-    full_admitted = full.admitted_configs(context)
+    full_admitted = list(attention_admitted(shape))
     slices = chosen_slices(full, full_admitted, random.Random(SLICE_SEED))
     admitted_in_slices = []
     for i, values in enumerate(slices):
@@ -423,13 +436,11 @@ def test_attention_enumerates_like_the_reference_in_slices(shape, tmp_path):
     assert len(admitted_in_slices) > 1000
 
 
-def test_attention_mission_enumeration_is_quick():
-    """Enumerating the admitted configs of the full attention space for the mission shape takes under 5 s."""
-    space = load_builtin("attention")
-    context = contexts_of("attention")["mission"]
-    start = time.perf_counter()
-    admitted = space.admitted_configs(context)
-    assert time.perf_counter() - start < 5
+def test_attention_mission_admits_its_count():
+    """The full attention space admits 114,080 configs on the mission shape, through the pruned walk (the naive loop
+    over its 82 billion configs never runs). How long the enumeration takes is measured by
+    `python tools/suite_timings.py`, not asserted here (docs/PERFORMANCE.md)."""
+    admitted = attention_admitted("mission")
     # 10216 before the pdl knob, which doubles the mission shape's configs (20432); the epilogue knob adds the 560
     # wgmma configs with epilogue = tma (its constraint pins the 19872 mma.sync ones to regs); the key_merge knob the
     # 4320 mma.sync configs with key groups and key_merge = split; the kv_load knob the 2688 mma.sync configs with head

@@ -101,15 +101,16 @@ def test_worker_evaluator_job(attention, space, mission):
 
 
 def test_real_worker_without_gpu_raises_no_gpu_error():
-    """On a machine without a GPU the real worker reports it could not start, and call() raises NoGPUError quickly."""
+    """On a machine without a GPU the real worker reports it could not start, and call() raises NoGPUError."""
     w = GPUWorker(device=0, timeout_s=TIMEOUT_S)
-    start = time.monotonic()
     try:
-        with pytest.raises(NoGPUError, match="GPU worker could not start on device 0"):
+        with pytest.raises(NoGPUError, match="GPU worker could not start on device 0") as info:
             w.call({"kind": "info"})
     finally:
         w.close()
-    assert time.monotonic() - start < 30  # far inside STARTUP_GRACE_S: the worker said so, it was not waited out
+    # The worker said so (its `fatal` message), it was not waited out: a start past STARTUP_GRACE_S is a
+    # WorkerError(CRASHED) "did not start within", never a NoGPUError.
+    assert "did not start within" not in str(info.value)
     assert w._proc is None
 
 
@@ -137,10 +138,10 @@ def test_hang_becomes_timeout(worker_with):
     w._start = start_and_keep
     start = time.monotonic()
     res = w.evaluate({"kind": "evaluate"})
-    elapsed = time.monotonic() - start
+    waited = time.monotonic() - start
     assert res.status == R.TIMEOUT and not res.ok
     assert f"no answer within {TIMEOUT_S:.0f} s" in res.message and "killed" in res.message
-    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 15
+    assert waited >= TIMEOUT_S  # it gave the job its whole timeout (a lower bound: no speed is asserted)
     assert w.restarts == 1 and w._proc is None
     assert not proc_box["proc"].is_alive()
 
@@ -148,11 +149,10 @@ def test_hang_becomes_timeout(worker_with):
 def test_call_timeout_argument_overrides_default(worker_with):
     """call(job, timeout_s=...) waits that long rather than the worker's default, and raises WorkerError(TIMEOUT)."""
     w = worker_with(fake.hang_worker, timeout_s=30)
-    start = time.monotonic()
     with pytest.raises(WorkerError) as info:
         w.call({"kind": "evaluate"}, timeout_s=1)
     assert info.value.status == R.TIMEOUT
-    assert time.monotonic() - start < 15
+    assert "no answer within 1 s" in str(info.value)  # the argument's timeout, not the default 30 s
 
 
 def test_crash_becomes_crashed(worker_with):
@@ -207,10 +207,9 @@ def test_start_past_grace_is_crashed(worker_with, monkeypatch):
     """A worker silent for the whole startup grace is killed and reported as CRASHED."""
     monkeypatch.setattr(workers, "STARTUP_GRACE_S", 1.0)
     w = worker_with(fake.slow_start_worker)
-    start = time.monotonic()
     res = w.evaluate({"kind": "evaluate"})
-    assert res.status == R.CRASHED and "did not start within 1 s" in res.message
-    assert time.monotonic() - start < 15
+    assert res.status == R.CRASHED and "did not start within 1 s" in res.message  # the patched grace, not 120 s
+    assert w._proc is None
 
 
 def test_close_is_idempotent_and_stops_the_worker(worker_with):
