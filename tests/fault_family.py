@@ -41,18 +41,37 @@ import re
 from evotune.problems.attention import AttentionProblem
 
 FAULTS = ("none", "oob_write", "hang", "wrong_values", "unwritten", "compile_error",
-          "skip_on_repeat", "stateful_counter", "input_mutation", "write_past_o", "write_before_o")
+          "skip_on_repeat", "stateful_counter", "input_mutation", "write_past_o", "write_before_o",
+          "memo_o", "memo_fingerprint", "memo_late", "memo_cache")
 FAMILY = "tests.fault_family:PROBLEM"
 
 # How the gate reports each fault that computes correctly when checked: the start of the WRONG message.
+# A launch-count cheat starts within the timing's warm-up; whether the rotation's end check or the audit on a
+# changed input sees it first depends on which set its last full launch read: either names it (str.startswith
+# takes the tuple).
+_LATE = ("timed output: after timing over 2 rotating input sets", "changed input: after one key of the last timing set")
 CAUGHT_AS = {
     "skip_on_repeat": "repeat: ",
-    "stateful_counter": "timed output: after O was refilled with finite garbage",
+    "stateful_counter": _LATE,
     "input_mutation": "input mutated: k changed in 1 of ",
     "write_past_o": "write outside O: after O ",
     "write_before_o": "write outside O: before O ",
+    "memo_o": "timed output: after timing over 2 rotating input sets",
+    "memo_fingerprint": "dependency check FAILED: ",
+    "memo_late": _LATE,
+    "memo_cache": "changed input: after one key of the last timing set was changed",
 }
-GATE_FAULTS = ("skip_on_repeat", "stateful_counter", "input_mutation", "write_past_o", "write_before_o")
+GATE_FAULTS = ("skip_on_repeat", "stateful_counter", "input_mutation", "write_past_o", "write_before_o",
+               "memo_o", "memo_fingerprint", "memo_late", "memo_cache")
+# The kernels that remember their own answers (issue 38), each CTA keeping its memo in __device__ arrays:
+#   memo_o            returns at once when the first element of its O tile still holds what it last wrote there
+#                     (issue 38's exploit: ok at 1.76 us on the mission shape, timed on one input set)
+#   memo_fingerprint  when the first element of its Q tile (a fingerprint of the inputs) is the last launch's,
+#                     copies the tile it kept in private memory into O instead of computing
+#   memo_late         memo_o, but only after the module's first STATEFUL_LAUNCHES launches
+#   memo_cache        after the module's first STATEFUL_LAUNCHES launches, keeps two answers per CTA (as many as the
+#                     timing's input sets) keyed by that fingerprint and copies the matching one
+MEMO_CTAS = 4096  # CTAs a memo has room for (the mission shape launches 64 at block_m 64)
 
 # Launches of one loaded module that stateful_counter computes in full: more than the gate's checked
 # launches before timing (7 cases, 2 repeats, 2 for the dependency check, 1 untimed on the timing inputs).
@@ -62,6 +81,62 @@ STATEFUL_LAUNCHES = 16
 HANG_BOUND_S = 30
 
 PLANTED_IDENTIFIER = "evotune_planted_compile_error"
+
+# The memo faults' state (MEMO_CTAS and MEMO_ANSWER_ELEMS are filled in by plant()).
+_MEMO_O_DECLARATIONS = """\
+// planted memo: per CTA, the first element of its O tile as it last wrote it, and whether it has written.
+__device__ unsigned short evotune_fault_memo_o[MEMO_CTAS];
+__device__ unsigned char evotune_fault_memo_o_set[MEMO_CTAS];
+"""
+_COUNTER_DECLARATION = """\
+// planted memo: CTAs started by every launch of this module; nothing re-zeroes it.
+__device__ unsigned int evotune_fault_ctas_started = 0;
+"""
+_ANSWER_DECLARATIONS = """\
+// planted memo: per CTA and slot, the fingerprint (first element of its Q tile) of an answer it kept, the
+// slot it wrote last, and the answers themselves (O's logical (B, H, Sq, D) order).
+__device__ unsigned short evotune_fault_fp[2][MEMO_CTAS];
+__device__ unsigned char evotune_fault_fp_set[2][MEMO_CTAS];
+__device__ unsigned char evotune_fault_fp_last[MEMO_CTAS];
+__device__ unsigned short evotune_fault_answer[2][MEMO_ANSWER_ELEMS];
+"""
+
+# Where a CTA's tile starts: gridDim.z is batch x KV_SPLITS, gridDim.y the heads, and a CTA owns the query rows
+# from blockIdx.x * BLOCK_M.
+_TILE = """\
+        const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int tile_b = blockIdx.z / EvotuneTraits::kKVSplits, tile_h = blockIdx.y;
+        const int tile_r0 = blockIdx.x * EvotuneTraits::kBlockM;
+        const int tile_rows = min(EvotuneTraits::kBlockM, seq_q - tile_r0);
+        const long long o_first = (long long)tile_b * o_sb + (long long)tile_h * o_sh + (long long)tile_r0 * o_ss;
+        const unsigned short fingerprint = q[(long long)tile_b * q_sb + (long long)tile_h * q_sh
+                                             + (long long)tile_r0 * q_ss];
+"""
+
+
+def _copy_tile(slot: str, to_o: bool) -> str:
+    """Statements copying the CTA's O tile from (to_o) or into its kept answer in slot `slot`."""
+    answer = f"evotune_fault_answer[{slot}][(((long long)tile_b * gridDim.y + tile_h) * seq_q + row) * D + col]"
+    out = "o[(long long)tile_b * o_sb + (long long)tile_h * o_sh + (long long)row * o_ss + col]"
+    dst, src = (out, answer) if to_o else (answer, out)
+    return f"""\
+            for (int i = threadIdx.x; i < tile_rows * EvotuneTraits::kHeadDim; i += blockDim.x) {{
+                const int D = EvotuneTraits::kHeadDim, row = tile_r0 + i / D, col = i % D;
+                {dst} = {src};
+            }}
+"""
+
+
+def _late(flag: str) -> str:
+    return f"""\
+        bool {flag} = false;
+        if (threadIdx.x == 0) {{
+            const unsigned int ctas = gridDim.x * gridDim.y * gridDim.z;
+            {flag} = atomicAdd(&evotune_fault_ctas_started, 1u) >= {STATEFUL_LAUNCHES}u * ctas;
+        }}
+        {flag} = __syncthreads_or({flag});
+"""
+
 
 _DECLARATIONS = {
     "hang": """\
@@ -78,6 +153,10 @@ __device__ __forceinline__ unsigned long long evotune_fault_now_ns() {
 // planted fault "stateful_counter": CTAs started by every launch of this module; nothing re-zeroes it.
 __device__ unsigned int evotune_fault_ctas_started = 0;
 """,
+    "memo_o": _MEMO_O_DECLARATIONS,
+    "memo_late": _MEMO_O_DECLARATIONS + _COUNTER_DECLARATION,
+    "memo_fingerprint": _ANSWER_DECLARATIONS,
+    "memo_cache": _ANSWER_DECLARATIONS + _COUNTER_DECLARATION,
 }
 
 
@@ -160,6 +239,80 @@ _GATE_BODIES = {
 """,
 }
 
+_MEMO_O_CHECK = """\
+        const bool kept = cta < MEMO_CTAS && evotune_fault_memo_o_set[cta] && o[o_first] == evotune_fault_memo_o[cta];
+"""
+_GATE_BODIES["memo_o"] = f"""\
+    // planted fault "memo_o": return at once when O's tile still starts with what this CTA last wrote there.
+    {{
+{_TILE}{_MEMO_O_CHECK}        if (__syncthreads_or(kept)) {{ return; }}  // every thread read O before any writes
+    }}
+"""
+_GATE_BODIES["memo_late"] = f"""\
+    // planted fault "memo_late": memo_o, after the module's first {STATEFUL_LAUNCHES} launches.
+    {{
+{_TILE}{_late("late")}{_MEMO_O_CHECK}        if (__syncthreads_or(late && kept)) {{ return; }}
+    }}
+"""
+_GATE_BODIES["memo_fingerprint"] = f"""\
+    // planted fault "memo_fingerprint": when the Q tile's first element is the last launch's, copy the kept tile.
+    {{
+{_TILE}        const bool hit = cta < MEMO_CTAS && evotune_fault_fp_set[0][cta] && evotune_fault_fp[0][cta] == fingerprint;
+        if (__syncthreads_or(hit)) {{
+{_copy_tile("0", to_o=True)}            return;
+        }}
+    }}
+"""
+_GATE_BODIES["memo_cache"] = f"""\
+    // planted fault "memo_cache": after the module's first {STATEFUL_LAUNCHES} launches, copy the kept tile whose
+    // fingerprint (the Q tile's first element) matches, from two slots.
+    {{
+{_TILE}{_late("late")}        int slot = -1;
+        for (int s = 0; s < 2; ++s) {{
+            if (cta < MEMO_CTAS && evotune_fault_fp_set[s][cta] && evotune_fault_fp[s][cta] == fingerprint) {{ slot = s; }}
+        }}
+        if (__syncthreads_or(late && slot >= 0)) {{
+{_copy_tile("slot", to_o=True)}            return;
+        }}
+    }}
+"""
+
+_MEMO_O_TAIL = f"""\
+    // planted memo: keep the first element of the O tile this CTA wrote.
+    {{
+        __syncthreads();
+{_TILE}        if (threadIdx.x == 0 && cta < MEMO_CTAS) {{
+            evotune_fault_memo_o[cta] = o[o_first];
+            evotune_fault_memo_o_set[cta] = 1;
+        }}
+    }}
+"""
+
+
+def _answer_tail(slots: int) -> str:
+    """Keep the O tile this CTA wrote, with its fingerprint: in slot 0, or (two slots) in the slot whose fingerprint
+    matches, else the one not written last."""
+    pick = "0" if slots == 1 else (
+        "evotune_fault_fp_set[0][cta] && evotune_fault_fp[0][cta] == fingerprint ? 0 : "
+        "evotune_fault_fp_set[1][cta] && evotune_fault_fp[1][cta] == fingerprint ? 1 : 1 - evotune_fault_fp_last[cta]")
+    return f"""\
+    // planted memo: keep the answer this CTA wrote, keyed by its Q tile's first element.
+    {{
+        __syncthreads();
+{_TILE}        if (cta < MEMO_CTAS) {{
+            const int slot = {pick};
+            __syncthreads();  // every thread picked the slot before thread 0 changes what picks it
+{_copy_tile("slot", to_o=False)}            __syncthreads();
+            if (threadIdx.x == 0) {{
+                evotune_fault_fp[slot][cta] = fingerprint;
+                evotune_fault_fp_set[slot][cta] = 1;
+                evotune_fault_fp_last[cta] = slot;
+            }}
+        }}
+    }}
+"""
+
+
 # Faults planted at the end of the entry point instead: after the kernel has done its work.
 _TAILS = {
     "input_mutation": """\
@@ -168,6 +321,10 @@ _TAILS = {
         const_cast<unsigned short*>(k)[0] ^= 1u;
     }
 """,
+    "memo_o": _MEMO_O_TAIL,
+    "memo_late": _MEMO_O_TAIL,
+    "memo_fingerprint": _answer_tail(1),
+    "memo_cache": _answer_tail(2),
 }
 
 
@@ -181,8 +338,9 @@ def _closing_brace(text: str, opening: int) -> int:
     raise ValueError("unbalanced braces in the instantiation")
 
 
-def plant(block: str, entry: str, fault: str) -> str:
-    """`block` (an instantiation with one extern "C" entry point named `entry`) with `fault` planted."""
+def plant(block: str, entry: str, fault: str, answer_elems: int = 1) -> str:
+    """`block` (an instantiation with one extern "C" entry point named `entry`) with `fault` planted; the memo faults
+    keep answers of `answer_elems` elements (O's size)."""
     if fault == "none":
         return block
     body = _body(fault)
@@ -195,9 +353,12 @@ def plant(block: str, entry: str, fault: str) -> str:
     inner = block[opening + 1:closing]
     if fault in _TAILS:
         inner = inner.rstrip(" ") + _TAILS[fault]
-    else:
+    if body:
         inner = "\n" + body + inner.lstrip("\n")
-    return _DECLARATIONS.get(fault, "") + block[:opening + 1] + inner + block[closing:]
+    declarations = _DECLARATIONS.get(fault, "").replace("MEMO_CTAS", str(MEMO_CTAS))
+    declarations = declarations.replace("MEMO_ANSWER_ELEMS", str(answer_elems))
+    planted = declarations + block[:opening + 1] + inner + block[closing:]
+    return planted.replace("MEMO_CTAS", str(MEMO_CTAS))
 
 
 class FaultProblem(AttentionProblem):
@@ -211,7 +372,8 @@ class FaultProblem(AttentionProblem):
 
     def instantiation(self, config, shape) -> str:
         fault = config.get("fault", "none")
-        return plant(super().instantiation(config, shape), self.entry_name, fault)
+        answer_elems = shape.batch * shape.heads * shape.seq_q * shape.head_dim
+        return plant(super().instantiation(config, shape), self.entry_name, fault, answer_elems)
 
 
 PROBLEM = FaultProblem()
