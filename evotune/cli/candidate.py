@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ..errors import EvotuneError, UsageError
 from ..outputs import check_output_path, write_output
-from .common import FAMILY_HELP, app, console, emit_json, load_problem, require_gpu
+from .common import FAMILY_HELP, MAX_REPS, app, console, emit_json, load_problem, require_gpu
 from .display import cfg_short
 
 REPLAY_SEEDS = (101, 102, 103)  # not the search's seeds: replay checks on inputs the search never saw
@@ -35,13 +35,12 @@ def replay(
     """Recompile a recorded config, re-verify on fresh inputs, re-time beside the baselines, report drift."""
     from ..records.runs import Run
     from ..search.loop import worker_evaluator
-    from ..space.searchspace import Config
     from ..gpu.workers import BaselinesJob, GPUWorker
 
     rn = Run.open(run)
     problem, shp = rn.problem_and_shape()
     rec = rn.select(which, "replay")
-    config = Config.from_dict(rec["config"])
+    config = rn.config_of(rec, problem)
     require_gpu("replay")
     src, compiled = _compile_candidate(problem, shp, config)
     with GPUWorker() as worker:
@@ -117,7 +116,6 @@ def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str
         if why:
             raise UsageError(f"--config is not admitted on {shp.spec}: {'; '.join(why)}")
         return problem, shp, config
-    from ..space.searchspace import Config
 
     rn = Run.open(run)
     problem, shp = rn.problem_and_shape()
@@ -126,7 +124,7 @@ def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str
         raise UsageError(f"run {rn.run_id!r} is of family {problem.family!r}, not {family!r}")
     shp = problem.parse_shape(shape_text) if shape_text else shp
     problem.check_shape(shp)
-    return problem, shp, Config.from_dict(rec["config"])
+    return problem, shp, rn.config_of(rec, problem)
 
 
 def _compile_candidate(problem, shp, config):
@@ -145,7 +143,7 @@ def bench(
     shape: Optional[str] = typer.Option(None, "--shape", help="Shape to bench on (default: the run's)."),
     space: Optional[str] = CONFIG_SPACE,
     family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A run's is its own."),
-    reps: int = typer.Option(100, "--reps", min=5, help="Timed CUDA-graph replays per kernel, solo and again "
+    reps: int = typer.Option(100, "--reps", min=5, max=MAX_REPS, help="Timed CUDA-graph replays per kernel, solo and again "
                              "interleaved in rounds (median, p10, p90)."),
     baselines: Optional[str] = typer.Option(None, "--baselines", help="Comma list of baselines (default: all of the family's)."),
     out: Optional[str] = typer.Option(None, "--out", help="Also write the full JSON record to this file."),
@@ -232,7 +230,7 @@ def verify_cmd(
     shape: Optional[str] = typer.Option(None, "--shape", help="Shape to check on (default: the run's)."),
     space: Optional[str] = CONFIG_SPACE,
     family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A run's is its own."),
-    launches: int = typer.Option(100, "--launches", min=2, help="Launches for the bitwise determinism check."),
+    launches: int = typer.Option(100, "--launches", min=2, max=MAX_REPS, help="Launches for the bitwise determinism check."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Deep check of one config: the gate (seeds + stress inputs + dependency) and bitwise determinism."""

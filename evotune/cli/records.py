@@ -21,13 +21,12 @@ def export(
     """Write a standalone .cu with the config baked in (builds with `nvcc -gencode arch=compute_90a,code=sm_90a -c`)."""
     from ..build.export import export_source, write_export
     from ..records.runs import Run
-    from ..space.searchspace import Config
 
     check_output_path(output, "-o", create_parents=True)
     rn = Run.open(run)
     problem, shp = rn.problem_and_shape()
     rec = rn.select(which, "export", require_pass=not force, hint=" (--force exports it anyway)")
-    text = export_source(problem, shp, Config.from_dict(rec["config"]), rec, rn.meta())
+    text = export_source(problem, shp, rn.config_of(rec, problem), rec, rn.meta())
     path = write_export(output, text)
     status = rec["result"]["status"]
     note = f"; it did not pass ({status})" if status != "ok" else ""

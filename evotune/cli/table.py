@@ -13,7 +13,9 @@ import typer
 from rich.table import Table as RichTable
 
 from ..errors import EvotuneError, UsageError
-from .common import app, console, emit_json, err_console, load_problem, require_gpu
+from ..outputs import MAX_JSON_BYTES, check_output_path, read_input
+from .common import (GPU_RANGE, MAX_TRIALS, app, console, emit_json, err_console, load_problem, require_gpu,
+                     timeout_seconds)
 from .search import new_meta_for, resume_command, search_one, warm_start_configs
 
 table_app = typer.Typer(no_args_is_help=True, help="Build and show the tuning table that "
@@ -23,15 +25,29 @@ app.add_typer(table_app, name="table")
 _TABLE_HELP = "Tuning table file (default: $EVOTUNE_TABLE, else tuning-table.json in $EVOTUNE_CACHE or ~/.cache/evotune)."
 
 
-def _table_path(given: Optional[str]) -> Path:
-    """The table file to write: the one given (its folder must exist), else the default (its folder is made)."""
+def _table_path(given: Optional[str], option: str) -> Path:
+    """The table file to write: the one given (its folder must exist), else the default (its folder is made);
+    checked as any output (outputs.check_output_path: a regular file, outside run folders and the compile cache),
+    and a table already there read (bounded) so that a damaged one fails before any work."""
     from ..records.tuning_table import default_table_path
 
     if given:
-        return Path(given)
-    path = default_table_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+        path = Path(given)
+    else:
+        path = default_table_path()
+        if not path.parent.is_dir() and not path.parent.is_symlink():
+            check_output_path(str(path), option, create_parents=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+    check_output_path(str(path), option)
+    if path.exists():
+        _check_input(path, "tuning table")
     return path
+
+
+def _check_input(path, what: str) -> None:
+    """UsageError unless `path` is a regular file within the bound of JSON records (outputs.read_input): checked
+    here, before tuning_table reads it, so that a FIFO, a device or a huge file is one line, not a hang."""
+    read_input(path, what, MAX_JSON_BYTES)
 
 
 def _report_build(table, notes, path: Path, json_out: bool, extra: dict | None = None) -> None:
@@ -63,7 +79,10 @@ def build(
         from ..records.runs import runs_dir
 
         raise UsageError(f"no attention run under {runs_dir()}: run `evotune search` or `evotune tune` first")
-    table, notes, path = update_table(chosen, _table_path(out), bench or ())
+    path = _table_path(out, "-o")
+    for file in bench or ():
+        _check_input(file, "bench record")
+    table, notes, path = update_table(chosen, path, bench or ())
     _report_build(table, notes, path, json_out)
 
 
@@ -81,6 +100,8 @@ def show(
     from ..records.tuning_table import default_table_path, load_table
 
     path = Path(file) if file else default_table_path()
+    if path.exists() or path.is_symlink():
+        _check_input(path, "tuning table")
     table = load_table(path)
     if json_out:
         emit_json({"path": str(path), **table.as_dict()})
@@ -135,6 +156,7 @@ def _tune_specs(shape: Optional[list[str]], shapes: Optional[str]) -> list[str]:
     if shape and shapes:
         raise UsageError("give --shape (repeatable) or --shapes FILE, not both")
     if shapes:
+        _check_input(shapes, "shapes file")
         return read_shapes_file(shapes)
     if not shape:
         raise UsageError("nothing to tune: give --shape SPEC (repeatable) or --shapes FILE "
@@ -146,21 +168,23 @@ def _tune_specs(shape: Optional[list[str]], shapes: Optional[str]) -> list[str]:
 def tune(
     shape: Optional[list[str]] = typer.Option(None, "--shape", help="Attention shape to tune (repeatable)."),
     shapes: Optional[str] = typer.Option(None, "--shapes", help="Shapes file saved by evotune.torch.record_shapes()."),
-    trials: int = typer.Option(60, "--trials", min=1, help="Candidates to evaluate per key."),
+    trials: int = typer.Option(60, "--trials", min=1, max=MAX_TRIALS, help="Candidates to evaluate per key."),
     table: Optional[str] = typer.Option(None, "--table", help=_TABLE_HELP + " Updated where it exists."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Seconds a candidate may take on the GPU before it is killed."),
-    gpu: int = typer.Option(0, "--gpu", help="GPU index for the searches."),
+    timeout: float = typer.Option(60.0, "--timeout", callback=timeout_seconds, help="Seconds a candidate may take on the GPU before it is killed."),
+    gpu: int = typer.Option(0, "--gpu", **GPU_RANGE, help="GPU index for the searches."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Search each distinct table key of the shapes (warm-started from earlier runs), then update the table."""
+    from ..problems import get_problem
     from ..records.tuning_table import load_table, tune_keys, tune_plan, update_table
 
     plan, merged = tune_plan(_tune_specs(shape, shapes))
-    path = _table_path(table)
+    attention = get_problem("attention")
+    for shp in plan:  # a shape the kernel cannot run is a usage error, before the GPU is looked for
+        attention.check_shape(shp)
+    path = _table_path(table, "--table")
     if path.exists():
         load_table(path)  # a damaged table fails now, not after the searches
-    elif not path.parent.is_dir():
-        raise UsageError(f"{path}: folder {path.parent} does not exist")
     require_gpu("tune")
     if not json_out:
         for note in merged:

@@ -17,7 +17,9 @@ The file backend is evotune's, not Optuna's JournalFileBackend, for the guarante
   that is not JSON is damage, named with its line number; reading never repairs it.
 
 A run committed to the repository keeps its journal gzipped (study.journal.gz; Optuna's JSON lines shrink some
-25-fold, and an exhaustive mission search's journal is 10 MB): opening the study unpacks it beside, once.
+25-fold, and an exhaustive mission search's journal is 10 MB): opening the study unpacks it beside, once. Only the
+run's own search opens its study (or appends to trials.jsonl, likewise unpacked first); every other command reads
+a gzipped file in memory (read_archived) and writes nothing into the run folder.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import gzip
 import json
 import os
 import shutil
+import stat
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,6 +121,30 @@ def journal_storage(path: Path):
 def archived_name(path: Path) -> Path:
     """Where a committed run keeps the file `path` (its journal, or its trials.jsonl) gzipped: `path`.gz beside it."""
     return path.with_name(path.name + ".gz")
+
+
+def read_archived(packed: Path, max_bytes: int, error: type[UsageError] = UsageError) -> bytes:
+    """The unpacked bytes of the gzipped file `packed`, read in memory (nothing is written), at most `max_bytes` of
+    them; `error` names the file where it is not a regular file, not gzip, or unpacks to more."""
+    from ..outputs import file_kind
+
+    try:
+        mode = os.stat(packed).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(f"{packed}: is {file_kind(mode)}, not a gzipped file")
+        chunks, total = [], 0
+        with gzip.open(packed, "rb") as src:
+            while True:
+                chunk = src.read(min(1 << 20, max_bytes + 1 - total))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+                if total > max_bytes:
+                    raise error(f"{packed}: unpacks to more than {max_bytes} bytes")
+    except (OSError, EOFError, zlib.error) as e:
+        raise error(f"{packed}: cannot unpack it ({e})") from None
+    return b"".join(chunks)
 
 
 def unpack_archived(path: Path) -> None:

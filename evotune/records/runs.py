@@ -34,7 +34,9 @@ from .. import __version__
 from ..errors import EvotuneError, UsageError
 from ..build.template import REPO_ROOT
 from .best import best_record, final_best, ok_records, read_beside  # noqa: F401 (best_record: re-exported)
-from .journal import unpack_archived
+from ..outputs import MAX_META_BYTES, MAX_RECORDS_BYTES, read_input
+from ..paths import runs_root
+from .journal import archived_name, read_archived, unpack_archived
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -46,12 +48,10 @@ class DamagedRun(UsageError):
 
 def runs_dir() -> Path:
     """Where runs live: $EVOTUNE_RUNS, else ./runs in the current folder (never beside the installed package)."""
-    if os.environ.get("EVOTUNE_RUNS"):
-        return Path(os.environ["EVOTUNE_RUNS"])
-    try:
-        return Path.cwd() / "runs"
-    except OSError:  # the current folder was removed under us
-        raise UsageError("the current folder no longer exists: cd to a folder, or set EVOTUNE_RUNS") from None
+    root = runs_root()
+    if root is None:  # the current folder was removed under us
+        raise UsageError("the current folder no longer exists: cd to a folder, or set EVOTUNE_RUNS")
+    return root
 
 
 def check_name(name: str) -> None:
@@ -204,16 +204,28 @@ class Run:
 
     def _meta_field(self, key: str):
         try:
-            return json.loads((self.path / "meta.json").read_text()).get(key)
-        except (OSError, ValueError, AttributeError):
+            return json.loads(read_input(self.path / "meta.json", "run's meta.json", MAX_META_BYTES)).get(key)
+        except (UsageError, ValueError, AttributeError, RecursionError):
             return None
 
     @property
     def trials_path(self) -> Path:
-        """trials.jsonl, unpacked first where a committed run keeps it gzipped (trials.jsonl.gz)."""
+        """trials.jsonl to append to, unpacked first where a committed run keeps it gzipped (trials.jsonl.gz): for
+        the run's own search only. Readers call trials(), which reads the archive where it is and writes nothing."""
         path = self.path / "trials.jsonl"
         unpack_archived(path)
         return path
+
+    def _records_bytes(self) -> tuple[bytes, Path]:
+        """(the bytes of trials.jsonl, or of trials.jsonl.gz where only that is there, read in memory; the file
+        read). Bounded, regular files only; DamagedRun names the file that cannot be read."""
+        plain = self.path / "trials.jsonl"
+        packed = archived_name(plain)
+        if os.path.lexists(plain):
+            return read_input(plain, "run's trials.jsonl", MAX_RECORDS_BYTES, DamagedRun), plain
+        if os.path.lexists(packed):
+            return read_archived(packed, MAX_RECORDS_BYTES, DamagedRun), packed
+        return b"", plain
 
     # ---------------------------------------------------------------- create / open
     @classmethod
@@ -304,6 +316,9 @@ class Run:
                            if (p.parent / "trials.jsonl").exists() else p.stat().st_mtime).parent)
         check_name(name)
         path = root / name
+        if path.is_dir() and any((path / f).exists() for f in ("trials.jsonl", "trials.jsonl.gz")) \
+                and not (path / "meta.json").exists():
+            raise DamagedRun(f"run {name!r} is damaged: {path / 'meta.json'}: missing")
         if not (path / "meta.json").exists():
             known = sorted(p.parent.name for p in root.glob("*/meta.json")) if root.exists() else []
             hint = f"; known: {', '.join(known[-8:])}" if known else ""
@@ -345,16 +360,15 @@ class Run:
 
     def read_json(self, filename: str):
         path = self.path / filename
+        if not os.path.lexists(path):
+            raise DamagedRun(f"{path}: missing")
+        data = read_input(path, f"run's {filename}", MAX_META_BYTES, DamagedRun)
         try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
-            raise DamagedRun(f"{path}: missing") from None
+            return json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DamagedRun(f"{path}: not valid JSON ({e})") from None
         except RecursionError:
             raise DamagedRun(f"{path}: not valid JSON (nested too deeply)") from None
-        except OSError as e:
-            raise DamagedRun(f"{path}: cannot read it ({e.strerror})") from None
 
     def append_trial(self, record: dict) -> None:
         with self._log_locked() as f:
@@ -397,12 +411,7 @@ class Run:
         """Every recorded trial. A line that starts a JSON object but breaks off is a torn write (a writer
         killed mid-line) and is skipped; any other line that is not a trial record is damage: DamagedRun
         names its line."""
-        try:
-            data = self.trials_path.read_bytes()
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise DamagedRun(f"{self.trials_path}: cannot read it ({e.strerror})") from None
+        data, where = self._records_bytes()
         out = []
         for number, line in enumerate(data.split(b"\n"), start=1):
             if not line.strip():
@@ -412,10 +421,10 @@ class Run:
             except (ValueError, RecursionError):
                 if line.lstrip().startswith(b"{"):  # torn: every record is written as one line starting with {
                     continue
-                raise DamagedRun(f"{self.trials_path}:{number}: not JSON") from None
+                raise DamagedRun(f"{where}:{number}: not JSON") from None
             why = record_fault(rec)
             if why:
-                raise DamagedRun(f"{self.trials_path}:{number}: {why}")
+                raise DamagedRun(f"{where}:{number}: {why}")
             out.append(rec)
         return out
 
@@ -443,6 +452,17 @@ class Run:
                 return rec
         raise UsageError(f"run {self.run_id!r} has no trial number {number}")
 
+    def config_of(self, rec: dict, problem):
+        """The Config of record `rec` (a trial of this run), once its knobs are `problem`'s, with values its
+        template accepts; DamagedRun naming the trial and the knob otherwise (nothing is compiled or written)."""
+        from ..space.searchspace import Config, config_fault
+
+        why = config_fault(rec["config"], problem.knob_domains())
+        if why:
+            raise DamagedRun(f"run {self.run_id!r}, trial {rec['number']}: its config is not one of "
+                             f"{problem.family}: {why}")
+        return Config.from_dict(rec["config"])
+
     def select(self, which: str, purpose: str, require_pass: bool = True, hint: str = "") -> dict:
         """The record `which` names ('best' or a trial number), for `purpose` (a command's name). With
         `require_pass`, a trial that did not pass the gate (pruned, failed to compile, wrong, ...) is refused:
@@ -460,6 +480,10 @@ class Run:
 
 
 # ---------------------------------------------------------------- the run a search writes to
+# The databases Optuna's RDBStorage keeps studies in (a URL's scheme before any +driver).
+STORAGE_SCHEMES = ("postgresql", "mysql", "sqlite")
+
+
 def check_storage_url(storage: str | None) -> str | None:
     """`--storage` as given, once it reads as a database URL; UsageError otherwise."""
     if storage is None:
@@ -471,7 +495,10 @@ def check_storage_url(storage: str | None) -> str | None:
     except Exception:  # SQLAlchemy's ArgumentError and kin
         url = None
     if url is None or not url.drivername:
-        raise UsageError(f"--storage {storage!r}: not a database URL (e.g. postgresql://user@host:5432/evotune)")
+        raise UsageError(f"--storage {storage[:80]!r}: not a database URL (e.g. postgresql://user@host:5432/evotune)")
+    if url.get_backend_name() not in STORAGE_SCHEMES:
+        raise UsageError(f"--storage {redact_url(storage)[:80]!r}: scheme {url.drivername[:40]!r} is not a database "
+                         f"Optuna keeps studies in; use {', '.join(s + '://' for s in STORAGE_SCHEMES)}")
     return storage
 
 
@@ -653,7 +680,8 @@ def list_runs(root: Path | None = None) -> list[dict]:
     """One row per run folder under `root` (default: runs_dir()), by name: shape, device, trial count, best
     time, and `damaged` (None, or what is wrong in a few words). A damaged run does not hide the others."""
     root = runs_dir() if root is None else root
-    folders = sorted({p.parent for pattern in ("*/meta.json", "*/trials.jsonl") for p in root.glob(pattern)})
+    folders = sorted({p.parent for pattern in ("*/meta.json", "*/trials.jsonl", "*/trials.jsonl.gz")
+                      for p in root.glob(pattern)})
     return [_run_row(Run(path)) for path in folders]
 
 
