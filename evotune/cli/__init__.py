@@ -74,6 +74,10 @@ def main() -> None:
             sys.exit(e.exit_code)
         if _state["debug"]:
             raise
+        usage_line = getattr(e, "evotune_usage_line", None)  # a plugin module that raised on import
+        if isinstance(usage_line, str):
+            err_console.print(f"evotune: error: {usage_line}", highlight=False, markup=False, soft_wrap=True)
+            sys.exit(2)
         err_console.print(f"evotune: internal error: {type(e).__name__}: {str(e)[:300]} "
                           f"(rerun with --debug for the traceback)",
                           highlight=False, markup=False, soft_wrap=True)

@@ -8,6 +8,7 @@ them and the package imports them (to register their commands) without a cycle.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Optional
 
@@ -29,6 +30,26 @@ FAMILY_HELP = ("Kernel family: attention, softmax or package.module:ATTR (a plug
 SHAPE_HELP = "Preset name (`evotune shapes --family F`) or the family's spelling (default: the family's)."
 
 
+# Bounds of the numeric options, checked by the parser before anything runs (a value past them is a typo or a
+# paste, not a plan: 10 million trials is years of GPU time; CUDA numbers devices below 1024; NumPy's seeds are 32-bit).
+MAX_TRIALS = 10_000_000
+MAX_SEED = 2**32 - 1
+MAX_GPU_INDEX = 1023
+MAX_WORKERS = 1024
+MAX_REPS = 1_000_000
+MAX_SAMPLE = 1_000_000
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+SEED_RANGE = {"min": 0, "max": MAX_SEED}
+GPU_RANGE = {"min": 0, "max": MAX_GPU_INDEX}
+
+
+def timeout_seconds(value: float) -> float:
+    """An option's callback: a timeout in seconds, finite, above 0 and at most a week."""
+    if value is not None and not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise typer.BadParameter(f"{value} is not a number of seconds in (0, {MAX_TIMEOUT_S:.0f}]")
+    return value
+
+
 def emit_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
@@ -37,9 +58,10 @@ def load_problem(shape_text: Optional[str], space_path: Optional[str], family: O
     """(problem, shape, space): the family is --family, else the one the --space file names, else attention;
     the shape is parsed by that family (its default shape when none is given)."""
     from ..problems import get_problem
-    from ..space.searchspace import check_nonempty, load_builtin, load_space, space_family
+    from ..space.searchspace import check_nonempty, load_builtin, load_space, resolve_space, space_family
 
     # A space file names its family, so `--space` alone picks it (a plugin `package.module:ATTR` too).
+    space_path = resolve_space(space_path) if space_path else None
     declared = space_family(space_path) if space_path else None
     problem = get_problem(family or declared or "attention")
     if declared is not None and declared != problem.family:

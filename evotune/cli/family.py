@@ -12,7 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..errors import EvotuneError
-from .common import FAMILY_HELP, SHAPE_HELP, app, console, emit_json, err_console, load_problem, print_fit_table
+from .common import (FAMILY_HELP, MAX_SAMPLE, MAX_WORKERS, SEED_RANGE, SHAPE_HELP, app, console, emit_json, err_console,
+                     load_problem, print_fit_table)
 from .display import cfg_short
 
 
@@ -46,9 +47,10 @@ def check(
     shape: Optional[str] = typer.Option(None, "--shape", help=SHAPE_HELP),
     space: Optional[str] = typer.Option(None, "--space", help="YAML search space (default: the family's)."),
     family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
-    sample: int = typer.Option(24, "--sample", min=0, help="Compile this many admitted configs, sampled (0 = all)."),
-    seed: int = typer.Option(0, "--seed"),
-    jobs: int = typer.Option(0, "--jobs", min=0, help="Parallel compiles (default: CPU cores)."),
+    sample: int = typer.Option(24, "--sample", min=0, max=MAX_SAMPLE,
+                             help="Compile this many admitted configs, sampled (0 = all)."),
+    seed: int = typer.Option(0, "--seed", **SEED_RANGE),
+    jobs: int = typer.Option(0, "--jobs", min=0, max=MAX_WORKERS, help="Parallel compiles (default: CPU cores)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Static check of a space without a GPU: constraints, real NVRTC compiles, registers, spills, shared memory."""

@@ -12,21 +12,22 @@ import typer
 
 from ..errors import EvotuneError, UsageError
 from ..search.loop import SAMPLERS  # the one list --sampler takes (importing it does not import Optuna)
-from .common import (FAMILY_HELP, INTERRUPTED, INTERRUPTED_EXIT, SHAPE_HELP, app, check_devices, console,
-                     emit_json, err_console, load_problem, require_gpu)
+from .common import (FAMILY_HELP, GPU_RANGE, INTERRUPTED, INTERRUPTED_EXIT, MAX_GPU_INDEX, MAX_TRIALS, MAX_WORKERS,
+                     SEED_RANGE, SHAPE_HELP, app, check_devices, console, emit_json, err_console, load_problem,
+                     require_gpu, timeout_seconds)
 from .display import SearchDisplay, cfg_short
 
 
 @app.command()
 def search(
     shape: Optional[str] = typer.Option(None, "--shape", help=SHAPE_HELP),
-    trials: int = typer.Option(60, "--trials", min=1, help="Candidates to compile and evaluate."),
+    trials: int = typer.Option(60, "--trials", min=1, max=MAX_TRIALS, help="Candidates to compile and evaluate."),
     run: Optional[str] = typer.Option(None, "--run", help="Run name (default: timestamp + shape)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the named run."),
     sampler: str = typer.Option(SAMPLERS[0], "--sampler", help=f"Search strategy: {', '.join(SAMPLERS)} "
                                 "(surrogate, the default: a model of the measured times picks the next config; nsga2: evolutionary; "
                                 "exhaustive: every admitted config once, in order)."),
-    population: int = typer.Option(16, "--population", min=2,
+    population: int = typer.Option(16, "--population", min=2, max=100_000,
                                    help="NSGA-II population: parents kept per generation (elites of parents + children)."),
     mutation_prob: Optional[float] = typer.Option(None, "--mutation-prob", min=0.0, max=1.0,
                                                   help="NSGA-II: chance each knob of a child is redrawn (default: 1 / knobs)."),
@@ -37,19 +38,19 @@ def search(
     warm_start: Optional[str] = typer.Option(None, "--warm-start", help="Ask these runs' best configs first "
                                              "(RUN[,RUN...], or 'auto': runs of the same family on the same or a "
                                              "similar shape). New runs only."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", **SEED_RANGE),
     space: Optional[str] = typer.Option(None, "--space", help="YAML search space (default: the family's)."),
     family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A resumed run keeps its own."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Seconds a candidate may take on the GPU before it is killed."),
-    gpu: int = typer.Option(0, "--gpu", help="GPU index for the worker."),
+    timeout: float = typer.Option(60.0, "--timeout", callback=timeout_seconds, help="Seconds a candidate may take on the GPU before it is killed."),
+    gpu: int = typer.Option(0, "--gpu", **GPU_RANGE, help="GPU index for the worker."),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="GPUs to search on, one agent each, all on one run "
                                        "and one study: e.g. 0,1 (0,0: two agents on GPU 0). Default: --gpu."),
     storage: Optional[str] = typer.Option(None, "--storage", help="Keep the study in this database (e.g. "
                                           "postgresql://user@host:5432/evotune) so that agents on several hosts "
                                           "share it; default: the run's journal file (study.journal)."),
-    compile_workers: Optional[int] = typer.Option(None, "--compile-workers", min=1,
+    compile_workers: Optional[int] = typer.Option(None, "--compile-workers", min=1, max=MAX_WORKERS,
                                                   help="Processes compiling candidates ahead (default: CPU count)."),
-    lookahead: Optional[int] = typer.Option(None, "--lookahead", min=0,
+    lookahead: Optional[int] = typer.Option(None, "--lookahead", min=0, max=100_000,
                                             help="Proposals compiled ahead of the GPU (default: 2 x compile workers; 0: serial)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
@@ -97,9 +98,9 @@ def _parse_gpus(gpus: Optional[str], gpu: int) -> list[int]:
     if gpu != 0:
         raise UsageError("give --gpus or --gpu, not both")
     parts = [p.strip() for p in gpus.split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise UsageError(f"--gpus {gpus!r}: give device indices separated by commas, e.g. 0,1 "
-                         f"(0,0: two agents on GPU 0)")
+    if not all(p.isdigit() and p.isascii() and len(p) < 6 and int(p) <= MAX_GPU_INDEX for p in parts):
+        raise UsageError(f"--gpus {gpus[:40]!r}: give device indices separated by commas, e.g. 0,1 "
+                         f"(0,0: two agents on GPU 0; each at most {MAX_GPU_INDEX})")
     return [int(p) for p in parts]
 
 

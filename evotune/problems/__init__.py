@@ -271,7 +271,13 @@ def load_plugin(path: str):
     if not plugin_allowed(module_name):
         raise UsageError(f"kernel family {path!r} is a plugin: loading it runs the Python module {module_name!r}; "
                          f"to allow that, set {PLUGINS_ENV}={module_name} (comma-separated for several)")
-    module = _import_plugin(module_name)
+    try:
+        module = _import_plugin(module_name)
+    except SystemExit as e:  # a plugin may not end evotune, with any exit code
+        raise UsageError(f"kernel family {path!r}: importing module {module_name!r} failed: {_one_line(e)}") from None
+    except Exception as e:  # the plugin's own bug: raised as it is, with the line the CLI prints (exit 2) for it
+        e.evotune_usage_line = f"kernel family {path!r}: importing module {module_name!r} failed: {_one_line(e)}"
+        raise
     if module is None:
         raise UsageError(f"kernel family {path!r}: no module {module_name!r} (is it on PYTHONPATH?)")
     problem = getattr(module, attr, None)
@@ -285,6 +291,14 @@ def load_plugin(path: str):
         raise UsageError(f"kernel family {path!r}: its family attribute is {problem.family!r}; it must be {path!r}, "
                          f"the name worker processes load it by")
     return problem
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception a plugin raised on import, in one line (sys.exit too: a plugin may not end evotune)."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r})"
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
 
 
 def _import_plugin(module_name: str):

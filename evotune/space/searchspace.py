@@ -42,6 +42,7 @@ import hashlib
 import itertools
 import json
 import keyword
+import math
 import operator
 import os
 import re
@@ -55,6 +56,7 @@ import yaml
 
 from .. import limits
 from ..errors import EvotuneError, UsageError
+from ..outputs import read_input
 from ..paths import package_data_dir
 
 # Kept under their old names for callers that import them from here; the numbers live in limits.
@@ -548,6 +550,22 @@ class SearchSpace:
 # `next` of an exhausted iterator of a parameter's values, in the walk.
 _EXHAUSTED = object()
 
+# Bounds of an enumeration, so that no space file can exhaust the memory or stall the tuner (counted, not timed).
+# attention.yaml on the mission shape: 2.0 M steps of the walk (~10 s on a 2-core CI machine), 114,080 admitted
+# configs of ~1.7 KB each (25 knobs).
+MAX_ADMITTED = 1_000_000
+MAX_ENUMERATION_STEPS = 50_000_000
+
+
+def _too_many_steps(space: "SearchSpace") -> UsageError:
+    return UsageError(f"{space.path}: enumerating its {space.size():,} configs takes more than "
+                      f"{MAX_ENUMERATION_STEPS:,} steps on this shape; add constraints, or pin or omit knobs")
+
+
+def _too_many_admitted(space: "SearchSpace") -> UsageError:
+    return UsageError(f"{space.path}: admits more than {MAX_ADMITTED:,} configs on this shape (of {space.size():,}), "
+                      f"more than evotune holds in memory; add constraints, or pin or omit knobs")
+
 
 @dataclass(frozen=True)
 class _Step:
@@ -638,7 +656,15 @@ class _Enumeration:
         return self.walk(context)
 
     def naive(self, context: Mapping[str, object]) -> list[Config]:
-        return [cfg for cfg in self.space.all_configs() if self.space.admitted(cfg, context)]
+        if self.space.size() > MAX_ENUMERATION_STEPS:
+            raise _too_many_steps(self.space)
+        admitted = []
+        for cfg in self.space.all_configs():
+            if self.space.admitted(cfg, context):
+                admitted.append(cfg)
+                if len(admitted) > MAX_ADMITTED:
+                    raise _too_many_admitted(self.space)
+        return admitted
 
     def first_admitted(self, context: Mapping[str, object], scan: _Scan) -> Optional[Config]:
         """The first admitted config, or None; raises where a naive loop that stops at the first admitted config
@@ -682,12 +708,16 @@ class _Enumeration:
         admitted: list[Config] = []
         path = [None] * n
         pending = [iter(self.values[0])]  # per bound level, the values still to try
+        steps = 0
         while pending:
             level = len(pending)
             value = next(pending[-1], _EXHAUSTED)
             if value is _EXHAUSTED:
                 pending.pop()
                 continue
+            steps += 1
+            if steps > MAX_ENUMERATION_STEPS:
+                raise _too_many_steps(self.space)
             path[level - 1] = env[self.names[level - 1]] = value
             for name, evaluate in steps_at[level]:
                 if name is not None:
@@ -701,6 +731,8 @@ class _Enumeration:
                 admitted.append(Config.from_dict(dict(zip(self.names, path))))
                 if first_only:
                     break
+                if len(admitted) > MAX_ADMITTED:
+                    raise _too_many_admitted(self.space)
         return admitted
 
     def schedule(self) -> list[list[tuple[Optional[str], Callable]]]:
@@ -723,8 +755,12 @@ class _Enumeration:
         """Evaluate each step, with the derived values it reads, once per combination of the parameters it reads,
         in all_configs' order: where it fails, the naive loop fails first at that combination's first config."""
         failures, falsy = [], []
+        work = 0
         for step in self.derived + self.constraints:
             env = {**context}
+            work += math.prod(len(self.values[i]) for i in step.params)
+            if work > MAX_ENUMERATION_STEPS:
+                raise _too_many_steps(self.space)
             combos = itertools.product(*(self.values[i] for i in step.params))
             count, first = 0, None
             for k, combo in enumerate(combos):
@@ -787,6 +823,8 @@ def check_nonempty(space: SearchSpace, context: Mapping[str, object]) -> None:
         if scan.failure is None:
             raise _nothing_admitted(space, context, enumeration.commonest_violation(scan))
     # A space the walk cannot take, or an expression that failed once and not again: the naive loop decides.
+    if space.size() > MAX_ENUMERATION_STEPS:
+        raise _too_many_steps(space)
     reasons: Counter[str] = Counter()
     for cfg in space.all_configs():
         failed = space.violations(cfg, context)
@@ -1109,6 +1147,20 @@ class _Reader:
         return constraints
 
 
+def config_fault(d: Mapping[str, object], domains: Mapping[str, tuple | range] | None) -> str | None:
+    """What makes the knob values `d` (a recorded config) not a config of a family whose knobs are `domains`
+    (Problem.knob_domains; None: undeclared, nothing checked), in a few words; None if nothing. Knobs it leaves
+    out are fine: the template uses their defaults."""
+    if domains is None:
+        return None
+    for name, value in d.items():
+        if name not in domains:
+            return f"{_short(str(name), 40)!r} is not a knob of this family"
+        if not _in_domain(value, domains[name]):
+            return f"{name}={_short(repr(value), 40)} is not {_describe(domains[name])}"
+    return None
+
+
 def _in_domain(value, domain) -> bool:
     """`value` is in `domain` (a tuple, or a range of ints), type-strictly: True is not 1."""
     if isinstance(domain, range):
@@ -1156,14 +1208,9 @@ def space_family(path: str | os.PathLike) -> str:
 
 def _read(path, parse, context_names=None, knob_domains=None, extended_by=()):
     path = str(path)
-    try:
-        size = Path(path).stat().st_size
-        if size > _MAX_FILE_BYTES:
-            raise UsageError(f"{path}: {size} bytes; a space file is at most {_MAX_FILE_BYTES} bytes")
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    try:  # bounded as read (not as stat says), and never a FIFO or a device (outputs.read_input)
+        text = read_input(path, "space file", _MAX_FILE_BYTES).decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise UsageError(f"{path}: cannot read: {exc}") from None
     reader = _Reader(path, context_names, knob_domains, extended_by)
     try:
@@ -1203,6 +1250,19 @@ def spaces_dir() -> Path:
     """The folder of built-in spaces: $EVOTUNE_SPACES, else the packaged `search_spaces` folder."""
     override = os.environ.get("EVOTUNE_SPACES")
     return Path(override) if override else package_data_dir("search_spaces")
+
+
+def resolve_space(text: str) -> str:
+    """`--space` as given: a file's path, or a built-in space's bare name (`attention-hopper3`), which names
+    <spaces_dir()>/<name>.yaml in a checkout and after a wheel install alike. A file that exists wins."""
+    bare = not (os.sep in text or (os.altsep and os.altsep in text) or text.endswith((".yaml", ".yml")))
+    if os.path.lexists(text) or not bare:
+        return text
+    builtin = spaces_dir() / f"{text}.yaml"
+    if builtin.is_file():
+        return str(builtin)
+    raise UsageError(f"--space {_short(text)}: no such file, nor a built-in space of that name (built-in: "
+                     f"{_fmt(builtin_names()) or 'none'})")
 
 
 def builtin_names() -> list[str]:
