@@ -111,7 +111,7 @@ def test_search_records_every_planted_fault(faults, fault_module, fault_space, m
             assert "evotune_planted_compile_error" in message, where
         elif fault in fault_module.GATE_FAULTS:
             assert status == R.WRONG and message.startswith(fault_module.CAUGHT_AS[fault]), where
-            assert res["time_us"] is None and res["verification"]["failed_check"] == message.split(":")[0], where
+            assert res["time_us"] is None and message.startswith(res["verification"]["failed_check"]), where
         else:
             raise AssertionError(where)
 
@@ -205,7 +205,7 @@ def test_gate_fault_is_wrong_naming_its_check(gate_results, fault_module, fault)
     res = gate_results[fault]
     assert res.status == R.WRONG and res.message.startswith(fault_module.CAUGHT_AS[fault]), res
     assert res.time_us is None and res.timing is None
-    assert res.verification["failed_check"] == res.message.split(":")[0] and not res.verification["passed"]
+    assert res.message.startswith(res.verification["failed_check"]) and not res.verification["passed"]
 
 
 def test_bench_reports_a_cheat_as_failing(faults, fault_space, mission):
@@ -234,7 +234,10 @@ def test_bench_and_verify_catch_the_memo_kernels(faults, fault_module, fault_spa
                            "seeds": [101, 102, 103]})
     assert raw["kernel"]["status"] == R.WRONG and raw["kernel"]["message"].startswith(fault_module.CAUGHT_AS[fault])
     assert raw["kernel"]["time_us"] is None and "head_to_head" not in raw
-    assert not rep["verification"]["passed"] and rep["message"].startswith(fault_module.CAUGHT_AS[fault]), rep
+    # verify loads the module bench left behind (CuPy keeps one per cubin): a launch-count cheat is already live
+    # in verify's gate, where whichever check meets it first names it.
+    v = rep["verification"]
+    assert not v["passed"] and v["failed_check"] in R.CHECKS and rep["message"].startswith(v["failed_check"]), rep
 
 
 def test_the_floor_judges_a_real_kernel_plausible_and_a_faster_time_not(faults, fault_space, mission):
