@@ -6,6 +6,7 @@ Registered on the app when the evotune.cli package is imported.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -47,7 +48,8 @@ def _table_path(given: Optional[str], option: str) -> Path:
 def _check_input(path, what: str) -> None:
     """UsageError unless `path` is a regular file within the bound of JSON records (outputs.read_input): checked
     here, before tuning_table reads it, so that a FIFO, a device or a huge file is one line, not a hang."""
-    read_input(path, what, MAX_JSON_BYTES)
+    if os.path.lexists(path):  # a missing file: tuning_table says so in its own words
+        read_input(path, what, MAX_JSON_BYTES)
 
 
 def _report_build(table, notes, path: Path, json_out: bool, extra: dict | None = None) -> None:
