@@ -196,7 +196,7 @@ def test_with_head_to_head_makes_a_time_below_the_floor_implausible(cpu_attentio
                             timer=cpu_interleaved(FakeGPU({OURS: 1.0, "flash": 8.0})), floors=CPU_FLOORS)
     kernel = out["kernels"][OURS]
     assert "head_to_head" not in out and kernel["status"] == R.IMPLAUSIBLE and kernel["time_us"] is None
-    assert kernel["message"].startswith("timed 1 us, below this shape's floor of 1.52 us on this GPU (an empty "
+    assert kernel["message"].startswith("timed 1 us, below this shape's floor of 1.51 us on this GPU (an empty "
                                         "kernel's 1.5 us; compulsory bytes at 3000 GB/s ")
     assert kernel["extra"]["implausible_time_us"] == pytest.approx(1.0)
 

@@ -13,7 +13,7 @@ import torch
 from _planted import MEMO_FAULTS, Planted, cpu_timer, on_cpu
 
 from evotune.gpu import evaluate as E
-from evotune.gpu.plausibility import Floors, floor_analysis, implausible_reason
+from evotune.gpu.plausibility import ROOF_HEADROOM, Floors, floor_analysis, implausible_reason
 from evotune.problems import get_problem
 from evotune.records import result as R
 from evotune.records.result import Result
@@ -152,11 +152,13 @@ CEIL = {"copy": {"gb_s": 3000.0}, "matmul": {"tflop_s": 700.0}, "empty_kernel": 
 
 
 def test_floor_is_launch_plus_the_larger_of_bytes_and_flops():
-    """The mission shape's floor: 1.6 us of launch plus max(2 MiB at 3000 GB/s, 0.54 GFLOP at 700 TFLOP/s)."""
+    """The mission shape's floor: 1.6 us of launch plus max(2 MiB at 3000 GB/s, 0.54 GFLOP at 700 TFLOP/s); the
+    plausibility threshold gives the work ROOF_HEADROOM."""
     mission = get_problem("attention").parse_shape("mission")
     floor = floor_analysis(mission.flops(), mission.min_bytes(), CEIL)
     assert floor["bound"] == "compute" and floor["floor_us"] == pytest.approx(1.6 + mission.flops() / 700e6)
     assert 2.3 < floor["floor_us"] < 2.4
+    assert floor["plausible_us"] == pytest.approx(1.6 + mission.flops() / 700e6 / ROOF_HEADROOM)
 
 
 def test_judge_marks_a_time_below_the_floor_implausible():
@@ -167,11 +169,11 @@ def test_judge_marks_a_time_below_the_floor_implausible():
     floors = Floors(lambda dtype: measured.append(dtype) or CEIL)
     fast = floors.judge(mission, Result(status=R.OK, time_us=1.76, timing={"median_us": 1.76}))
     assert fast.status == R.IMPLAUSIBLE and fast.time_us is None and not fast.ok
-    assert fast.message.startswith("timed 1.76 us, below this shape's floor of 2.37 us on this GPU (an empty "
+    assert fast.message.startswith("timed 1.76 us, below this shape's floor of 2.21 us on this GPU (an empty "
                                    "kernel's 1.6 us; compulsory bytes at 3000 GB/s 0.699 us; FLOPs at 700 TFLOP/s")
     assert fast.extra["implausible_time_us"] == 1.76
     real = floors.judge(mission, Result(status=R.OK, time_us=4.4))
-    assert real.ok and real.extra["floor_us"] == pytest.approx(2.367, abs=1e-3)
+    assert real.ok and real.extra["floor_us"] == pytest.approx(2.214, abs=1e-3)
     wrong = Result(status=R.WRONG, message="repeat: ...")
     assert floors.judge(mission, wrong) is wrong
     assert measured == ["fp16"]
