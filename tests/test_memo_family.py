@@ -64,10 +64,12 @@ def test_memo_o_passes_timing_on_one_input_set(monkeypatch, family):
     _, problem, shape = family
     monkeypatch.setattr(E, "ROTATION_SETS", 1)
     monkeypatch.setattr(E.timing_sets, "__defaults__", (1,))
+    E.forget_timing_inputs()  # the kept sets are the rotation's
     planted = Planted(problem, shape, "memo_o")
     timing = E.check_timed(problem, shape, planted.launch_for, timer=cpu_timer(planted))
     assert timing.median_us < 1.0  # it skipped nearly every timed launch
     monkeypatch.undo()
+    E.forget_timing_inputs()
     planted = Planted(problem, shape, "memo_o")
     with pytest.raises(E.GateViolation) as info:
         E.check_timed(problem, shape, planted.launch_for, timer=cpu_timer(planted))
@@ -88,6 +90,19 @@ def test_timing_sets_differ_in_every_element(family):
             assert sets[i][name].stride() == t.stride()
             for j in range(i):
                 assert E.differing_elements(sets[i][name], sets[j][name]) == t.numel(), (name, i, j)
+
+
+def test_timing_inputs_are_kept_per_shape_until_a_check_fails(family):
+    """The timing sets are made once per (family, shape) in a process, replaced for another shape, and dropped
+    when a timed check fails (the failing kernel may have changed them)."""
+    _, problem, shape = family
+    E.forget_timing_inputs()
+    first, _ = E.timing_inputs(problem, shape)
+    assert E.timing_inputs(problem, shape)[0] is first
+    planted = Planted(problem, shape, "memo_o")
+    with pytest.raises(E.GateViolation):
+        E.check_timed(problem, shape, planted.launch_for, timer=cpu_timer(planted))
+    assert E.timing_inputs(problem, shape)[0] is not first
 
 
 def test_timing_sets_break_ties_with_an_earlier_set():

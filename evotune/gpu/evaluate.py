@@ -422,6 +422,27 @@ def timing_sets(problem, shape, n: int = ROTATION_SETS) -> list[dict]:
     return sets
 
 
+_TIMING_INPUTS: dict = {}
+
+
+def timing_inputs(problem, shape) -> tuple[list[dict], list[InputSnapshot]]:
+    """timing_sets for (family, shape) and their snapshots, made once per process for the latest shape: a search's
+    worker times every candidate of one shape on the same sets, as it always timed them on the same seed (making
+    them cost a third of the timed check on the mission shape). Every check leaves them as they were (the audit
+    restores what it changes; a kernel that changes one is WRONG, and forget_timing_inputs drops them)."""
+    key = (problem.family, shape)
+    if key not in _TIMING_INPUTS:
+        _TIMING_INPUTS.clear()  # one shape's sets at a time: a long shape's are hundreds of MB
+        sets = timing_sets(problem, shape)
+        _TIMING_INPUTS[key] = (sets, [InputSnapshot(s) for s in sets])
+    return _TIMING_INPUTS[key]
+
+
+def forget_timing_inputs() -> None:
+    """Drop the kept timing sets: a check failed, and the kernel that failed it may have changed them."""
+    _TIMING_INPUTS.clear()
+
+
 def fresh_rng() -> random.Random:
     """A generator no kernel can predict: where the dependency check and the audit change the inputs."""
     return random.Random(secrets.randbits(64))
@@ -634,15 +655,18 @@ def check_timed(problem, shape, launch_for, reps: int = DEFAULT_REPS, timer=time
     same captured graph) once more, and O must pass the gate on the changed inputs. `timer(launch, reps)`
     returns (Timing, replay); `lap(name)` marks the end of a phase ("timed_check" or "time").
     """
-    sets = timing_sets(problem, shape)
+    sets, snapshots = timing_inputs(problem, shape)
     guarded = GuardedOutput(problem.new_output(sets[-1]))
-    snapshots = [InputSnapshot(s) for s in sets]
     rotation = Rotation(launch_for(s, guarded.out) for s in sets)
-    expected = expect_untimed(problem, shape, sets[-1], rotation.launches[-1], guarded, snapshots[-1])
-    lap("timed_check")
-    timing, replay = timer(rotation, reps)
-    lap("time")
-    check_after_timing(problem, shape, guarded, sets, snapshots, expected, replay)
+    try:
+        expected = expect_untimed(problem, shape, sets[-1], rotation.launches[-1], guarded, snapshots[-1])
+        lap("timed_check")
+        timing, replay = timer(rotation, reps)
+        lap("time")
+        check_after_timing(problem, shape, guarded, sets, snapshots, expected, replay)
+    except GateViolation:
+        forget_timing_inputs()
+        raise
     lap("timed_check")
     return timing
 
@@ -811,7 +835,7 @@ def measure_baselines(problem, shape, names=None, seeds=DEFAULT_SEEDS, reps: int
 
     names = names or problem.baselines()
     report = {}
-    sets = timing_sets(problem, shape)  # the rotation a candidate is timed on: the same inputs and L2 traffic
+    sets, _ = timing_inputs(problem, shape)  # the rotation a candidate is timed on: the same inputs and L2 traffic
     for name in names:
         skip = problem.baseline_skip_reason(name, shape)
         if skip:

@@ -34,8 +34,8 @@ from typing import Callable
 
 from ..records.result import Timing
 from .evaluate import (CUDA_EVENTS, GateViolation, GuardedOutput, InputSnapshot, Prepared, Rotation,
-                       check_after_timing, enqueue_replays, expect_untimed, per_call_us, prepare_launches,
-                       timing_of, timing_sets)
+                       check_after_timing, enqueue_replays, expect_untimed, forget_timing_inputs, per_call_us,
+                       prepare_launches, timing_inputs, timing_of)
 
 # A 2 ms kernel with 4 baselines: 12 rounds x (10 + 1) replays of ~2 ms each is about 0.3 s of GPU per
 # contender, well under 10 s in all; a 5 us kernel's replays hold ~80 launches, still 100 samples each.
@@ -192,8 +192,7 @@ def head_to_head(problem, shape, kernels: dict, baselines: list[str], rounds: in
     Returns (the Interleaved, or None when nothing was left to time; label -> GateViolation of each
     kernel that failed). A kernel that fails its untimed launch is not timed; baselines whose launcher
     refuses the inputs are left out. `timer(fns, rounds=, reps_per_round=)` is time_interleaved."""
-    sets = timing_sets(problem, shape)
-    snapshots = [InputSnapshot(s) for s in sets]
+    sets, snapshots = timing_inputs(problem, shape)
     failures: dict[str, GateViolation] = {}
     outputs, fns = {}, {}
     for label, launch_for in kernels.items():
@@ -205,6 +204,7 @@ def head_to_head(problem, shape, kernels: dict, baselines: list[str], rounds: in
             fns[label] = rotation
         except GateViolation as v:
             failures[label] = v
+            forget_timing_inputs()
     for name in baselines:
         launches = [problem.baseline_launcher(name, shape, s) for s in sets]
         if all(fn is not None for fn in launches):
@@ -218,4 +218,6 @@ def head_to_head(problem, shape, kernels: dict, baselines: list[str], rounds: in
                                timing="the interleaved timing")
         except GateViolation as v:
             failures[label] = v
+    if failures:
+        forget_timing_inputs()
     return result, failures
