@@ -113,7 +113,9 @@ def test_surrogate_random_draws_pick_the_variant_first(attention):
 
     space = load_builtin("attention")
     shape = parse_shape("mission")
-    admitted = space.admitted_configs(attention.context(shape))
+    # Every 8th admitted config: the variants' shares as in all 114,080, at an eighth of the 40 samplers' setup cost
+    # (each takes the digest and columns of every config it is given; 97 s in all on CI's 2 cores, issue 38).
+    admitted = space.admitted_configs(attention.context(shape))[::8]
     counts = {}
     for c in admitted:
         counts[c[space.variant]] = counts.get(c[space.variant], 0) + 1
