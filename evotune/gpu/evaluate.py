@@ -430,7 +430,7 @@ def timing_inputs(problem, shape) -> tuple[list[dict], list[InputSnapshot]]:
     worker times every candidate of one shape on the same sets, as it always timed them on the same seed (making
     them cost a third of the timed check on the mission shape). Every check leaves them as they were (the audit
     restores what it changes; a kernel that changes one is WRONG, and forget_timing_inputs drops them)."""
-    key = (problem.family, shape)
+    key = (type(problem), problem.family, shape)  # the type too: a CPU stand-in of a family makes CPU tensors
     if key not in _TIMING_INPUTS:
         _TIMING_INPUTS.clear()  # one shape's sets at a time: a long shape's are hundreds of MB
         sets = timing_sets(problem, shape)
@@ -641,7 +641,6 @@ TIMED_OUTPUT_PASSED = (f"O after timing over {ROTATION_SETS} rotating input sets
                        f"finite garbage passes the gate on it")
 
 
-
 def check_timed(problem, shape, launch_for, reps: int = DEFAULT_REPS, timer=time_launches,
                 lap: Callable[[str], None] = lambda name: None) -> Timing:
     """Time the launches `launch_for(inputs, out)` makes on the timing input sets (a Rotation of
@@ -693,6 +692,8 @@ def check_after_timing(problem, shape, guarded: GuardedOutput, sets: list[dict],
     _expect_output(guarded, expected, f"after {timing} over {len(sets)} rotating input sets, O differs from an "
                                       f"untimed launch on the last set")
     audit_changed_input(problem, shape, guarded, sets, replay, rng or fresh_rng())
+    for inputs, snapshot in zip(sets[:-1], snapshots):  # the audit replay read the other sets too
+        check_integrity(guarded, snapshot, inputs, "in the audit replay of the timed launches")
 
 
 def audit_changed_input(problem, shape, guarded: GuardedOutput, sets: list[dict], replay, rng: random.Random) -> None:
