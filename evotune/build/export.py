@@ -22,9 +22,11 @@ def build_command(arch: str = DEFAULT_ARCH) -> str:
 
 
 def export_source(problem, shape, config, record: dict | None = None, meta: dict | None = None,
-                  arch: str = DEFAULT_ARCH) -> str:
-    """The standalone source text for (problem, shape, config), with provenance from a run record."""
-    src = instantiate(problem, config, shape)
+                  arch: str = DEFAULT_ARCH, source=None) -> str:
+    """The standalone source text for (problem, shape, config), with provenance from a run record. `source`: the
+    KernelSource to write (a run's archived source of the trial, records/sources.py); default today's
+    instantiation. Where the code written is not the code the record measured, the header says so."""
+    src = source if source is not None else instantiate(problem, config, shape)
     geo = problem.geometry(config, shape)
     record, meta = record or {}, meta or {}
     result = record.get("result") or {}
@@ -68,6 +70,9 @@ def export_source(problem, shape, config, record: dict | None = None, meta: dict
                      f"torch {torch_version}, NVRTC {meta.get('versions', {}).get('nvrtc', '?')}")
         lines.append(f"run          {meta.get('run_id', '?')}  git {meta.get('git_sha', '?')}  evotune {meta.get('versions', {}).get('evotune', '?')}")
     recorded_digest = record.get("source_digest")
+    if recorded_digest and recorded_digest == src.digest:
+        lines.append(f"source       {src.digest}: the code the trial measured"
+                     + (" (from the run's source archive)" if source is not None else ""))
     if recorded_digest and recorded_digest != src.digest:
         lines.append(f"NOTE         the kernel template changed since this trial was measured (source {recorded_digest} "
                      f"then, {src.digest} now): the figures above are for the earlier code")

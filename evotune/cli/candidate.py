@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ..errors import EvotuneError, UsageError
 from ..outputs import check_output_path, write_output
-from .common import FAMILY_HELP, MAX_REPS, app, console, emit_json, load_problem, require_gpu
+from .common import FAMILY_HELP, MAX_REPS, app, console, emit_json, err_console, load_problem, require_gpu
 from .display import cfg_short
 
 REPLAY_SEEDS = (101, 102, 103)  # not the search's seeds: replay checks on inputs the search never saw
@@ -42,7 +42,8 @@ def replay(
     rec = rn.select(which, "replay")
     config = rn.config_of(rec, problem)
     require_gpu("replay")
-    src, compiled = _compile_candidate(problem, shp, config)
+    origin = _trial_source(rn, rec, problem, config, shp, True, json_out)
+    src, compiled = _compile_candidate(problem, shp, config, origin)
     with GPUWorker() as worker:
         res = worker_evaluator(worker, problem, shp, seeds=REPLAY_SEEDS)(config, compiled)
         base = worker.call(BaselinesJob(family=problem.family, shape=shp.as_dict()), timeout_s=600) if baselines else {}
@@ -53,7 +54,7 @@ def replay(
            "status": res.status, "message": res.message, "time_us": res.time_us, "recorded_time_us": recorded,
            "drift_pct": (100.0 * (res.time_us - recorded) / recorded) if res.time_us else None,
            "max_abs": res.max_abs, "timing": res.timing, "verification": res.verification,
-           "source_changed": rec.get("source_digest") not in (None, src.digest), "baselines": base}
+           "source": origin.origin, "source_digest": src.digest, "source_changed": origin.changed, "baselines": base}
     if json_out:
         emit_json(out)
     else:
@@ -91,14 +92,17 @@ def _print_comparison(out: dict, shp, problem) -> None:
     console.print(table)
     if out.get("drift_pct") is not None:
         console.print(f"drift from the record: {out['drift_pct']:+.1f}%")
-    if out.get("source_changed"):
-        console.print("note: the kernel template changed since this trial was recorded")
+    if out.get("source_changed"):  # said before measuring too (_trial_source); the drift compares other code
+        console.print("note: the kernel template changed since this trial was recorded and the run archives no "
+                      "source for it: the drift compares today's source with the recorded one")
 
 
 def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str], shape_text: Optional[str],
-                       space_path: Optional[str], family: Optional[str], purpose: str):
-    """(problem, shape, config) from a run record (of the run's family), or from --config JSON on --shape
-    (of --family, else the --space file's, else attention); --shape overrides a run's."""
+                       space_path: Optional[str], family: Optional[str], purpose: str, json_out: bool = False):
+    """(problem, shape, config, TrialSource or None) from a run record (of the run's family), or from --config JSON
+    on --shape (of --family, else the --space file's, else attention); --shape overrides a run's. A run's trial
+    compiles the run's archived source where the shape is the run's own (records/sources.py); a --config, today's
+    instantiation (None)."""
     from ..records.runs import Run
 
     if config_json is not None:
@@ -115,23 +119,36 @@ def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str
         why = spc.violations(config, problem.context(shp))
         if why:
             raise UsageError(f"--config is not admitted on {shp.spec}: {'; '.join(why)}")
-        return problem, shp, config
+        return problem, shp, config, None
 
     rn = Run.open(run)
-    problem, shp = rn.problem_and_shape()
+    problem, own = rn.problem_and_shape()
     rec = rn.select(which, purpose, require_pass=False)
     if family is not None and family != problem.family:
         raise UsageError(f"run {rn.run_id!r} is of family {problem.family!r}, not {family!r}")
-    shp = problem.parse_shape(shape_text) if shape_text else shp
+    shp = problem.parse_shape(shape_text) if shape_text else own
     problem.check_shape(shp)
-    return problem, shp, rn.config_of(rec, problem)
+    config = rn.config_of(rec, problem)
+    return problem, shp, config, _trial_source(rn, rec, problem, config, shp, shp == own, json_out)
 
 
-def _compile_candidate(problem, shp, config):
+def _trial_source(rn, rec, problem, config, shp, own_shape: bool, json_out: bool):
+    """The run's archived source of the trial, else today's instantiation; the one line where today's is not the
+    code the trial measured (on stderr, so --json stays one object)."""
+    from ..records.sources import trial_source
+
+    origin = trial_source(rn, rec, problem, config, shp, own_shape)
+    if origin.note:
+        err_console.print(f"note: {origin.note}", highlight=False, markup=False, soft_wrap=True)
+    return origin
+
+
+def _compile_candidate(problem, shp, config, origin=None):
+    """(source, compiled): the TrialSource's code where there is one (a run's trial), else today's instantiation."""
     from ..build.compile import compile_source
     from ..build.template import instantiate
 
-    src = instantiate(problem, config, shp)
+    src = origin.source if origin is not None else instantiate(problem, config, shp)
     return src, compile_source(src.code, src.entry)
 
 
@@ -153,7 +170,7 @@ def bench(
     from ..gpu.bench import flops_and_bytes, header, summarize
     from ..gpu.workers import BenchJob, GPUWorker
 
-    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "bench")
+    problem, shp, cfg, origin = _resolve_candidate(which, run, config, shape, space, family, "bench", json_out)
     names = [n.strip() for n in baselines.split(",") if n.strip()] if baselines else None
     if names:
         unknown = sorted(set(names) - set(problem.baselines()))
@@ -162,7 +179,7 @@ def bench(
     if out is not None:
         check_output_path(out, "--out")
     require_gpu("bench")
-    src, compiled = _compile_candidate(problem, shp, cfg)
+    src, compiled = _compile_candidate(problem, shp, cfg, origin)
     with GPUWorker(timeout_s=900) as worker:
         raw = worker.call(BenchJob(family=problem.family, shape=shp.as_dict(), config=cfg, compiled=compiled,
                                    reps=reps, seeds=REPLAY_SEEDS, names=names))
@@ -173,7 +190,7 @@ def bench(
     meta = base_meta()
     record = {**header(raw["device"], meta["command_line"], meta.get("git_sha")), "versions": meta["versions"],
               "family": problem.family, "shape": shp.spec, "shape_dict": shp.as_dict(), "config": cfg.as_dict(),
-              "source_digest": src.digest, "flops": flops, "min_bytes": nbytes, "reps": reps,
+              "source_digest": src.digest, "source_origin": origin.origin if origin else "config", "flops": flops, "min_bytes": nbytes, "reps": reps,
               "source": {"run": run, "trial": which} if config is None else {"config": config},
               **summary, "raw": raw}
     if out is not None:
@@ -236,9 +253,9 @@ def verify_cmd(
     """Deep check of one config: the gate (seeds + stress inputs + dependency) and bitwise determinism."""
     from ..gpu.workers import GPUWorker, VerifyJob
 
-    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "verify")
+    problem, shp, cfg, origin = _resolve_candidate(which, run, config, shape, space, family, "verify", json_out)
     require_gpu("verify")
-    _, compiled = _compile_candidate(problem, shp, cfg)
+    _, compiled = _compile_candidate(problem, shp, cfg, origin)
     with GPUWorker(timeout_s=600) as worker:
         rep = worker.call(VerifyJob(family=problem.family, shape=shp.as_dict(), config=cfg, compiled=compiled,
                                     launches=launches, seeds=REPLAY_SEEDS))
@@ -282,11 +299,19 @@ def sanitize(
     for t in tool:
         if t not in TOOLS:
             raise UsageError(f"unknown sanitizer tool {t!r}; tools: {', '.join(TOOLS)}")
-    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "sanitize")
+    problem, shp, cfg, origin = _resolve_candidate(which, run, config, shape, space, family, "sanitize", json_out)
     if shape is None:  # sanitizers run ~100x slower: a small shape of the same class
-        shp = problem.sanitize_shape(shp)
+        small = problem.sanitize_shape(shp)
+        # The archived source is the run's shape's; the small shape's source is the same code only where
+        # today's template gives the same digest for both (the shape enters the source through its class).
+        if origin is not None and origin.archived and small != shp:
+            from ..build.template import instantiate
+
+            if instantiate(problem, cfg, small).digest != instantiate(problem, cfg, shp).digest:
+                origin = None
+        shp = small
     require_gpu("sanitize")
-    _, compiled = _compile_candidate(problem, shp, cfg)
+    _, compiled = _compile_candidate(problem, shp, cfg, origin)
     job = {"family": problem.family, "shape": shp.as_dict(), "config": cfg.as_dict(),
            "compiled": compiled.as_dict()}
     reports = [run_tool(t, job) for t in tool]
@@ -318,10 +343,10 @@ def sass(
     local memory, with ptxas's registers and spills."""
     from ..build.sass import CLASSES, disassemble, summary
 
-    problem, shp, cfg = _resolve_candidate(which, run, config, shape, space, family, "sass")
+    problem, shp, cfg, origin = _resolve_candidate(which, run, config, shape, space, family, "sass", json_out)
     if output is not None:
         check_output_path(output, "-o")
-    _, compiled = _compile_candidate(problem, shp, cfg)
+    _, compiled = _compile_candidate(problem, shp, cfg, origin)
     text = disassemble(compiled.cubin_path)
     info = summary(text)
     res = compiled.resources

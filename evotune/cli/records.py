@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from ..outputs import check_output_path
-from .common import app, console, emit_json, print_fit_table
+from .common import app, console, emit_json, err_console, print_fit_table
 
 
 @app.command()
@@ -21,12 +21,20 @@ def export(
     """Write a standalone .cu with the config baked in (builds with `nvcc -gencode arch=compute_90a,code=sm_90a -c`)."""
     from ..build.export import export_source, write_export
     from ..records.runs import Run
+    from ..records.sources import trial_source
 
     check_output_path(output, "-o", create_parents=True)
     rn = Run.open(run)
     problem, shp = rn.problem_and_shape()
     rec = rn.select(which, "export", require_pass=not force, hint=" (--force exports it anyway)")
-    text = export_source(problem, shp, rn.config_of(rec, problem), rec, rn.meta())
+    config = rn.config_of(rec, problem)
+    # The run's archived source of the trial where it has one; else today's, the header's NOTE and this line
+    # saying that the figures in the header were measured on other code.
+    origin = trial_source(rn, rec, problem, config, shp)
+    if origin.note:
+        err_console.print(f"note: {origin.note.replace('measuring', 'exporting')}; its header's figures are for "
+                          f"the recorded source", highlight=False, markup=False, soft_wrap=True)
+    text = export_source(problem, shp, config, rec, rn.meta(), source=origin.source if origin.archived else None)
     path = write_export(output, text)
     status = rec["result"]["status"]
     note = f"; it did not pass ({status})" if status != "ok" else ""

@@ -88,9 +88,11 @@ def build(
     _report_build(table, notes, path, json_out)
 
 
-def _entry_row(e) -> list[str]:
+def _entry_row(e, stale: bool = False) -> list[str]:
+    """One row of `table show`; a stale entry's route reads "STALE (sdpa)": the op never runs it (stale_reason)."""
     sdpa = f"{e.sdpa['backend']} {e.sdpa['time_us']:.2f} us" if e.sdpa else "not measured"
-    return [e.key.spec(), e.route, f"{e.evotune_us:.2f}", sdpa, f"{e.provenance['run']}/{e.provenance['trial']}"]
+    route = "STALE (sdpa)" if stale else e.route
+    return [e.key.spec(), route, f"{e.evotune_us:.2f}", sdpa, f"{e.provenance['run']}/{e.provenance['trial']}"]
 
 
 @table_app.command("show")
@@ -98,19 +100,28 @@ def show(
     file: Optional[str] = typer.Argument(None, help=_TABLE_HELP),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Print the table's entries: key, route, evotune's and the best SDPA backend's time, run/trial."""
-    from ..records.tuning_table import default_table_path, load_table
+    """Print the table's entries: key, route, evotune's and the best SDPA backend's time, run/trial; a stale entry
+    (its kernel source is not today's) is marked and routes to SDPA."""
+    from ..records.tuning_table import default_table_path, load_table, stale_entries
 
     path = Path(file) if file else default_table_path()
     if path.exists() or path.is_symlink():
         _check_input(path, "tuning table")
     table = load_table(path)
+    stale = {e.key: why for e, why in stale_entries(table)}
     if json_out:
-        emit_json({"path": str(path), **table.as_dict()})
+        emit_json({"path": str(path), **table.as_dict(),
+                   "stale": [{"key": key.as_dict(), "reason": why} for key, why in stale.items()]})
         return
     headers = ["key", "route", "evotune us", "best SDPA", "run/trial"]
-    rows = [_entry_row(e) for e in sorted(table.entries, key=lambda e: e.key)]
+    rows = [_entry_row(e, e.key in stale) for e in sorted(table.entries, key=lambda e: e.key)]
     _print_rows(f"{path}: {len(rows)} entries", headers, rows)
+    for key, why in stale.items():  # whole, on lines of their own: a cell would cut them
+        console.print(f"stale: {key.spec()}: {why}; the op runs SDPA there", highlight=False, markup=False,
+                      soft_wrap=True)
+    if stale:
+        console.print(f"re-measure the {len(stale)} stale entries: evotune tune --stale --table {path}",
+                      highlight=False, markup=False, soft_wrap=True)
 
 
 def _print_rows(title: str, headers: list[str], rows: list[list[str]]) -> None:
@@ -132,13 +143,21 @@ def _print_rows(title: str, headers: list[str], rows: list[list[str]]) -> None:
 
 
 # ---------------------------------------------------------------- tune
-def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool) -> str:
+def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool, seeds: tuple = ()) -> str:
     """One key's search: `evotune search --shape SPEC --trials N --warm-start auto` on GPU `gpu`, the best then
-    timed beside SDPA; returns the run id (EvotuneError where no candidate passed the gate)."""
+    timed beside SDPA; returns the run id (EvotuneError where no candidate passed the gate). `seeds`: configs asked
+    first (a stale entry's: re-verified and re-timed on today's source before anything else)."""
     from ..search.loop import SearchOptions
+    from ..search.warmstart import admitted, with_new_knobs
 
     problem, shp, spc = load_problem(shape.spec, None, "attention")
     warm, warm_meta = warm_start_configs("auto", False, None, problem, shp, spc, SearchOptions.population, json_out)
+    if seeds:
+        context = problem.context(shp)
+        first, _ = admitted(spc, context, with_new_knobs(spc, context, [dict(c) for c in seeds]))
+        firsts = [c.as_dict() for c in first]
+        warm = tuple(firsts + [c for c in warm if c not in firsts])[:max(SearchOptions.population, len(firsts))]
+        warm_meta = {**warm_meta, "stale_entry_configs": len(firsts)}
     options = SearchOptions(trials=trials, warm_start=warm)
     new_meta = new_meta_for(problem, shp, spc, options, None, [gpu], warm_meta)
     summary, rn = search_one(None, new_meta, None, gpu, None, options, problem, shp, spc, timeout, json_out,
@@ -152,7 +171,7 @@ def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool) ->
     return rn.run_id
 
 
-def _tune_specs(shape: Optional[list[str]], shapes: Optional[str]) -> list[str]:
+def _tune_specs(shape: Optional[list[str]], shapes: Optional[str], stale: bool = False) -> list[str]:
     from ..records.tuning_table import read_shapes_file
 
     if shape and shapes:
@@ -160,10 +179,26 @@ def _tune_specs(shape: Optional[list[str]], shapes: Optional[str]) -> list[str]:
     if shapes:
         _check_input(shapes, "shapes file")
         return read_shapes_file(shapes)
-    if not shape:
-        raise UsageError("nothing to tune: give --shape SPEC (repeatable) or --shapes FILE "
-                         "(saved by evotune.torch.record_shapes())")
-    return list(shape)
+    if not shape and not stale:
+        raise UsageError("nothing to tune: give --shape SPEC (repeatable), --shapes FILE "
+                         "(saved by evotune.torch.record_shapes()) or --stale")
+    return list(shape or ())
+
+
+def _stale_plan(path: Path) -> tuple[list[str], dict[str, list[dict]], list[str]]:
+    """(the measured shapes of the table's stale entries, {shape spec: their configs}, one line per stale entry)."""
+    from ..problems.shapes import Shape
+    from ..records.tuning_table import load_table, stale_entries
+
+    if not path.exists():
+        raise UsageError(f"--stale: no tuning table at {path}: nothing to re-measure")
+    specs, seeds, lines = [], {}, []
+    for entry, why in stale_entries(load_table(path)):
+        spec = Shape.from_dict(entry.shape).spec
+        specs.append(spec)
+        seeds.setdefault(spec, []).append(dict(entry.config))
+        lines.append(f"stale: {entry.key.spec()} ({why}): re-measuring its config on {spec} first")
+    return specs, seeds, lines
 
 
 @app.command()
@@ -174,29 +209,53 @@ def tune(
     table: Optional[str] = typer.Option(None, "--table", help=_TABLE_HELP + " Updated where it exists."),
     timeout: float = typer.Option(60.0, "--timeout", callback=timeout_seconds, help="Seconds a candidate may take on the GPU before it is killed."),
     gpu: int = typer.Option(0, "--gpu", **GPU_RANGE, help="GPU index for the searches."),
+    stale: bool = typer.Option(False, "--stale", help="Also re-measure every stale entry of the table (its kernel "
+                               "source is not today's): its shape is searched with its config asked first."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Search each distinct table key of the shapes (warm-started from earlier runs), then update the table."""
     from ..problems import get_problem
     from ..records.tuning_table import load_table, tune_keys, tune_plan, update_table
 
-    plan, merged = tune_plan(_tune_specs(shape, shapes))
-    attention = get_problem("attention")
-    for shp in plan:  # a shape the kernel cannot run is a usage error, before the GPU is looked for
-        attention.check_shape(shp)
+    specs = _tune_specs(shape, shapes, stale)
     path = _table_path(table, "--table")
     if path.exists():
         load_table(path)  # a damaged table fails now, not after the searches
+    seeds, stale_lines = {}, []
+    if stale:
+        stale_specs, seeds, stale_lines = _stale_plan(path)
+        if not specs and not stale_specs:
+            raise UsageError(f"--stale: no stale entry in {path} (every entry's kernel source is today's): nothing "
+                             f"to re-measure")
+        specs = specs + stale_specs
+    plan, merged = tune_plan(specs)
+    attention = get_problem("attention")
+    for shp in plan:  # a shape the kernel cannot run is a usage error, before the GPU is looked for
+        attention.check_shape(shp)
     require_gpu("tune")
     if not json_out:
-        for note in merged:
-            err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        for note in stale_lines + [f"note: {m}" for m in merged]:
+            err_console.print(note, highlight=False, markup=False, soft_wrap=True)
+    # A stale entry's config is asked first on the shape that now stands for its key (tune_plan keeps one per key).
+    key_seeds: dict[str, list[dict]] = {}
+    for spec, configs in seeds.items():
+        from ..problems.shapes import parse_shape
+        from ..records.tuning_table import TableKey
+
+        key = TableKey.for_shape(parse_shape(spec), "", "")
+        chosen = next(p for p in plan if TableKey.for_shape(p, "", "") == key)
+        key_seeds.setdefault(chosen.spec, []).extend(configs)
 
     def progress(i: int, n: int, shp) -> None:
         if not json_out:
             err_console.print(f"key {i}/{n}: {shp.spec} ...", highlight=False, soft_wrap=True)
 
-    outcomes = tune_keys(plan, lambda shp: _search_key(shp, trials, timeout, gpu, json_out), progress)
+    def search(shp):
+        first = tuple(key_seeds.get(shp.spec, ()))
+        return _search_key(shp, trials, timeout, gpu, json_out, seeds=first) if first else \
+            _search_key(shp, trials, timeout, gpu, json_out)
+
+    outcomes = tune_keys(plan, search, progress)
     for o in outcomes:
         if o["error"] and not json_out:
             err_console.print(f"key {o['shape']}: not tuned: {o['error']}", highlight=False, soft_wrap=True)

@@ -502,6 +502,30 @@ def unusable_reason(entry: Entry, shape) -> str | None:
     return None
 
 
+def stale_reason(entry: Entry) -> str | None:
+    """Why `entry` is stale: the kernel source today's template gives its config on its measured shape is not the one
+    it measured (or none at all); None where it is the same. A stale entry is never used (unusable_reason) and
+    `evotune tune --stale` re-measures it: a run's archive keeps the code it measured for replay and export, but
+    the op compiles today's template, so only a measurement of today's source may route a call to it."""
+    from ..problems.shapes import Shape
+
+    recorded = entry.provenance["source_digest"]
+    try:
+        now = _digest_now(entry.config, Shape.from_dict(entry.shape))
+    except (UsageError, KeyError, TypeError, ValueError) as e:
+        return f"stale: its config no longer instantiates ({e})"
+    if now != recorded:
+        return (f"stale: the kernel source changed since run {entry.provenance['run']} measured it "
+                f"(measured {recorded}, now {now})")
+    return None
+
+
+def stale_entries(table: Table) -> list[tuple[Entry, str]]:
+    """The table's stale entries with why (stale_reason), in key order."""
+    found = [(e, stale_reason(e)) for e in sorted(table.entries, key=lambda e: e.key)]
+    return [(e, why) for e, why in found if why]
+
+
 def _default_is(space, name: str, value) -> bool:
     """Whether `space` has a parameter `name` whose default is `value` (of its type)."""
     default = space.default_config().as_dict().get(name, _MISSING)
@@ -890,5 +914,5 @@ def tune_keys(shapes, search_one, progress=None) -> list[dict]:
 __all__ = ["TABLE_VERSION", "MAX_BUCKET_DISTANCE", "NEAREST_ENV", "TableKey", "Entry", "Table", "Selection",
            "BuildNote", "seq_bucket", "bh_bucket", "nearest_allowed", "default_table_path", "parse_table", "load_table",
            "save_table", "select", "candidates",
-           "unusable_reason", "build_table", "clear_caches", "family_runs", "update_table", "note_line",
+           "unusable_reason", "stale_reason", "stale_entries", "build_table", "clear_caches", "family_runs", "update_table", "note_line",
            "read_shapes_file", "tune_plan", "tune_keys"]

@@ -36,6 +36,7 @@ from ..records.result import Result
 from ..records.best import (BASELINES_FILE, BESIDE_KIND, FINALIST_WITHIN, FINALISTS, finalists, read_beside,
                             rule_of, same_finalists)
 from ..records.runs import Run, best_record
+from ..records.sources import archive_source
 from .shared import SharedStudy
 from ..space.searchspace import Config
 from ..build.template import KernelSource, instantiate
@@ -507,6 +508,11 @@ class SearchLoop:
         return res
 
     def record(self, item: _Pending, record: dict) -> None:
+        # A counted trial's source goes into the run's archive first (records/sources.py), so a record never names
+        # a source its own run lacks: replay, export and bench compile what was measured, whatever the template
+        # says later. A kill between the two leaves an unnamed source, never a record without its source.
+        if record.get("counted") and item.source is not None and record.get("source_digest") == item.source.digest:
+            archive_source(self.rn.path, item.source)
         # The record goes on the trial (for other hosts), into the log, and then the study is told: a kill
         # between these leaves a RUNNING trial that the next search closes, never a lost record.
         self.view.add(record)

@@ -6,6 +6,8 @@ A call's route is decided once per distinct call (sizes, dtype, strides, device,
              K/V heads (enable_gqa) are computed, keyed by their group size in the tuning table: SDPA where fallback="sdpa", UsageError where fallback="error"
   missing    no usable table entry for its key (no table, no entry, not admitted, stale, another
              GPU's table): likewise, and the notice names the key and the command that would tune it
+  stale      the key's own entry measured a kernel source that today's template no longer gives (the template
+             changed since): likewise, and the notice says why and names `evotune tune --stale`, which re-measures it
   unverified only a nearer key's entry (another sequence or batch x heads bucket), measured there, not
              here: likewise (EVOTUNE_NEAREST=1 opts in to using it; tuning_table.select says why not by default)
   table      the table routes the key to SDPA (evotune's best was slower, or SDPA was not measured
@@ -40,7 +42,7 @@ class EvotuneFallbackWarning(UserWarning):
 @dataclass(frozen=True)
 class Decision:
     route: str                    # "evotune" or "sdpa"
-    kind: str                     # "tuned", "table", "missing" or "uncovered"
+    kind: str                     # "tuned", "table", "missing", "stale", "unverified" or "uncovered"
     reason: str
     call: Call
     key: TableKey | None = None
@@ -52,13 +54,16 @@ class Decision:
     @property
     def refused_by_error_fallback(self) -> bool:
         """Whether fallback="error" makes this call raise (no evotune kernel, and not the table's choice)."""
-        return self.kind in ("missing", "unverified", "uncovered")
+        return self.kind in ("missing", "stale", "unverified", "uncovered")
 
     def notice(self) -> str:
         """The one line said when this call runs SDPA."""
         head = "evotune.torch.attention"
         if self.kind == "uncovered":
             return f"{head}: the evotune kernel cannot run this call ({self.reason})"
+        if self.kind == "stale":
+            return (f"{head}: the tuned entry for {self.key.spec()} is {self.reason}; re-measure it: "
+                    f"evotune tune --stale --table {table_path()}")
         if self.kind == "unverified":  # the reason names the nearest entry and the tune command
             return f"{head}: no tuned kernel for {self.key.spec()}: {self.reason}"
         if self.kind == "missing":
@@ -192,6 +197,10 @@ def _decide(call: Call) -> Decision:
         return Decision("sdpa", "missing", f"no tuning table at {table_path()}; set EVOTUNE_TABLE or build one "
                                            f"with `evotune table build RUN... -o FILE`", call, key, shape)
     chosen = select(table, key, shape, allow_nearest=nearest_allowed())
+    # The key's own entry skipped as stale (tuning_table.stale_reason): said as such, not as a missing key.
+    stale = next((why for spec, why in chosen.skipped if spec == key.spec() and why.startswith("stale:")), None)
+    if stale is not None and chosen.route == "sdpa":
+        return Decision("sdpa", "stale", stale, call, key, shape, chosen.entry, chosen.match)
     if chosen.entry is None:
         return Decision("sdpa", "missing", chosen.reason, call, key, shape)
     if chosen.route == "sdpa" and not chosen.verified:  # a nearer key's entry, not measured at this one
