@@ -132,22 +132,22 @@ def _resolve_candidate(which: str, run: Optional[str], config_json: Optional[str
     return problem, shp, config, _trial_source(rn, rec, problem, config, shp, shp == own, json_out)
 
 
-def _trial_source(rn, rec, problem, config, shp, own_shape: bool, json_out: bool):
-    """The run's archived source of the trial, else today's instantiation; the one line where today's is not the
-    code the trial measured (on stderr, so --json stays one object)."""
+def _trial_source(rn, rec, problem, config, shp, own_shape: bool, json_out: bool = False):
+    """The run's archived source of the trial, else today's instantiation (records/sources.trial_source)."""
     from ..records.sources import trial_source
 
-    origin = trial_source(rn, rec, problem, config, shp, own_shape)
-    if origin.note:
-        err_console.print(f"note: {origin.note}", highlight=False, markup=False, soft_wrap=True)
-    return origin
+    return trial_source(rn, rec, problem, config, shp, own_shape)
 
 
 def _compile_candidate(problem, shp, config, origin=None):
-    """(source, compiled): the TrialSource's code where there is one (a run's trial), else today's instantiation."""
+    """(source, compiled): the TrialSource's code where there is one (a run's trial), else today's instantiation.
+    Where that is not the code the trial measured, one line says so first (on stderr: --json stays one object),
+    once every input and output was checked."""
     from ..build.compile import compile_source
     from ..build.template import instantiate
 
+    if origin is not None and origin.note:
+        err_console.print(f"note: {origin.note}", highlight=False, markup=False, soft_wrap=True)
     src = origin.source if origin is not None else instantiate(problem, config, shp)
     return src, compile_source(src.code, src.entry)
 
