@@ -384,3 +384,51 @@ def test_tune_stale_re_measures_each_stale_entry_first(tmp_path, main_in_process
     assert stale_entries(tbl) == [] and {e.provenance["run"] for e in tbl.entries} == {"r1", "fixture"}
     again = main_in_process("tune", "--stale", "--table", str(path))
     assert again.returncode == 2 and "no stale entry" in again.stderr and len(calls) == 1
+
+
+# --------------------------------------------------------------------------- backfill and the committed archives
+
+
+def test_backfill_archives_only_provable_sources(runs_root, attention, space, mission, tmp_path):
+    """tools/archive_sources.py archives a run's best where today's template gives its recorded digest, or where
+    the run's best.cu holds that code; a trial neither gives is listed as lost; a second pass and a dry run add
+    nothing."""
+    import importlib.util
+
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "archive_sources.py"
+    spec = importlib.util.spec_from_file_location("archive_sources", tool)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    runs_root.mkdir()
+    today = instantiate(attention, space.default_config(), mission)
+    then = older(today)
+    make_run(runs_root, "current", mission)
+    exported = make_run(runs_root, "exported", mission, digest=then.digest)
+    (exported / "best.cu").write_text("// evotune export: header\n// config ...\n\n" + then.code)
+    make_run(runs_root, "lost", mission, digest="0123456789abcdef")
+    assert mod.main(["--dry-run"]) == 0 and not any(runs_root.glob("*/sources"))
+    mod.main([])
+    assert S.read_source(runs_root / "current", today.digest, "evotune_attention").code == today.code
+    assert S.read_source(runs_root / "exported", then.digest, "evotune_attention").code == then.code
+    assert not (runs_root / "lost" / "sources").exists()
+    before = files_of(runs_root)
+    mod.main([])
+    assert files_of(runs_root) == before
+
+
+def test_committed_archives_read_back_as_their_records_name(attention):
+    """Every source archived in the repository's runs/ reads back (hashing to its name, defining its entry point)
+    and is the source_digest of one of its run's trials."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "runs"
+    folders = sorted(p.parent for p in root.glob("*/sources"))
+    for folder in folders:
+        run = Run(folder)
+        named = {r.get("source_digest") for r in run.trials()}
+        problem, _ = run.problem_and_shape()
+        for digest in S.archived_digests(folder):
+            assert digest in named, (folder.name, digest)
+            assert S.read_source(folder, digest, problem.entry_name) is not None
