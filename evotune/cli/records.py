@@ -31,11 +31,11 @@ def export(
     # The run's archived source of the trial where it has one; else today's, the header's NOTE and this line
     # saying that the figures in the header were measured on other code.
     origin = trial_source(rn, rec, problem, config, shp)
-    if origin.note:
-        err_console.print(f"note: {origin.note.replace('measuring', 'exporting')}; its header's figures are for "
-                          f"the recorded source", highlight=False, markup=False, soft_wrap=True)
     text = export_source(problem, shp, config, rec, rn.meta(), source=origin.source if origin.archived else None)
     path = write_export(output, text)
+    if origin.note:  # once written: a refused -o stays one line
+        err_console.print(f"note: {origin.note.replace('measuring', 'exporting')}; its header's figures are for "
+                          f"the recorded source", highlight=False, markup=False, soft_wrap=True)
     status = rec["result"]["status"]
     note = f"; it did not pass ({status})" if status != "ok" else ""
     console.print(f"wrote {path} (run {rn.run_id}, trial {rec['number']}{note})", highlight=False)
