@@ -432,3 +432,16 @@ def test_committed_archives_read_back_as_their_records_name(attention):
         for digest in S.archived_digests(folder):
             assert digest in named, (folder.name, digest)
             assert S.read_source(folder, digest, problem.entry_name) is not None
+
+
+def test_a_delta_never_names_a_base_the_folder_lost(tmp_path, sources, attention):
+    """A folder emptied and filled again in one process gets a whole source first again (its deltas' base is there)."""
+    a, b, c = sources
+    (tmp_path / "run").mkdir()
+    S.archive_source(tmp_path / "run", a)
+    shutil.rmtree(tmp_path / "run" / "sources")
+    S.archive_source(tmp_path / "run", b)
+    S.archive_source(tmp_path / "run", c)
+    assert (tmp_path / "run" / "sources" / f"{b.digest}.cu.gz").is_file()
+    for src in (b, c):
+        assert S.read_source(tmp_path / "run", src.digest, attention.entry_name).code == src.code

@@ -136,10 +136,26 @@ def _apply_delta(base: list[str], ops) -> str:
     return "".join(parts)
 
 
-def _whole_sources(folder: Path) -> list[str]:
-    names = sorted(p.name[:-len(WHOLE)] for p in folder.iterdir() if p.name.endswith(WHOLE)
-                   and is_digest(p.name[:-len(WHOLE)]))
-    return names[:DELTA_BASES]
+# The delta bases of the archives this process writes to: {folder: {digest: lines}}. Listed and read once per
+# folder (a search records thousands of trials; listing a folder of as many files for each would be quadratic), then
+# kept up to date with the whole sources this process adds; another agent's later whole sources are only not used
+# as bases here (any base rebuilds exactly).
+_BASES: dict[str, dict[str, list[str]]] = {}
+
+
+def _bases(folder: Path, entry: str) -> dict[str, list[str]]:
+    key = str(folder.resolve())
+    if key not in _BASES:
+        names = sorted(p.name[:-len(WHOLE)] for p in folder.iterdir() if p.name.endswith(WHOLE)
+                       and is_digest(p.name[:-len(WHOLE)]))
+        found = {}
+        for digest in names[:DELTA_BASES]:
+            try:
+                found[digest] = read_source(folder.parent, digest, entry).code.splitlines(keepends=True)
+            except DamagedSource:
+                continue
+        _BASES[key] = found
+    return _BASES[key]
 
 
 def _link_into_place(folder: Path, name: str, data: bytes) -> bool:
@@ -180,18 +196,20 @@ def archive_source(run_path, source: KernelSource) -> bool:
     whole = _pack(source.code.encode())
     target = source.code.splitlines(keepends=True)
     best = None
-    for base_digest in _whole_sources(folder):
-        try:
-            base = read_source(run_path, base_digest, source.entry).code
-        except DamagedSource:
-            continue
-        packed = _pack(json.dumps({"base": base_digest, "ops": _line_delta(base.splitlines(keepends=True), target)},
+    bases = _bases(folder, source.entry)
+    for gone in [d for d in bases if not os.path.lexists(folder / (d + WHOLE))]:  # a folder removed and made again
+        del bases[gone]
+    for base_digest, base in bases.items():
+        packed = _pack(json.dumps({"base": base_digest, "ops": _line_delta(base, target)},
                                   separators=(",", ":")).encode())
         if best is None or len(packed) < len(best):
             best = packed
     if best is not None and len(best) < DELTA_WORTH * len(whole):
         return _link_into_place(folder, digest + DELTA, best)
-    return _link_into_place(folder, digest + WHOLE, whole)
+    written = _link_into_place(folder, digest + WHOLE, whole)
+    if written and len(bases) < DELTA_BASES:
+        bases[digest] = target
+    return written
 
 
 # --------------------------------------------------------------------------- reading
