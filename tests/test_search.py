@@ -746,7 +746,7 @@ def test_worker_times_finalists_after_baselines_in_one_job(monkeypatch, mission)
     """The worker's "beside" job: measure_baselines, then evaluate_compiled of each finalist, then those that
     passed, interleaved, in one process."""
     import evotune.build.compile
-    from evotune.gpu import bench, evaluate, workers
+    from evotune.gpu import bench, evaluate, plausibility, workers
 
     order = []
     monkeypatch.setattr(evaluate, "measure_baselines",
@@ -756,8 +756,10 @@ def test_worker_times_finalists_after_baselines_in_one_job(monkeypatch, mission)
                         Result(status=R.OK if config["block_m"] == 64 else R.WRONG, time_us=3.0))
     monkeypatch.setattr(evaluate, "bind_kernel", lambda problem, shape, config, kernel: config["block_m"])
     monkeypatch.setattr(evotune.build.compile, "load_kernel", lambda compiled, smem: "module")
-    monkeypatch.setattr(bench, "with_head_to_head", lambda raw, problem, shape, launches, reps, rounds:
+    monkeypatch.setattr(bench, "with_head_to_head", lambda raw, problem, shape, launches, reps, rounds, **kw:
                         order.append(("interleaved", reps, launches)) or {**raw, "head_to_head": {"timings": {}}})
+    monkeypatch.setattr(plausibility, "FLOORS", plausibility.Floors(lambda dtype: {  # the worker's measured roofs
+        "copy": {"gb_s": 3000.0}, "matmul": {"tflop_s": 700.0}, "empty_kernel": {"time_us": 1.0}}))
     monkeypatch.setattr(workers, "_compiled_from_dict", lambda d: d)
     monkeypatch.setattr(workers, "device_info", lambda: {"name": "fake"})
     monkeypatch.setattr(workers, "gpu_clocks", lambda: {"clocks": None})

@@ -31,7 +31,7 @@ from ..records import result as R
 from ..records.result import Result, Verification
 from .evaluate import DEFAULT_SEEDS, failure_message, with_violation
 from .interleave import DEFAULT_ROUNDS, head_to_head, split_reps, time_interleaved
-from .plausibility import FLOORS, Floors, ceilings, floor_analysis, flops_and_bytes  # noqa: F401 (bench's API)
+from .plausibility import Floors, ceilings, floor_analysis, flops_and_bytes  # noqa: F401 (bench's API)
 
 BENCH_REPS = 100
 OURS = "evotune"            # the kernel's row, and its name among the head-to-head's contenders
@@ -43,26 +43,29 @@ def bench_candidate(problem, shape, config, compiled, reps: int = BENCH_REPS, se
     again interleaved (with_head_to_head), and the device's ceilings (runs on the GPU)."""
     raw = kernels_beside_baselines(problem, shape, {OURS: (config, compiled)}, reps, seeds, baselines, rounds=rounds)
     kernel = raw.pop("kernels")[OURS]
-    return {"kernel": kernel, **raw, "ceilings": FLOORS.ceilings_for(shape)}
+    from . import plausibility
+
+    return {"kernel": kernel, **raw, "ceilings": plausibility.FLOORS.ceilings_for(shape)}
 
 
 def kernels_beside_baselines(problem, shape, kernels: dict, reps: int, seeds, baselines: list[str] | None = None,
                              baselines_first: bool = False, rounds: int = DEFAULT_ROUNDS,
-                             floors: Floors = FLOORS) -> dict:
+                             floors: Floors | None = None) -> dict:
     """{"kernels": {label: its Result dict}, "baselines": measure_baselines' report[, "head_to_head"]}: each
     kernel (`kernels`: label -> (config, compiled)) and the baselines gated and timed alone (the baselines first
     where `baselines_first`), then the kernels that passed and the baselines all interleaved (with_head_to_head).
     `evotune bench` (one kernel) and the search's closing job (its finalists) both measure this way (runs on the
     GPU). Every kernel's time, solo and interleaved, is judged against the shape's floor (plausibility.py)."""
     from ..build.compile import load_kernel
-    from . import evaluate
-    from .plausibility import evaluate_plausible
+    from . import evaluate, plausibility
+
+    floors = floors or plausibility.FLOORS
 
     def measure():
         return evaluate.measure_baselines(problem, shape, names=baselines, seeds=seeds, reps=reps)
 
     base = measure() if baselines_first else None
-    results = {label: evaluate_plausible(problem, shape, config, compiled, floors, seeds=seeds, reps=reps)
+    results = {label: plausibility.evaluate_plausible(problem, shape, config, compiled, floors, seeds=seeds, reps=reps)
                for label, (config, compiled) in kernels.items()}
     raw = {"kernels": {label: res.as_dict() for label, res in results.items()},
            "baselines": base if baselines_first else measure()}
@@ -76,7 +79,7 @@ def kernels_beside_baselines(problem, shape, kernels: dict, reps: int, seeds, ba
 
 
 def with_head_to_head(raw: dict, problem, shape, launches: dict, reps: int, rounds: int = DEFAULT_ROUNDS,
-                      timer=time_interleaved, floors: Floors = FLOORS) -> dict:
+                      timer=time_interleaved, floors: Floors | None = None) -> dict:
     """`raw` (the kernels' and the baselines' solo records, as kernels_beside_baselines makes them) with the
     head-to-head: each kernel's `launch_for(inputs, out)` (`launches`: label -> launch_for) and every available
     baseline timed interleaved (interleave.head_to_head, `rounds` rounds of about reps / rounds replays each).
@@ -84,6 +87,9 @@ def with_head_to_head(raw: dict, problem, shape, launches: dict, reps: int, roun
     naming the timed-output check, and one whose interleaved median is below the shape's floor becomes
     IMPLAUSIBLE (`floors`). `winner`: the passing kernel with the fastest median; `ours_speedup`: per
     baseline, the per-round speedup of the winner (the baseline's time over its) with median, min and max."""
+    from . import plausibility
+
+    floors = floors or plausibility.FLOORS
     names = [n for n, b in raw["baselines"].items() if b.get("available")]
     result, failures = head_to_head(problem, shape, launches, names, rounds, split_reps(reps, rounds), timer)
     kernels = dict(raw["kernels"])

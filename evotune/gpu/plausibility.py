@@ -26,7 +26,8 @@ from dataclasses import replace
 
 from ..records import result as R
 from ..records.result import Result
-from .evaluate import evaluate_compiled, time_gpu
+from . import evaluate
+from .evaluate import time_gpu
 
 COPY_BYTES = 1 << 30        # 1 GiB each way: far past the 50 MB L2, so the copy streams HBM
 MATMUL_N = 8192             # 2·8192³ FLOPs: long enough to reach cuBLAS's steady tensor rate
@@ -151,6 +152,7 @@ class Floors:
 FLOORS = Floors()
 
 
-def evaluate_plausible(problem, shape, config, compiled, floors: Floors = FLOORS, **kw) -> Result:
-    """evaluate.evaluate_compiled, then the floor's judgement: what the search, replay and verify record."""
-    return floors.judge(shape, evaluate_compiled(problem, shape, config, compiled, **kw))
+def evaluate_plausible(problem, shape, config, compiled, floors: Floors | None = None, **kw) -> Result:
+    """evaluate.evaluate_compiled, then the floor's judgement (`floors`: this process's FLOORS): what the search,
+    replay and verify record."""
+    return (floors or FLOORS).judge(shape, evaluate.evaluate_compiled(problem, shape, config, compiled, **kw))
