@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import math
 import os
 import random
@@ -19,7 +20,7 @@ import yaml
 
 from evotune.errors import UsageError
 from evotune.problems import get_problem
-from evotune.space import searchspace
+from evotune.space import enumeration, searchspace
 from evotune.space.searchspace import (
     _BINOPS,
     _COMPARE,
@@ -460,6 +461,30 @@ def test_attention_mission_admits_its_count():
     assert len(admitted) == 114080
 
 
+# The order of the full attention space's admitted configs: sha256 of their keys, one a line, as the depth-first walk
+# gave them before the enumeration went by blocks and tables (issue 39); exhaustive searches visit them in this order.
+ADMITTED_ORDER = {"mission": (114080, "2dbaa219c2c82493"), "4,32,4096,128:bf16:causal": (50712, "eb6709e4f076a8ee")}
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+def test_attention_admits_the_walks_configs_in_its_order(shape):
+    """The full attention space's admitted configs are, in order, those the depth-first walk gave (their digest)."""
+    admitted = attention_admitted(shape)
+    digest = hashlib.sha256("\n".join(cfg.key() for cfg in admitted).encode()).hexdigest()[:16]
+    assert (len(admitted), digest) == ADMITTED_ORDER[shape]
+
+
+@pytest.mark.parametrize("name", ["attention-small", "attention-hopper3", "softmax"])
+def test_blocks_smaller_than_a_level_keep_the_order(name, monkeypatch):
+    """With blocks of a few rows (a level's rows cut into many pieces, the scan's combinations too), the admitted
+    configs are the depth-first walk's, in its order."""
+    space = load_builtin(name)
+    context = next(iter(contexts_of(space.family).values()))
+    walked = enumeration._Enumeration(space).walk(context)
+    monkeypatch.setattr(enumeration, "_BLOCK_ROWS", 7)
+    assert space.admitted_configs(context) == walked and len(walked) > 100
+
+
 def test_context_value_under_a_parameter_name():
     """A context key that is also a parameter's name is overridden by the parameter, as in derive()."""
     space = load_builtin("attention-small")
@@ -477,10 +502,14 @@ def space_of(tmp_path: Path, body: str, family: str = "t"):
 
 
 def same_outcome(tmp_path, body: str, context: Mapping[str, object]) -> tuple:
-    """admitted_configs and check_nonempty each do (return or raise) what their naive versions do."""
+    """admitted_configs and check_nonempty each do (return or raise) what their naive versions do, in blocks of the
+    default size and of a few rows."""
     space = space_of(tmp_path, body)
     fast = outcome(lambda: space.admitted_configs(context))
     assert fast == outcome(lambda: naive_admitted(space, context))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(enumeration, "_BLOCK_ROWS", 2)
+        assert outcome(lambda: space.admitted_configs(context)) == fast
     for naive_first in (0, searchspace._NAIVE_FIRST):  # the walk and scan alone, and after the naive configs
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(searchspace, "_NAIVE_FIRST", naive_first)
@@ -516,8 +545,15 @@ def test_error_in_a_config_an_earlier_constraint_rejects(tmp_path):
     "params:\n  a: {values: [0, 1]}\nconstraints:\n  - {expr: 64 // a > 0, why: w}\n",
     # an error under a prefix the walk would reject first, with an admitted config after it
     AB + "constraints:\n  - {expr: a != 1, why: w}\n  - {expr: 2 // (a - 1 + 2 * b) >= 0, why: v}\n",
+    # expressions of more than three knobs, cut into units (evotune.space.tables): ints past 2**31 and bools, whose
+    # arithmetic numpy does not do; a product past 2**64 raises
+    "params:\n  a: {values: [2, 4294967296]}\n  b: {values: [3, -8589934592]}\n  c: {values: [true, false]}\n"
+    "  d: {values: [1, -1, 0]}\nderived:\n  x: a * b * d + c * a + b - d + c\n"
+    "constraints:\n  - {expr: x + a * b > d * c - 7, why: w}\n",
+    "params:\n  a: {values: [2, 4294967296]}\n  b: {values: [3, 8589934592]}\n  c: {values: [1, 2]}\n"
+    "  d: {values: [1, 2]}\nconstraints:\n  - {expr: a * b * a * c + d > 0, why: w}\n",
 ], ids=["late", "derived-first", "constraint-order", "missing-name", "text", "admitted-first", "failing-first",
-        "pruned-error"])
+        "pruned-error", "units", "units-overflow"])
 def test_errors_are_raised_where_the_naive_loop_raises(tmp_path, body):
     """With failing expressions, each call raises the naive loop's error (same config, same expression) or
     returns what it returns."""

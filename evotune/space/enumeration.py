@@ -3,6 +3,7 @@ loop over every config would raise, and check_nonempty; each bounded in memory a
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 from collections import Counter
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 from ..errors import UsageError
+from . import tables
 from .expressions import ExpressionError, _compiled, expression_names
 from .model import Config, SearchSpace
 
@@ -41,6 +43,8 @@ class _Step:
     evaluate: Callable[[Mapping[str, object]], object]  # raw: errors are not wrapped into UsageError
     params: tuple[int, ...]  # the parameters it reads, directly or through derived values (indices, ascending)
     chain: tuple[int, ...]  # the derived values it reads, directly or through others (indices, in file order)
+    index: int  # its place among the derived values, or among the constraints
+    units: tuple  # the expression as evotune.space.tables units, to evaluate it over many configs at once
 
     @property
     def level(self) -> int:
@@ -60,7 +64,7 @@ def _steps(space: SearchSpace) -> tuple[list[_Step], list[_Step]] | None:
     seen: dict[str, int] = {}  # derived name -> index, of those before the one being read
     derived: list[_Step] = []
 
-    def step(name: Optional[str], expr: str) -> _Step | None:
+    def step(name: Optional[str], expr: str, index: int) -> _Step | None:
         reads, chain = set(), set()
         for read in expression_names(expr):
             if read in seen:
@@ -70,15 +74,17 @@ def _steps(space: SearchSpace) -> tuple[list[_Step], list[_Step]] | None:
                 reads.add(params[read])
             elif read in derived_names:  # a later derived value's name: the context's value, in derive()
                 return None
-        return _Step(name, _compiled(expr), tuple(sorted(reads)), tuple(sorted(chain)))
+        varying = {**{n: ("p", i) for n, i in params.items()}, **{n: ("d", j) for n, j in seen.items()}}
+        return _Step(name, _compiled(expr), tuple(sorted(reads)), tuple(sorted(chain)), index,
+                     tables.units(expr, varying, truth=name is None))
 
     try:
         for i, (name, expr, _) in enumerate(space.derived):
-            derived.append(step(name, expr))
+            derived.append(step(name, expr, i))
             if derived[-1] is None:
                 return None
             seen[name] = i
-        constraints = [step(None, c.expr) for c in space.constraints]
+        constraints = [step(None, c.expr, i) for i, c in enumerate(space.constraints)]
     except ExpressionError:  # a space built without the loader: the naive loop reports it with file and line
         return None
     return derived, constraints
@@ -92,6 +98,45 @@ class _Scan:
     failure: Optional[tuple[int, ...]]
     # Per constraint: (how many configs of the whole space fail it, the first such config's value indices).
     falsy: list[tuple[int, Optional[tuple[int, ...]]]]
+
+
+# Configs (or combinations) evaluated together at most: bounds the memory of a block (~100 B a row).
+_BLOCK_ROWS = 1 << 18
+
+
+class _Block:
+    """Rows of configs that share their first knobs (or combinations of a step's knobs, in the scan): per knob
+    bound, its values' indices; per derived value computed, its codes (evotune.space.tables); each row's number."""
+
+    def __init__(self, params: dict, derived: dict, numbers):
+        self.params, self.derived, self.numbers = params, derived, numbers
+
+    def column(self, kind: str, index: int):
+        return self.params[index] if kind == "p" else self.derived[index]
+
+    def keep(self, mask) -> None:
+        self.params = {i: a[mask] for i, a in self.params.items()}
+        self.derived = {j: a[mask] for j, a in self.derived.items()}
+        self.numbers = self.numbers[mask]
+
+    def kept(self, mask) -> "_Block":
+        block = _Block(self.params, self.derived, self.numbers)
+        block.keep(mask)
+        return block
+
+    def rows(self, start: int, stop: int) -> "_Block":
+        return _Block({i: a[start:stop] for i, a in self.params.items()},
+                      {j: a[start:stop] for j, a in self.derived.items()}, self.numbers[start:stop])
+
+    def expanded(self, level: int, width: int) -> "_Block":
+        """Each row followed by knob `level`'s `width` values in order (the last knob varies fastest)."""
+        import numpy as np
+
+        rows = len(self.numbers)
+        params = {i: np.repeat(a, width) for i, a in self.params.items()}
+        params[level] = np.tile(np.arange(width, dtype=np.int64), rows)
+        return _Block(params, {j: np.repeat(a, width) for j, a in self.derived.items()},
+                      np.arange(rows * width, dtype=np.int64))
 
 
 class _Enumeration:
@@ -115,11 +160,13 @@ class _Enumeration:
     def admitted(self, context: Mapping[str, object]) -> list[Config]:
         if self.derived is None:
             return self.naive(context)
-        failure = self.scan(context).failure
+        table = tables.Tables(self.values, [step.units[-1] for step in self.derived], context)
+        failure = self.scan(context, table).failure
         if failure is not None:
             self.space.violations(self.config_at(failure), context)  # raises the naive loop's error
             return self.naive(context)  # an expression failed once and not again (no memory?): as the naive loop
-        return self.walk(context)
+        admitted = self.walk_in_blocks(table)
+        return admitted if admitted is not None else self.walk(context)  # past a bound: the walk's error
 
     def naive(self, context: Mapping[str, object]) -> list[Config]:
         if self.space.size() > MAX_ENUMERATION_STEPS:
@@ -162,7 +209,7 @@ class _Enumeration:
         One mapping holds the context and the current path's values: a step reads only the context and the
         parameters and derived values it depends on, which are bound (and current) at its level."""
         n = len(self.names)
-        steps_at = self.schedule()
+        steps_at = [[(step.name, step.evaluate) for step in steps] for steps in self.schedule()]
         env = {**context}
         for name, evaluate in steps_at[0]:
             if name is not None:
@@ -201,8 +248,8 @@ class _Enumeration:
                     raise _too_many_admitted(self.space)
         return admitted
 
-    def schedule(self) -> list[list[tuple[Optional[str], Callable]]]:
-        """Per level (parameters bound), the (derived name, or None for a constraint; function) to evaluate there:
+    def schedule(self) -> list[list[_Step]]:
+        """Per level (parameters bound), the derived values and constraints to evaluate there:
         the level's derived values in file order, each constraint right after the last of them it reads, so that
         a config is rejected before the derived values it does not need are computed."""
         def last_read(step: _Step) -> int:  # the last derived value of its own level that `step` reads, or -1
@@ -215,38 +262,128 @@ class _Enumeration:
             for j, step in enumerate(self.derived):
                 if step.level == level:
                     steps_at[level] += [step] + [check for check in checks if last_read(check) == j]
-        return [[(step.name, step.evaluate) for step in steps] for steps in steps_at]
+        return steps_at
 
-    def scan(self, context: Mapping[str, object]) -> _Scan:
+    def scan(self, context: Mapping[str, object], table: Optional[tables.Tables] = None) -> _Scan:
         """Evaluate each step, with the derived values it reads, once per combination of the parameters it reads,
-        in all_configs' order: where it fails, the naive loop fails first at that combination's first config."""
+        in all_configs' order: where it fails, the naive loop fails first at that combination's first config.
+        By tables (each unit once per distinct combination of what it reads), in blocks of _BLOCK_ROWS."""
+        if table is None:
+            table = tables.Tables(self.values, [step.units[-1] for step in self.derived], context)
         failures, falsy = [], []
         work = 0
         for step in self.derived + self.constraints:
-            env = {**context}
             work += math.prod(len(self.values[i]) for i in step.params)
             if work > MAX_ENUMERATION_STEPS:
                 raise _too_many_steps(self.space)
-            combos = itertools.product(*(self.values[i] for i in step.params))
-            count, first = 0, None
-            for k, combo in enumerate(combos):
-                env.update(zip((self.names[i] for i in step.params), combo))
-                try:
-                    for j in step.chain:
-                        env[self.derived[j].name] = self.derived[j].evaluate(env)
-                    value = step.evaluate(env)
-                    fails = step.name is None and not value  # as violations() reads a constraint's value
-                except Exception:  # whatever the naive loop would raise there, it raises when evaluated again
-                    failures.append(self.indices(step.params, k))
-                    break
-                if fails:
-                    count, first = count + 1, first if first is not None else k
+            count, first, failed = self.scan_step(table, step)
+            if failed is not None:
+                failures.append(self.indices(step.params, failed))
             if step.name is None:
                 free = 1
                 for i, values in enumerate(self.values):
                     free *= 1 if i in step.params else len(values)
                 falsy.append((count * free, None if first is None else self.indices(step.params, first)))
         return _Scan(min(failures) if failures else None, falsy)
+
+    def scan_step(self, table: tables.Tables, step: _Step) -> tuple[int, Optional[int], Optional[int]]:
+        """Over the combinations of step.params' values (last fastest, numbered from 0): (how many a constraint
+        fails before the first that raises, the first it fails, the first that raises: None where none does)."""
+        import numpy as np
+
+        sizes = [len(self.values[i]) for i in step.params]
+        total, count, first = math.prod(sizes), 0, None
+        for start in range(0, total, _BLOCK_ROWS):
+            numbers = np.arange(start, min(total, start + _BLOCK_ROWS), dtype=np.int64)
+            digits = np.unravel_index(numbers, sizes) if sizes else ()
+            block = _Block(dict(zip(step.params, digits)), {}, numbers)
+            failed = None
+            for each in [self.derived[j] for j in step.chain] + [step]:
+                result = table.step(each.units, block.column, len(numbers))
+                bad = result == tables.FAILED
+                if bad.any():  # the first combination that raises here; the others go on without those that did
+                    failed = min(failed, int(block.numbers[bad.argmax()])) if failed is not None else \
+                        int(block.numbers[bad.argmax()])
+                    block, result = block.kept(~bad), result[~bad]
+                if each.name is not None:
+                    block.derived[each.index] = result
+            if step.name is None:
+                falsy_numbers = block.numbers[result == 0]
+                if failed is not None:
+                    falsy_numbers = falsy_numbers[falsy_numbers < failed]
+                count += len(falsy_numbers)
+                first = first if first is not None or not len(falsy_numbers) else int(falsy_numbers[0])
+            if failed is not None:
+                return count, first, failed
+        return count, first, None
+
+    def walk_in_blocks(self, table: tables.Tables) -> Optional[list[Config]]:
+        """walk's admitted configs, in its order, by blocks of configs that share their first knobs, each knob's
+        values and each step evaluated for a whole block (numpy, by the tables the scan filled); None where the
+        walk would pass a bound (MAX_ENUMERATION_STEPS, MAX_ADMITTED). Every expression evaluates (the scan)."""
+        import numpy as np
+
+        n = len(self.names)
+        steps_at = self.schedule()
+        root = _Block({}, {}, np.zeros(1, np.int64))
+        if not self.passes(table, steps_at[0], root):
+            return []
+        if n == 0:
+            return [Config.from_dict({})]
+        stack, leaves, visited, admitted = [(0, root)], [], 0, 0
+        while stack:
+            level, block = stack.pop()
+            rows = len(block.numbers)
+            if level == n:
+                leaves.append(block)
+                admitted += rows
+                if admitted > MAX_ADMITTED:
+                    return None
+                continue
+            width = len(self.values[level])
+            if rows > 1 and rows * width > _BLOCK_ROWS:  # in pieces, the first one on top
+                per = max(1, _BLOCK_ROWS // width)
+                stack += [(level, block.rows(start, start + per)) for start in reversed(range(0, rows, per))]
+                continue
+            visited += rows * width
+            if visited > MAX_ENUMERATION_STEPS:
+                return None
+            child = block.expanded(level, width)
+            if self.passes(table, steps_at[level + 1], child):
+                stack.append((level + 1, child))
+        return self.configs(leaves)
+
+    @staticmethod
+    def passes(table: tables.Tables, steps: list[_Step], block: "_Block") -> bool:
+        """Evaluate `steps` on the block's rows, in the walk's order, keeping the rows every constraint admits
+        (in place); False when none is left."""
+        for step in steps:
+            result = table.step(step.units, block.column, len(block.numbers))
+            if (result == tables.FAILED).any():
+                raise AssertionError("an expression failed in the walk after a clean scan")
+            if step.name is not None:
+                block.derived[step.index] = result
+            elif not result.all():
+                block.keep(result == 1)
+                if not len(block.numbers):
+                    return False
+        return True
+
+    def configs(self, leaves: list["_Block"]) -> list[Config]:
+        """The Configs of the leaves' rows, in order."""
+        order = sorted(range(len(self.names)), key=self.names.__getitem__)  # Config's items are sorted by name
+        pairs = [[(self.names[i], value) for value in self.values[i]] for i in order]  # shared by the configs
+        out: list[Config] = []
+        collecting = gc.isenabled()
+        gc.disable()  # a collection per 700 new tuples would rescan the growing list: 1.0 of 1.4 s on CI's CPU
+        try:
+            for block in leaves:
+                columns = [[by_code[code] for code in block.params[i].tolist()] for i, by_code in zip(order, pairs)]
+                out += [Config(items) for items in zip(*columns)]
+        finally:
+            if collecting:
+                gc.enable()
+        return out
 
     def indices(self, params: tuple[int, ...], k: int) -> tuple[int, ...]:
         """The value indices of the first config with the `k`-th combination (last fastest) of `params`' values."""

@@ -263,7 +263,11 @@ def _compiled(expr: str) -> Callable[[Mapping[str, object]], object]:
     """`expr`, vetted, as a function of `env` (cached): a Python function built from the translated tree, so an
     enumeration of a space's configs evaluates its expressions at native speed. The text of the file is never
     compiled, only the tree _translate builds from the vetted one."""
-    tree, _ = _parse(expr)
+    return _compile_tree(_parse(expr)[0])
+
+
+def _compile_tree(tree: ast.expr) -> Callable[[Mapping[str, object]], object]:
+    """A vetted tree (or one whose subtrees were replaced by names, evotune.space.tables) as a function of `env`."""
     arguments = ast.arguments(posonlyargs=[], args=[ast.arg("env")], kwonlyargs=[], kw_defaults=[], defaults=[])
     function = ast.fix_missing_locations(ast.Expression(ast.Lambda(arguments, _translate(tree))))
     return eval(compile(function, "<space expression>", "eval"), _COMPILED_GLOBALS)
