@@ -2,8 +2,10 @@
 `evotune bench --out FILE` wrote (one per shape), between the markers
 <!-- bench:begin --> and <!-- bench:end -->. Nothing in that section is typed by hand.
 
-    python3 tools/perf_doc.py docs/data/bench/*.json [--doc docs/PERFORMANCE.md]
-    python3 tools/perf_doc.py docs/data/bench-persistent/*.json --block persistent   # <!-- bench-persistent:begin -->
+    python3 tools/perf_doc.py docs/data/best/*.json [--doc docs/PERFORMANCE.md]   # the best per preset today
+    python3 tools/perf_doc.py RECORDS --block NAME --doc FILE    # between <!-- bench-NAME:begin --> and ...:end -->
+
+docs/data/bench/ keeps the 2026-11-22 solo records that the tests render (tests/test_perf_doc.py).
 """
 
 from __future__ import annotations
