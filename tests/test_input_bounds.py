@@ -183,3 +183,19 @@ def test_runs_and_export_agree_on_a_folder_without_meta(main_in_process, runs_ro
     assert [r["damaged"] for r in rows] == ["meta.json: missing"]
     assert_one_line_error(main_in_process("export", "best", "--run", "orphan", "-o", str(tmp_path / "k.cu")), 2,
                           "run 'orphan' is damaged", "meta.json: missing")
+
+
+def test_tuning_table_and_records_read_by_the_library_are_bounded(tmp_path):
+    """The op's own table read ($EVOTUNE_TABLE) and the bench/shapes records refuse a FIFO or a device at once
+    (never opened to wait) with one UsageError line; a missing table keeps its own message."""
+    from evotune.records import tuning_table
+
+    fifo = tmp_path / "table.json"
+    os.mkfifo(fifo)
+    for read in (tuning_table.load_table, tuning_table.read_shapes_file):
+        with pytest.raises(UsageError, match="must be a regular file"):
+            read(fifo)
+    with pytest.raises(UsageError, match="must be a regular file"):
+        tuning_table.load_table("/dev/zero")
+    with pytest.raises(UsageError, match="no such tuning table"):
+        tuning_table.load_table(tmp_path / "missing.json")

@@ -90,6 +90,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..errors import UsageError
+from ..outputs import MAX_JSON_BYTES, read_input
 from .best import BASELINES_FILE, BESIDE_KIND, final_best, read_beside
 
 TABLE_VERSION = 1
@@ -398,12 +399,14 @@ def parse_table(obj, path: str | None = None) -> Table:
 def load_table(path: str | os.PathLike) -> Table:
     """Read and validate a tuning table; UsageError naming the file and the first fault."""
     path = str(path)
+    if not os.path.lexists(path):
+        raise UsageError(f"{path}: no such tuning table")
+    # Bounded, regular files only: the op reads $EVOTUNE_TABLE in a user's process too.
+    raw = read_input(path, "tuning table", MAX_JSON_BYTES)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such tuning table") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: cannot read the tuning table ({getattr(e, 'strerror', None) or e})") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: cannot read the tuning table ({e})") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -763,11 +766,11 @@ def _route(run_id: str, timing: dict, digest_now: str) -> tuple[str, str]:
 
 
 def _read_json(path, what: str):
+    if not os.path.lexists(path):
+        raise UsageError(f"{path}: no such {what} file")
     try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such {what} file") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        obj = json.loads(read_input(path, f"{what} file", MAX_JSON_BYTES).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise UsageError(f"{path}: not a readable JSON {what} file ({e})") from None
     if not isinstance(obj, dict):
         raise UsageError(f"{path}: not a {what} record (expected an object, got {_kind(obj)})")
