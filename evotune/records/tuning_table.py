@@ -420,7 +420,7 @@ def save_table(table: Table, path: str | os.PathLike) -> Path:
     """Write `table` to `path` whole (outputs.write_output: a temporary file, then a rename)."""
     from ..outputs import write_output
 
-    return write_output(path, json.dumps(table.as_dict(), indent=1) + "\n", str(path))
+    return write_output(path, json.dumps(table.as_dict(), indent=1) + "\n", "tuning table")
 
 
 # --------------------------------------------------------------------------- selection
