@@ -93,3 +93,45 @@ def test_no_function_is_long():
                 if lines > LONGEST_FUNCTION:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the evotune modules it imports (function-level imports included), packages as their __init__."""
+    modules = {_module(p) for p in SOURCES}
+    graph = {}
+    for path in SOURCES:
+        graph[_module(path)] = {t for _, t in _imported(path) if t in modules and t != _module(path)}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph`, each once, as the path that closes it."""
+    found, state, stack = [], {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_no_import_circle():
+    """No evotune module reaches itself through imports, within a floor or across (a circle makes the import order
+    matter and the floors meaningless); function-level imports count too."""
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_circle_check_sees_a_circle():
+    """The check above finds a circle of three modules and names its path."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Optional
 from ..errors import UsageError
 from . import tables
 from .expressions import ExpressionError, _compiled, expression_names
-from .model import Config, SearchSpace
+from .config import Config  # SearchSpace (model.py, which calls this walk) is only named in annotations here
 
 # `next` of an exhausted iterator of a parameter's values, in the walk.
 _EXHAUSTED = object()
@@ -52,7 +52,7 @@ class _Step:
         return self.params[-1] + 1 if self.params else 0
 
 
-def _steps(space: SearchSpace) -> tuple[list[_Step], list[_Step]] | None:
+def _steps(space: "SearchSpace") -> tuple[list[_Step], list[_Step]] | None:
     """The space's derived values and constraints as _Steps, or None where a name in them could mean another
     value in the walk's shared mapping than in `derive`'s (a derived value reading a later one's name, which then
     means the context's; a name used twice) or an expression does not compile: those spaces take the naive loop."""
@@ -150,7 +150,7 @@ class _Enumeration:
     evaluations for the built-in spaces): where one fails, the config the naive loop would have raised at (the
     first whose combination fails) is evaluated the naive way, which raises that same error."""
 
-    def __init__(self, space: SearchSpace):
+    def __init__(self, space: "SearchSpace"):
         self.space = space
         self.names = space.param_names()
         self.values = [p.values for p in space.params]
@@ -409,7 +409,7 @@ class _Enumeration:
 _NAIVE_FIRST = 256
 
 
-def check_nonempty(space: SearchSpace, context: Mapping[str, object]) -> None:
+def check_nonempty(space: "SearchSpace", context: Mapping[str, object]) -> None:
     """Raise UsageError when no configuration of `space` is admitted under `context`, naming the commonest reason.
 
     As the naive loop at the end, which stops at the first admitted config; past its first _NAIVE_FIRST configs,
@@ -437,7 +437,7 @@ def check_nonempty(space: SearchSpace, context: Mapping[str, object]) -> None:
     raise _nothing_admitted(space, context, reasons.most_common(1)[0][0] if reasons else None)
 
 
-def _nothing_admitted(space: SearchSpace, context: Mapping[str, object], commonest: Optional[str]) -> UsageError:
+def _nothing_admitted(space: "SearchSpace", context: Mapping[str, object], commonest: Optional[str]) -> UsageError:
     summary = ", ".join(f"{k}={v}" for k, v in context.items())
     most_often = f"; most often failed: {commonest}" if commonest else ""
     return UsageError(f"{space.path}: no configuration is admitted for {summary}{most_often}")

@@ -111,7 +111,7 @@ class Call:
 def coverage(call: Call, gpu_cc: tuple[int, int] | None) -> str | None:
     """Why the kernel cannot compute `call` (device, dtype, head dim, stride, size), or None.
     `gpu_cc` is the compute capability of the call's GPU (None off CUDA)."""
-    from .kernels import supports, unsupported
+    from .features import supports, unsupported
 
     if not call.device.startswith("cuda"):
         return f"device {call.device}: the kernel runs on CUDA GPUs"

@@ -12,29 +12,12 @@ from dataclasses import dataclass
 from ..errors import EvotuneError, UsageError
 from ..problems import get_problem
 from ..problems.attention import uses_tensor_maps
+from .features import FEATURES, MISSING_FEATURES, supports, unsupported  # noqa: F401 (re-exported: evotune.torch.supports)
 
 PROBLEM = get_problem("attention")
-
-FEATURES = ("gqa", "lse")
-# Features the kernel lacks today, and why: the op routes such calls per its fallback policy, saying
-# this. When kernels/attention.cu grows a feature, its entry goes (and the op's path for it with it).
-# "gqa": both variants read K/V head h // (heads / kv_heads) through the kv_magic launch argument, never
-# a per-query-head copy of K/V. "lse": an instantiation asked for it (write_lse) also writes each row's
-# log-sum-exp, which the op's autograd hands to PyTorch's attention backward.
-MISSING_FEATURES: dict[str, str] = {}
-
-
-def supports(feature: str) -> bool:
-    """Whether the attention kernel supports `feature` ("gqa", "lse")."""
-    if feature not in FEATURES:
-        raise UsageError(f"unknown kernel feature {feature!r}; features: {', '.join(FEATURES)}")
-    return feature not in MISSING_FEATURES
-
-
-def unsupported(feature: str) -> str:
-    """Why the kernel does not support `feature` (empty where it does)."""
-    return "" if supports(feature) else MISSING_FEATURES[feature]
-
+# What else holds loaded kernels and must let go when the cache is cleared (routing registers its fast routes):
+# a callback, so this module needs no import of the modules above it in the torch room.
+ON_CLEAR: list = []
 
 def shape_class(shape) -> tuple:
     """What of an attention shape the compiled code depends on (AttentionProblem.template_args reads
@@ -92,12 +75,11 @@ class KernelCache:
         return len(self._kernels)
 
     def clear(self) -> None:
-        from . import routing
-
         with self._lock:
             self._kernels.clear()
         PREPARED.clear()
-        routing.FAST_ROUTES.clear()  # its closures hold loaded kernels
+        for forget in ON_CLEAR:  # routing's fast routes: their closures hold loaded kernels
+            forget()
 
 
 def compile_for(config, shape, expected_digest: str | None = None, write_lse: bool = False):

@@ -30,6 +30,7 @@ import torch
 
 from ..errors import UsageError
 from ..records.tuning_table import Entry, Table, TableKey, default_table_path, load_table, nearest_allowed, select
+from . import kernels
 from .call import Call, coverage, misaligned
 
 FALLBACKS = ("sdpa", "error")
@@ -127,6 +128,7 @@ _DECISIONS: dict[tuple, Decision] = {}
 # The op's eager fast path (op._fast_route): call facts -> a callable, valid while the table is; emptied with
 # _DECISIONS by use_table().
 FAST_ROUTES: dict[tuple, object] = {}
+kernels.ON_CLEAR.append(FAST_ROUTES.clear)  # their closures hold loaded kernels: clearing the cache drops them
 _WARNED: set = set()
 _WARN_LOCK = threading.Lock()
 
