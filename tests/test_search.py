@@ -18,6 +18,7 @@ import pytest
 from optuna.trial import TrialState
 
 from evotune.records import result as R
+from evotune.search import finalists as F
 from evotune.search import loop as S
 from evotune.errors import UsageError
 from evotune.records.result import Result
@@ -618,7 +619,7 @@ def test_best_is_timed_beside_sdpa_once_per_best(attention, tiny, mission):
     search(attention, tiny, mission, run, ev, trials=1, sampler="exhaustive")
     first_best = run.best()
     call = FakeBeside()
-    note = S.measure_beside_best(run, attention, mission, call, reps=7)
+    note = F.measure_beside_best(run, attention, mission, call, reps=7)
     assert note["status"] == "measured" and "beside flash 12.00 us" in note["message"], note
     (job,) = call.jobs
     assert job["kind"] == "beside" and job["configs"] == [first_best["config"]] and job["reps"] == 7
@@ -630,12 +631,12 @@ def test_best_is_timed_beside_sdpa_once_per_best(attention, tiny, mission):
     assert rec["device"]["name"] == "NVIDIA H100 80GB HBM3" and rec["versions"]["evotune"]
     assert set(rec["baselines"]) == {"flash", "cudnn", "math"}
 
-    assert S.measure_beside_best(run, attention, mission, call)["status"] == "kept" and len(call.jobs) == 1
+    assert F.measure_beside_best(run, attention, mission, call)["status"] == "kept" and len(call.jobs) == 1
 
     resumed = Run.open("beside")
     search(attention, tiny, mission, resumed, ev, trials=2, sampler="exhaustive")
     assert resumed.best()["number"] != first_best["number"]  # block_n 64 is faster in fake_time
-    assert S.measure_beside_best(resumed, attention, mission, call)["status"] == "measured"
+    assert F.measure_beside_best(resumed, attention, mission, call)["status"] == "measured"
     assert len(call.jobs) == 2 and call.jobs[1]["configs"][0] == resumed.best()["config"]
     assert json.loads((run.path / "baselines.json").read_text())["best"]["number"] == resumed.best()["number"]
 
@@ -657,10 +658,10 @@ def test_beside_route_takes_the_interleaved_medians(attention, tiny, mission):
     label = f"trial {run.best()['number']}"
     h2h = {"rounds": 10, "winner": label, "timings": {label: {"median_us": 12.5}, "flash": {"median_us": 11.0},
                                                       "cudnn": {"median_us": 4.0}}}
-    note = S.measure_beside_best(run, attention, mission, FakeBeside(head_to_head=h2h))
+    note = F.measure_beside_best(run, attention, mission, FakeBeside(head_to_head=h2h))
     assert "12.50 us beside flash 11.00 us" in note["message"], note  # cudnn did not pass the gate
     rec = json.loads((run.path / "baselines.json").read_text())
-    assert rec["version"] == S.BESIDE_VERSION == 3 and rec["head_to_head"] == h2h
+    assert rec["version"] == F.BESIDE_VERSION == 3 and rec["head_to_head"] == h2h
     (entry,) = build_table(["paired"])[0].entries
     assert entry.evotune_us == 12.5 and entry.sdpa == {"backend": "flash", "time_us": 11.0}
     assert entry.route == "sdpa" and entry.reason.startswith("slower")
@@ -687,7 +688,7 @@ def test_finalists_re_timed_interleaved_name_the_best(attention, tiny, mission):
     assert all(f["result"]["time_us"] <= limit for f in finals)
     underdog = finals[-1]
     call = FakeBeside(interleaved=True, times={f"trial {underdog['number']}": 7.0})
-    note = S.measure_beside_best(run, attention, mission, call)
+    note = F.measure_beside_best(run, attention, mission, call)
     assert note["status"] == "measured", note
     assert f"trial {underdog['number']} 7.00 us (fastest of {len(finals)} finalists" in note["message"], note
     (job,) = call.jobs
@@ -700,7 +701,7 @@ def test_finalists_re_timed_interleaved_name_the_best(attention, tiny, mission):
     (entry,) = build_table(["finals"])[0].entries
     assert entry.config == underdog["config"] and entry.evotune_us == 7.0
     assert entry.sdpa == {"backend": "flash", "time_us": 12.0}  # the other finalists are no baselines
-    assert S.measure_beside_best(run, attention, mission, call)["status"] == "kept"
+    assert F.measure_beside_best(run, attention, mission, call)["status"] == "kept"
 
     # A new record faster than all: the recorded finalists are stale, the fastest recorded trial is the best again.
     newcomer = {**fastest, "number": 999, "digest": "new", "source_digest": "new-source",
@@ -732,12 +733,12 @@ def test_beside_skips_without_best_and_survives_worker_failure(attention, tiny, 
     ev = FakeEvaluator(tiny, attention.context(mission), status_for=lambda i, c: R.WRONG)
     search(attention, tiny, mission, run, ev, trials=2, sampler="exhaustive")
     call = FakeBeside()
-    assert S.measure_beside_best(run, attention, mission, call)["status"] == "skipped" and not call.jobs
+    assert F.measure_beside_best(run, attention, mission, call)["status"] == "skipped" and not call.jobs
 
     run = beside_run("hangs", mission, tiny)
     search(attention, tiny, mission, run, FakeEvaluator(tiny, attention.context(mission)), trials=1,
            sampler="exhaustive")
-    note = S.measure_beside_best(run, attention, mission, FakeBeside(fail=True))
+    note = F.measure_beside_best(run, attention, mission, FakeBeside(fail=True))
     assert note["status"] == "failed" and "worker killed" in note["message"]
     assert not (run.path / "baselines.json").exists()
 

@@ -142,10 +142,10 @@ def new_meta_for(problem, shp, spc, options, storage, devices, warm_meta: dict):
 
 
 def _beside(rn, problem, shp, call, json_out: bool) -> tuple[dict, dict | None]:
-    """The run's finalists timed again beside the family's baselines (search.measure_beside_best), said in one
+    """The run's finalists timed again beside the family's baselines (search.finalists.measure_beside_best), said in one
     line, and the run's best after it (records.best.final_best: the finalists' winner)."""
     from ..records.best import final_best, read_beside
-    from ..search.loop import measure_beside_best
+    from ..search.finalists import measure_beside_best
 
     note = measure_beside_best(rn, problem, shp, call)
     if not json_out:

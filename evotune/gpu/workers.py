@@ -130,7 +130,7 @@ class BenchJob(Job):
 
 @dataclass(frozen=True, eq=False)
 class BesideJob(Job):
-    """search.measure_beside_best: the baselines, then the run's finalists (labels[i]: configs[i] compiled as
+    """search.finalists.measure_beside_best: the baselines, then the run's finalists (labels[i]: configs[i] compiled as
     compileds[i]), in one process on the same inputs, all timed interleaved at the end."""
 
     kind: ClassVar[str] = "beside"
@@ -336,7 +336,7 @@ def _bench_job(job: BenchJob) -> dict:
 
 
 def _beside_job(job: BesideJob) -> dict:
-    """search.measure_beside_best: the family's baselines, then each finalist gated and timed again, in this one
+    """search.finalists.measure_beside_best: the family's baselines, then each finalist gated and timed again, in this one
     process on the same inputs, then the finalists that passed and the baselines timed interleaved
     (bench.with_head_to_head): the run's best is the finalist with the fastest interleaved median, and the route
     compares it with the baselines' medians; timed one after the other, they carry an order bias as large as

@@ -7,7 +7,7 @@ recorded a one-tile config fastest that a same-process probe then measured slowe
 
 So a search ends by re-timing its finalists (`finalists`: up to FINALISTS distinct trials whose recorded
 time is within FINALIST_WITHIN of the fastest) interleaved in one GPU process, beside the SDPA backends
-(search.loop.measure_beside_best writes that job's record as the run's baselines.json). The finalist with
+(search.finalists.measure_beside_best writes that job's record as the run's baselines.json). The finalist with
 the fastest interleaved median is the run's best (`final_best`): what `replay best`, `export best`,
 `bench best` and the tuning table take. Where baselines.json re-timed a different set of finalists than
 the records name now (a resumed search found a new contender and has not re-timed yet), or there is no
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-BASELINES_FILE = "baselines.json"   # a run's SDPA times measured beside its finalists (search.measure_beside_best)
+BASELINES_FILE = "baselines.json"   # a run's SDPA times measured beside its finalists (search.finalists.measure_beside_best)
 BESIDE_KIND = "evotune-run-baselines"
 # Six: on the H100's large presets the six fastest recorded trials lay within 4% of each other, the size of
 # the timing drift, and re-timing one of them costs about 11 replays x 10 rounds (0.2 s at 2 ms a call).
@@ -70,7 +70,7 @@ def _identity(r: dict) -> tuple:
 
 
 def read_beside(run_path: Path) -> dict | None:
-    """The run's baselines.json where search.measure_beside_best wrote it (None where absent, unreadable or
+    """The run's baselines.json where search.finalists.measure_beside_best wrote it (None where absent, unreadable or
     foreign: a bare {backend: row} map from before that job)."""
     try:
         obj = json.loads((Path(run_path) / BASELINES_FILE).read_text(encoding="utf-8"))

@@ -708,7 +708,7 @@ def _timing(run, meta: dict, best: dict, benches: list[dict], digest_now: str) -
 
 def _run_baselines(obj: dict, best: dict, trial: dict) -> tuple[dict, dict]:
     """(evotune's time and digest, {backend: row}) from a run's baselines.json: the record
-    search.measure_beside_best writes (where it re-timed this best trial beside the baselines in one
+    search.finalists.measure_beside_best writes (where it re-timed this best trial beside the baselines in one
     process and the kernel passed again, that time is evotune's), or a bare {backend: row} map."""
     if obj.get("kind") != BESIDE_KIND:
         return trial, obj
