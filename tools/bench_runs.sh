@@ -2,8 +2,8 @@
 # REPS x `evotune bench best --run RUN --reps 100` of each run in RUNS, on the GPU machine, from the repository root;
 # the records (bench/RUN-N.json and .txt) tarred into $OUT/bench.tgz after each run (the device returns few files, and
 # a timed-out call keeps what it had), then one line per run: ours/CUDNN us per bench and CUDNN/ours min-max.
-# The bench steps of tools/persistent_device.sh and tools/tma_store_device.sh call it.
-#   RUNS="gpt2-h100-tma llama-4k-h100-tma" REPS=3 OUT=dir bash tools/bench_runs.sh
+# docs/PERFORMANCE.md's "How to rerun" and tools/mission_knob_device.sh's bench step call it.
+#   RUNS="llama-4k-h100-warm-lean gpt2-h100-exhaustive-wg4" REPS=3 OUT=dir bash tools/bench_runs.sh
 set -uo pipefail
 OUT=${OUT:?set OUT}; here=$(cd "$(dirname "$0")/.." && pwd)
 bench=$(mktemp -d)/bench; mkdir -p "$bench"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The check step of the knob device scripts (tools/tma_store_device.sh, tools/split_merge_device.sh), on the GPU
-# machine: a knob's GPU test file, first its gate and agreement tests (-m "gpu and not slow", CHECK_S seconds at
-# most), then its compute-sanitizer tests (-m "gpu and slow", SANITIZE_S), each into a file under $OUT and one
+# The check step of the knob device scripts (tools/mission_knob_device.sh: split_merge_device.sh, tma_load_device.sh),
+# on the GPU machine: a knob's GPU test file, first its gate and agreement tests (-m "gpu and not slow", CHECK_S
+# seconds at most), then its compute-sanitizer tests (-m "gpu and slow", SANITIZE_S), each into a file under $OUT and one
 # summary line printed. A failed first call does not skip the second: both reports are read before trusting a timing.
 #   OUT=dir bash tools/gpu_checks.sh tests/test_split_merge.py     -> $OUT/check.txt, $OUT/sanitize.txt
 set -uo pipefail

@@ -3,7 +3,7 @@
 # GPU checks first (a kernel that fails them is never timed), then before/after pairs beside SDPA, then the exhaustive
 # mission search that decides where it pays, its bench records beside the previous winner's, and the phase trace of
 # the new winner. The knob's own script sets what differs and calls this one: tools/split_merge_device.sh (key_merge),
-# tools/tma_load_device.sh (kv_load), tools/tma_multicast_device.sh (kv_cluster).
+# tools/tma_load_device.sh (kv_load); docs/experiments/tools/tma_multicast_device.sh (kv_cluster) did too.
 #   KNOB=kv_load VALUES="tma cp_async" TESTS=tests/test_tma_load.py SPACE=search_spaces/attention-small-tma.yaml \
 #   RUN=mission-h100-exhaustive-small-tma OLD=mission-h100-exhaustive-small-merge TRIALS=1890 \
 #   OLD_TRACE=docs/data/split-merge/trace/split_pdl_on.json.gz PAIRS='[{...}, ...]' STEPS="check pairs" OUT=dir \

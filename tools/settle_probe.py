@@ -1,6 +1,6 @@
 """How long each interleaved turn must settle before it is timed (developer tool, GPU).
 
-    python3 tools/settle_probe.py --run llama-4k-h100-persistent [--settle-us 0,20000,50000] [--repeats 2]
+    python3 tools/settle_probe.py --run llama-4k-h100-warm-lean [--settle-us 0,20000,50000] [--repeats 2]
     python3 tools/settle_probe.py --shape llama-4k --config '{"block_m":128,...}'
 
 The large shapes run at the H100's power limit, so the clock a contender gets depends on what ran just
