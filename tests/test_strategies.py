@@ -295,7 +295,8 @@ def test_search_help_lists_the_evolution_options():
 def test_variant_knob_is_drawn_first(attention):
     """With the space's `variant: mma`, the steered NSGA-II's random draws propose the Hopper variant about as often
     as mma.sync, although the constraints admit a few percent of its draws; without it a 48-trial search saw it at most a
-    few times before the rescale knob and half as often since (the H100 run runs/gpt2-h100-fullspace: none in 64).
+    few times before the rescale knob and half as often since (none in 64 trials of an H100 run,
+    docs/experiments/CHANGELOG.md: gpt2-h100-fullspace).
     Here the wgmma model is faster, and the elites find it."""
     from dataclasses import replace
 

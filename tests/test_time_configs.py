@@ -66,7 +66,7 @@ def test_no_wg_overlap_variant(time_configs, attention, space):
     shape = parse_shape("gpt2")
     flagged = time_configs.with_flags(attention, {"no_wg_overlap"})
     wgmma = space.config(dict(mma="wgmma", block_m=128, block_n=64, compute_warps=8, producer_warps=0, stages=4,
-                              q_in_regs=True, epilogue="tma"))  # runs/gpt2-h100-tma's best
+                              q_in_regs=True, epilogue="tma"))  # gpt2-h100-tma's best (docs/experiments/CHANGELOG.md)
     plain, serial = instantiate(attention, wgmma, shape), instantiate(flagged, wgmma, shape)
     assert serial.code.count("wgmma_wait<0>();") == plain.code.count("wgmma_wait<0>();") + 1
     assert attention.template_flags(wgmma) == frozenset({"tma_store"})

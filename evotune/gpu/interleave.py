@@ -42,16 +42,16 @@ from .evaluate import (CUDA_EVENTS, GateViolation, GuardedOutput, InputSnapshot,
 DEFAULT_ROUNDS = 10   # at least; head_to_head rounds it up to whole Williams cycles (whole_cycles)
 MIN_REPS_PER_ROUND = 3
 SETTLE_REPLAYS = 1    # untimed replays that open each turn, at least
-# ... and at least SETTLE_US of them. The large shapes run at the H100's 700 W power limit, so a turn's clock
-# depends on how much power the contender before it drew: with one ~2 ms settling replay (2026-11-23, the
-# closing jobs of runs/*-h100-persistent) a turn that followed the EFFICIENT backend (slow, low power) ran 4-7%
-# faster than its contender's median. Settling longer does not remove that and costs pairing: with 20 and 50 ms
-# of a contender's own launches before its timed replays (tools/settle_probe.py, docs/data/settle/), every
-# contender ran slower (the power state settled lower), the effect after EFFICIENT still read 2-8%, the
-# CUDNN/ours median moved within the run-to-run noise (llama-4k 0.97/0.97 at one replay, 0.97/0.93 at 20 ms,
-# 0.95/0.95 at 50 ms) and the per-round spread widened (gpt2: 0.93-0.95 at one replay, 0.87-0.99 at 20 ms),
-# since the two turns a ratio pairs lie further apart. So one replay it stays; what balances the predecessors
-# is whole Williams cycles (whole_cycles), and each record carries the effect (predecessor_effect).
+# ... and at least SETTLE_US of them. The large shapes run at the H100's 700 W power limit, so a turn's clock depends
+# on how much power the contender before it drew: with one ~2 ms settling replay (2026-11-23, the closing jobs of the
+# gpt2, llama-4k and long-8k searches; docs/experiments/CHANGELOG.md: *-h100-persistent) a turn that followed the
+# EFFICIENT backend (slow, low power) ran 4-7% faster than its contender's median. Settling longer does not remove
+# that and costs pairing: with 20 and 50 ms of a contender's own launches before its timed replays
+# (tools/settle_probe.py, docs/data/settle/), every contender ran slower (the power state settled lower), the effect
+# after EFFICIENT still read 2-8%, the CUDNN/ours median moved within the run-to-run noise (llama-4k 0.97/0.97 at one
+# replay, 0.97/0.93 at 20 ms, 0.95/0.95 at 50 ms) and the per-round spread widened (gpt2: 0.93-0.95 at one replay,
+# 0.87-0.99 at 20 ms), since the two turns a ratio pairs lie further apart. So one replay it stays; what balances the
+# predecessors is whole Williams cycles (whole_cycles), and each record carries the effect (predecessor_effect).
 SETTLE_US = 0.0
 
 

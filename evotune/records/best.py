@@ -2,8 +2,9 @@
 
 A search times each candidate once, alone, one after another. On the H100 two such timings of one config
 differ by 3-6% (the clocks and power state left by whatever ran before), so among candidates that close,
-the fastest recorded time names a winner by chance as often as by merit: runs/llama-4k-h100-persistent
-recorded a one-tile config fastest that a same-process probe then measured slower than a persistent one.
+the fastest recorded time names a winner by chance as often as by merit: a llama-4k search recorded a one-tile
+config fastest that a same-process probe then measured slower than a persistent one
+(docs/experiments/CHANGELOG.md: llama-4k-h100-persistent).
 
 So a search ends by re-timing its finalists (`finalists`: up to FINALISTS distinct trials whose recorded
 time is within FINALIST_WITHIN of the fastest) interleaved in one GPU process, beside the SDPA backends

@@ -84,10 +84,10 @@ class SteeredNSGAIISampler(optuna.samplers.NSGAIISampler):
     else a copy of one) with each knob redrawn with probability mutation_prob: Optuna's operators.
     Optuna's NSGA-II breeds blind to the constraints and reads only COMPLETE trials, so it never learns
     them: on attention-small 5-44% of its proposals per generation violated a constraint, and once
-    its population converges most children repeat a parent (2216 of 2906 proposals in
-    runs/mission-h100-nsga2-300). Here a child that violates a constraint or repeats a taken config is
-    bred again (up to `tries` times); if none comes out, a random admissible untaken configuration joins
-    instead (an immigrant, which also keeps a converged population exploring). Until a population has
+    its population converges most children repeat a parent: 2216 of 2906 proposals in an H100 search
+    (docs/experiments/CHANGELOG.md: mission-h100-nsga2-300). Here a child that violates a constraint or
+    repeats a taken config is bred again (up to `tries` times); if none comes out, a random admissible
+    untaken configuration joins instead (an immigrant, which also keeps a converged population exploring). Until a population has
     completed, children are random admissible configs. Only when all that fails is the last child
     proposed as it is (the loop records it as a constraint prune or a duplicate).
     """
@@ -102,7 +102,8 @@ class SteeredNSGAIISampler(optuna.samplers.NSGAIISampler):
         super().__init__(**kwargs)
         # Random draws (the first population, immigrants) pick the variant knob's value first, then
         # the rest until admitted: drawn blind, attention's wgmma variant (1 admitted config in ~576
-        # draws of the other knobs) never came up in 64 trials of runs/gpt2-h100-fullspace.
+        # draws of the other knobs) never came up in 64 trials on gpt2
+        # (docs/experiments/CHANGELOG.md: gpt2-h100-fullspace).
         # variant_tries: on d128 (llama 1,4,2048,128) 1 wgmma draw in ~10,100 is admitted since the kv_load knob
         # (which wgmma pins), so 4096 tries found one a third of the time; 32768 find one in 96% of draws.
         # admitted_by_variant (variant value -> its admitted configs' params, where the loop enumerated them): the
