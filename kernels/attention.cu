@@ -51,14 +51,13 @@ static_assert(sizeof(CUtensorMap) == 128 && alignof(CUtensorMap) >= 64, "CUtenso
 namespace evotune {
 
 #include "device_common.cuh"
-//[exp2_fma] // exp2_fma: before the softmax that calls it
-//[exp2_fma] #include "attention_exp2_fma.cuh"
+#include "attention_exp2_fma.cuh"
 
 enum SmemLayout { kPlain = 0, kPadded = 1, kSwizzled = 2 };
 
 template <int BLOCK_M_, int BLOCK_N_, int COMPUTE_WARPS_, int PRODUCER_WARPS_, int STAGES_,
-          int SMEM_LAYOUT_, bool Q_IN_REGS_, int KV_SPLITS_, int WARP_KEY_GROUPS_, int HEAD_DIM_, bool IS_BF16_,
-          bool IS_CAUSAL_>
+          int SMEM_LAYOUT_, bool Q_IN_REGS_, int KV_SPLITS_, int WARP_KEY_GROUPS_, int EXP2_FMA_, int HEAD_DIM_,
+          bool IS_BF16_, bool IS_CAUSAL_>
 struct AttnTraits {
     static constexpr int kBlockM = BLOCK_M_;
     static constexpr int kBlockN = BLOCK_N_;
@@ -69,6 +68,7 @@ struct AttnTraits {
     static constexpr bool kQInRegs = Q_IN_REGS_;
     static constexpr int kKVSplits = KV_SPLITS_;
     static constexpr int kKeyGroups = WARP_KEY_GROUPS_;
+    static constexpr int kExp2FmaEighths = EXP2_FMA_;  // exp2_fma: eighths of each row's exp2 on the FMA pipe
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -378,12 +378,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[T::kMFrags][T::kNFrags
             float row_sum = 0.f;
 #pragma unroll
             for (int nf = 0; nf < T::kNFrags; ++nf) {
-                //[exp2_fma] #if 0
-                const float p0 = fast_exp2(fmaf(s[mf][nf][2 * r], scale_log2, -m_scaled));
-                const float p1 = fast_exp2(fmaf(s[mf][nf][2 * r + 1], scale_log2, -m_scaled));
-                //[exp2_fma] #endif
-                //[exp2_fma] const float p0 = exp2_mixed<T>(2 * nf, fmaf(s[mf][nf][2 * r], scale_log2, -m_scaled));  // exp2_fma
-                //[exp2_fma] const float p1 = exp2_mixed<T>(2 * nf + 1, fmaf(s[mf][nf][2 * r + 1], scale_log2, -m_scaled));
+                const float p0 = exp2_mixed<T>(2 * nf, fmaf(s[mf][nf][2 * r], scale_log2, -m_scaled));
+                const float p1 = exp2_mixed<T>(2 * nf + 1, fmaf(s[mf][nf][2 * r + 1], scale_log2, -m_scaled));
                 row_sum += p0 + p1;
                 if constexpr (T::kPackEarly) {
                     // Row r of 8-key block nf: A-operand register r of k-step nf/2, +2 for the odd block.

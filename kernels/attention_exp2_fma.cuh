@@ -1,9 +1,8 @@
 // exp2_fma (evotune/problems/attention.py): a share of the softmax's exp2 computed by a polynomial on the FMA and
-// integer pipes instead of the MUFU's ex2.approx. Included (and its code compiled) only by those configs, through
-// `//[exp2_fma]` lines of attention.cu and attention_hopper.cuh, which stand in for the score loops' fast_exp2 calls;
-// every other config's source is what it was before the knob. The traits carry the share: kExp2FmaEighths of every
-// eight scores of a row (a thread's k-th score of a row goes to the FMA pipe iff (k * share) mod 8 < share, which
-// spreads them evenly through the loop).
+// integer pipes instead of the MUFU's ex2.approx: both kernels' score loops call exp2_mixed. The traits carry the
+// share (template parameter EXP2_FMA): kExp2FmaEighths of every eight scores of a row, 0 for none (exp2_mixed is then
+// fast_exp2). A thread's k-th score of a row goes to the FMA pipe iff (k * share) mod 8 < share, which spreads them
+// evenly through the loop.
 //
 // Why: the MUFU does 4 ex2 per cycle per SM sub-partition, so one warp's 32 scores per thread per 64-key step take
 // 256 cycles of it; the mission's mma.sync tiles run one warp per sub-partition. The polynomial below issues 9
@@ -26,7 +25,7 @@
 template <class T>
 struct Exp2Fma {
     static constexpr int kEighths = T::kExp2FmaEighths;
-    static_assert(kEighths >= 1 && kEighths <= 8, "exp2_fma: 1..8 eighths of the scores on the FMA pipe");
+    static_assert(kEighths >= 0 && kEighths <= 8, "exp2_fma: 0..8 eighths of the scores on the FMA pipe");
     // Whether a thread's k-th score of a row (k from 0 in the loop's order) takes the polynomial.
     __host__ __device__ static constexpr bool on_fma(int k) { return (k * kEighths) % 8 < kEighths; }
 };
@@ -47,5 +46,9 @@ __device__ __forceinline__ float exp2_poly(float x) {
 // 2^x for a thread's k-th score of a row: the polynomial for the configured share, ex2.approx for the rest.
 template <class T>
 __device__ __forceinline__ float exp2_mixed(int k, float x) {
-    return Exp2Fma<T>::on_fma(k) ? exp2_poly(x) : fast_exp2(x);
+    if constexpr (T::kExp2FmaEighths == 0) {
+        return fast_exp2(x);
+    } else {
+        return Exp2Fma<T>::on_fma(k) ? exp2_poly(x) : fast_exp2(x);
+    }
 }

@@ -36,7 +36,7 @@
 namespace hopper {
 
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
-          bool PERSISTENT_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool PERSISTENT_, int EXP2_FMA_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -45,6 +45,7 @@ struct HopperTraits {
     static constexpr bool kQInRegs = Q_IN_REGS_;
     static constexpr bool kPingPong = PINGPONG_;
     static constexpr bool kPersistent = PERSISTENT_;
+    static constexpr int kExp2FmaEighths = EXP2_FMA_;  // exp2_fma: eighths of each row's exp2 on the FMA pipe
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -320,12 +321,8 @@ __device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < T::kBlockN / 8; ++j) {
-            //[exp2_fma] #if 0
-            s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], scale_log2, -shift));
-            s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], scale_log2, -shift));
-            //[exp2_fma] #endif
-            //[exp2_fma] s[4 * j + 2 * r] = exp2_mixed<T>(2 * j, fmaf(s[4 * j + 2 * r], scale_log2, -shift));  // exp2_fma
-            //[exp2_fma] s[4 * j + 2 * r + 1] = exp2_mixed<T>(2 * j + 1, fmaf(s[4 * j + 2 * r + 1], scale_log2, -shift));
+            s[4 * j + 2 * r] = exp2_mixed<T>(2 * j, fmaf(s[4 * j + 2 * r], scale_log2, -shift));
+            s[4 * j + 2 * r + 1] = exp2_mixed<T>(2 * j + 1, fmaf(s[4 * j + 2 * r + 1], scale_log2, -shift));
             sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
         }
         l[r] = l[r] * alpha[r] + sum;

