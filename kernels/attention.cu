@@ -56,8 +56,8 @@ namespace evotune {
 enum SmemLayout { kPlain = 0, kPadded = 1, kSwizzled = 2 };
 
 template <int BLOCK_M_, int BLOCK_N_, int COMPUTE_WARPS_, int PRODUCER_WARPS_, int STAGES_,
-          int SMEM_LAYOUT_, bool Q_IN_REGS_, int KV_SPLITS_, int WARP_KEY_GROUPS_, int EXP2_FMA_, int HEAD_DIM_,
-          bool IS_BF16_, bool IS_CAUSAL_>
+          int SMEM_LAYOUT_, bool Q_IN_REGS_, int KV_SPLITS_, int WARP_KEY_GROUPS_, bool PDL_, int EXP2_FMA_,
+          int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct AttnTraits {
     static constexpr int kBlockM = BLOCK_M_;
     static constexpr int kBlockN = BLOCK_N_;
@@ -68,6 +68,7 @@ struct AttnTraits {
     static constexpr bool kQInRegs = Q_IN_REGS_;
     static constexpr int kKVSplits = KV_SPLITS_;
     static constexpr int kKeyGroups = WARP_KEY_GROUPS_;
+    static constexpr bool kPdl = PDL_;  // pdl: griddepcontrol.wait before the first global access (docs/PDL.md)
     static constexpr int kExp2FmaEighths = EXP2_FMA_;  // exp2_fma: eighths of each row's exp2 on the FMA pipe
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
@@ -734,12 +735,14 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     //[tma_multicast] #endif
     //[tma_split] tma_split_init<T>(tma_bars, q_map, k_map, v_map);  // kv_load = tma_split: K's and V's barriers
     //[tma_multicast] tma_mc_init<T>(tma_bars, q_map, k_map, v_map);  // kv_cluster (attention_tma_multicast.cuh): + a cluster barrier
-    //[pdl] // Everything above is index arithmetic. Every global access of this CTA follows, in every thread: the
-    //[pdl] // cp.async loads of Q, K and V, the stores of O (and the log-sum-exp), the split-KV workspace and its
-    //[pdl] // arrival counter. So each one sees the previous grid's writes complete and cannot overwrite what that
-    //[pdl] // grid still reads. Then the next PDL-launched grid may begin launching while this one runs.
-    //[pdl] pdl_wait();
-    //[pdl] pdl_launch_dependents();
+    // Everything above is index arithmetic. Every global access of this CTA follows, in every thread: the
+    // cp.async loads of Q, K and V, the stores of O (and the log-sum-exp), the split-KV workspace and its
+    // arrival counter. So each one sees the previous grid's writes complete and cannot overwrite what that
+    // grid still reads. Then the next PDL-launched grid may begin launching while this one runs.
+    if constexpr (T::kPdl) {
+        pdl_wait();
+        pdl_launch_dependents();
+    }
     //[trace] const TraceWarp tracer(trace_entry_gt, trace_entry_clk, n_tiles);  // stamps entry and start; exit when it ends
 
     if constexpr (T::kHasProducers) {

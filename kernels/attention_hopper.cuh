@@ -36,7 +36,7 @@
 namespace hopper {
 
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
-          bool PERSISTENT_, int EXP2_FMA_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool PERSISTENT_, bool PDL_, int EXP2_FMA_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -45,6 +45,7 @@ struct HopperTraits {
     static constexpr bool kQInRegs = Q_IN_REGS_;
     static constexpr bool kPingPong = PINGPONG_;
     static constexpr bool kPersistent = PERSISTENT_;
+    static constexpr bool kPdl = PDL_;  // pdl: griddepcontrol.wait before the first global access (docs/PDL.md)
     static constexpr int kExp2FmaEighths = EXP2_FMA_;  // exp2_fma: eighths of each row's exp2 on the FMA pipe
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
@@ -655,13 +656,15 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         //[tma_store] tma_prefetch_map(o_map);
     }
     __syncthreads();
-    //[pdl] // Above: shared-memory carve-up, index arithmetic, mbarrier init and the prefetch of the tensor maps (kernel
-    //[pdl] // parameters, not memory another grid writes). Every global access of this CTA follows, in every thread:
-    //[pdl] // the TMA loads of Q, K and V, the stores of O (and the log-sum-exp), the persistent causal grid's tile
-    //[pdl] // counters. So each one sees the previous grid's writes complete and cannot overwrite what that grid
-    //[pdl] // still reads. Then the next PDL-launched grid may begin launching while this one runs.
-    //[pdl] pdl_wait();
-    //[pdl] pdl_launch_dependents();
+    // Above: shared-memory carve-up, index arithmetic, mbarrier init and the prefetch of the tensor maps (kernel
+    // parameters, not memory another grid writes). Every global access of this CTA follows, in every thread:
+    // the TMA loads of Q, K and V, the stores of O (and the log-sum-exp), the persistent causal grid's tile
+    // counters. So each one sees the previous grid's writes complete and cannot overwrite what that grid
+    // still reads. Then the next PDL-launched grid may begin launching while this one runs.
+    if constexpr (T::kPdl) {
+        pdl_wait();
+        pdl_launch_dependents();
+    }
 
     // One query tile of the consumer warpgroups: `it0` K/V tiles went through the slots before it (the
     // slot of its K/V tile t is (it0 + t) % STAGES), and its Q arrives in phase `q_phase` of q_full.

@@ -1,5 +1,5 @@
 """Tests for the attention family's pdl knob (programmatic dependent launch, docs/PDL.md): on the CPU, the flagged
-template lines, the unchanged pdl-false sources, the griddepcontrol instructions in the SASS and their place, the
+template lines (instrumentation only), pdl as a traits parameter, the griddepcontrol instructions in the SASS and their place, the
 launch plan's flag on both launch paths, and the spaces; on the GPU (marked `gpu`), the gate on several shapes and
 the hazard a misplaced griddepcontrol.wait would let through."""
 
@@ -26,17 +26,6 @@ _W = dict(mma="wgmma", block_m=128, block_n=128, compute_warps=8, producer_warps
 WGMMA_PERSISTENT = dict(_W, persistent=True)
 WGMMA_NO_PRODUCER = dict(_W, block_m=64, compute_warps=4, producer_warps=0)
 
-# Digests of these configs' sources before the pdl knob existed (the kernels of commit 0223eb1). Every committed
-# run's recorded source_digest predates later kernel edits, so none of them can stand in: these are what a
-# pdl-false config, with the key or without it (every recorded run's), must still instantiate to.
-BEFORE_PDL = [
-    ("mission", MISSION, {}, "2e8763031052c6bc"),
-    ("mission", MISSION, {"write_lse": True}, "a46142fc70d3f285"),
-    ("2,16,1024,64:causal", WGMMA_PERSISTENT, {}, "aaa2c2edee30d060"),
-    ("16,12,1024,64:bf16:causal:bshd", PRODUCERS, {}, "6f03e47341037b67"),
-]
-
-
 def test_flagged_lines_are_kept_or_dropped_whole():
     """`//[flag] code` keeps `code` at its indentation where the flag is on and drops the whole line otherwise."""
     text = "a\n    //[pdl] x();\n//[pdl]\n    //[other] y();\nb\n"
@@ -56,10 +45,9 @@ def test_a_line_with_two_flags_is_code_only_where_both_are_on():
 
 
 def test_the_kernels_flag_known_knobs_only():
-    """The attention template's flagged lines name pdl, tma_store (the Hopper kernel's TMA-store epilogue),
+    """The attention template's flagged lines name tma_store (the Hopper kernel's TMA-store epilogue),
     split_merge (the key groups' split merge), tma_load (the mma.sync kernel's TMA loads), tma_multicast (their
-    multicast across a cluster), tma_split (their K and V on barriers of their own), exp2_fma (a share of the softmax's
-    exp2 by a polynomial on the FMA pipe), lazy_rescale (the Hopper kernel's conditional rescaling of O, knob rescale),
+    multicast across a cluster), tma_split (their K and V on barriers of their own), lazy_rescale (the Hopper kernel's conditional rescaling of O, knob rescale),
     softmax_overlap (its consumer loop rotated), lean_addressing (its descriptors advanced by one add), p_smem (P V's P
     from shared memory, knob p_operand), skip_empty (empty warpgroups skipped, knob empty_warpgroups), wg4 (the
     four-warpgroup tile's register split, block_m 256), causal_wg (each consumer warpgroup stopping at its own causal
@@ -70,23 +58,24 @@ def test_the_kernels_flag_known_knobs_only():
     `tools/time_configs.py --with-flag` measures) and nothing else (a misspelt flag would drop its lines); the last four
     are never a searched config's."""
     _, template = read_template("attention.cu")
-    assert template_flag_names(template) == {"pdl", "tma_store", "split_merge", "tma_load", "tma_multicast", "tma_split", "trace",
-                                                 "trace_split", "trace_tma", "no_wg_overlap", "exp2_fma", "lazy_rescale",
+    assert template_flag_names(template) == {"tma_store", "split_merge", "tma_load", "tma_multicast", "tma_split", "trace",
+                                                 "trace_split", "trace_tma", "no_wg_overlap", "lazy_rescale",
                                                  "softmax_overlap", "lean_addressing", "p_smem", "skip_empty", "wg4",
                                                  "causal_wg", "stripe_mirror", "deep_ring"}
 
 
-@pytest.mark.parametrize("shape_text, cfg, options, digest", BEFORE_PDL, ids=["mission", "mission-lse", "persistent",
-                                                                              "producers-splitkv"])
-def test_pdl_false_source_is_the_source_before_the_knob(attention, shape_text, cfg, options, digest):
-    """A config without pdl, or with pdl false, instantiates to the source it had before the knob (same digest, so
-    the tuning table's entries and the cubin cache stay valid); pdl true to another."""
+@pytest.mark.parametrize("shape_text, cfg", [("mission", MISSION), ("2,16,1024,64:causal", WGMMA_PERSISTENT),
+                                             ("16,12,1024,64:bf16:causal:bshd", PRODUCERS)],
+                         ids=["mission", "persistent", "producers-splitkv"])
+def test_pdl_is_a_traits_parameter(attention, shape_text, cfg):
+    """pdl is the traits' template parameter PDL (kPdl, read by an `if constexpr` before the first global access): a
+    config without the key and one with pdl false are one source, pdl true another, named in the banner."""
     shape = parse_shape(shape_text)
-    sources = [instantiate(attention, Config.from_dict({**cfg, **extra}), shape, **options)
+    sources = [instantiate(attention, Config.from_dict({**cfg, **extra}), shape)
                for extra in ({}, {"pdl": False}, {"pdl": True})]
-    assert [s.digest for s in sources[:2]] == [digest, digest]
-    assert "griddepcontrol" not in sources[0].code and "//[pdl]" not in sources[0].code
-    assert sources[2].digest != digest and "griddepcontrol.wait" in sources[2].code
+    assert sources[0].digest == sources[1].digest != sources[2].digest
+    assert "/* PDL = */ false," in sources[0].code and "/* PDL = */ true," in sources[2].code
+    assert "if constexpr (T::kPdl)" in sources[2].code and not re.search(r"^\s*//\[pdl\]", sources[2].code, re.M)
     assert "pdl=True" in sources[2].code.split("// ---- evotune instantiation:")[1].splitlines()[0]
 
 

@@ -406,8 +406,7 @@ class AttentionProblem(Problem):
         return KNOB_DOMAINS
 
     def template_flags(self, config) -> frozenset[str]:
-        """pdl: the kernels' `//[pdl]` lines (griddepcontrol.wait before the first global access, then
-        launch_dependents); tma_store: the Hopper kernel's `//[tma_store]` lines (its TMA-store epilogue);
+        """tma_store: the Hopper kernel's `//[tma_store]` lines (its TMA-store epilogue);
         split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
         lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
         tma_split: its `//[tma_split]` lines (kv_load = tma_split); lazy_rescale: the Hopper kernel's `//[lazy_rescale]` lines
@@ -421,7 +420,7 @@ class AttentionProblem(Problem):
         `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers);
         deep_ring: its `//[deep_ring]` lines (stages 5 to 8: room for their barriers). No such knob
         is a template argument, so that a config without them keeps its source."""
-        return frozenset(name for name, on in (("pdl", is_pdl(config)), ("tma_store", is_tma_store(config)),
+        return frozenset(name for name, on in (("tma_store", is_tma_store(config)),
                                                ("split_merge", is_split_merge(config)),
                                                ("tma_load", is_tma_load(config)),
                                                ("tma_multicast", is_tma_multicast(config)),
@@ -453,6 +452,7 @@ class AttentionProblem(Problem):
                 ("Q_IN_REGS", "true" if knob(config, "q_in_regs") else "false"),
                 ("PINGPONG", "true" if knob(config, "pingpong") else "false"),
                 ("PERSISTENT", "true" if knob(config, "persistent") else "false"),
+                ("PDL", "true" if is_pdl(config) else "false"),
                 ("EXP2_FMA", exp2_fma_eighths(config)),
             ] + problem_args
         return [
@@ -465,6 +465,7 @@ class AttentionProblem(Problem):
             ("Q_IN_REGS", "true" if knob(config, "q_in_regs") else "false"),
             ("KV_SPLITS", int(knob(config, "kv_splits"))),
             ("WARP_KEY_GROUPS", int(knob(config, "warp_key_groups"))),
+            ("PDL", "true" if is_pdl(config) else "false"),
             ("EXP2_FMA", exp2_fma_eighths(config)),
         ] + problem_args
 
