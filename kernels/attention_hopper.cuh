@@ -36,7 +36,7 @@
 namespace hopper {
 
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
-          bool PERSISTENT_, bool PDL_, int EXP2_FMA_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -46,6 +46,7 @@ struct HopperTraits {
     static constexpr bool kPingPong = PINGPONG_;
     static constexpr bool kPersistent = PERSISTENT_;
     static constexpr bool kPdl = PDL_;  // pdl: griddepcontrol.wait before the first global access (docs/PDL.md)
+    static constexpr bool kTmaStore = TMA_STORE_;  // epilogue = tma: O staged in shared memory, stored by TMA
     static constexpr int kExp2FmaEighths = EXP2_FMA_;  // exp2_fma: eighths of each row's exp2 on the FMA pipe
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
@@ -583,8 +584,7 @@ __device__ __forceinline__ int kv_tile_count(int q_row0, int seq_k) {
     return (kv_end + T::kBlockN - 1) / T::kBlockN;
 }
 // ---- end of the persistent tile order
-//[tma_store] #include "hopper_tma_store.cuh"
-//[wg4] //[tma_store] static_assert(kOStageBarrier + 4 <= 16, "four consumer warpgroups' staging barriers must fit the CTA's 16");
+#include "hopper_tma_store.cuh"
 
 // q_map, k_map, v_map: the CUtensorMaps of Q, K and V, each over the 4-D view (head_dim, seq, head,
 // batch) with boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows. They point at the entry
@@ -609,7 +609,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                                                     long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k,
                                                     float scale_log2, unsigned kv_magic, int n_heads, int n_batch,
                                                     unsigned* __restrict__ tile_counter,
-                                                    //[tma_store] const CUtensorMap* o_map,
+                                                    const CUtensorMap* o_map,  // epilogue = tma only (else null)
                                                     float* __restrict__ lse = nullptr, long long lse_sb = 0,
                                                     long long lse_sh = 0) {
     // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
@@ -653,7 +653,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         tma_prefetch_map(q_map);
         tma_prefetch_map(k_map);
         tma_prefetch_map(v_map);
-        //[tma_store] tma_prefetch_map(o_map);
+        if constexpr (T::kTmaStore) tma_prefetch_map(o_map);
     }
     __syncthreads();
     // Above: shared-memory carve-up, index arithmetic, mbarrier init and the prefetch of the tensor maps (kernel
@@ -882,13 +882,14 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         //[causal_wg]     if (lane == 0 && n_tiles - 1 + T::kStages < cta_tiles) mbar_arrive(smem_addr(&bars.v_empty[last]));
         //[causal_wg] }
 
-        //[tma_store] // epilogue = tma (kernels/hopper_tma_store.cuh): O goes out through shared memory and TMA instead.
-        //[tma_store] #if 0
-        unsigned short* gO = o + batch * o_sb + head * o_sh;
-        store_out<T>(o_acc, l_run, gO, o_ss, q_row, seq_q, lane);
-        //[tma_store] #endif
-        //[tma_store] store_out_tma<T>(o_acc, l_run, o_map, o_stage_addr<T>(sQ, sV, wg), wg, q_row0 + 64 * wg, head, batch,
-        //[tma_store]                  warp_in_wg, lane);
+        if constexpr (T::kTmaStore) {
+            // epilogue = tma (kernels/hopper_tma_store.cuh): O goes out through shared memory and TMA instead.
+            store_out_tma<T>(o_acc, l_run, o_map, o_stage_addr<T>(sQ, sV, wg), wg, q_row0 + 64 * wg, head, batch,
+                             warp_in_wg, lane);
+        } else {
+            unsigned short* gO = o + batch * o_sb + head * o_sh;
+            store_out<T>(o_acc, l_run, gO, o_ss, q_row, seq_q, lane);
+        }
         if constexpr (WRITE_LSE)
             store_row_lse<T>(m_run, l_run, lse + batch * lse_sb + head * lse_sh, q_row, seq_q, scale_log2, lane);
         //[causal_wg] // Its output is out; now the K/V tiles past its diagonal (their releases only).
@@ -1049,8 +1050,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             //[stripe_mirror] consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, it, qi);
             it += n_tiles;
         }
-        //[tma_store] // The last tile's O store must have read the staging rows before the CTA may leave.
-        //[tma_store] if (tid % 128 == 0) bulk_wait_read<0>();
+        // The last tile's O store must have read the staging rows before the CTA may leave.
+        if constexpr (T::kTmaStore) {
+            if (tid % 128 == 0) bulk_wait_read<0>();
+        }
     }
 }
 

@@ -1,8 +1,7 @@
 // evotune: the Hopper variant's TMA-store epilogue (knob epilogue = tma, search_spaces/attention.yaml).
 //
-// Inlined only into configs with the knob: attention_hopper.cuh includes this file from a `//[tma_store]` line
-// (evotune/build/template.py), so every other config's source is what it was before the knob. Nothing in this
-// file may be a flagged line itself (it is inlined after the flags are selected).
+// The Hopper traits' kTmaStore (template parameter TMA_STORE) selects it: attention_fwd_wgmma calls store_out_tma under
+// `if constexpr (T::kTmaStore)`, store_out otherwise.
 //
 // With epilogue = regs each consumer thread writes its O fragments to global memory itself: per row of the tile,
 // HEAD_DIM / 8 four-byte stores, 16 bytes of a row per quad of lanes, and the warpgroup's last instructions before
@@ -20,10 +19,9 @@
 //     traits add it to kSmemBytes), since the producer loads the next tile's Q into Q's buffer under this epilogue.
 //     Before the warpgroup writes it again, the previous tile's store must have read it (cp.async.bulk.wait_group.read).
 
-// One named barrier per consumer warpgroup for the staging: ids from NamedBarrier::kEnd on (the enum stays as it
-// was, so that configs without this epilogue keep their source).
+// One named barrier per consumer warpgroup for the staging: ids from NamedBarrier::kEnd on.
 constexpr int kOStageBarrier = static_cast<int>(NamedBarrier::kEnd);
-static_assert(kOStageBarrier + 3 <= 16, "three consumer warpgroups' staging barriers must fit the CTA's 16");
+static_assert(kOStageBarrier + 4 <= 16, "four consumer warpgroups' staging barriers must fit the CTA's 16");
 
 __device__ __forceinline__ void o_stage_sync(int wg) {
     asm volatile("bar.sync %0, 128;\n" ::"r"(kOStageBarrier + wg) : "memory");

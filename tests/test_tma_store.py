@@ -1,7 +1,7 @@
 """The Hopper variant's TMA-store epilogue (knob epilogue = tma, kernels/hopper_tma_store.cuh).
 
 CPU: the knob's sources, compiles for sm_90a (no spills, wgmma kept asynchronous, TMA stores in the SASS), shared
-memory, entry parameters and O's tensor map, and that configs without it keep their source. GPU (marked): every
+memory, entry parameters and O's tensor map, and the knob as a traits parameter. GPU (marked): every
 code path passes the gate and writes bit for bit the output of the same config with epilogue = regs, eager, through
 the op's prepared launch and with the log-sum-exp; the sanitizers find nothing."""
 
@@ -40,15 +40,16 @@ def _regs(cfg: dict) -> dict:
     return dict(cfg, epilogue="regs")
 
 
-def test_regs_configs_keep_their_source(attention, space):
-    """epilogue = regs is the source as it was before the knob (its lines are flagged; the banner leaves it out):
-    the same text as a config that does not name it, and none of the TMA-store code."""
+def test_epilogue_is_a_traits_parameter(attention, space):
+    """epilogue is the Hopper traits' template parameter TMA_STORE (kTmaStore, read by `if constexpr`): regs is the same
+    source as a config that does not name it, passes a null o_map and takes no o_map parameter."""
     shape = parse_shape("gpt2")
     for cfg in TMA_CONFIGS:
         stated = instantiate(attention, space.config(_regs(cfg)), shape)
         unnamed = {k: v for k, v in _regs(cfg).items() if k != "epilogue"}
         assert instantiate(attention, space.config(unnamed), shape).code == stated.code
-        assert "hopper_tma_store" not in stated.code and "o_map" not in stated.code
+        assert "/* TMA_STORE = */ false," in stated.code and "tile_counter, nullptr)" in stated.code
+        assert "CUtensorMap o_map" not in stated.code
         assert template_flag_names(stated.code) == set()
 
 
@@ -58,6 +59,7 @@ def test_tma_source_inlines_its_header(attention, space):
     src = instantiate(attention, space.config(TMA_CONFIGS[1]), parse_shape("gpt2"))
     assert "// ---- begin hopper_tma_store.cuh" in src.code and '#include "' not in src.code
     assert "const __grid_constant__ CUtensorMap o_map" in src.code and "tile_counter, &o_map)" in src.code
+    assert "/* TMA_STORE = */ true," in src.code
     assert template_flag_names(src.code) == set()
     assert "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group" in src.code
 

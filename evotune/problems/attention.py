@@ -406,8 +406,7 @@ class AttentionProblem(Problem):
         return KNOB_DOMAINS
 
     def template_flags(self, config) -> frozenset[str]:
-        """tma_store: the Hopper kernel's `//[tma_store]` lines (its TMA-store epilogue);
-        split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
+        """split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
         lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
         tma_split: its `//[tma_split]` lines (kv_load = tma_split); lazy_rescale: the Hopper kernel's `//[lazy_rescale]` lines
         (rescale new_max or lazy: conditional rescaling of O, the slack the traits' kRescaleSlackLog2); softmax_overlap:
@@ -420,8 +419,7 @@ class AttentionProblem(Problem):
         `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers);
         deep_ring: its `//[deep_ring]` lines (stages 5 to 8: room for their barriers). No such knob
         is a template argument, so that a config without them keeps its source."""
-        return frozenset(name for name, on in (("tma_store", is_tma_store(config)),
-                                               ("split_merge", is_split_merge(config)),
+        return frozenset(name for name, on in (("split_merge", is_split_merge(config)),
                                                ("tma_load", is_tma_load(config)),
                                                ("tma_multicast", is_tma_multicast(config)),
                                                ("tma_split", is_tma_split(config)),
@@ -453,6 +451,7 @@ class AttentionProblem(Problem):
                 ("PINGPONG", "true" if knob(config, "pingpong") else "false"),
                 ("PERSISTENT", "true" if knob(config, "persistent") else "false"),
                 ("PDL", "true" if is_pdl(config) else "false"),
+                ("TMA_STORE", "true" if is_tma_store(config) else "false"),
                 ("EXP2_FMA", exp2_fma_eighths(config)),
             ] + problem_args
         return [
@@ -486,7 +485,7 @@ class AttentionProblem(Problem):
             o_map_param, o_map_arg, o_map_note = (
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
                  "\n// o_map (epilogue = tma): O's CUtensorMap, boxes of 64 columns x 64 rows (one consumer warpgroup's).")
-                if tma else ("", "", ""))
+                if tma else ("", ", nullptr", ""))
             skip_note = ("\n// empty_warpgroups = skip: the non-causal PERSISTENT grid takes tile_counter too (its tiles are "
                          "handed out).") if is_skip_empty(config) and is_persistent(config) else ""
             return f"""{traits}
