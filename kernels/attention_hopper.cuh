@@ -72,16 +72,12 @@ struct HopperTraits {
     // 128): producer 32, consumers 160, 128*32 + 384*160 = 65536 (FlashAttention-3's split for
     // its 192-row d64 tiles). One consumer warpgroup already has 255.
     static constexpr bool kSetMaxNReg = kHasProducer && kConsumerWGs >= 2;
-    //[wg4] #if 0
+    // Four consumer warpgroups (block_m 256: 640 threads, launch bound 96 registers each: 65536 / 640 rounded down to
+    // the allocation's 8): producer 24, consumers 112, 128*24 + 512*112 = 60416 of the CTA's 61440. setmaxnreg.inc
+    // takes what the CTA's setmaxnreg.dec freed, never the SM's unallocated rest: a split above the launch's
+    // allocation (consumers 120: 64512) waits forever (it hung the H100).
     static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 24;
-    static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 240;
-    //[wg4] #endif
-    //[wg4] // Four consumer warpgroups (640 threads, launch bound 96 registers each: 65536 / 640 rounded down to the
-    //[wg4] // allocation's 8): producer 24, consumers 112, 128*24 + 512*112 = 60416 of the CTA's 61440. setmaxnreg.inc
-    //[wg4] // takes what the CTA's setmaxnreg.dec freed, never the SM's unallocated rest: a split above the launch's
-    //[wg4] // allocation (consumers 120: 64512) waits forever (it hung the H100).
-    //[wg4] static constexpr int kProducerRegs = 24;
-    //[wg4] static constexpr int kConsumerRegs = 112;
+    static constexpr int kConsumerRegs = kConsumerWGs == 4 ? 112 : kConsumerWGs == 3 ? 160 : 240;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
     //[p_smem] #if 0
@@ -90,20 +86,16 @@ struct HopperTraits {
     //[p_smem] #endif
     //[p_smem] static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 192,
     //[p_smem]               "p_operand = smem: P in whole 64-key regions of the 128-byte swizzle, up to FlashAttention-3's 192-key d64 tile");
-    //[wg4] #if 0
-    static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 3, "one to three consumer warpgroups (64 to 192 query rows)");
-    //[wg4] #endif
-    //[wg4] static_assert(kConsumerWGs == 4, "block_m 256: four consumer warpgroups (wgmma_block_m 256)");
+    static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 4, "one to four consumer warpgroups (64 to 256 query rows)");
     static_assert(kProducerWarps == 0 || kProducerWarps == 4, "the producer is a whole warpgroup (setmaxnreg is per warpgroup)");
     static_assert(!kPingPong || kConsumerWGs == 2, "ping-pong needs two consumer warpgroups");
     // Persistent: the producer warpgroup alone loads, so it can run a tile ahead; ping-pong's per-tile turn
     // protocol (warpgroup 1 owes no turn after its last K/V tile) is not carried across tiles.
     static_assert(!kPersistent || (kHasProducer && !kPingPong), "a persistent CTA needs a producer and no ping-pong");
     //[skip_empty] static_assert(!kPingPong, "empty_warpgroups = skip: an empty warpgroup does not take ping-pong's turns");
-    //[deep_ring] #if 0
-    static_assert(kStages >= 1 && kStages <= 4, "1 to 4 pipeline stages");
-    //[deep_ring] #endif
-    //[deep_ring] static_assert(kStages >= 5 && kStages <= 8, "stages 5 to 8: the deep ring's barriers");
+    static_assert(kStages >= 1 && kStages <= 8, "1 to 8 pipeline stages (5 to 8: the deep ring's barriers)");
+    // The K/V ring's barriers (Barriers): four slots, or eight for the deep ring (stages 5 to 8).
+    static constexpr int kBarrierSlots = kStages > 4 ? 8 : 4;
     static_assert(kHasProducer || kStages >= 2,
                   "without a producer the loader refills a slot mid-tile: one stage would wait on itself");
     static_assert(kKVBytes % 1024 == 0, "K/V tiles must keep the 1024-byte swizzle alignment");
@@ -412,19 +404,13 @@ __device__ __forceinline__ void store_row_lse(const float (&m)[2], const float (
 }
 
 // Shared-memory bookkeeping of one CTA.
+template <class T>
 struct Barriers {
     unsigned long long q_full;
-    //[deep_ring] #if 0
-    unsigned long long k_full[4];
-    unsigned long long v_full[4];
-    unsigned long long k_empty[4];  // every consumer warp is done reading K of the slot
-    unsigned long long v_empty[4];  // ... V of the slot
-    //[deep_ring] #endif
-    //[deep_ring] // stages 5 to 8 (the ring deeper than the four slots every other config's barriers have room for).
-    //[deep_ring] unsigned long long k_full[8];
-    //[deep_ring] unsigned long long v_full[8];
-    //[deep_ring] unsigned long long k_empty[8];  // every consumer warp is done reading K of the slot
-    //[deep_ring] unsigned long long v_empty[8];  // ... V of the slot
+    unsigned long long k_full[T::kBarrierSlots];
+    unsigned long long v_full[T::kBarrierSlots];
+    unsigned long long k_empty[T::kBarrierSlots];  // every consumer warp is done reading K of the slot
+    unsigned long long v_empty[T::kBarrierSlots];  // ... V of the slot
     unsigned long long q_empty;     // PERSISTENT: every consumer warp is done reading the Q tile
     //[stripe_mirror] // stripe_order = mirrored: Q's two buffers' full and empty barriers (q_full and q_empty stay unused).
     //[stripe_mirror] unsigned long long q_buf_full[2];
@@ -453,7 +439,7 @@ struct Barriers {
 
 // Issue the TMA loads of K (WHICH = 0) or V (1) tile `t` into slot `slot` (one thread).
 template <class T, int WHICH>
-__device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barriers* bars, int slot, int t, int head, int batch) {
+__device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barriers<T>* bars, int slot, int t, int head, int batch) {
     const u32 bar = smem_addr(WHICH == 0 ? &bars->k_full[slot] : &bars->v_full[slot]);
     mbar_expect_tx(bar, T::kKVBytes);
 #pragma unroll
@@ -467,7 +453,7 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barrier
 // loop (K after S, V after the next tile's S), so they are refilled separately: waiting
 // for both before loading K would deadlock a one-stage pipeline.
 template <class T>
-__device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorMap* v_map, u32 sK, u32 sV, Barriers* bars,
+__device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorMap* v_map, u32 sK, u32 sV, Barriers<T>* bars,
                                        int t, int head, int batch) {
     //[lean_addressing] #if 0
     const int slot = t % T::kStages;
@@ -490,7 +476,7 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
 //[skip_empty] // that load proves the slot's previous phase complete, so the arrival counts towards this tile's phase and never
 //[skip_empty] // the one before (a warpgroup that ran ahead would otherwise release a slot twice in one phase).
 //[skip_empty] template <class T>
-//[skip_empty] __device__ __forceinline__ void drain_tile(Barriers* bars, int n_tiles, int it0, int q_phase, int lane) {
+//[skip_empty] __device__ __forceinline__ void drain_tile(Barriers<T>* bars, int n_tiles, int it0, int q_phase, int lane) {
 //[skip_empty] //[stripe_mirror] #if 0
 //[skip_empty]     mbar_wait(smem_addr(&bars->q_full), q_phase);
 //[skip_empty]     if constexpr (T::kPersistent) {
@@ -523,7 +509,7 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
 //[causal_wg]     return (min(seq_k, row0_wg + 64) + T::kBlockN - 1) / T::kBlockN;
 //[causal_wg] }
 //[causal_wg] template <class T>
-//[causal_wg] __device__ __forceinline__ void pass_masked_tiles(Barriers* bars, int from, int cta_tiles, int it0, int lane) {
+//[causal_wg] __device__ __forceinline__ void pass_masked_tiles(Barriers<T>* bars, int from, int cta_tiles, int it0, int lane) {
 //[causal_wg]     const int released = T::kPersistent ? cta_tiles : cta_tiles - T::kStages;  // tiles whose slot is refilled
 //[causal_wg]     for (int t = from; t < released; ++t) {
 //[causal_wg]         const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence
@@ -615,7 +601,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
     // shared memory to 1024 bytes as well.
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    __shared__ Barriers bars;
+    __shared__ Barriers<T> bars;
     const u32 smem_base = (smem_addr(smem_raw) + 1023) & ~1023u;
     const u32 sQ = smem_base;
     const u32 sK = sQ + T::kQBytes;

@@ -1,4 +1,4 @@
-"""The Hopper kernel's deep K/V ring: stages 5 to 8 (kernels/attention_hopper.cuh's `//[deep_ring]` lines, listed by
+"""The Hopper kernel's deep K/V ring: stages 5 to 8 (the traits' kBarrierSlots, derived from STAGES, listed by
 search_spaces/attention-hopper3-mirror.yaml).
 
 Every config up to 4 stages has barriers for four slots; the deep ring's configs get eight. The slot of K/V tile t is
@@ -7,7 +7,7 @@ is bit for bit the 4-stage twin's. With stripe_order = mirrored the warpgroups o
 K/V tiles (one runs ahead into the next query tile while the longest finishes the last), and the ring bounds how far
 apart they may be.
 
-CPU: admitted only for the Hopper kernel (mma.sync's slots are named barriers, four at most); the flag's source;
+CPU: admitted only for the Hopper kernel (mma.sync's slots are named barriers, four at most); the traits' source;
 clean compiles within the shared-memory limit. GPU (marked): the gate passes and the output is bit for bit the
 4-stage twin's, on persistent causal shapes and on 5 SMs; memcheck and racecheck find nothing."""
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 from _variant_pairs import (assert_compiles_clean, assert_sanitizer_clean, assert_twin_where_admitted,
-                            hopper_config_id, skip_unless_admitted, without_if0)
+                            hopper_config_id, skip_unless_admitted)
 
 from evotune.build.template import instantiate
 from evotune.problems.shapes import parse_shape
@@ -60,15 +60,15 @@ def test_deep_ring_is_the_hopper_kernels(attention, tmp_path):
 
 
 def test_deep_ring_source(attention, mirror_space):
-    """The deep ring's barriers have eight slots and its traits accept 5 to 8 stages; a 4-stage config's source has
-    none of it, and no flag is left in either."""
+    """The deep ring is the traits' kBarrierSlots, derived from STAGES: eight barrier slots for 5 to 8 stages, four up
+    to 4; Barriers<T> sizes its arrays by it, and no flag is left."""
     shape = parse_shape("gpt2-causal")
     deep = instantiate(attention, mirror_space.config(DEEP_CONFIGS[0]), shape).code
     four = instantiate(attention, mirror_space.config(_four(DEEP_CONFIGS[0])), shape).code
-    live = without_if0(deep)
-    assert "unsigned long long k_full[8];" in live and "unsigned long long k_full[4];" not in live
-    assert 'static_assert(kStages >= 5 && kStages <= 8, "stages 5 to 8: the deep ring\'s barriers");' in live
-    assert "k_full[8]" not in four and "//[deep_ring]" not in deep and "//[deep_ring]" not in four
+    assert "static constexpr int kBarrierSlots = kStages > 4 ? 8 : 4;" in deep
+    assert "unsigned long long k_full[T::kBarrierSlots];" in deep
+    assert "/* STAGES = */ 6," in deep and "/* STAGES = */ 4," in four
+    assert "//[deep_ring]" not in deep and "//[deep_ring]" not in four
 
 
 @pytest.mark.parametrize("cfg", DEEP_CONFIGS, ids=hopper_config_id)

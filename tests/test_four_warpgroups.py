@@ -20,7 +20,7 @@ import re
 import pytest
 from _variant_pairs import (HOPPER_SHAPES, assert_compiles_clean, assert_lse_twin, assert_same_sources,
                             assert_sanitizer_clean, assert_twin_where_admitted, hopper_config_id, serialised_notes,
-                            skip_unless_admitted, without_if0)
+                            skip_unless_admitted)
 
 from evotune.build.compile import Resources, static_violations
 from evotune.build.template import instantiate
@@ -79,28 +79,31 @@ def test_admission(attention, space, wg4_space):
     assert not space.violations(space.config(WG4_CONFIGS[0]), ctx)
 
 
+def _ternary(text: str, wgs: int) -> int:
+    """A traits expression `kConsumerWGs == n ? a : (...)`, down to a plain number, evaluated at `wgs`."""
+    while not text.isdigit():
+        n, a, rest = re.fullmatch(r"kConsumerWGs == (\d+) \? (\d+) : (.+)", text).groups()
+        text = a if int(n) == wgs else rest
+    return int(text)
+
+
 def _live_split(code: str) -> tuple[int, int]:
     """The (producer, consumer) setmaxnreg registers a HopperTraits instantiation declares, for its consumer count."""
-    live = without_if0(code)
-    wgs = int(re.search(r"/\* CONSUMER_WGS = \*/ (\d+)", live).group(1))
-    producer = re.search(r"static constexpr int kProducerRegs = (.+);", live).group(1)
-    consumer = re.search(r"static constexpr int kConsumerRegs = (.+);", live).group(1)
-    # The 2- and 3-warpgroup lines are `kConsumerWGs == 3 ? a : b`; the 4-warpgroup ones plain numbers.
-    pick = (lambda text: int(text) if text.isdigit() else
-            int(re.fullmatch(r"kConsumerWGs == 3 \? (\d+) : (\d+)", text).group(1 if wgs == 3 else 2)))
-    return pick(producer), pick(consumer)
+    wgs = int(re.search(r"/\* CONSUMER_WGS = \*/ (\d+)", code).group(1))
+    producer = re.search(r"static constexpr int kProducerRegs = (.+);", code).group(1)
+    consumer = re.search(r"static constexpr int kConsumerRegs = (.+);", code).group(1)
+    return _ternary(producer, wgs), _ternary(consumer, wgs)
 
 
 @pytest.mark.parametrize("wgs", [2, 3, 4])
 def test_the_register_split_is_the_kernels(attention, space, wgs):
-    """Python's SETMAXNREG_SPLIT (the static gate's figure) is what the traits declare for two, three and four consumer
-    warpgroups; the `//[wg4]` lines replace the split only at four, and leave no marker."""
+    """Python's SETMAXNREG_SPLIT (the static gate's figure) is what the traits derive for two, three and four consumer
+    warpgroups (one expression of CONSUMER_WGS, no flagged line)."""
     cfg = space.config(dict(WG4_CONFIGS[0], block_m=64 * wgs, compute_warps=4 * wgs))
     code = instantiate(attention, cfg, parse_shape("gpt2")).code
     assert _live_split(code) == SETMAXNREG_SPLIT[wgs]
     assert setmaxnreg_registers(cfg) == 128 * SETMAXNREG_SPLIT[wgs][0] + 128 * wgs * SETMAXNREG_SPLIT[wgs][1]
-    assert ("static constexpr int kConsumerRegs = 112;" in without_if0(code)) == (wgs == 4)
-    assert "//[wg4]" not in code
+    assert "//[wg4]" not in code and "#if 0" not in code.split("struct HopperTraits")[1].split("};")[0]
 
 
 def test_no_split_without_a_producer(attention, space):

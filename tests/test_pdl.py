@@ -59,8 +59,8 @@ def test_the_kernels_flag_known_knobs_only():
     _, template = read_template("attention.cu")
     assert template_flag_names(template) == {"split_merge", "tma_load", "tma_multicast", "tma_split", "trace",
                                                  "trace_split", "trace_tma", "no_wg_overlap", "lazy_rescale",
-                                                 "softmax_overlap", "lean_addressing", "p_smem", "skip_empty", "wg4",
-                                                 "causal_wg", "stripe_mirror", "deep_ring"}
+                                                 "softmax_overlap", "lean_addressing", "p_smem", "skip_empty",
+                                                 "causal_wg", "stripe_mirror"}
 
 
 @pytest.mark.parametrize("shape_text, cfg", [("mission", MISSION), ("2,16,1024,64:causal", WGMMA_PERSISTENT),

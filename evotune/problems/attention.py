@@ -413,11 +413,9 @@ class AttentionProblem(Problem):
         the Hopper kernel's `//[softmax_overlap]` lines (its consumer loop rotated); lean_addressing: its
         `//[lean_addressing]` lines (descriptors advanced by one add, unsigned slot arithmetic); p_smem: its
         `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
-        `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); wg4: its
-        `//[wg4]` lines (block_m 256: four consumer warpgroups, their register split); causal_wg: its `//[causal_wg]`
+        `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); causal_wg: its `//[causal_wg]`
         lines (causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal); stripe_mirror: its
-        `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers);
-        deep_ring: its `//[deep_ring]` lines (stages 5 to 8: room for their barriers). No such knob
+        `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers). No such knob
         is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("split_merge", is_split_merge(config)),
                                                ("tma_load", is_tma_load(config)),
@@ -428,10 +426,9 @@ class AttentionProblem(Problem):
                                                ("lean_addressing", is_lean_addressing(config)),
                                                ("p_smem", is_p_smem(config)),
                                                ("skip_empty", is_skip_empty(config)),
-                                               ("wg4", is_wgmma(config) and wgmma_block_m(config) == 256),
                                                ("causal_wg", is_causal_warpgroup(config)),
                                                ("stripe_mirror", is_stripe_mirror(config)),
-                                               ("deep_ring", is_deep_ring(config))) if on)
+                                               ) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
