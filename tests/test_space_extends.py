@@ -15,6 +15,7 @@ import pytest
 
 from evotune.errors import UsageError
 from evotune.problems.shapes import parse_shape
+from evotune.space.reader import PROFILE_SEP, builtin_names
 from evotune.space.searchspace import load_builtin, load_space
 
 from _paths import REPO_ROOT
@@ -119,11 +120,124 @@ def test_omitted_knobs_are_the_template_defaults(attention):
         assert omitted and all(env[knob] == KNOB_DEFAULTS[knob] for knob in omitted), name
 
 
-def test_extending_spaces_keep_their_header_comments():
-    """The rewritten files still say what each space is for, and that they extend attention.yaml."""
-    for name, phrase in (("attention-hopper", "Hopper variant"), ("attention-small", "search efficiency")):
-        text = (REPO_ROOT / "search_spaces" / f"{name}.yaml").read_text()
-        assert text.startswith("#") and phrase in text.split("\nfamily:")[0] and "\nextends: attention\n" in text
+def test_profiles_keep_what_each_was_for():
+    """attention.yaml's profiles keep the header comment of the file each was: what it is for."""
+    import re
+
+    text = (REPO_ROOT / "search_spaces" / "attention.yaml").read_text()
+    profiles = text.split("\nprofiles:\n", 1)[1]
+    blocks = dict(re.findall(r"(?m)^  ([a-z0-9-]+):\n((?:(?:    .*)?\n)*)", profiles))
+    for name, phrase in (("hopper", "Hopper variant"), ("small", "search efficiency")):
+        assert phrase in blocks[name], name
+
+
+def test_the_old_file_names_are_the_profiles(attention):
+    """`attention:hopper3-mirror`, the bare name `attention-hopper3-mirror` and the path of the file it was (as a
+    run's meta.json recorded it) all load the profile; the path a profile records is `attention.yaml#hopper3-mirror`."""
+    from evotune.space.searchspace import load_space, resolve_space
+
+    by_name = load_builtin("attention:hopper3-mirror")
+    assert by_name.path.endswith(f"attention.yaml{PROFILE_SEP}hopper3-mirror")
+    old_path = load_space(REPO_ROOT / "search_spaces" / "attention-hopper3-mirror.yaml")
+    legacy = load_builtin("attention-hopper3-mirror")
+    for space in (old_path, legacy, load_space(resolve_space("attention-hopper3-mirror")),
+                  load_space(resolve_space("attention:hopper3-mirror"))):
+        assert [(p.name, p.values) for p in space.params] == [(p.name, p.values) for p in by_name.params]
+    assert "attention:hopper3-mirror" in builtin_names() and "attention:small" in builtin_names()
+
+
+# --------------------------------------------------------------------------- profiles on small files
+
+ROOT_WITH_PROFILES = """
+family: t
+params:
+  p:
+    values: [1, 2, 4]
+    default: 2
+  q:
+    values: [true, false]
+  r:
+    values: [a, b]
+constraints:
+  - expr: p < 4 or q
+    why: four only with q
+profiles:
+  ponly:
+    description: searches p alone
+    params:
+      p: {}
+  narrow:
+    params:
+      p:
+        values: [1, 4]
+        default: 4
+    pin:
+      r: b
+    constraints:
+      - expr: p == 1 or q
+        why: the profile's own rule
+"""
+
+
+def test_a_profile_searches_what_it_names_and_leaves_the_rest_at_its_default(tmp_path):
+    """A profile's configs hold the knobs it names (its values) and pins; every other knob is left out, read by the
+    expressions as the root's default; the root's constraints apply, and the profile's own."""
+    from evotune.space.searchspace import load_space
+
+    root = tmp_path / "t.yaml"
+    root.write_text(ROOT_WITH_PROFILES)
+    full = load_space(root, ())
+    assert [p.name for p in full.params] == ["p", "q", "r"]
+    ponly = load_space(f"{root}{PROFILE_SEP}ponly", ())
+    assert [p.name for p in ponly.params] == ["p"] and ponly.description == "searches p alone"
+    assert [c.key() for c in ponly.admitted_configs({})] == ["p=1", "p=2", "p=4"]  # q's default true admits p=4
+    narrow = load_space(f"{root}{PROFILE_SEP}narrow", ())
+    assert [(p.name, p.values, p.default) for p in narrow.params] == [("p", (1, 4), 4), ("r", ("b",), "b")]
+    assert [c.key() for c in narrow.admitted_configs({})] == ["p=1,r=b", "p=4,r=b"]
+    assert [c.why for c in narrow.constraints] == ["four only with q", "the profile's own rule"]
+
+
+def test_a_knob_added_to_the_root_reaches_no_profile_that_does_not_name_it(tmp_path):
+    """Adding a knob edits the root only: each profile's configs stay as they were."""
+    from evotune.space.searchspace import load_space
+
+    root = tmp_path / "t.yaml"
+    root.write_text(ROOT_WITH_PROFILES)
+    before = [c.key() for c in load_space(f"{root}{PROFILE_SEP}narrow", ()).admitted_configs({})]
+    root.write_text(ROOT_WITH_PROFILES.replace("constraints:\n  - expr: p < 4", "  s:\n    values: [0, 1]\n"
+                                                "constraints:\n  - expr: p < 4", 1))
+    assert [p.name for p in load_space(root, ()).params] == ["p", "q", "r", "s"]
+    assert [c.key() for c in load_space(f"{root}{PROFILE_SEP}narrow", ()).admitted_configs({})] == before
+
+
+@pytest.mark.parametrize("text, fragments", [
+    (ROOT_WITH_PROFILES + "  empty: {}\n", ["profile 'empty' names no knob"]),
+    (ROOT_WITH_PROFILES + "  bad:\n    omit: [p]\n", ["unknown key 'omit' in profile 'bad'"]),
+    (ROOT_WITH_PROFILES + "  typo:\n    params:\n      pp: {}\n", ["'pp'"]),
+])
+def test_bad_profile_is_one_line_naming_it(tmp_path, text, fragments):
+    """A profile with nothing to search, a key profiles do not take, or a knob the root lacks: one line naming it."""
+    from evotune.space.searchspace import load_space
+
+    root = tmp_path / "t.yaml"
+    root.write_text(text)
+    name = {"empty": "empty", "bad": "bad", "typo": "typo"}[[k for k in ("empty", "bad", "typo") if f"  {k}:" in text][0]]
+    with pytest.raises(UsageError) as info:
+        load_space(f"{root}{PROFILE_SEP}{name}", ())
+    assert all(f in str(info.value) for f in fragments), str(info.value)
+    root.write_text(ROOT_WITH_PROFILES)
+    with pytest.raises(UsageError, match="no profile 'nosuch'; its profiles: ponly, narrow"):
+        load_space(f"{root}{PROFILE_SEP}nosuch", ())
+
+
+def test_profiles_only_in_a_root(tmp_path):
+    """A file that extends another cannot declare profiles."""
+    from evotune.space.searchspace import load_space
+
+    child = tmp_path / "c.yaml"
+    child.write_text("family: attention\nextends: attention\nprofiles:\n  x:\n    params:\n      stages: {}\n")
+    with pytest.raises(UsageError, match="only a root space"):
+        load_space(child)
 
 
 # --------------------------------------------------------------------------- extends, pin and omit on small files

@@ -12,7 +12,7 @@ from evotune.records import tuning_table as tt
 from evotune.errors import UsageError
 from evotune.problems import get_problem
 from evotune.problems.shapes import Shape
-from evotune.space.searchspace import load_builtin, spaces_dir
+from evotune.space.searchspace import load_builtin
 from evotune.build.template import instantiate
 from evotune.records.tuning_table import (TableKey, bh_bucket, build_table, load_table, parse_table, save_table, select,
                                   seq_bucket)
@@ -323,11 +323,10 @@ def test_other_dtype_mask_layout_or_head_dim_never_match():
 
 @pytest.fixture
 def seq_space(tmp_path):
-    """attention-small's space plus a constraint on the call's seq_k, as a file outside the built-ins."""
-    text = (spaces_dir() / "attention-small.yaml").read_text()
-    text = text.replace("\nconstraints:\n", "\nconstraints:\n  - expr: seq_k % 512 == 0\n    why: \"test: whole 512-key blocks\"\n", 1)
+    """attention's small profile plus a constraint on the call's seq_k, as a file outside the built-ins."""
     path = tmp_path / "seq-space.yaml"
-    path.write_text(text)
+    path.write_text("family: attention\nextends: attention:small\nconstraints:\n  - expr: seq_k % 512 == 0\n"
+                    "    why: \"test: whole 512-key blocks\"\n")
     return str(path)
 
 
@@ -500,7 +499,7 @@ def test_committed_h100_run_with_its_bench_record(tmp_path):
     record = json.loads(bench.read_text())
     cudnn = next(r for r in record["rows"] if r["name"] == "cudnn")
     assert e.evotune_us == record["rows"][0]["time_us"] and e.sdpa == {"backend": "cudnn", "time_us": cudnn["time_us"]}
-    assert e.evidence == {"kind": "bench", "file": str(bench)} and e.space == "attention-hopper"
+    assert e.evidence == {"kind": "bench", "file": str(bench)} and e.space == "attention:hopper"
     assert e.key == TableKey("NVIDIA H100 80GB HBM3", "9.0", "fp16", 64, False, "bhsd", 1024, 1024, 256)
     assert e.route == "sdpa" and e.reason.split(":")[0] in ("slower", "stale")
     assert load_table(save_table(table(e), tmp_path / "t.json")).entries == (e,)

@@ -19,7 +19,7 @@ WHEEL_SITE = os.environ.get("EVOTUNE_WHEEL_SITE")
 PACKAGE = Path(evotune.__file__).resolve().parent
 # What any install must carry: each family's template, the pieces it includes, and the spaces the docs name.
 TEMPLATES = ("attention.cu", "softmax.cu", "device_common.cuh", "wgmma.cuh", "attention_hopper.cuh")
-SPACES = ("attention", "attention-small", "attention-hopper3", "softmax")
+SPACES = ("attention", "attention:small", "attention:hopper3", "softmax")
 
 
 @pytest.fixture(autouse=True)
@@ -43,17 +43,20 @@ def test_templates_are_shipped():
 
 
 def test_builtin_spaces_are_listed_and_named():
-    """builtin_names lists the shipped spaces, each a file of the packaged folder."""
+    """builtin_names lists the shipped spaces and their profiles (`root:profile`), each root a file of the packaged
+    folder."""
     names = builtin_names()
     assert set(SPACES) <= set(names)
-    assert all((spaces_dir() / f"{name}.yaml").is_file() for name in names)
+    assert all((spaces_dir() / f"{name.partition(':')[0]}.yaml").is_file() for name in names)
 
 
 @pytest.mark.parametrize("name", SPACES)
 def test_builtin_space_loads(name):
     """Each named space loads from the package with its family's knobs and constraints."""
     space = load_builtin(name)
-    assert Path(space.path) == spaces_dir() / f"{name}.yaml" and space.size() > 0 and space.params
+    root, _, profile = name.partition(":")
+    assert space.path == str(spaces_dir() / f"{root}.yaml") + (f"#{profile}" if profile else "")
+    assert space.size() > 0 and space.params
 
 
 @pytest.mark.parametrize("family,shape", [("attention", "mission"), ("softmax", "softmax-1k")])

@@ -1,8 +1,8 @@
 """Kernel Tuner tunes evotune's attention template live on the GPU, and one harness re-times both winners.
 
-    python tools/kt_live.py --shape mission --space search_spaces/attention-small.yaml \
+    python tools/kt_live.py --shape mission --space attention:small \
         --strategy genetic_algorithm --budget 60 --seed 0 --out OUT [--evotune-run runs/RUN]
-    python tools/kt_live.py --shape mission --space search_spaces/attention-small.yaml --dry-run   # no GPU
+    python tools/kt_live.py --shape mission --space attention:small --dry-run   # no GPU
 
 needs `pip install kernel_tuner` (tested with 1.5.0) beside evotune's own CuPy and torch.
 
@@ -116,7 +116,7 @@ _spec.loader.exec_module(K)
 from evotune.errors import EvotuneError, NoGPUError, UsageError  # noqa: E402
 from evotune.records import result as R  # noqa: E402
 
-DEFAULT_SPACE = "search_spaces/attention-small.yaml"
+DEFAULT_SPACE = "attention:small"
 INPUT_SEED = 1            # the gate's first case (evaluate.DEFAULT_SEEDS[0], pattern normal)
 CUPY_CC = "90"            # the -arch=sm_<cc> CuPy adds on an H100 (the dry run assumes it)
 GATE_FAILED = ("evotune gate failed: too many resources requested for launch (reported to Kernel Tuner in its "
@@ -146,7 +146,7 @@ class Setup:
         if hopper:
             raise UsageError(f"kt_live: {len(hopper)} admitted configs are the wgmma variant, whose CUtensorMap "
                              "arguments encode device addresses that Kernel Tuner's argument list cannot carry; "
-                             "use an mma.sync space (e.g. search_spaces/attention-small.yaml)")
+                             "use an mma.sync space (e.g. attention:small)")
         self.tune_params = K.tune_params(self.space)
         self.restrictions = K.restrictions(self.space, self.context)
         self.entry = self.problem.entry_name

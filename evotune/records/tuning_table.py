@@ -676,15 +676,18 @@ def _entry_from_run(ref, benches: list[dict]) -> tuple[Entry | None, BuildNote]:
 
 def _space_ref(meta: dict, problem) -> str:
     """The run's space as the table names it: a built-in space's name, else the file's absolute path."""
+    from ..space.reader import profile_of
     from ..space.searchspace import builtin_names
 
     recorded = meta.get("space")
     if not recorded:
         return problem.default_space
-    path = Path(recorded)
-    if path.suffix in (".yaml", ".yml") and path.parent.name in ("search_spaces", "") and path.stem in builtin_names():
-        return path.stem
-    return str(path.resolve())
+    file, profile = profile_of(recorded)  # a profile, or the file a profile was (attention-hopper.yaml)
+    path = Path(file)
+    name = f"{path.stem}:{profile}" if profile else path.stem
+    if path.suffix in (".yaml", ".yml") and path.parent.name in ("search_spaces", "") and name in builtin_names():
+        return name
+    return str(path.resolve()) + (f"#{profile}" if profile else "")
 
 
 def _timing(run, meta: dict, best: dict, benches: list[dict], digest_now: str) -> dict:

@@ -52,7 +52,13 @@ def family_knob_domains(family: str) -> Mapping[str, tuple | range] | None:
     return _FAMILIES[family]().knob_domains() if family in _FAMILIES else None
 
 
-TOP_KEYS = ("family", "extends", "description", "params", "pin", "omit", "derived", "constraints", "variant")
+TOP_KEYS = ("family", "extends", "description", "params", "pin", "omit", "derived", "constraints", "variant",
+            "profiles")
+# A profile of a root space (`profiles:` in the root file) names the knobs it searches (under params, with the
+# values it searches, or {} for all of the root's) and those it pins; every other knob of the root stays at its
+# default, so a knob added to the root reaches no profile that does not name it.
+PROFILE_KEYS = ("description", "params", "pin", "constraints")
+PROFILE_SEP = "#"  # `<root file>#<profile>`: how a profile's path is spelled (a run's meta.json records it)
 PARAM_KEYS = ("values", "default", "doc")
 CONSTRAINT_KEYS = ("expr", "why")
 # A space file's size and YAML nesting: the shipped ones are under 6 KB and 4 deep.
@@ -143,7 +149,46 @@ class _Reader:
 
     def space(self, root: yaml.Node | None) -> SearchSpace:
         top = self.top(root)
-        parent = self.parent(top["extends"]) if "extends" in top else None
+        if "profiles" in top:
+            if "extends" in top:
+                self.fail(top["profiles"], "profiles: only a root space (one that extends none) has profiles")
+            self.profile_nodes(top)  # their shape is checked with the root; each is built when it is named
+        return self.build(top, self.parent(top["extends"]) if "extends" in top else None)
+
+    def profile_nodes(self, top: dict) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+        """name -> (key node, value node) of each profile under `profiles:`."""
+        nodes = {}
+        for name, key_node, value_node in self.mapping(top["profiles"], "profiles"):
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+                self.fail(key_node, f"profile name {_short(name)!r}: letters, digits, '_', '.' and '-' only")
+            self.mapping(value_node, f"profile {name!r}", PROFILE_KEYS)
+            nodes[name] = (key_node, value_node)
+        return nodes
+
+    def profile_space(self, root: yaml.Node | None, name: str) -> SearchSpace:
+        """The space of profile `name` of this root: the root's knobs that the profile puts under params (its
+        values, default, doc) or pins, every other knob omitted (at its default), the root's derived values and
+        constraints, and the profile's own constraints: what a file `extends: <root>` with that `omit:` gives."""
+        top = self.top(root)
+        nodes = self.profile_nodes(top) if "profiles" in top else {}
+        if name not in nodes:
+            raise UsageError(f"{self.path}: no profile {_short(name)!r}; its profiles: {_fmt(nodes) or 'none'}")
+        key_node, node = nodes[name]
+        base_path, self.path = self.path, f"{self.path}{PROFILE_SEP}{name}"
+        base = _Reader(base_path, self.context_names, self.knob_domains).space(root)
+        fields = {key: value for key, _, value in self.mapping(node, f"profile {name!r}", PROFILE_KEYS)}
+        named = {key for section in ("params", "pin") if not _is_empty(fields.get(section))
+                 for key, _, _ in self.mapping(fields[section], section)}
+        mark = key_node.start_mark, key_node.end_mark
+        omit = [yaml.ScalarNode("tag:yaml.org,2002:str", p.name, *mark) for p in base.params if p.name not in named]
+        derived_top = {"family": top["family"], **fields}
+        if omit:
+            derived_top["omit"] = yaml.SequenceNode("tag:yaml.org,2002:seq", omit, *mark)
+        if "params" not in derived_top and "pin" not in derived_top:
+            self.fail(node, f"profile {name!r} names no knob to search (params) or pin")
+        return self.build(derived_top, base)
+
+    def build(self, top: dict, parent: SearchSpace | None) -> SearchSpace:
         family = self.string(top["family"], "family")
         if parent is not None and family != parent.family:
             self.fail(top["family"], f"family {family!r} is not {parent.family!r}, the family of the space it "
@@ -174,15 +219,23 @@ class _Reader:
     def parent(self, node: yaml.Node) -> SearchSpace:
         """The space `extends:` names: a built-in space (`<spaces_dir()>/<name>.yaml`), read as this file is."""
         name = self.string(node, "extends")
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or name.endswith((".yaml", ".yml")):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*(:[A-Za-z0-9][A-Za-z0-9_.-]*)?", name) \
+                or name.endswith((".yaml", ".yml")):
             self.fail(node, f"extends {_short(name)!r}: write a built-in space name, such as attention (not a path)")
-        path = spaces_dir() / f"{name}.yaml"
-        if not path.is_file():
+        root_name, _, profile = name.partition(":")
+        path = spaces_dir() / f"{root_name}.yaml"
+        if not profile and not path.is_file():  # the name of a space that became a profile (attention-small)
+            found, legacy = profile_of(path)
+            path, profile = (Path(found), legacy) if legacy else (path, "")
+        if not path.is_file() or (profile and profile not in _profile_names(path)):
             self.fail(node, f"extends {name!r}: no such built-in space; available: "
                             f"{_fmt(builtin_names()) or 'none'} (in {spaces_dir()})")
         chain = self.extended_by + (self.path,)
-        if any(Path(p).resolve() == path.resolve() for p in chain):
+        if any(Path(p.partition(PROFILE_SEP)[0]).resolve() == path.resolve() for p in chain) and not profile:
             self.fail(node, f"extends {name!r} makes a cycle: {' -> '.join(chain + (str(path),))}")
+        if profile:
+            return _read(path, lambda reader, root: reader.profile_space(root, profile), self.context_names,
+                         self.knob_domains, chain)
         return _read(path, lambda reader, root: reader.space(root), self.context_names, self.knob_domains, chain)
 
     def all_params(self, top: dict, parent: SearchSpace | None, taken: Mapping[str, str],
@@ -385,12 +438,42 @@ def load_space(path: str | os.PathLike, context_names: Iterable[str] | None = No
     their domains; by default those `family_knob_domains` gives (a plugin's are not checked then).
     A space the file extends is read with the same names and domains.
     """
+    file, profile = profile_of(path)
+    if profile is not None:
+        return _read(file, lambda reader, root: reader.profile_space(root, profile), context_names, knob_domains)
     return _read(path, lambda reader, root: reader.space(root), context_names, knob_domains)
+
+
+def profile_of(path: str | os.PathLike) -> tuple[str, str | None]:
+    """(the file to read, the profile of it or None) for a space path: `<root>.yaml#<profile>`, or a file that no
+    longer exists whose name is `<root>-<profile>.yaml` beside a root that has that profile (the spaces that became
+    profiles: a run recorded the file's path, and it still names the same space)."""
+    text = str(path)
+    if PROFILE_SEP in text and not os.path.lexists(text):
+        file, _, profile = text.rpartition(PROFILE_SEP)
+        return file, profile
+    if os.path.lexists(text) or not text.endswith(".yaml"):
+        return text, None
+    folder, stem = Path(text).parent, Path(text).stem
+    for candidate in (folder, spaces_dir()):
+        for root in sorted(candidate.glob("*.yaml")) if candidate.is_dir() else ():
+            if stem.startswith(root.stem + "-") and stem[len(root.stem) + 1:] in _profile_names(root):
+                return str(root), stem[len(root.stem) + 1:]
+    return text, None
+
+
+def _profile_names(root: Path) -> list[str]:
+    """The profiles a root space file declares (none where it has none or is not a root space)."""
+    try:
+        return _read(root, lambda reader, node: list(reader.profile_nodes(reader.top(node)))
+                     if isinstance(node, yaml.MappingNode) and "profiles" in reader.top(node) else [])
+    except UsageError:
+        return []
 
 
 def space_family(path: str | os.PathLike) -> str:
     """The family a search-space file names (read before its Problem, which knows the context names, is loaded)."""
-    return _read(path, lambda reader, root: reader.string(reader.top(root)["family"], "family"))
+    return _read(profile_of(path)[0], lambda reader, root: reader.string(reader.top(root)["family"], "family"))
 
 
 def _read(path, parse, context_names=None, knob_domains=None, extended_by=()):
@@ -445,21 +528,32 @@ def resolve_space(text: str) -> str:
     bare = not (os.sep in text or (os.altsep and os.altsep in text) or text.endswith((".yaml", ".yml")))
     if os.path.lexists(text) or not bare:
         return text
-    builtin = spaces_dir() / f"{text}.yaml"
-    if builtin.is_file():
+    root, _, profile = text.partition(":")  # `attention:hopper3-mirror`, a profile of a built-in root
+    builtin = spaces_dir() / f"{root}.yaml"
+    if profile and builtin.is_file() and profile in _profile_names(builtin):
+        return f"{builtin}{PROFILE_SEP}{profile}"
+    if builtin.is_file() and not profile:
         return str(builtin)
+    file, profile = profile_of(spaces_dir() / f"{text}.yaml")  # the name of a space that became a profile
+    if profile is not None:
+        return f"{file}{PROFILE_SEP}{profile}"
     raise UsageError(f"--space {_short(text)}: no such file, nor a built-in space of that name (built-in: "
                      f"{_fmt(builtin_names()) or 'none'})")
 
 
 def builtin_names() -> list[str]:
-    """Names of the built-in spaces, sorted."""
-    return sorted(p.stem for p in spaces_dir().glob("*.yaml"))
+    """Names of the built-in spaces and their profiles (`root:profile`), sorted."""
+    roots = sorted(spaces_dir().glob("*.yaml"))
+    return sorted([p.stem for p in roots] + [f"{p.stem}:{name}" for p in roots for name in _profile_names(p)])
 
 
 def load_builtin(name: str, context_names: Iterable[str] | None = None) -> SearchSpace:
-    """Load `<spaces_dir()>/<name>.yaml`; raises UsageError listing the available names when there is none."""
-    path = spaces_dir() / f"{name}.yaml"
-    if not path.is_file():
+    """Load `<spaces_dir()>/<name>.yaml`, or the profile `root:profile` (also spelled `root-profile`, the name of
+    the file it was); raises UsageError listing the available names when there is none."""
+    root, _, profile = name.partition(":")
+    path = spaces_dir() / f"{root}.yaml"
+    if profile and path.is_file():
+        return load_space(f"{path}{PROFILE_SEP}{profile}", context_names)
+    if not path.is_file() and profile_of(path)[1] is None:
         raise UsageError(f"unknown search space {name!r}; available: {_fmt(builtin_names()) or 'none'} (in {spaces_dir()})")
     return load_space(path, context_names)
