@@ -36,7 +36,8 @@
 namespace hopper {
 
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
-          bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, int HEAD_DIM_, bool IS_BF16_,
+          bool IS_CAUSAL_>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -48,6 +49,9 @@ struct HopperTraits {
     static constexpr bool kPdl = PDL_;  // pdl: griddepcontrol.wait before the first global access (docs/PDL.md)
     static constexpr bool kTmaStore = TMA_STORE_;  // epilogue = tma: O staged in shared memory, stored by TMA
     static constexpr int kExp2FmaEighths = EXP2_FMA_;  // exp2_fma: eighths of each row's exp2 on the FMA pipe
+    // rescale: a new max's slack, log2 (new_max 0, lazy 8); -1 = always (every tile's max taken, O always rescaled)
+    static constexpr int kRescaleSlackLog2 = RESCALE_SLACK_;
+    static constexpr bool kLazyRescale = kRescaleSlackLog2 >= 0;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -86,6 +90,8 @@ struct HopperTraits {
     //[p_smem] #endif
     //[p_smem] static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 192,
     //[p_smem]               "p_operand = smem: P in whole 64-key regions of the 128-byte swizzle, up to FlashAttention-3's 192-key d64 tile");
+    static_assert(kRescaleSlackLog2 >= -1 && kRescaleSlackLog2 <= 8,
+                  "rescale: -1 (always), or a slack of 0 (new_max) to 8 (lazy: P at most 256, inside fp16's range)");
     static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 4, "one to four consumer warpgroups (64 to 256 query rows)");
     static_assert(kProducerWarps == 0 || kProducerWarps == 4, "the producer is a whole warpgroup (setmaxnreg is per warpgroup)");
     static_assert(!kPingPong || kConsumerWGs == 2, "ping-pong needs two consumer warpgroups");
@@ -297,20 +303,21 @@ __device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // Every row sees key 0 in its first tile, so mx is finite from the first tile on.
-        //[lazy_rescale] #if 0
-        alpha[r] = fast_exp2((m[r] - mx) * scale_log2);
-        m[r] = mx;
-        //[lazy_rescale] #endif
-        //[lazy_rescale] // rescale = new_max or lazy (kRescaleSlackLog2 = 0 or 8): the row keeps its max, alpha exactly 1 and O
-        //[lazy_rescale] // left as it is, unless the new max exceeds it by more than 2^kRescaleSlackLog2 in exp2 terms. At 0 that
-        //[lazy_rescale] // is every new max, and the output is bit for bit rescale = always's (whose alpha is ex2(0) = 1 then).
-        //[lazy_rescale] // At 8 (FlashAttention-4's conditional rescaling) P reaches at most 256, far inside fp16's and bf16's
-        //[lazy_rescale] // range, with l and O relative to the same stale m. NaN compares false: it keeps the finite max and
-        //[lazy_rescale] // flows through its own score. The first tile (m = -inf) always takes the max.
-        //[lazy_rescale] const bool grown = (mx - m[r]) * scale_log2 > static_cast<float>(T::kRescaleSlackLog2);
-        //[lazy_rescale] alpha[r] = grown ? fast_exp2((m[r] - mx) * scale_log2) : 1.f;
-        //[lazy_rescale] if (grown) m[r] = mx;
-        //[lazy_rescale] mx = m[r];
+        if constexpr (T::kLazyRescale) {
+            // rescale = new_max or lazy (kRescaleSlackLog2 = 0 or 8): the row keeps its max, alpha exactly 1 and O
+            // left as it is, unless the new max exceeds it by more than 2^kRescaleSlackLog2 in exp2 terms. At 0 that
+            // is every new max, and the output is bit for bit rescale = always's (whose alpha is ex2(0) = 1 then).
+            // At 8 (FlashAttention-4's conditional rescaling) P reaches at most 256, far inside fp16's and bf16's
+            // range, with l and O relative to the same stale m. NaN compares false: it keeps the finite max and
+            // flows through its own score. The first tile (m = -inf) always takes the max.
+            const bool grown = (mx - m[r]) * scale_log2 > static_cast<float>(T::kRescaleSlackLog2);
+            alpha[r] = grown ? fast_exp2((m[r] - mx) * scale_log2) : 1.f;
+            if (grown) m[r] = mx;
+            mx = m[r];
+        } else {
+            alpha[r] = fast_exp2((m[r] - mx) * scale_log2);
+            m[r] = mx;
+        }
         const float shift = mx * scale_log2;
         float sum = 0.f;
 #pragma unroll
@@ -329,16 +336,17 @@ __device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[
 template <class T>
 __device__ __forceinline__ void rescale_and_pack(float (&o)[T::kOAcc], const float (&s)[T::kSAcc], const float (&alpha)[2],
                                                  u32 (&p)[T::kPVSteps][4]) {
-    //[lazy_rescale] // Skipped (a warp-uniform branch) when no row of the warp took a new max: every alpha is exactly 1.
-    //[lazy_rescale] if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+    // rescale = new_max or lazy: skipped (a warp-uniform branch) when no row of the warp took a new max: every alpha
+    // is exactly 1 then.
+    if (!T::kLazyRescale || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int j = 0; j < T::kHeadDim / 8; ++j) {
-        o[4 * j + 0] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
+        for (int j = 0; j < T::kHeadDim / 8; ++j) {
+            o[4 * j + 0] *= alpha[0];
+            o[4 * j + 1] *= alpha[0];
+            o[4 * j + 2] *= alpha[1];
+            o[4 * j + 3] *= alpha[1];
+        }
     }
-    //[lazy_rescale] }
 #pragma unroll
     for (int kk = 0; kk < T::kPVSteps; ++kk) {
         p[kk][0] = pack2<T::kIsBf16>(s[8 * kk + 0], s[8 * kk + 1]);

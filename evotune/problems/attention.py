@@ -42,8 +42,9 @@ KNOB_DEFAULTS = {"block_m": 64, "block_n": 64, "compute_warps": 4, "producer_war
                  "empty_warpgroups": "compute", "causal_extent": "tile", "stripe_order": "fixed"}
 
 
-# Knob rescale (the Hopper kernel's `//[lazy_rescale]` lines): how far a K/V tile's row max may exceed the row's running
-# max before the row takes it and O is rescaled, as a power of two in exp2 terms; always: every tile, as before the knob.
+# Knob rescale (the Hopper traits' RESCALE_SLACK, kRescaleSlackLog2; -1 = always): how far a K/V tile's row max may
+# exceed the row's running max before the row takes it and O is rescaled, as a power of two in exp2 terms; always:
+# every tile, as before the knob.
 RESCALE_SLACK_LOG2 = {"always": None, "new_max": 0, "lazy": 8}
 
 
@@ -219,8 +220,8 @@ def p_tile_bytes(config, shape: Shape) -> int:
 
 
 def rescale_slack_log2(config) -> int | None:
-    """The Hopper variant's conditional rescaling (knob rescale, kernels/attention_hopper.cuh's `//[lazy_rescale]`
-    lines): a row keeps its running max until a tile's exceeds it by more than 2^slack in exp2 terms, and a warp skips
+    """The Hopper variant's conditional rescaling (knob rescale, the traits' RESCALE_SLACK: kRescaleSlackLog2, -1 at
+    always): a row keeps its running max until a tile's exceeds it by more than 2^slack in exp2 terms, and a warp skips
     O's rescaling (its alpha multiplies) on the tiles where none of its rows took a new one. new_max: slack 0, every
     new max is taken, the output bit for bit always's; lazy: slack 8 (FlashAttention-4's); None: always rescaled (and
     every mma.sync config, whose kernel skips the multiplies where no row's max moved anyway)."""
@@ -408,8 +409,7 @@ class AttentionProblem(Problem):
     def template_flags(self, config) -> frozenset[str]:
         """split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
         lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
-        tma_split: its `//[tma_split]` lines (kv_load = tma_split); lazy_rescale: the Hopper kernel's `//[lazy_rescale]` lines
-        (rescale new_max or lazy: conditional rescaling of O, the slack the traits' kRescaleSlackLog2); softmax_overlap:
+        tma_split: its `//[tma_split]` lines (kv_load = tma_split); softmax_overlap:
         the Hopper kernel's `//[softmax_overlap]` lines (its consumer loop rotated); lean_addressing: its
         `//[lean_addressing]` lines (descriptors advanced by one add, unsigned slot arithmetic); p_smem: its
         `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
@@ -421,7 +421,6 @@ class AttentionProblem(Problem):
                                                ("tma_load", is_tma_load(config)),
                                                ("tma_multicast", is_tma_multicast(config)),
                                                ("tma_split", is_tma_split(config)),
-                                               ("lazy_rescale", rescale_slack_log2(config) is not None),
                                                ("softmax_overlap", is_softmax_overlap(config)),
                                                ("lean_addressing", is_lean_addressing(config)),
                                                ("p_smem", is_p_smem(config)),
@@ -450,6 +449,7 @@ class AttentionProblem(Problem):
                 ("PDL", "true" if is_pdl(config) else "false"),
                 ("TMA_STORE", "true" if is_tma_store(config) else "false"),
                 ("EXP2_FMA", exp2_fma_eighths(config)),
+                ("RESCALE_SLACK", -1 if rescale_slack_log2(config) is None else rescale_slack_log2(config)),
             ] + problem_args
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
@@ -477,7 +477,7 @@ class AttentionProblem(Problem):
         if is_wgmma(config):
             tma = is_tma_store(config)
             traits = _traits("evotune::hopper::HopperTraits", targs,
-                             _hopper_smem_members(config, shape) + _rescale_member(config)
+                             _hopper_smem_members(config, shape)
                              + _producer_regs_member(config))
             o_map_param, o_map_arg, o_map_note = (
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
@@ -894,14 +894,6 @@ def _producer_regs_member(config) -> list[str]:
     regs = mirrored_producer_regs(config)
     return [f"static constexpr int kProducerRegs = {regs};  // stripe_order = mirrored: the producer's setmaxnreg"
             ] if regs else []
-
-
-def _rescale_member(config) -> list[str]:
-    """The traits member that rescale new_max or lazy adds (kernels/attention_hopper.cuh's `//[lazy_rescale]` lines
-    read it); none at always."""
-    slack = rescale_slack_log2(config)
-    return [] if slack is None else [
-        f"static constexpr int kRescaleSlackLog2 = {slack};  // rescale: a new max's slack, log2"]
 
 
 def _traits(base: str, targs: str, members: list[str]) -> str:
