@@ -36,8 +36,8 @@
 namespace hopper {
 
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
-          bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, int HEAD_DIM_, bool IS_BF16_,
-          bool IS_CAUSAL_>
+          bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, bool SOFTMAX_OVERLAP_,
+          int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -52,6 +52,7 @@ struct HopperTraits {
     // rescale: a new max's slack, log2 (new_max 0, lazy 8); -1 = always (every tile's max taken, O always rescaled)
     static constexpr int kRescaleSlackLog2 = RESCALE_SLACK_;
     static constexpr bool kLazyRescale = kRescaleSlackLog2 >= 0;
+    static constexpr bool kSoftmaxOverlap = SOFTMAX_OVERLAP_;  // softmax_overlap: the consumer loop rotated
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -754,37 +755,37 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             //[stripe_mirror] #endif
         }
         scores_to_probs<T>(s_acc, m_run, l_run, alpha, 0, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
-        //[softmax_overlap] #if 0
-        rescale_and_pack<T>(o_acc, s_acc, alpha, p);
-        //[p_smem] store_p<T>(p, sP_wg, warp_in_wg, lane);
-        //[softmax_overlap] #endif
-        //[softmax_overlap] // softmax_overlap: the loop below is rotated. Written as one iteration (products of tile t, its softmax,
-        //[softmax_overlap] // the wait for P(t-1) V(t-1), O's rescaling and P's packing), ptxas schedules that wait near the top of
-        //[softmax_overlap] // the block, above the softmax, which then never runs under its own P V (the SASS has no MUFU.EX2
-        //[softmax_overlap] // between the waits for S and for P V). Here the wait opens the next iteration, across the back edge
-        //[softmax_overlap] // from the softmax. The instructions run in the same order as without the knob, so is the output.
-        //[softmax_overlap] // finish_tile(u): tile u's softmax is done; wait for P(u-1) V(u-1), release V(u-1)'s slot (and refill it
-        //[softmax_overlap] // without a producer), rescale O and pack P(u).
-        //[softmax_overlap] auto finish_tile = [&](int u) {
-        //[softmax_overlap]     wgmma_wait<0>();
-        //[softmax_overlap]     fence_regs(o_acc);
-        //[softmax_overlap]     //[p_smem] #if 0
-        //[softmax_overlap]     fence_a_regs(p);
-        //[softmax_overlap]     //[p_smem] #endif
-        //[softmax_overlap]     if (u >= 1) {
-        //[softmax_overlap]         if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[(it0 + u - 1) % T::kStages]));
-        //[softmax_overlap]         if constexpr (!T::kHasProducer) {
-        //[softmax_overlap]             if (tid == loader && u - 1 + T::kStages < n_tiles)
-        //[softmax_overlap]                 refill<T>(k_map, v_map, sK, sV, &bars, u - 1, kv_head, batch);
-        //[softmax_overlap]             __syncwarp();
-        //[softmax_overlap]         }
-        //[softmax_overlap]     }
-        //[softmax_overlap]     rescale_and_pack<T>(o_acc, s_acc, alpha, p);
-        //[softmax_overlap]     //[p_smem] store_p<T>(p, sP_wg, warp_in_wg, lane);
-        //[softmax_overlap] };
+        if constexpr (!T::kSoftmaxOverlap) {
+            rescale_and_pack<T>(o_acc, s_acc, alpha, p);
+            //[p_smem] store_p<T>(p, sP_wg, warp_in_wg, lane);
+        }
+        // softmax_overlap (kSoftmaxOverlap): the loop below is rotated. Written as one iteration (products of tile t,
+        // its softmax, the wait for P(t-1) V(t-1), O's rescaling and P's packing), ptxas schedules that wait near the
+        // top of the block, above the softmax, which then never runs under its own P V (the SASS has no MUFU.EX2
+        // between the waits for S and for P V). Here the wait opens the next iteration, across the back edge
+        // from the softmax. The instructions run in the same order as without the knob, so is the output.
+        // finish_tile(u): tile u's softmax is done; wait for P(u-1) V(u-1), release V(u-1)'s slot (and refill it
+        // without a producer), rescale O and pack P(u).
+        auto finish_tile = [&](int u) {
+            wgmma_wait<0>();
+            fence_regs(o_acc);
+            //[p_smem] #if 0
+            fence_a_regs(p);
+            //[p_smem] #endif
+            if (u >= 1) {
+                if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[(it0 + u - 1) % T::kStages]));
+                if constexpr (!T::kHasProducer) {
+                    if (tid == loader && u - 1 + T::kStages < n_tiles)
+                        refill<T>(k_map, v_map, sK, sV, &bars, u - 1, kv_head, batch);
+                    __syncwarp();
+                }
+            }
+            rescale_and_pack<T>(o_acc, s_acc, alpha, p);
+            //[p_smem] store_p<T>(p, sP_wg, warp_in_wg, lane);
+        };
 
         for (int t = 1; t < n_tiles; ++t) {
-            //[softmax_overlap] finish_tile(t - 1);
+            if constexpr (T::kSoftmaxOverlap) finish_tile(t - 1);
             //[lean_addressing] #if 0
             const int use = it0 + t;            // K/V tile t's place in the slots' sequence
             //[lean_addressing] #endif
@@ -828,22 +829,23 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             }
             scores_to_probs<T>(s_acc, m_run, l_run, alpha, t * T::kBlockN, q_row0 + 64 * wg, q_row, seq_k, lane,
                                scale_log2);
-            //[softmax_overlap] #if 0
-            wgmma_wait<0>();
-            fence_regs(o_acc);
-            //[p_smem] #if 0
-            fence_a_regs(p);
-            //[p_smem] #endif
-            if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[prev]));
-            if constexpr (!T::kHasProducer) {
-                if (tid == loader && t - 1 + T::kStages < n_tiles) refill<T>(k_map, v_map, sK, sV, &bars, t - 1, kv_head, batch);
-                __syncwarp();
+            if constexpr (!T::kSoftmaxOverlap) {
+                wgmma_wait<0>();
+                fence_regs(o_acc);
+                //[p_smem] #if 0
+                fence_a_regs(p);
+                //[p_smem] #endif
+                if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[prev]));
+                if constexpr (!T::kHasProducer) {
+                    if (tid == loader && t - 1 + T::kStages < n_tiles)
+                        refill<T>(k_map, v_map, sK, sV, &bars, t - 1, kv_head, batch);
+                    __syncwarp();
+                }
+                rescale_and_pack<T>(o_acc, s_acc, alpha, p);
+                //[p_smem] store_p<T>(p, sP_wg, warp_in_wg, lane);
             }
-            rescale_and_pack<T>(o_acc, s_acc, alpha, p);
-            //[p_smem] store_p<T>(p, sP_wg, warp_in_wg, lane);
-            //[softmax_overlap] #endif
         }
-        //[softmax_overlap] finish_tile(n_tiles - 1);
+        if constexpr (T::kSoftmaxOverlap) finish_tile(n_tiles - 1);
         //[stripe_mirror] // Q from shared memory: released after the loop rather than at its last Q K^T. The next tile's Q goes to the
         //[stripe_mirror] // other buffer, so this release only gates tile qi + 2's load, and a barrier indexed by qi inside the loop
         //[stripe_mirror] // cost the 112-register consumers a spill.

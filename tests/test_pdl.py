@@ -47,11 +47,10 @@ def test_a_line_with_two_flags_is_code_only_where_both_are_on():
 def test_the_kernels_flag_known_knobs_only():
     """The attention template's flagged lines name split_merge (the key groups' split merge), tma_load (the mma.sync kernel's TMA loads), tma_multicast (their
     multicast across a cluster), tma_split (their K and V on barriers of their own),
-    softmax_overlap (its consumer loop rotated), lean_addressing (its descriptors advanced by one add), p_smem (P V's P
-    from shared memory, knob p_operand), skip_empty (empty warpgroups skipped, knob empty_warpgroups), wg4 (the
-    four-warpgroup tile's register split, block_m 256), causal_wg (each consumer warpgroup stopping at its own causal
+    lean_addressing (the Hopper kernel's descriptors advanced by one add), p_smem (P V's P
+    from shared memory, knob p_operand), skip_empty (empty warpgroups skipped, knob empty_warpgroups), causal_wg (each consumer warpgroup stopping at its own causal
     diagonal, knob causal_extent), stripe_mirror (the persistent kernel's stripes mirrored every other tile and Q's
-    second buffer, knob stripe_order), deep_ring (the K/V ring's barriers for stages 5 to 8), trace
+    second buffer, knob stripe_order), trace
     (tools/phase_trace.py's stamps), trace_split and trace_tma (its stamps in the split merge and the TMA loads: both
     flags) and no_wg_overlap (the baseline
     `tools/time_configs.py --with-flag` measures) and nothing else (a misspelt flag would drop its lines); the last four
@@ -59,7 +58,7 @@ def test_the_kernels_flag_known_knobs_only():
     _, template = read_template("attention.cu")
     assert template_flag_names(template) == {"split_merge", "tma_load", "tma_multicast", "tma_split", "trace",
                                                  "trace_split", "trace_tma", "no_wg_overlap",
-                                                 "softmax_overlap", "lean_addressing", "p_smem", "skip_empty",
+                                                 "lean_addressing", "p_smem", "skip_empty",
                                                  "causal_wg", "stripe_mirror"}
 
 

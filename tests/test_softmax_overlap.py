@@ -1,11 +1,12 @@
-"""The Hopper kernel's consumer loop rotated (knob softmax_overlap, kernels/attention_hopper.cuh's `//[softmax_overlap]`
-lines, search_spaces/attention-hopper3-overlap.yaml).
+"""The Hopper kernel's consumer loop rotated (knob softmax_overlap, the traits' SOFTMAX_OVERLAP: kSoftmaxOverlap, profile
+attention:hopper3-overlap).
 
 Written as one iteration, ptxas schedules the wait for P(t-1) V(t-1) above tile t's softmax, so the softmax never ran
 under the warpgroup's own P V; rotated, the wait opens the next iteration.
 
 CPU: every softmax_overlap = false config keeps its source (attention-hopper3-rescale's, whose own test ties it to the
-recorded runs); a true config's source has the rotated loop and no flag left; in the SASS of false configs no
+recorded runs); the knob is a traits template parameter and the rotated loop its `if constexpr` branches, no flag
+left; in the SASS of false configs no
 MUFU.EX2 lies between the wait for S and the wait for P V, in true configs the whole tile's exp2 do; the rotated
 paths compile clean (no spill, no stack frame, wgmma not serialised). GPU (marked): the gate passes and the output is
 bit for bit the false twin's (the same instructions in the same order), the log-sum-exp too; memcheck and racecheck
@@ -62,15 +63,17 @@ def test_every_written_config_keeps_its_source(attention, overlap_space):
 
 
 def test_rotated_source(attention, overlap_space):
-    """A true config's source defines finish_tile, calls it at the top of the loop and once after it, and keeps no
-    flag; the false twin has none of it. On mma.sync the knob selects nothing."""
+    """The knob is the traits' template parameter SOFTMAX_OVERLAP (kSoftmaxOverlap): the source defines finish_tile,
+    calls it at the top of the loop and once after it under `if constexpr`, and keeps no flag; the false twin passes
+    false. On mma.sync the knob selects nothing."""
     shape = parse_shape("gpt2")
     code = instantiate(attention, overlap_space.config(ROTATED_CONFIGS[0]), shape).code
-    assert "auto finish_tile = [&](int u) {" in code
-    assert code.count("finish_tile(t - 1);") == 1 and code.count("finish_tile(n_tiles - 1);") == 1
+    assert "auto finish_tile = [&](int u) {" in code and "/* SOFTMAX_OVERLAP = */ true," in code
+    assert code.count("if constexpr (T::kSoftmaxOverlap) finish_tile(t - 1);") == 1
+    assert code.count("if constexpr (T::kSoftmaxOverlap) finish_tile(n_tiles - 1);") == 1
     assert template_flag_names(code) == set()
     plain = instantiate(attention, overlap_space.config(_written(ROTATED_CONFIGS[0])), shape).code
-    assert "finish_tile" not in plain
+    assert "/* SOFTMAX_OVERLAP = */ false," in plain
     assert is_softmax_overlap(overlap_space.config(ROTATED_CONFIGS[0]))
     assert not is_softmax_overlap(dict(mma="sync", softmax_overlap=True))
 

@@ -130,8 +130,8 @@ def is_tma_store(config) -> bool:
 
 
 def is_softmax_overlap(config) -> bool:
-    """The Hopper variant's consumer loop rotated (knob softmax_overlap, kernels/attention_hopper.cuh's
-    `//[softmax_overlap]` lines): the wait for P(t-1) V(t-1) opens the next iteration, so ptxas cannot schedule it above
+    """The Hopper variant's consumer loop rotated (knob softmax_overlap, the traits' SOFTMAX_OVERLAP: kSoftmaxOverlap):
+    the wait for P(t-1) V(t-1) opens the next iteration, so ptxas cannot schedule it above
     tile t's softmax, which then runs while this warpgroup's P V is on the tensor cores (FlashAttention-3's intra-warpgroup
     overlap). Without it ptxas puts that wait above the softmax. The instructions run in the same order either way."""
     return is_wgmma(config) and bool(knob(config, "softmax_overlap"))
@@ -409,8 +409,7 @@ class AttentionProblem(Problem):
     def template_flags(self, config) -> frozenset[str]:
         """split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
         lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
-        tma_split: its `//[tma_split]` lines (kv_load = tma_split); softmax_overlap:
-        the Hopper kernel's `//[softmax_overlap]` lines (its consumer loop rotated); lean_addressing: its
+        tma_split: its `//[tma_split]` lines (kv_load = tma_split); lean_addressing: the Hopper kernel's
         `//[lean_addressing]` lines (descriptors advanced by one add, unsigned slot arithmetic); p_smem: its
         `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
         `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); causal_wg: its `//[causal_wg]`
@@ -421,7 +420,6 @@ class AttentionProblem(Problem):
                                                ("tma_load", is_tma_load(config)),
                                                ("tma_multicast", is_tma_multicast(config)),
                                                ("tma_split", is_tma_split(config)),
-                                               ("softmax_overlap", is_softmax_overlap(config)),
                                                ("lean_addressing", is_lean_addressing(config)),
                                                ("p_smem", is_p_smem(config)),
                                                ("skip_empty", is_skip_empty(config)),
@@ -450,6 +448,7 @@ class AttentionProblem(Problem):
                 ("TMA_STORE", "true" if is_tma_store(config) else "false"),
                 ("EXP2_FMA", exp2_fma_eighths(config)),
                 ("RESCALE_SLACK", -1 if rescale_slack_log2(config) is None else rescale_slack_log2(config)),
+                ("SOFTMAX_OVERLAP", "true" if is_softmax_overlap(config) else "false"),
             ] + problem_args
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
