@@ -90,8 +90,9 @@ def has_source(run_path, digest) -> bool:
 # --------------------------------------------------------------------------- writing
 
 def _pack(data: bytes) -> bytes:
-    """gzip at level 9 with no time or name in the header: one code, one byte string, on every host."""
-    return gzip.compress(data, compresslevel=9, mtime=0)
+    """gzip at level 6 with no time or name in the header: one code, one byte string, on every host. Level 9 cost
+    a search ~9 ms a trial on the whole source (1.4 s of a 60-trial first search on the H100) for ~5% fewer bytes."""
+    return gzip.compress(data, compresslevel=6, mtime=0)
 
 
 def _line_delta(base: list[str], target: list[str]) -> list:
@@ -199,11 +200,11 @@ def archive_source(run_path, source: KernelSource) -> bool:
     bases = _bases(folder, source.entry)
     for gone in [d for d in bases if not os.path.lexists(folder / (d + WHOLE))]:  # a folder removed and made again
         del bases[gone]
-    for base_digest, base in bases.items():
-        packed = _pack(json.dumps({"base": base_digest, "ops": _line_delta(base, target)},
-                                  separators=(",", ":")).encode())
-        if best is None or len(packed) < len(best):
-            best = packed
+    for base_digest, base in bases.items():  # the smallest delta by its text; only that one is gzipped
+        text = json.dumps({"base": base_digest, "ops": _line_delta(base, target)}, separators=(",", ":"))
+        if best is None or len(text) < len(best):
+            best = text
+    best = _pack(best.encode()) if best is not None else None
     if best is not None and len(best) < DELTA_WORTH * len(whole):
         return _link_into_place(folder, digest + DELTA, best)
     written = _link_into_place(folder, digest + WHOLE, whole)
