@@ -214,3 +214,23 @@ def _lock_is_free(path) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def test_only_a_trials_parameters_skip_the_fsync(tmp_path, monkeypatch):
+    """The per-knob parameter logs of an ask are appended without an fsync; any other operation (a trial's state and
+    values, a new trial) is fsynced, which writes the parameters before it to disk too."""
+    from optuna.storages.journal._storage import JournalOperation
+
+    from evotune.records import journal as J
+
+    synced = []
+    monkeypatch.setattr(J.os, "fsync", lambda fd: synced.append(fd))
+    path = tmp_path / "study.journal"
+    path.write_text("")
+    backend = J.RunJournal(path)
+    backend.append_logs([{"op_code": int(JournalOperation.SET_TRIAL_PARAM), "trial_id": 0}])
+    assert synced == []
+    backend.append_logs([{"op_code": int(JournalOperation.SET_TRIAL_STATE_VALUES), "trial_id": 0}])
+    backend.append_logs([{"op_code": int(JournalOperation.SET_TRIAL_PARAM)},
+                         {"op_code": int(JournalOperation.CREATE_TRIAL)}])
+    assert len(synced) == 2 and len(list(backend.read_logs(0))) == 4

@@ -281,8 +281,15 @@ class SurrogateSampler(optuna.samplers.BaseSampler):
             # knob value never measured, whose weight the data do not pin, is tried now and then.
             residual = y - x @ weights
             noise = max(float(residual @ residual) / max(len(y) - 1, 1), 1e-4)
-            cov = np.linalg.inv(gram) * noise * self._explore
-            weights = self._rng.multivariate_normal(weights, (cov + cov.T) / 2, check_valid="ignore")
+            # The draw is weights + L z with L L^T the posterior covariance (gram^-1 * noise): a Cholesky factor of
+            # gram, not numpy's multivariate_normal, whose SVD of the covariance took 1-90 ms an ask on a loaded CPU
+            # (BLAS threads against the compile pool's processes) and was 5 s of a 77-ask first search on the H100.
+            z = self._rng.standard_normal(self._width)
+            try:  # gram is positive definite where the ridge is positive: x^T x plus it (the intercept's entry: n)
+                factor = np.linalg.cholesky(gram)
+                weights = weights + np.linalg.solve(factor.T, z) * np.sqrt(noise * self._explore)
+            except np.linalg.LinAlgError:  # ridge 0 and too few results: the fit's weights, undrawn
+                pass
         return weights[self._active].sum(axis=1)
 
     def infer_relative_search_space(self, study, trial) -> dict:
