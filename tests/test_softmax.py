@@ -361,7 +361,10 @@ def test_search_end_to_end_writes_a_run_that_exports(softmax, runs_root, tmp_pat
     text = out.read_text()
     assert text.startswith("// evotune export: row softmax kernel, configuration baked in\n")
     assert "// shape        1000,1003:bf16  (rows=1000 cols=1003)" in text
-    assert text == export_source(softmax, shape, space.config(best["config"]), best, run.meta())
+    from evotune.records.sources import read_source
+
+    archived = read_source(run.path, best["source_digest"], softmax.entry_name)  # the search archived what it measured
+    assert text == export_source(softmax, shape, space.config(best["config"]), best, run.meta(), source=archived)
     assert 'extern "C" __global__' in text and "/* IS_BF16 = */ true" in text
 
 
