@@ -35,9 +35,13 @@
 
 namespace hopper {
 
+// PickType<B, A, C>::type: A when B, else C (std::conditional, without the standard headers NVRTC lacks).
+template <bool B, class A, class C> struct PickType { using type = A; };
+template <class A, class C> struct PickType<false, A, C> { using type = C; };
+
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
           bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, bool SOFTMAX_OVERLAP_,
-          int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool LEAN_ADDRESSING_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -53,6 +57,9 @@ struct HopperTraits {
     static constexpr int kRescaleSlackLog2 = RESCALE_SLACK_;
     static constexpr bool kLazyRescale = kRescaleSlackLog2 >= 0;
     static constexpr bool kSoftmaxOverlap = SOFTMAX_OVERLAP_;  // softmax_overlap: the consumer loop rotated
+    // lean_addressing: descriptors advanced by one add (smem_desc16), the K/V slots' sequence counted unsigned
+    static constexpr bool kLeanAddressing = LEAN_ADDRESSING_;
+    using SlotUse = typename PickType<kLeanAddressing, unsigned, int>::type;  // a K/V tile's place in the slots' sequence
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -167,17 +174,17 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
     return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(lbo >> 4) << 16) |
            (static_cast<u64>(sbo >> 4) << 32) | (1ull << 62);
 }
-//[lean_addressing] // lean_addressing: the same descriptor from addr >> 4, which the caller computes once per tile and advances by
-//[lean_addressing] // each k-step's offset >> 4 (CUTLASS's descriptor iterator): one add where smem_desc masks, shifts and ors
-//[lean_addressing] // per k-step. The LBO field is added rather than or-ed so it folds into that add's immediate. Shared-window
-//[lean_addressing] // addresses are below 2^18, so addr >> 4 fits the 14-bit field without the mask and the add never carries.
-//[lean_addressing] __device__ __forceinline__ u64 smem_desc16(u32 addr16, u32 lbo, u32 sbo) {
-//[lean_addressing]     const u32 lo = addr16 + ((lbo >> 4) << 16);
-//[lean_addressing]     const u32 hi = (sbo >> 4) | (1u << 30);
-//[lean_addressing]     u64 desc;
-//[lean_addressing]     asm("mov.b64 %0, {%1, %2};" : "=l"(desc) : "r"(lo), "r"(hi));
-//[lean_addressing]     return desc;
-//[lean_addressing] }
+// lean_addressing: the same descriptor from addr >> 4, which the caller computes once per tile and advances by
+// each k-step's offset >> 4 (CUTLASS's descriptor iterator): one add where smem_desc masks, shifts and ors
+// per k-step. The LBO field is added rather than or-ed so it folds into that add's immediate. Shared-window
+// addresses are below 2^18, so addr >> 4 fits the 14-bit field without the mask and the add never carries.
+__device__ __forceinline__ u64 smem_desc16(u32 addr16, u32 lbo, u32 sbo) {
+    const u32 lo = addr16 + ((lbo >> 4) << 16);
+    const u32 hi = (sbo >> 4) | (1u << 30);
+    u64 desc;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(desc) : "r"(lo), "r"(hi));
+    return desc;
+}
 
 // ------------------------------------------------------------------ the math
 
@@ -188,19 +195,18 @@ __device__ __forceinline__ void issue_qk(float (&s)[T::kSAcc], const u32 (&qr)[T
     for (int kk = 0; kk < T::kQKSteps; ++kk) {
         // k-step kk: region kk/4 of the tile, 32 bytes (16 columns) per step inside it.
         const u32 k_off = (kk / 4) * (T::kBlockN * 128) + (kk % 4) * 32;
-        //[lean_addressing] #if 0
-        const u64 desc_k = smem_desc(sK + k_off, 16, 1024);
-        //[lean_addressing] #endif
-        //[lean_addressing] const u64 desc_k = smem_desc16((sK >> 4) + (k_off >> 4), 16, 1024);
+        u64 desc_k;
+        if constexpr (T::kLeanAddressing) desc_k = smem_desc16((sK >> 4) + (k_off >> 4), 16, 1024);
+        else desc_k = smem_desc(sK + k_off, 16, 1024);
         if constexpr (T::kQInRegs) {
             wgmma_rs<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, qr[T::kQInRegs ? kk : 0], desc_k, kk > 0);
         } else {
             const u32 q_off = (kk / 4) * (T::kBlockM * 128) + (kk % 4) * 32;
-            //[lean_addressing] #if 0
-            wgmma_ss<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, smem_desc(sQ_wg + q_off, 16, 1024), desc_k, kk > 0);
-            //[lean_addressing] #endif
-            //[lean_addressing] wgmma_ss<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, smem_desc16((sQ_wg >> 4) + (q_off >> 4), 16, 1024), desc_k,
-            //[lean_addressing]             kk > 0);
+            if constexpr (T::kLeanAddressing)
+                wgmma_ss<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, smem_desc16((sQ_wg >> 4) + (q_off >> 4), 16, 1024),
+                            desc_k, kk > 0);
+            else
+                wgmma_ss<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, smem_desc(sQ_wg + q_off, 16, 1024), desc_k, kk > 0);
         }
     }
     wgmma_commit();
@@ -210,12 +216,13 @@ __device__ __forceinline__ void issue_qk(float (&s)[T::kSAcc], const u32 (&qr)[T
 template <class T>
 __device__ __forceinline__ void issue_pv(float (&o)[T::kOAcc], const u32 (&p)[T::kPVSteps][4], u32 sV) {
 #pragma unroll
-    for (int kk = 0; kk < T::kPVSteps; ++kk)  // 16 keys (2 swizzle atoms of 8 rows) per step
-        //[lean_addressing] #if 0
-        wgmma_rs<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, p[kk], smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
-        //[lean_addressing] #endif
-        //[lean_addressing] wgmma_rs<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, p[kk],
-        //[lean_addressing]             smem_desc16((sV >> 4) + kk * 128, T::kBlockN * 128, 1024), 1);
+    for (int kk = 0; kk < T::kPVSteps; ++kk) {  // 16 keys (2 swizzle atoms of 8 rows) per step
+        if constexpr (T::kLeanAddressing)
+            wgmma_rs<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, p[kk],
+                        smem_desc16((sV >> 4) + kk * 128, T::kBlockN * 128, 1024), 1);
+        else
+            wgmma_rs<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, p[kk], smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
+    }
     wgmma_commit();
 }
 
@@ -253,12 +260,12 @@ __device__ __forceinline__ void issue_pv(float (&o)[T::kOAcc], const u32 (&p)[T:
 //[p_smem] #pragma unroll
 //[p_smem]     for (int kk = 0; kk < T::kPVSteps; ++kk) {  // 16 keys per step: P's region kk / 4, 32 bytes a step inside it
 //[p_smem]         const u32 p_off = (kk / 4) * (64 * 128) + (kk % 4) * 32;
-//[p_smem]         //[lean_addressing] #if 0
-//[p_smem]         wgmma_ss<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, smem_desc(sP_wg + p_off, 16, 1024),
-//[p_smem]                     smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
-//[p_smem]         //[lean_addressing] #endif
-//[p_smem]         //[lean_addressing] wgmma_ss<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, smem_desc16((sP_wg >> 4) + (p_off >> 4), 16, 1024),
-//[p_smem]         //[lean_addressing]             smem_desc16((sV >> 4) + kk * 128, T::kBlockN * 128, 1024), 1);
+//[p_smem]         if constexpr (T::kLeanAddressing)
+//[p_smem]             wgmma_ss<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, smem_desc16((sP_wg >> 4) + (p_off >> 4), 16, 1024),
+//[p_smem]                         smem_desc16((sV >> 4) + kk * 128, T::kBlockN * 128, 1024), 1);
+//[p_smem]         else
+//[p_smem]             wgmma_ss<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, smem_desc(sP_wg + p_off, 16, 1024),
+//[p_smem]                         smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
 //[p_smem]     }
 //[p_smem]     wgmma_commit();
 //[p_smem] }
@@ -464,13 +471,10 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barrier
 template <class T>
 __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorMap* v_map, u32 sK, u32 sV, Barriers<T>* bars,
                                        int t, int head, int batch) {
-    //[lean_addressing] #if 0
-    const int slot = t % T::kStages;
-    const u32 parity = (t / T::kStages) & 1;
-    //[lean_addressing] #endif
-    //[lean_addressing] // lean_addressing: t is never negative; unsigned, % and / by STAGES need no sign fix-up (at 2 and 4: a mask, a shift).
-    //[lean_addressing] const int slot = static_cast<unsigned>(t) % T::kStages;
-    //[lean_addressing] const u32 parity = (static_cast<unsigned>(t) / T::kStages) & 1;
+    // lean_addressing: t is never negative; unsigned, % and / by STAGES need no sign fix-up (at 2 and 4: a mask, a
+    // shift).
+    const int slot = static_cast<typename T::SlotUse>(t) % T::kStages;
+    const u32 parity = (static_cast<typename T::SlotUse>(t) / T::kStages) & 1;
     mbar_wait(smem_addr(&bars->k_empty[slot]), parity);
     load_kv<T, 0>(k_map, sK, bars, slot, t + T::kStages, head, batch);
     mbar_wait(smem_addr(&bars->v_empty[slot]), parity);
@@ -786,10 +790,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
 
         for (int t = 1; t < n_tiles; ++t) {
             if constexpr (T::kSoftmaxOverlap) finish_tile(t - 1);
-            //[lean_addressing] #if 0
-            const int use = it0 + t;            // K/V tile t's place in the slots' sequence
-            //[lean_addressing] #endif
-            //[lean_addressing] const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence (unsigned: no sign fix-up in % and /)
+            // K/V tile t's place in the slots' sequence (lean_addressing: unsigned, no sign fix-up in % and /)
+            const typename T::SlotUse use = it0 + t;
             const int slot = use % T::kStages;
             const int prev = (use - 1) % T::kStages;  // tile t-1's slot
             mbar_wait(smem_addr(&bars.k_full[slot]), (use / T::kStages) & 1);

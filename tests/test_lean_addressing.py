@@ -1,13 +1,13 @@
-"""The Hopper kernel's index arithmetic made lean (knob lean_addressing, kernels/attention_hopper.cuh's
-`//[lean_addressing]` lines, search_spaces/attention-hopper3-lean.yaml).
+"""The Hopper kernel's index arithmetic made lean (knob lean_addressing, the traits' LEAN_ADDRESSING: kLeanAddressing and
+SlotUse, profile attention:hopper3-lean).
 
 As written, each k-step's shared-memory matrix descriptor is rebuilt from its address (mask, shift, or) and the K/V
 slot and parity come from signed % and /; lean, each descriptor is one add from the tile's address >> 4 and the slot
 arithmetic is unsigned. The descriptors and slots are the same numbers.
 
 CPU: every lean_addressing = false config keeps its source (attention-hopper3-overlap's, whose own test ties it to
-attention-hopper3-rescale's and so to the recorded runs); a true config's source uses smem_desc16 everywhere a
-descriptor is made and keeps no flag; in the SASS the instructions between a product's wgmma issues drop by a fifth
+attention-hopper3-rescale's and so to the recorded runs); the knob is a traits template parameter whose `if constexpr`
+branches make every descriptor with smem_desc16, and no flag is left; in the SASS the instructions between a product's wgmma issues drop by a fifth
 or more; the lean paths compile clean; the kernel's own issue_qk and issue_pv, compiled on the host with stubs for
 wgmma, hand wgmma the same descriptors lean and written over every tile base of the shared window. GPU (marked): the
 gate passes and the output is bit for bit the false twin's, the log-sum-exp too; memcheck and racecheck find
@@ -20,7 +20,7 @@ import re
 import pytest
 from _variant_pairs import (COMPILE_SHAPES, HOPPER_SHAPES, assert_compiles_clean, assert_gate_and_twin, assert_lse_twin,
                             assert_same_sources, assert_sanitizer_clean, compile_config, hopper_config_id,
-                            serialised_notes, skip_unless_admitted, without_if0)
+                            serialised_notes, skip_unless_admitted)
 
 from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import is_lean_addressing
@@ -77,27 +77,30 @@ def test_tiles_space_is_the_lean_space_pinned(attention, lean_space):
 
 
 def test_lean_source(attention, lean_space):
-    """A true config's source makes every descriptor with smem_desc16 (defined once, smem_desc no longer called),
-    declares the slot sequence number unsigned and keeps no flag; the false twin has none of it. On mma.sync the knob
-    selects nothing."""
+    """The knob is the traits' template parameter LEAN_ADDRESSING (kLeanAddressing): smem_desc16 is defined once and
+    every descriptor of issue_qk and issue_pv (and issue_pv_smem) has an `if constexpr` branch making it with
+    smem_desc16; the slot sequence number is the traits' SlotUse (unsigned when lean); no flag is left; the false twin
+    passes false. On mma.sync the knob selects nothing."""
     shape = parse_shape("gpt2")
     for cfg in (LEAN_CONFIGS[0], LEAN_CONFIGS[2]):  # Q from registers (wgmma_rs) and from shared memory (wgmma_ss)
         code = instantiate(attention, lean_space.config(cfg), shape).code
+        assert "/* LEAN_ADDRESSING = */ true," in code
         assert code.count("u64 smem_desc16(u32 addr16, u32 lbo, u32 sbo)") == 1
-        compiled_text = without_if0(code.split("u64 smem_desc16(", 1)[1])
-        assert "smem_desc(" not in compiled_text and compiled_text.count("smem_desc16(") >= 3
-        assert "const unsigned use = it0 + t;" in compiled_text and "const int use = it0 + t;" not in compiled_text
+        assert "using SlotUse = typename PickType<kLeanAddressing, unsigned, int>::type;" in code
+        assert code.count("if constexpr (T::kLeanAddressing)") >= 3
+        assert "const typename T::SlotUse use = it0 + t;" in code
         assert template_flag_names(code) == set()
         plain = instantiate(attention, lean_space.config(_written(cfg)), shape).code
-        assert "smem_desc16" not in plain and "const int use = it0 + t;" in plain
+        assert "/* LEAN_ADDRESSING = */ false," in plain
     assert is_lean_addressing(lean_space.config(LEAN_CONFIGS[0]))
     assert not is_lean_addressing(dict(mma="sync", lean_addressing=True))
 
 
-# Host harness for the kernel's own descriptor code: issue_qk and issue_pv (with smem_desc, and smem_desc16 where the
-# flag keeps it) cut from an instantiated source and compiled by the host's C++ compiler, the wgmma calls replaced by
+# Host harness for the kernel's own descriptor code: issue_qk and issue_pv (with smem_desc and smem_desc16; LEAN sets
+# the traits' kLeanAddressing) cut from an instantiated source and compiled by the host's C++ compiler, the wgmma calls replaced by
 # stubs that print each descriptor they are given.
 _DESC_PRELUDE = """#include <cstdio>
+#include <type_traits>
 typedef unsigned int u32;
 typedef unsigned long long u64;
 #define __device__
@@ -113,7 +116,7 @@ _DESC_MAIN = """
 template <int BLOCK_M, int BLOCK_N, int HEAD_DIM, bool Q_IN_REGS>
 struct Traits {
     static constexpr int kBlockM = BLOCK_M, kBlockN = BLOCK_N, kHeadDim = HEAD_DIM;
-    static constexpr bool kQInRegs = Q_IN_REGS, kIsBf16 = false;
+    static constexpr bool kQInRegs = Q_IN_REGS, kIsBf16 = false, kLeanAddressing = LEAN;
     static constexpr int kQKSteps = kHeadDim / 16, kQRegSteps = kQInRegs ? kQKSteps : 1, kPVSteps = kBlockN / 16;
     static constexpr int kSAcc = kBlockN / 2, kOAcc = kHeadDim / 2;
 };
@@ -154,19 +157,21 @@ def _run_host_harness(source: str, folder, name: str) -> list[str]:
     return subprocess.run([str(folder / name)], capture_output=True, text=True, check=True).stdout.splitlines()
 
 
-def _descriptor_trace(code: str, folder) -> list[str]:
-    """The descriptors the source's issue_qk and issue_pv hand to wgmma over the harness's sweep, one line each."""
+def _descriptor_trace(code: str, folder, lean: bool) -> list[str]:
+    """The descriptors the source's issue_qk and issue_pv hand to wgmma over the harness's sweep, one line each, with
+    the traits' kLeanAddressing at `lean`."""
     parts = []
     for name in ("u64 smem_desc(", "u64 smem_desc16(", "void issue_qk(", "void issue_pv("):
         found = re.search(r"(template <class T>\n)?__device__ __forceinline__ " + re.escape(name) + r".*?\n}\n", code,
                           re.S)
-        assert found or name == "u64 smem_desc16(", name
-        parts.append(found.group(0) if found else "")
+        assert found, name
+        parts.append(found.group(0))
     text = "\n".join(parts)
     asm = 'asm("mov.b64 %0, {%1, %2};" : "=l"(desc) : "r"(lo), "r"(hi));'
-    assert (asm in text) == bool(parts[1])
+    assert asm in text
     text = text.replace(asm, "desc = (static_cast<u64>(hi) << 32) | lo;")
-    return _run_host_harness(_DESC_PRELUDE + text + _DESC_MAIN, folder, "desc")
+    define = f"#define LEAN {'true' if lean else 'false'}\n"
+    return _run_host_harness(define + _DESC_PRELUDE + text + _DESC_MAIN, folder, "desc")
 
 
 def test_lean_descriptors_are_the_written_ones(attention, lean_space, tmp_path):
@@ -178,7 +183,7 @@ def test_lean_descriptors_are_the_written_ones(attention, lean_space, tmp_path):
     for lean in (True, False):
         code = instantiate(attention, lean_space.config(dict(LEAN_CONFIGS[0], lean_addressing=lean)), shape).code
         (tmp_path / str(lean)).mkdir()
-        traces[lean] = _descriptor_trace(code, tmp_path / str(lean))
+        traces[lean] = _descriptor_trace(code, tmp_path / str(lean), lean)
     assert len(traces[False]) > 10000 and len({line.split()[0] for line in traces[False]}) == 3
     assert traces[True] == traces[False]
 
@@ -250,18 +255,20 @@ def test_sanitizers_clean(attention, lean_space, cfg, tool):
 # cut from an instantiated source and compiled by the host's C++ compiler, the barrier waits and TMA loads replaced by
 # stubs that print the barrier, slot, parity and tile they are given.
 _REFILL_PRELUDE = """#include <cstdio>
+#include <type_traits>
 typedef unsigned int u32;
 #define __device__
 #define __forceinline__ inline
 struct CUtensorMap {};
+template <class T>
 struct Barriers {
     unsigned long long k_empty[4], v_empty[4];
 };
-static Barriers g_bars;
+static Barriers<void> g_bars;
 inline u32 smem_addr(const unsigned long long* bar) { return static_cast<u32>(bar - g_bars.k_empty); }
 inline void mbar_wait(u32 bar, u32 parity) { std::printf("W %u %u\\n", bar, parity); }
 template <class T, int WHICH>
-void load_kv(const CUtensorMap*, u32, Barriers*, int slot, int t, int, int) {
+void load_kv(const CUtensorMap*, u32, Barriers<T>*, int slot, int t, int, int) {
     std::printf("L%d %d %d\\n", WHICH, slot, t);
 }
 """
@@ -269,11 +276,12 @@ _REFILL_MAIN = """
 template <int STAGES>
 struct Traits {
     static constexpr int kStages = STAGES;
+    using SlotUse = std::conditional_t<LEAN, unsigned, int>;
 };
 template <class T>
 void sweep() {
     static CUtensorMap map;
-    for (int t = 0; t < 20000; ++t) refill<T>(&map, &map, 0, 0, &g_bars, t, 0, 0);
+    for (int t = 0; t < 20000; ++t) refill<T>(&map, &map, 0, 0, reinterpret_cast<Barriers<T>*>(&g_bars), t, 0, 0);
 }
 int main() {
     sweep<Traits<1>>();
@@ -285,12 +293,13 @@ int main() {
 """
 
 
-def _refill_trace(code: str, folder) -> list[str]:
+def _refill_trace(code: str, folder, lean: bool) -> list[str]:
     """The barrier waits and loads the source's refill makes over the harness's sweep (tiles 0 to 19999 at 1 to 4
     stages), one line each."""
     found = re.search(r"template <class T>\n__device__ __forceinline__ void refill\(.*?\n}\n", code, re.S)
     assert found
-    return _run_host_harness(_REFILL_PRELUDE + found.group(0) + _REFILL_MAIN, folder, "refill")
+    define = f"#define LEAN {'true' if lean else 'false'}\n"
+    return _run_host_harness(define + _REFILL_PRELUDE + found.group(0) + _REFILL_MAIN, folder, "refill")
 
 
 def test_lean_refill_is_the_written_one(attention, lean_space, tmp_path):
@@ -302,9 +311,9 @@ def test_lean_refill_is_the_written_one(attention, lean_space, tmp_path):
     traces = {}
     for lean in (True, False):
         code = instantiate(attention, lean_space.config(dict(LEAN_CONFIGS[0], lean_addressing=lean)), shape).code
-        assert ("static_cast<unsigned>(t) % T::kStages" in code) == lean
+        assert "static_cast<typename T::SlotUse>(t) % T::kStages" in code
         (tmp_path / str(lean)).mkdir()
-        traces[lean] = _refill_trace(code, tmp_path / str(lean))
+        traces[lean] = _refill_trace(code, tmp_path / str(lean), lean)
     assert traces[True] == traces[False]
     lines = iter(traces[False])
     for stages in (1, 2, 3, 4):

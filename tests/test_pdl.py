@@ -47,7 +47,7 @@ def test_a_line_with_two_flags_is_code_only_where_both_are_on():
 def test_the_kernels_flag_known_knobs_only():
     """The attention template's flagged lines name split_merge (the key groups' split merge), tma_load (the mma.sync kernel's TMA loads), tma_multicast (their
     multicast across a cluster), tma_split (their K and V on barriers of their own),
-    lean_addressing (the Hopper kernel's descriptors advanced by one add), p_smem (P V's P
+    p_smem (the Hopper kernel's P V's P
     from shared memory, knob p_operand), skip_empty (empty warpgroups skipped, knob empty_warpgroups), causal_wg (each consumer warpgroup stopping at its own causal
     diagonal, knob causal_extent), stripe_mirror (the persistent kernel's stripes mirrored every other tile and Q's
     second buffer, knob stripe_order), trace
@@ -58,7 +58,7 @@ def test_the_kernels_flag_known_knobs_only():
     _, template = read_template("attention.cu")
     assert template_flag_names(template) == {"split_merge", "tma_load", "tma_multicast", "tma_split", "trace",
                                                  "trace_split", "trace_tma", "no_wg_overlap",
-                                                 "lean_addressing", "p_smem", "skip_empty",
+                                                 "p_smem", "skip_empty",
                                                  "causal_wg", "stripe_mirror"}
 
 

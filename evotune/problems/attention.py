@@ -138,8 +138,8 @@ def is_softmax_overlap(config) -> bool:
 
 
 def is_lean_addressing(config) -> bool:
-    """The Hopper variant's index arithmetic made lean (knob lean_addressing, kernels/attention_hopper.cuh's
-    `//[lean_addressing]` lines): each k-step's wgmma descriptor is one add from the tile's address >> 4 (CUTLASS's
+    """The Hopper variant's index arithmetic made lean (knob lean_addressing, the traits' LEAN_ADDRESSING:
+    kLeanAddressing, SlotUse): each k-step's wgmma descriptor is one add from the tile's address >> 4 (CUTLASS's
     descriptor iterator) instead of a mask, shift and or per k-step, and the K/V slot and parity come from unsigned %
     and /. The uniform-datapath instructions between a tile's wgmma issues and in its bookkeeping drop (the gpt2
     winner's consumer loop: 434 SASS instructions to 412, 90 uniform to 68); the arithmetic's results are the same."""
@@ -409,8 +409,7 @@ class AttentionProblem(Problem):
     def template_flags(self, config) -> frozenset[str]:
         """split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
         lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
-        tma_split: its `//[tma_split]` lines (kv_load = tma_split); lean_addressing: the Hopper kernel's
-        `//[lean_addressing]` lines (descriptors advanced by one add, unsigned slot arithmetic); p_smem: its
+        tma_split: its `//[tma_split]` lines (kv_load = tma_split); p_smem: the Hopper kernel's
         `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
         `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); causal_wg: its `//[causal_wg]`
         lines (causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal); stripe_mirror: its
@@ -420,7 +419,6 @@ class AttentionProblem(Problem):
                                                ("tma_load", is_tma_load(config)),
                                                ("tma_multicast", is_tma_multicast(config)),
                                                ("tma_split", is_tma_split(config)),
-                                               ("lean_addressing", is_lean_addressing(config)),
                                                ("p_smem", is_p_smem(config)),
                                                ("skip_empty", is_skip_empty(config)),
                                                ("causal_wg", is_causal_warpgroup(config)),
@@ -449,6 +447,7 @@ class AttentionProblem(Problem):
                 ("EXP2_FMA", exp2_fma_eighths(config)),
                 ("RESCALE_SLACK", -1 if rescale_slack_log2(config) is None else rescale_slack_log2(config)),
                 ("SOFTMAX_OVERLAP", "true" if is_softmax_overlap(config) else "false"),
+                ("LEAN_ADDRESSING", "true" if is_lean_addressing(config) else "false"),
             ] + problem_args
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
