@@ -24,22 +24,10 @@ from evotune.search.loop import SearchOptions, run_search
 from evotune.space.searchspace import load_space
 
 from _tables import entry, table
+from test_search import TINY_SPACE
 from test_tuning_table import key_of, make_run
 
-TWO = """\
-family: attention
-params:
-  block_m: {values: [32]}
-  block_n: {values: [32, 64]}
-  compute_warps: {values: [2]}
-  producer_warps: {values: [0]}
-  stages: {values: [1]}
-  smem_layout: {values: [swizzle]}
-  q_in_regs: {values: [true]}
-constraints:
-  - expr: block_m % (16 * compute_warps) == 0
-    why: each compute warp owns a whole number of 16-row mma tiles
-"""
+TWO = TINY_SPACE  # two configurations (block_n 32 and 64), cheap to compile
 
 
 def older(src: KernelSource, tag: str = "1") -> KernelSource:
