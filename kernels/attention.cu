@@ -57,7 +57,7 @@ enum SmemLayout { kPlain = 0, kPadded = 1, kSwizzled = 2 };
 
 template <int BLOCK_M_, int BLOCK_N_, int COMPUTE_WARPS_, int PRODUCER_WARPS_, int STAGES_,
           int SMEM_LAYOUT_, bool Q_IN_REGS_, int KV_SPLITS_, int WARP_KEY_GROUPS_, bool PDL_, int EXP2_FMA_,
-          int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool SPLIT_MERGE_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct AttnTraits {
     static constexpr int kBlockM = BLOCK_M_;
     static constexpr int kBlockN = BLOCK_N_;
@@ -70,6 +70,8 @@ struct AttnTraits {
     static constexpr int kKeyGroups = WARP_KEY_GROUPS_;
     static constexpr bool kPdl = PDL_;  // pdl: griddepcontrol.wait before the first global access (docs/PDL.md)
     static constexpr int kExp2FmaEighths = EXP2_FMA_;  // exp2_fma: eighths of each row's exp2 on the FMA pipe
+    // key_merge = split (kernels/attention_split_merge.cuh): each key group merges and stores 1/G of the head dim
+    static constexpr bool kSplitMerge = SPLIT_MERGE_;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -129,6 +131,8 @@ struct AttnTraits {
     static_assert(kBlockM % (16 * kRowGroups) == 0, "each row group must own a whole number of 16-row mma tiles");
     static_assert(kWarpKeys % 16 == 0, "each warp's share of a K/V tile must be a multiple of 16 keys");
     static_assert(kKeyGroups == 1 || kKVSplits == 1, "key groups and KV splits are not combined");
+    static_assert(!kSplitMerge || (kKeyGroups > 1 && kDFrags % kKeyGroups == 0),
+                  "key_merge = split: two or more key groups dividing the head dim's 8-column blocks");
     static_assert(kMFrags >= 1 && kMFrags <= 4, "1 to 4 mma row tiles per warp");
     static_assert(kQKSteps % kQKUnroll == 0, "Q K^T trips must cover the head dim evenly");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "BLOCK_N must be a multiple of 16 (ldmatrix.x4 covers 16 keys)");
@@ -646,8 +650,8 @@ __device__ __forceinline__ void compute_sync() {
     if constexpr (T::kHasProducers) named_bar_sync(NamedBarrier::kComputeWarps, 0, T::kComputeThreads);
     else __syncthreads();
 }
-//[split_merge]
-//[split_merge] #include "attention_split_merge.cuh"
+
+#include "attention_split_merge.cuh"
 //[tma_load]
 //[tma_load] #include "attention_tma_load.cuh"
 //[tma_multicast] #include "attention_tma_multicast.cuh"
@@ -896,30 +900,32 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
 
     if constexpr (T::kKeyGroups > 1) {
         float* slots = reinterpret_cast<float*>(sV + T::kStages * T::kKVElems);
-        //[split_merge] // key_merge = split (kernels/attention_split_merge.cuh): each key group merges and stores its
-        //[split_merge] // 1/G of the head dim; gather's code below is compiled out.
-        //[split_merge] write_split_partial<T>(o_acc, m_run, l_run, slots, key_group, warp_row0, lane);
-        //[split_merge] compute_sync<T>();
-        //[trace_split] tracer.mark(trace::kSync);  // every key group's published columns are in shared memory
-        //[split_merge] merge_split<T>(o_acc, m_run, l_run, slots, key_group, warp_row0, scale_log2, lane);
-        //[trace_split] tracer.mark_after(trace::kMerge, split_last_merged<T>(o_acc, key_group));
-        //[split_merge] if constexpr (WRITE_LSE) {
-        //[split_merge]     if (key_group == 0) store_lse<T, true>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
-        //[split_merge] }
-        //[split_merge] store_o_split<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, key_group, lane);
-        //[trace_split] tracer.mark(trace::kStore);  // this warp's stores issued
-        //[split_merge] #if 0
-        if (key_group > 0)
-            write_key_group_partial<T>(o_acc, m_run, l_run, slots + (key_group - 1) * T::kMergeSlotFloats, warp_row0, lane);
-        compute_sync<T>();
-        //[trace] tracer.mark(trace::kSync);  // every key group's partial is in shared memory
-        if (key_group > 0) return;
-        merge_key_groups<T>(o_acc, m_run, l_run, slots, warp_row0, scale_log2, lane);
-        //[trace] tracer.mark_after(trace::kMerge, o_acc[T::kMFrags - 1][T::kDFrags - 1][3]);
-        if constexpr (WRITE_LSE) store_lse<T, true>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
-        store_o<T, true>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
-        //[trace] tracer.mark(trace::kStore);  // the stores issued
-        //[split_merge] #endif
+        if constexpr (T::kSplitMerge) {
+            // key_merge = split (kernels/attention_split_merge.cuh): each key group merges and stores its 1/G of
+            // the head dim.
+            write_split_partial<T>(o_acc, m_run, l_run, slots, key_group, warp_row0, lane);
+            compute_sync<T>();
+            //[trace_split] tracer.mark(trace::kSync);  // every key group's published columns are in shared memory
+            merge_split<T>(o_acc, m_run, l_run, slots, key_group, warp_row0, scale_log2, lane);
+            //[trace_split] tracer.mark_after(trace::kMerge, split_last_merged<T>(o_acc, key_group));
+            if constexpr (WRITE_LSE) {
+                if (key_group == 0) store_lse<T, true>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
+            }
+            store_o_split<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, key_group, lane);
+            //[trace_split] tracer.mark(trace::kStore);  // this warp's stores issued
+        } else {
+            if (key_group > 0)
+                write_key_group_partial<T>(o_acc, m_run, l_run, slots + (key_group - 1) * T::kMergeSlotFloats, warp_row0,
+                                           lane);
+            compute_sync<T>();
+            //[trace] tracer.mark(trace::kSync);  // every key group's partial is in shared memory
+            if (key_group > 0) return;
+            merge_key_groups<T>(o_acc, m_run, l_run, slots, warp_row0, scale_log2, lane);
+            //[trace] tracer.mark_after(trace::kMerge, o_acc[T::kMFrags - 1][T::kDFrags - 1][3]);
+            if constexpr (WRITE_LSE) store_lse<T, true>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
+            store_o<T, true>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);
+            //[trace] tracer.mark(trace::kStore);  // the stores issued
+        }
     } else if constexpr (T::kKVSplits == 1) {
         if constexpr (WRITE_LSE) store_lse<T>(m_run, l_run, gL, q_row0, warp_row0, seq_q, scale_log2, lane);
         store_o<T>(o_acc, l_run, sQ, gO, o_ss, q_row0, warp_row0, seq_q, lane);

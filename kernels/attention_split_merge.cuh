@@ -1,6 +1,6 @@
-// key_merge = split (evotune/problems/attention.py): the key groups' merge and O's store divided between the warps
-// of a row group. Included (and its code compiled) only by the configs with that knob value, through a
-// `//[split_merge]` line of attention.cu, so every other config's source is what it was before the knob.
+// key_merge = split (evotune/problems/attention.py; the traits' SPLIT_MERGE, kSplitMerge): the key groups' merge and
+// O's store divided between the warps of a row group. Always included; its templates are instantiated only by an
+// `if constexpr (T::kSplitMerge)` branch of attention.cu.
 //
 // With key_merge = gather, the first warp of a row group folds in the other groups' whole partials and stores all
 // of O alone while they exit: after the loop it runs every column's merge and store as one dependent chain (on the

@@ -34,7 +34,6 @@ SPLIT_CONFIGS = [
     dict(_S, block_m=128, block_n=64, compute_warps=8, producer_warps=1, stages=2, smem_layout="swizzle",
          q_in_regs=False, warp_key_groups=2),
 ]
-MISSION_WINNER_DIGEST = "4aac853a37e5a9d4"  # pdl true; docs/TRACE.md pins it too
 
 
 def _id(c: dict) -> str:
@@ -46,19 +45,18 @@ def _gather(cfg: dict) -> dict:
     return dict(cfg, key_merge="gather")
 
 
-def test_gather_configs_keep_their_source(attention, space):
-    """key_merge = gather is the source as it was before the knob: the same text as a config that does not name
-    it, none of the split code, and the mission winner's pinned digest."""
+def test_key_merge_is_a_traits_parameter(attention, space):
+    """key_merge is the traits' template parameter SPLIT_MERGE (kSplitMerge): gather passes false and is the same text
+    as a config that does not name it, split passes true; no flag markers in either."""
     shape = parse_shape("mission")
     for cfg in SPLIT_CONFIGS:
         stated = instantiate(attention, space.config(_gather(cfg)), shape)
         unnamed = {k: v for k, v in cfg.items() if k != "key_merge"}
         assert instantiate(attention, space.config(unnamed), shape).code == stated.code
-        assert "attention_split_merge" not in stated.code and "SplitMerge" not in stated.code
+        assert "/* SPLIT_MERGE = */ false," in stated.code
         assert template_flag_names(stated.code) == set()
-    merge = load_builtin("attention-small-merge")  # the mission search's space: no mma, pingpong, ... knobs
-    winner = {k: v for k, v in _gather(SPLIT_CONFIGS[0]).items() if k != "mma"}
-    assert instantiate(attention, merge.config(winner), shape).digest == MISSION_WINNER_DIGEST
+        split = instantiate(attention, space.config(cfg), shape).code
+        assert "/* SPLIT_MERGE = */ true," in split and template_flag_names(split) == set()
 
 
 def test_every_gather_config_of_the_mission_search_keeps_its_source(attention):
@@ -76,12 +74,12 @@ def test_every_gather_config_of_the_mission_search_keeps_its_source(attention):
 
 
 def test_split_source_inlines_its_header(attention, space):
-    """A split config's source has the header inlined (no include left), gather's code compiled out, traits whose
-    shared memory is the split slots', and no flag markers."""
+    """A split config's source has the header inlined (no include left), the split merge and gather's as the two
+    branches of `if constexpr (T::kSplitMerge)`, traits whose shared memory is the split slots', and no flag markers."""
     src = instantiate(attention, space.config(SPLIT_CONFIGS[0]), parse_shape("mission"))
     assert "// ---- begin attention_split_merge.cuh" in src.code and '#include "' not in src.code
     assert "struct EvotuneTraits : EvotuneBaseTraits" in src.code
-    assert "write_split_partial<T>(o_acc" in src.code and "#if 0\n        if (key_group > 0)" in src.code
+    assert "write_split_partial<T>(o_acc" in src.code and "if constexpr (T::kSplitMerge) {" in src.code
     assert template_flag_names(src.code) == set()
 
 
@@ -142,7 +140,8 @@ def test_trace_variant_stamps_the_split_merge(attention):
     shape = parse_shape("mission")
     split = instantiate(traced, space.config(SPLIT_CONFIGS[0]), shape)
     gather = instantiate(traced, space.config(_gather(SPLIT_CONFIGS[0])), shape)
-    assert "split_last_merged<T>(o_acc, key_group)" in split.code and "split_last_merged" not in gather.code
+    assert "split_last_merged<T>(o_acc, key_group)" in split.code
+    assert "split_last_merged<T>(o_acc, key_group)" not in gather.code
     res = compile_source(split.code, split.entry).resources
     assert res.stack_frame == 0 and res.spill_stores == 0
 

@@ -45,13 +45,13 @@ from typing import NamedTuple
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from evotune.problems.attention import AttentionProblem, is_wgmma, knob  # noqa: E402
+from evotune.problems.attention import AttentionProblem, is_split_merge, is_wgmma, knob  # noqa: E402
 
 # The mission winner with pdl: runs/mission-h100-exhaustive-small-pdl/best.json (4.77 us per call back to back).
 MISSION_WINNER = {"block_m": 32, "block_n": 128, "compute_warps": 4, "producer_warps": 0, "stages": 4,
                   "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 2, "pdl": True}
 TRACE_FLAG = "trace"
-SPLIT_FLAG, SPLIT_TRACE_FLAG = "split_merge", "trace_split"
+SPLIT_TRACE_FLAG = "trace_split"
 TMA_LOAD_FLAG, TMA_LOAD_TRACE_FLAG = "tma_load", "trace_tma"
 # evotune::evotune_trace, the buffer's symbol in the cubin (a namespace-scope variable: its mangled name).
 TRACE_SYMBOL = "_ZN7evotune13evotune_traceE"
@@ -66,10 +66,10 @@ class TracedAttention(AttentionProblem):
     geometry and launch (pdl included); only the source differs, and only by those lines."""
 
     def template_flags(self, config) -> frozenset[str]:
-        # The split merge's stamps (key_merge = split) are `//[trace_split]` lines, the TMA loads' wait stamp
-        # (kv_load = tma) a `//[trace_tma]` line: each needs both flags.
+        # The split merge's stamps (key_merge = split, the traits' kSplitMerge) are `//[trace_split]` lines inside its
+        # `if constexpr` branch; the TMA loads' wait stamp (kv_load = tma) a `//[trace_tma]` line, which needs both flags.
         flags = super().template_flags(config)
-        return (flags | {TRACE_FLAG} | ({SPLIT_TRACE_FLAG} if SPLIT_FLAG in flags else set())
+        return (flags | {TRACE_FLAG} | ({SPLIT_TRACE_FLAG} if is_split_merge(config) else set())
                 | ({TMA_LOAD_TRACE_FLAG} if TMA_LOAD_FLAG in flags else set()))
 
     def instantiation(self, config, shape, write_lse: bool = False) -> str:

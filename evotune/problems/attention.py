@@ -407,16 +407,14 @@ class AttentionProblem(Problem):
         return KNOB_DOMAINS
 
     def template_flags(self, config) -> frozenset[str]:
-        """split_merge: the mma.sync kernel's `//[split_merge]` lines (key_merge = split); tma_load: its `//[tma_load]`
-        lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
+        """tma_load: the mma.sync kernel's `//[tma_load]` lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
         tma_split: its `//[tma_split]` lines (kv_load = tma_split); p_smem: the Hopper kernel's
         `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
         `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); causal_wg: its `//[causal_wg]`
         lines (causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal); stripe_mirror: its
         `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers). No such knob
         is a template argument, so that a config without them keeps its source."""
-        return frozenset(name for name, on in (("split_merge", is_split_merge(config)),
-                                               ("tma_load", is_tma_load(config)),
+        return frozenset(name for name, on in (("tma_load", is_tma_load(config)),
                                                ("tma_multicast", is_tma_multicast(config)),
                                                ("tma_split", is_tma_split(config)),
                                                ("p_smem", is_p_smem(config)),
@@ -461,6 +459,7 @@ class AttentionProblem(Problem):
             ("WARP_KEY_GROUPS", int(knob(config, "warp_key_groups"))),
             ("PDL", "true" if is_pdl(config) else "false"),
             ("EXP2_FMA", exp2_fma_eighths(config)),
+            ("SPLIT_MERGE", "true" if is_split_merge(config) else "false"),
         ] + problem_args
 
     def instantiation(self, config, shape: Shape, write_lse: bool = False) -> str:
