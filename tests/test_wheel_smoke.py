@@ -37,6 +37,13 @@ def test_evotune_is_imported_from_the_wheel():
     assert kernels_dir() == PACKAGE / "kernels" and spaces_dir() == PACKAGE / "search_spaces"
 
 
+def test_priors_are_shipped():
+    """The packaged priors file is in the package evotune reads, and loads."""
+    from evotune.records.priors import PACKAGED, load_priors
+
+    assert PACKAGED.parent == PACKAGE / "records" and load_priors()["entries"]
+
+
 def test_templates_are_shipped():
     """The templates and their pieces are in the kernels folder evotune reads."""
     assert all((kernels_dir() / name).is_file() for name in TEMPLATES), sorted(os.listdir(kernels_dir()))

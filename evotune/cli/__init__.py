@@ -4,7 +4,8 @@ Errors the user can fix print one line and exit non-zero (2 for bad input);
 tracebacks appear only with --debug. GPU work happens in worker processes.
 
 The commands live beside this file, one module per group: family (shapes, check), search, candidate
-(replay, bench, verify, sanitize, sass), records (export, runs), table (table build|show, tune). They
+(replay, bench, verify, sanitize, sass), records (export, runs), table (table build|show, tune), priors
+(priors build|show). They
 register on common.app, which also holds what they share; this module adds the root options and main().
 """
 
@@ -19,7 +20,7 @@ from ..errors import EvotuneError
 from .common import INTERRUPTED, INTERRUPTED_EXIT, app, err_console
 
 # Importing a command module registers its commands on app, and --help lists them in this order.
-from . import family, search, candidate, records, table  # noqa: F401
+from . import family, search, candidate, records, table, priors  # noqa: F401
 
 _state = {"debug": False}
 

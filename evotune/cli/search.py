@@ -37,7 +37,10 @@ def search(
                                "constraints and away from configs already tried (--no-steer: Optuna's NSGA-II as is)."),
     warm_start: Optional[str] = typer.Option(None, "--warm-start", help="Ask these runs' best configs first "
                                              "(RUN[,RUN...], or 'auto': runs of the same family on the same or a "
-                                             "similar shape). New runs only."),
+                                             "similar shape; 'none': neither runs nor priors). New runs only."),
+    priors: bool = typer.Option(True, "--priors/--no-priors", help="Ask first the shipped priors (the best configs "
+                                "of evotune's own runs, nearest shape class first) that the space admits here. New "
+                                "runs only."),
     seed: int = typer.Option(0, "--seed", **SEED_RANGE),
     space: Optional[str] = typer.Option(None, "--space", help="YAML search space (default: the family's)."),
     family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP + " A resumed run keeps its own."),
@@ -69,9 +72,13 @@ def search(
     remote = remote_meta(run, resume, storage)  # a run another host started in --storage: joined below
     problem, shp, spc = load_problem(shape, space, family or resumed_family(run, resume) or (remote or {}).get("family"))
     rn = run_to_continue(run, resume, storage, remote, shp.spec)
-    warm, warm_meta = warm_start_configs(warm_start, resume, run, problem, shp, spc, population, json_out)
+    told: list[str] = []  # said once the GPU is found: a search without one is one line
+    warm, warm_meta = warm_start_configs(warm_start, resume, run, problem, shp, spc, population, json_out,
+                                         priors=priors, lines=told)
     require_gpu("search")
     check_devices(devices)
+    for line in told:
+        err_console.print(line, highlight=False)
     options = SearchOptions(trials=trials, sampler=sampler, population=population, seed=seed,
                             compile_workers=compile_workers, lookahead=lookahead, mutation_prob=mutation_prob,
                             crossover_prob=crossover_prob, steer=steer, warm_start=warm)
@@ -333,29 +340,50 @@ def _search_report(summary: dict, rn, json_out: bool) -> None:
 
 
 def warm_start_configs(spec: Optional[str], resume: bool, run: Optional[str], problem, shp, spc, population: int,
-                       json_out: bool) -> tuple[tuple, dict]:
-    """The configs --warm-start asks first (admitted on this shape), and what meta.json records of it."""
-    if not spec:
-        return (), {}
-    if resume:
-        raise UsageError("--warm-start seeds a new run; a resumed run goes on from its own trials")
-    from ..search.warmstart import admitted, configs_from, pick_runs, with_new_knobs
+                       json_out: bool, priors: bool = False, lines: list | None = None) -> tuple[tuple, dict]:
+    """The configs asked first (admitted on this shape): with `priors`, the shipped priors' (nearest shape class
+    first, at most warmstart.PRIORS), then those of the runs --warm-start names; and what meta.json records of it.
+    What it tells the user is printed, or appended to `lines` (printed by the caller once the GPU is found)."""
+    def say(text: str) -> None:
+        if lines is None:
+            err_console.print(text, highlight=False)
+        else:
+            lines.append(text)
 
+    if spec and spec.strip() == "none":  # --warm-start none: nothing asked first, neither runs nor priors
+        spec, priors = None, False
+    if resume:
+        if spec:
+            raise UsageError("--warm-start seeds a new run; a resumed run goes on from its own trials")
+        return (), {}
+    if not spec and not priors:
+        return (), {}
+    from ..search.warmstart import admitted, configs_from, pick_runs, prior_configs, with_new_knobs
+
+    context = problem.context(shp)
+    firsts, origin = prior_configs(problem, shp, spc, context) if priors else ([], [])
+    if priors and not json_out:
+        runs = sorted({o["run"] for o in origin})
+        say(f"priors: {len(firsts)} configs asked first, from {len(runs)} runs (nearest: {origin[0]['run']})"
+            if origin else f"priors: none for {problem.family} on a shape class like {shp.spec}")
+    meta = {"priors": {"configs": len(firsts), "runs": sorted({o["run"] for o in origin})}} if priors else {}
+    if not spec:
+        return tuple(firsts), meta
     sources = pick_runs(spec, problem, shp, exclude=run)
     # At most a population's worth: NSGA-II's first generation, from which the first elites are chosen.
-    context = problem.context(shp)
     configs, notes = admitted(spc, context, with_new_knobs(spc, context, configs_from(sources, limit=None)))
     configs = configs[:population]
     if not json_out:
         if sources:
             names = ", ".join(f"{s.run.run_id} ({'same shape' if s.same_shape else 'similar shape'})" for s in sources)
-            err_console.print(f"warm start: {len(configs)} configs from {names}", highlight=False)
+            say(f"warm start: {len(configs)} configs from {names}")
         else:
-            err_console.print(f"warm start: no earlier run of {problem.family} on a shape like {shp.spec}", highlight=False)
+            say(f"warm start: no earlier run of {problem.family} on a shape like {shp.spec}")
         for note in notes[:5]:
-            err_console.print(f"  dropped {note}", highlight=False)
+            say(f"  dropped {note}")
         if len(notes) > 5:
-            err_console.print(f"  ... and {len(notes) - 5} more dropped", highlight=False)
-    meta = {"warm_start": {"spec": spec, "runs": [s.run.run_id for s in sources], "configs": len(configs),
-                           "dropped": notes}}
-    return tuple(c.as_dict() for c in configs), meta
+            say(f"  ... and {len(notes) - 5} more dropped")
+    meta["warm_start"] = {"spec": spec, "runs": [s.run.run_id for s in sources], "configs": len(configs),
+                          "dropped": notes}
+    ours = [c.as_dict() for c in configs]
+    return tuple((firsts + [c for c in ours if c not in firsts])[:max(population, len(firsts))]), meta

@@ -143,7 +143,8 @@ def _print_rows(title: str, headers: list[str], rows: list[list[str]]) -> None:
 
 
 # ---------------------------------------------------------------- tune
-def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool, seeds: tuple = ()) -> str:
+def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool, seeds: tuple = (),
+                priors: bool = True) -> str:
     """One key's search: `evotune search --shape SPEC --trials N --warm-start auto` on GPU `gpu`, the best then
     timed beside SDPA; returns the run id (EvotuneError where no candidate passed the gate). `seeds`: configs asked
     first (a stale entry's: re-verified and re-timed on today's source before anything else)."""
@@ -151,7 +152,8 @@ def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool, se
     from ..search.warmstart import admitted, with_new_knobs
 
     problem, shp, spc = load_problem(shape.spec, None, "attention")
-    warm, warm_meta = warm_start_configs("auto", False, None, problem, shp, spc, SearchOptions.population, json_out)
+    warm, warm_meta = warm_start_configs("auto", False, None, problem, shp, spc, SearchOptions.population, json_out,
+                                         priors=priors)
     if seeds:
         context = problem.context(shp)
         first, _ = admitted(spc, context, with_new_knobs(spc, context, [dict(c) for c in seeds]))
@@ -211,6 +213,8 @@ def tune(
     gpu: int = typer.Option(0, "--gpu", **GPU_RANGE, help="GPU index for the searches."),
     stale: bool = typer.Option(False, "--stale", help="Also re-measure every stale entry of the table (its kernel "
                                "source is not today's): its shape is searched with its config asked first."),
+    priors: bool = typer.Option(True, "--priors/--no-priors", help="Ask the shipped priors first (nearest shape "
+                                "class first), before earlier runs' configs."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Search each distinct table key of the shapes (warm-started from earlier runs), then update the table."""
@@ -252,8 +256,8 @@ def tune(
 
     def search(shp):
         first = tuple(key_seeds.get(shp.spec, ()))
-        return _search_key(shp, trials, timeout, gpu, json_out, seeds=first) if first else \
-            _search_key(shp, trials, timeout, gpu, json_out)
+        return _search_key(shp, trials, timeout, gpu, json_out, seeds=first, priors=priors) if first else \
+            _search_key(shp, trials, timeout, gpu, json_out, priors=priors)
 
     outcomes = tune_keys(plan, search, progress)
     for o in outcomes:

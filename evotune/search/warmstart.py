@@ -6,6 +6,9 @@ Pareto front and its `per_run` fastest passing configs; those admitted on the ne
 enqueued once, when the study is created (search.run_search), ahead of anything the sampler
 proposes. For NSGA-II they make up the first generation, from which the elites of the next are
 chosen; TPE and random search take them as their first observations.
+
+Ahead of them, by default (`--no-priors` turns it off), come the shipped priors (records/priors.py,
+`prior_configs`): configs of evotune's own runs that the space admits here, nearest shape class first.
 """
 
 from __future__ import annotations
@@ -151,3 +154,30 @@ def admitted(space, context, dicts) -> tuple[list, list[str]]:
 
 def _short(d: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(d.items()))
+
+
+PRIORS = 8  # shipped priors asked first, at most (records/priors.py), before the user's own runs
+
+
+def prior_configs(problem, shape, space, context, limit: int = PRIORS, path=None) -> tuple[list[dict], list[dict]]:
+    """(config dicts, where each came from) of the shipped priors (records/priors.py; `path`: another priors file)
+    that `space` admits under `context` on `shape`, nearest shape class first, at most `limit`. Any GPU's priors
+    count (the search has not opened its GPU yet); a prior is only a proposal: measured like any candidate, a stale
+    one (its kernel source changed since) included."""
+    from ..records.priors import class_of_shape, load_priors, nearest_configs
+
+    doc = load_priors(path)
+    found = nearest_configs(doc, class_of_shape(shape, problem.family, None))
+    keep, origin = [], []
+    for distance, entry, winner in found:
+        if len(keep) == limit:
+            break
+        configs, _ = admitted(space, context, [winner["config"]])
+        if not configs:
+            continue
+        d = configs[0].as_dict()
+        if d in keep:
+            continue
+        keep.append(d)
+        origin.append({"run": entry["run"], "distance": distance, "ratio_to_sdpa": winner.get("ratio_to_sdpa")})
+    return keep, origin

@@ -1,0 +1,169 @@
+"""Tests for evotune.records.priors, `evotune priors build|show` and the search's warm start from the shipped priors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from evotune.cli.search import warm_start_configs
+from evotune.paths import REPO_ROOT
+from evotune.problems.shapes import parse_shape
+from evotune.records import priors as P
+from evotune.records import result as R
+from evotune.records.best import BASELINES_FILE, BESIDE_KIND
+from evotune.records.runs import Run
+from evotune.records.tuning_table import family_runs
+from evotune.search.loop import SearchOptions, run_search
+from evotune.search.warmstart import prior_configs
+from evotune.space.searchspace import Config, load_builtin
+from test_strategies import MemoryRun, fake_compiler, model_evaluate
+
+pytestmark = pytest.mark.usefixtures("runs_root")
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.fixture(scope="module")
+def attention_small():
+    return load_builtin("attention-small")
+
+
+@pytest.fixture
+def admitted_small(attention, attention_small, mission):
+    return [c.as_dict() for c in attention_small.admitted_configs(attention.context(mission))]
+
+
+def fake_run(name: str, shape, results: list[tuple[dict, float | None]], sdpa: dict | None = None,
+             gpu: str = H100) -> Run:
+    """A finished run on `shape` whose trials passed in the given times (None: failed the gate), and where `sdpa`
+    ({backend: (us, passed)}) is given, a baselines.json of those backends."""
+    run = Run.create(name, {"family": "attention", "shape": shape.as_dict(), "shape_spec": shape.spec,
+                            "device": {"name": gpu}, "git_sha": "abc123"})
+    for number, (config, t) in enumerate(results):
+        result = {"status": R.OK if t is not None else R.WRONG, "message": "", "time_us": t,
+                  "max_abs": 1e-3 if t is not None else 0.5}
+        run.append_trial({"number": number, "config": config, "digest": Config.from_dict(config).digest(),
+                          "source_digest": f"src{number}", "counted": True, "result": result})
+    if sdpa is not None:
+        rows = {name: {"available": True, "time_us": us, "verification": {"passed": ok}}
+                for name, (us, ok) in sdpa.items()}
+        (run.path / BASELINES_FILE).write_text(json.dumps({"kind": BESIDE_KIND, "baselines": rows}))
+    return run
+
+
+def test_build_takes_each_runs_best_and_near_winners(admitted_small, mission):
+    """Per run: the best and the configs within 5% of it (one per source), each with its ratio to the fastest SDPA
+    backend that passed; a run with no passing trial is left out with a note; the file says how it was built."""
+    c = admitted_small
+    a = fake_run("a", mission, [(c[0], 10.4), (c[1], 10.0), (c[2], 10.3), (c[3], 12.0), (c[4], None)],
+                 sdpa={"cudnn": (8.0, True), "flash": (9.0, True), "math": (1.0, False)})
+    b = fake_run("b", mission, [(c[5], None)])
+    doc, notes = P.build_priors([a.path, b.path], "evotune priors build a b")
+    assert len(notes) == 1 and notes[0].startswith("b: left out")
+    (entry,) = doc["entries"]
+    assert [w["config"] for w in entry["winners"]] == [c[1], c[2], c[0]]
+    assert entry["winners"][0]["ratio_to_sdpa"] == pytest.approx(10.0 / 8.0)
+    assert entry["sdpa"] == {"backend": "cudnn", "time_us": 8.0}
+    assert entry["winners"][0]["source_digest"] == "src1"
+    assert entry["class"] == {"family": "attention", "gpu": H100, "dtype": mission.dtype,
+                              "head_dim": mission.head_dim, "causal": mission.causal, "kv_group": 1,
+                              "seq_bucket": int(math.log2(mission.seq_k)),
+                              "bh_bucket": int(math.log2(mission.batch * mission.heads))}
+    assert doc["version"] == P.VERSION and doc["command"] == "evotune priors build a b"
+    assert doc["sources"] == [{"run": "a", "git_sha": "abc123"}]
+    assert P.parse_priors(json.loads(P.dump_priors(doc)), "x") == doc  # round trip
+
+
+def test_nearest_class_first_and_other_classes_never(admitted_small, mission):
+    """Priors come nearest shape class first (same dtype, head dim and mask; then the size buckets' distance);
+    another dtype, head dim or mask is never proposed."""
+    c = admitted_small
+    s = mission.as_dict()
+    far = fake_run("far", parse_shape(f"{s['batch']},{s['heads']},{s['seq_q'] * 8},{s['head_dim']}"), [(c[0], 1.0)])
+    same = fake_run("same", mission, [(c[1], 50.0)])
+    causal = fake_run("causal", parse_shape(mission.spec + ":causal"), [(c[2], 1.0)])
+    doc, _ = P.build_priors([far.path, same.path, causal.path], "x")
+    target = P.class_of_shape(mission, "attention", None)
+    found = P.nearest_configs(doc, target)
+    assert [e["run"] for _, e, _ in found] == ["same", "far"]
+    assert found[0][0] == 0 and found[1][0] == 3
+    assert P.class_distance(P.class_of_shape(mission, "attention", "another GPU"), found[0][1]["class"]) == math.inf
+
+
+def test_only_admitted_priors_are_proposed(attention, attention_small, mission, admitted_small, tmp_path):
+    """A prior the space does not admit on the search's shape is skipped; at most `limit` come."""
+    context = attention.context(mission)
+    violating = next(c for c in attention_small.all_configs() if not attention_small.admitted(c, context)).as_dict()
+    c = admitted_small
+    run = fake_run("r", mission, [(violating, 9.0), (c[0], 9.1), (c[1], 9.2), (c[2], 9.3)])
+    doc, _ = P.build_priors([run.path], "x")
+    path = tmp_path / "p.json"
+    path.write_text(P.dump_priors(doc))
+    got, origin = prior_configs(attention, mission, attention_small, context, limit=2, path=path)
+    assert got == [c[0], c[1]] and [o["run"] for o in origin] == ["r", "r"]
+
+
+def test_search_asks_the_priors_first(attention, attention_small, mission, admitted_small, tmp_path, monkeypatch):
+    """By default a search's first proposals are the priors (then the user's runs' configs); --no-priors and
+    --warm-start none ask none."""
+    c = admitted_small
+    run = fake_run("shipped", mission, [(c[40], 5.0), (c[7], 5.1), (c[300], 5.2)])
+    doc, _ = P.build_priors([run.path], "x")
+    packaged = tmp_path / "attention-priors.json"
+    packaged.write_text(P.dump_priors(doc))
+    monkeypatch.setattr(P, "PACKAGED", packaged)
+    fake_run("mine", mission, [(c[9], 6.0)])
+    warm, meta = warm_start_configs("auto", False, "new", attention, mission, attention_small, 16, True, priors=True)
+    assert list(warm) == [c[40], c[7], c[300], c[9]]
+    assert meta["priors"] == {"configs": 3, "runs": ["shipped"]} and meta["warm_start"]["runs"] == ["shipped", "mine"]
+    warm, _ = warm_start_configs(None, False, "new", attention, mission, attention_small, 16, True, priors=True)
+    assert list(warm) == [c[40], c[7], c[300]]
+    assert warm_start_configs(None, False, "new", attention, mission, attention_small, 16, True, priors=False) == ((), {})
+    assert warm_start_configs("none", False, "new", attention, mission, attention_small, 16, True, priors=True) == ((), {})
+
+    rn = MemoryRun(Run.create("searched", {}).path)
+    options = SearchOptions(trials=5, sampler="random", population=4, lookahead=2, compile_workers=1, warm_start=warm)
+    run_search(attention, attention_small, mission, rn, model_evaluate, options, compiler=fake_compiler)
+    assert [r["config"] for r in rn.trials()[:3]] == [c[40], c[7], c[300]]
+
+
+def test_packaged_priors_load_and_match_the_committed_runs(attention, mission):
+    """The shipped file loads, is small, and holds a class for each committed attention run that passed."""
+    doc = P.load_priors()
+    assert P.PACKAGED.stat().st_size < 200_000
+    assert doc["entries"] and all(e["winners"] for e in doc["entries"])
+    built, _ = P.build_priors(family_runs(REPO_ROOT / "runs"), "x")
+    assert sorted(s["run"] for s in doc["sources"]) == sorted(s["run"] for s in built["sources"])
+    space = load_builtin("attention")
+    got, _ = prior_configs(attention, mission, space, attention.context(mission))
+    assert got and all(space.admitted(space.config(d), attention.context(mission)) for d in got)
+
+
+@pytest.mark.parametrize("text, fault", [("{not json", "not JSON"), ('{"kind": "other"}', "not an evotune priors"),
+                                         ('{"kind": "evotune-priors", "version": 99}', "version 99"),
+                                         ('{"kind": "evotune-priors", "version": 1, "entries": [{"class": {}}]}',
+                                          "entry 0")])
+def test_a_damaged_priors_file_is_one_clear_error(text, fault, tmp_path, main_in_process):
+    """A damaged priors file is a DamagedPriors naming the file and the fault; `priors show` says it in one line,
+    exit 2."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    with pytest.raises(P.DamagedPriors, match=fault):
+        P.load_priors(bad)
+    proc = main_in_process("priors", "show", "--file", str(bad))
+    assert proc.returncode == 2 and fault in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_priors_build_and_show_cli(admitted_small, mission, tmp_path, main_in_process):
+    """`priors build RUN -o FILE` writes a file `priors show` lists; -o into a run folder is refused."""
+    fake_run("cli-run", mission, [(admitted_small[0], 3.0)], sdpa={"cudnn": (4.0, True)})
+    out = tmp_path / "mine.json"
+    proc = main_in_process("priors", "build", "cli-run", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert P.load_priors(out)["sources"] == [{"run": "cli-run", "git_sha": "abc123"}]
+    proc = main_in_process("priors", "show", "--file", str(out), "--json")
+    assert json.loads(proc.stdout)["entries"][0]["winners"][0]["ratio_to_sdpa"] == 0.75
+    proc = main_in_process("priors", "build", "cli-run", "-o", str(Run.open("cli-run").path / "p.json"))
+    assert proc.returncode == 2 and "run folder" in proc.stderr
