@@ -167,3 +167,13 @@ def test_priors_build_and_show_cli(admitted_small, mission, tmp_path, main_in_pr
     assert json.loads(proc.stdout)["entries"][0]["winners"][0]["ratio_to_sdpa"] == 0.75
     proc = main_in_process("priors", "build", "cli-run", "-o", str(Run.open("cli-run").path / "p.json"))
     assert proc.returncode == 2 and "run folder" in proc.stderr
+
+
+def test_a_new_search_takes_the_users_runs_after_the_priors_by_default():
+    """Without --warm-start a new run asks the user's own runs ('auto') after the priors; a resume asks nothing;
+    a given --warm-start stands."""
+    from evotune.cli.search import default_warm_start
+
+    assert default_warm_start(None, False) == "auto"
+    assert default_warm_start(None, True) is None
+    assert default_warm_start("none", False) == "none" and default_warm_start("a,b", False) == "a,b"

@@ -35,9 +35,10 @@ def search(
                                          help="NSGA-II: chance a child mixes two parents' knobs (else copies one)."),
     steer: bool = typer.Option(True, "--steer/--no-steer", help="NSGA-II: breed children inside the space's "
                                "constraints and away from configs already tried (--no-steer: Optuna's NSGA-II as is)."),
-    warm_start: Optional[str] = typer.Option(None, "--warm-start", help="Ask these runs' best configs first "
-                                             "(RUN[,RUN...], or 'auto': runs of the same family on the same or a "
-                                             "similar shape; 'none': neither runs nor priors). New runs only."),
+    warm_start: Optional[str] = typer.Option(None, "--warm-start", help="Ask these runs' best configs first, "
+                                             "after the priors (RUN[,RUN...], or 'auto', the default: runs of the "
+                                             "same family on the same or a similar shape; 'none': neither runs nor "
+                                             "priors). New runs only."),
     priors: bool = typer.Option(True, "--priors/--no-priors", help="Ask first the shipped priors (the best configs "
                                 "of evotune's own runs, nearest shape class first) that the space admits here. New "
                                 "runs only."),
@@ -73,7 +74,8 @@ def search(
     problem, shp, spc = load_problem(shape, space, family or resumed_family(run, resume) or (remote or {}).get("family"))
     rn = run_to_continue(run, resume, storage, remote, shp.spec)
     told: list[str] = []  # said once the GPU is found: a search without one is one line
-    warm, warm_meta = warm_start_configs(warm_start, resume, run, problem, shp, spc, population, json_out,
+    warm, warm_meta = warm_start_configs(default_warm_start(warm_start, resume), resume, run, problem, shp, spc,
+                                         population, json_out,
                                          priors=priors, lines=told)
     require_gpu("search")
     check_devices(devices)
@@ -337,6 +339,12 @@ def _search_report(summary: dict, rn, json_out: bool) -> None:
                       f"p90 {res['timing']['p90_us']:.2f}), max abs err {res['max_abs']:.2e}: {cfg_short(best['config'])}")
     else:
         raise EvotuneError(f"run {rn.run_id}: no candidate passed the correctness gate")
+
+
+def default_warm_start(spec: Optional[str], resume: bool) -> Optional[str]:
+    """--warm-start as given, else for a new run 'auto': the user's own runs on a shape like this one come after the
+    priors (issue 40: a user's runs add to the shipped priors)."""
+    return spec if spec is not None or resume else "auto"
 
 
 def warm_start_configs(spec: Optional[str], resume: bool, run: Optional[str], problem, shp, spc, population: int,
