@@ -57,7 +57,7 @@ enum SmemLayout { kPlain = 0, kPadded = 1, kSwizzled = 2 };
 
 template <int BLOCK_M_, int BLOCK_N_, int COMPUTE_WARPS_, int PRODUCER_WARPS_, int STAGES_,
           int SMEM_LAYOUT_, bool Q_IN_REGS_, int KV_SPLITS_, int WARP_KEY_GROUPS_, bool PDL_, int EXP2_FMA_,
-          bool SPLIT_MERGE_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool SPLIT_MERGE_, int KV_LOAD_, int KV_CLUSTER_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct AttnTraits {
     static constexpr int kBlockM = BLOCK_M_;
     static constexpr int kBlockN = BLOCK_N_;
@@ -72,6 +72,13 @@ struct AttnTraits {
     static constexpr int kExp2FmaEighths = EXP2_FMA_;  // exp2_fma: eighths of each row's exp2 on the FMA pipe
     // key_merge = split (kernels/attention_split_merge.cuh): each key group merges and stores 1/G of the head dim
     static constexpr bool kSplitMerge = SPLIT_MERGE_;
+    // kv_load: 0 cp.async, 1 TMA (kernels/attention_tma_load.cuh), 2 TMA with K's and V's barriers apart
+    // (attention_tma_split.cuh); kv_cluster: CTAs sharing each K/V tile by TMA multicast (attention_tma_multicast.cuh)
+    static constexpr int kKvLoad = KV_LOAD_;
+    static constexpr bool kTmaLoad = kKvLoad >= 1;
+    static constexpr bool kTmaSplit = kKvLoad == 2;
+    static constexpr int kKVCluster = KV_CLUSTER_;
+    static constexpr bool kTmaMulticast = kKVCluster > 1;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -131,6 +138,12 @@ struct AttnTraits {
     static_assert(kBlockM % (16 * kRowGroups) == 0, "each row group must own a whole number of 16-row mma tiles");
     static_assert(kWarpKeys % 16 == 0, "each warp's share of a K/V tile must be a multiple of 16 keys");
     static_assert(kKeyGroups == 1 || kKVSplits == 1, "key groups and KV splits are not combined");
+    static_assert(kKvLoad >= 0 && kKvLoad <= 2, "kv_load: 0 cp.async, 1 tma, 2 tma_split");
+    static_assert(!kTmaLoad || (kProducerWarps == 0 && kSmemLayout == kSwizzled && kHeadDim == 64),
+                  "TMA loads: no producer warps, the swizzled layout (TMA's 128-byte swizzle), head dim 64");
+    static_assert(kKVCluster == 1 || kKVCluster == 2 || kKVCluster == 4, "kv_cluster: 1, 2 or 4 CTAs");
+    static_assert(!kTmaMulticast || (kKvLoad == 1 && kKVSplits == 1),
+                  "kv_cluster multicasts the plain TMA loads (kv_load = tma), without KV splits");
     static_assert(!kSplitMerge || (kKeyGroups > 1 && kDFrags % kKeyGroups == 0),
                   "key_merge = split: two or more key groups dividing the head dim's 8-column blocks");
     static_assert(kMFrags >= 1 && kMFrags <= 4, "1 to 4 mma row tiles per warp");
@@ -652,10 +665,10 @@ __device__ __forceinline__ void compute_sync() {
 }
 
 #include "attention_split_merge.cuh"
-//[tma_load]
-//[tma_load] #include "attention_tma_load.cuh"
-//[tma_multicast] #include "attention_tma_multicast.cuh"
-//[tma_split] #include "attention_tma_split.cuh"
+
+#include "attention_tma_load.cuh"
+#include "attention_tma_multicast.cuh"
+#include "attention_tma_split.cuh"
 
 // ------------------------------------------------------------------ kernel
 
@@ -686,7 +699,8 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
                                               long long k_ss, long long v_sb, long long v_sh, long long v_ss, long long o_sb,
                                               long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
                                               float* __restrict__ ws_o, float* __restrict__ ws_lse, int* __restrict__ ws_count,
-                                              //[tma_load] const CUtensorMap* q_map, const CUtensorMap* k_map, const CUtensorMap* v_map,
+                                              // kv_load = tma or tma_split only (else null):
+                                              const CUtensorMap* q_map, const CUtensorMap* k_map, const CUtensorMap* v_map,
                                               unsigned kv_magic, float* __restrict__ lse = nullptr, long long lse_sb = 0,
                                               long long lse_sh = 0) {
     //[trace] // Phase trace (tools/phase_trace.py, docs/TRACE.md): the entry stamps, held until the recorder below
@@ -694,10 +708,10 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     //[trace] const u64 trace_entry_gt = trace_globaltimer(), trace_entry_clk = trace_clock64();
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned short* sQ = reinterpret_cast<unsigned short*>(smem_raw);
-    //[tma_split] #if 0
-    //[tma_load] sQ = tma_aligned_tiles<T>(smem_raw);  // kv_load = tma (attention_tma_load.cuh): tiles on the swizzle atom
-    //[tma_split] #endif
-    //[tma_split] sQ = tma_split_aligned_tiles<T>(smem_raw);  // kv_load = tma_split (attention_tma_split.cuh): 2 barriers a slot
+    if constexpr (T::kTmaSplit)
+        sQ = tma_split_aligned_tiles<T>(smem_raw);  // kv_load = tma_split (attention_tma_split.cuh): 2 barriers a slot
+    else if constexpr (T::kTmaLoad)
+        sQ = tma_aligned_tiles<T>(smem_raw);  // kv_load = tma (attention_tma_load.cuh): tiles on the swizzle atom
     unsigned short* sK = sQ + T::kQElems;
     unsigned short* sV = sK + T::kStages * T::kKVElems;
 
@@ -719,8 +733,9 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     // Causal: tiles wholly after this CTA's last query row contribute nothing; skip them.
     int kv_end = seq_k;
     if constexpr (T::kIsCausal) kv_end = min(seq_k, q_row0 + T::kBlockM);
-    //[tma_multicast] const int own_tiles = (kv_end + T::kBlockN - 1) / T::kBlockN;  // this CTA's tiles; a causal cluster's may be more
-    //[tma_multicast] if constexpr (T::kIsCausal) kv_end = min(seq_k, tma_cluster_row_end<T>(q_row0));  // the cluster's tiles (kv_cluster)
+    // kv_cluster: this CTA's tiles; a causal cluster's may be more
+    const int own_tiles = (kv_end + T::kBlockN - 1) / T::kBlockN;
+    if constexpr (T::kTmaMulticast && T::kIsCausal) kv_end = min(seq_k, tma_cluster_row_end<T>(q_row0));  // the cluster's
     const int n_tiles_all = (kv_end + T::kBlockN - 1) / T::kBlockN;
     // This CTA's share of the K/V tiles: [t_begin, t_begin + n_tiles); may be empty in a split.
     // Without splits both are written plainly: with t_begin = min(0, ...) the compiler could
@@ -731,14 +746,13 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         t_begin = min(split * per_split, n_tiles_all);
         n_tiles = min(n_tiles_all - t_begin, per_split);
     }
-    //[tma_load] const u32 tma_bars = smem_addr(smem_raw);  // slot s's "full" barrier at + 8 s: its K and V (step 0: and Q) arrived
-    //[tma_multicast] #if 0
-    //[tma_split] #if 0
-    //[tma_load] tma_load_init<T>(tma_bars, q_map, k_map, v_map);
-    //[tma_split] #endif
-    //[tma_multicast] #endif
-    //[tma_split] tma_split_init<T>(tma_bars, q_map, k_map, v_map);  // kv_load = tma_split: K's and V's barriers
-    //[tma_multicast] tma_mc_init<T>(tma_bars, q_map, k_map, v_map);  // kv_cluster (attention_tma_multicast.cuh): + a cluster barrier
+    const u32 tma_bars = smem_addr(smem_raw);  // TMA: slot s's "full" barrier at + 8 s: its K and V (step 0: and Q) arrived
+    if constexpr (T::kTmaMulticast)
+        tma_mc_init<T>(tma_bars, q_map, k_map, v_map);  // kv_cluster (attention_tma_multicast.cuh): + a cluster barrier
+    else if constexpr (T::kTmaSplit)
+        tma_split_init<T>(tma_bars, q_map, k_map, v_map);  // kv_load = tma_split: K's and V's barriers
+    else if constexpr (T::kTmaLoad)
+        tma_load_init<T>(tma_bars, q_map, k_map, v_map);
     // Everything above is index arithmetic. Every global access of this CTA follows, in every thread: the
     // cp.async loads of Q, K and V, the stores of O (and the log-sum-exp), the split-KV workspace and its
     // arrival counter. So each one sees the previous grid's writes complete and cannot overwrite what that
@@ -776,25 +790,24 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
             return;
         }
     } else {
-        //[tma_multicast] #if 0
-        //[tma_split] #if 0
-        //[tma_load] tma_load_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
-        //[tma_load]                   kv_head, batch, t_begin, n_tiles);
-        //[tma_split] #endif
-        //[tma_multicast] #endif
-        //[tma_split] tma_split_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
-        //[tma_split]                    kv_head, batch, t_begin, n_tiles);
-        //[tma_multicast] tma_mc_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
-        //[tma_multicast]                 kv_head, batch, t_begin, n_tiles);
-        //[tma_load] #if 0
-        load_tile_async<T, T::kBlockM, T::kComputeThreads>(sQ, gQ, q_ss, q_row0, seq_q, tid);
-        cp_async_commit();
-#pragma unroll
-        for (int s = 0; s < T::kStages - 1; ++s) {
-            if (s < n_tiles) load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, s, t_begin + s, seq_k, tid);
+        if constexpr (T::kTmaMulticast) {
+            tma_mc_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
+                            kv_head, batch, t_begin, n_tiles);
+        } else if constexpr (T::kTmaSplit) {
+            tma_split_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
+                               kv_head, batch, t_begin, n_tiles);
+        } else if constexpr (T::kTmaLoad) {
+            tma_load_first<T>(tma_bars, smem_addr(sQ), smem_addr(sK), smem_addr(sV), q_map, k_map, v_map, q_row0, head,
+                              kv_head, batch, t_begin, n_tiles);
+        } else {
+            load_tile_async<T, T::kBlockM, T::kComputeThreads>(sQ, gQ, q_ss, q_row0, seq_q, tid);
             cp_async_commit();
+#pragma unroll
+            for (int s = 0; s < T::kStages - 1; ++s) {
+                if (s < n_tiles) load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, s, t_begin + s, seq_k, tid);
+                cp_async_commit();
+            }
         }
-        //[tma_load] #endif
     }
 
     // ---- compute warps
@@ -820,40 +833,42 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
     for (int i = 0; i < n_tiles; ++i) {
         const int slot = i % T::kStages;
         // ---- wait for step i (and, at i = 0, for Q)
-        //[tma_split] #if 0
-        //[tma_load] tma_wait_tile<T>(tma_bars, i);
-        //[tma_split] #endif
-        //[tma_split] tma_split_wait_k<T>(tma_bars, i);  // K (step 0: and Q); V before P V
-        //[trace_tma] tracer.mark_tile(i, trace::kWait);
-        //[tma_multicast] if (i >= own_tiles) {  // a causal cluster's tile past this CTA's last row: loaded for the others
-        //[tma_multicast]     tma_mc_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
-        //[tma_multicast]     continue;
-        //[tma_multicast] }
-        //[tma_load] #if 0
-        if constexpr (T::kHasProducers) {
-            named_bar_sync(NamedBarrier::kSlotFull, slot, T::kThreads);
-            //[trace] tracer.mark_tile(i, trace::kWait);
-        } else if constexpr (T::kStages == 1) {
-            // One slot: everyone must be done with step i-1 before it is overwritten.
-            if (i > 0) __syncthreads();
-            load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, 0, t_begin + i, seq_k, thread_id());
-            cp_async_commit();
-            cp_async_wait<0>();
-            __syncthreads();
-            //[trace] tracer.mark_tile(i, trace::kWait);
+        if constexpr (T::kTmaLoad) {
+            if constexpr (T::kTmaSplit) tma_split_wait_k<T>(tma_bars, i);  // K (step 0: and Q); V before P V
+            else tma_wait_tile<T>(tma_bars, i);
+            //[trace_tma] tracer.mark_tile(i, trace::kWait);
+            if constexpr (T::kTmaMulticast) {
+                if (i >= own_tiles) {  // a causal cluster's tile past this CTA's last row: loaded for the others
+                    tma_mc_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head,
+                                     batch);
+                    continue;
+                }
+            }
         } else {
-            cp_async_wait<T::kStages - 2>();
-            // After this barrier step i is visible to all, and every warp has
-            // finished step i-1, so its slot can take step i + STAGES - 1.
-            __syncthreads();
-            //[trace] tracer.mark_tile(i, trace::kWait);
-            const int next = i + T::kStages - 1;
-            if (next < n_tiles)
-                load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, next % T::kStages, t_begin + next, seq_k,
-                                                    thread_id());
-            cp_async_commit();
+            if constexpr (T::kHasProducers) {
+                named_bar_sync(NamedBarrier::kSlotFull, slot, T::kThreads);
+                //[trace] tracer.mark_tile(i, trace::kWait);
+            } else if constexpr (T::kStages == 1) {
+                // One slot: everyone must be done with step i-1 before it is overwritten.
+                if (i > 0) __syncthreads();
+                load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, 0, t_begin + i, seq_k, thread_id());
+                cp_async_commit();
+                cp_async_wait<0>();
+                __syncthreads();
+                //[trace] tracer.mark_tile(i, trace::kWait);
+            } else {
+                cp_async_wait<T::kStages - 2>();
+                // After this barrier step i is visible to all, and every warp has
+                // finished step i-1, so its slot can take step i + STAGES - 1.
+                __syncthreads();
+                //[trace] tracer.mark_tile(i, trace::kWait);
+                const int next = i + T::kStages - 1;
+                if (next < n_tiles)
+                    load_kv_tile<T, T::kComputeThreads>(sK, sV, gK, gV, k_ss, v_ss, next % T::kStages, t_begin + next, seq_k,
+                                                        thread_id());
+                cp_async_commit();
+            }
         }
-        //[tma_load] #endif
         //[trace] tracer.mark_tile(i, trace::kReady);  // the freed slot's refill issued (where this warp issues one)
         // This lane's ldmatrix offsets, from a lane id re-read every tile (as the loaders
         // re-read the thread id above): a few integer ops per tile instead of registers held
@@ -881,22 +896,21 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         online_softmax<T>(s_acc, o_acc, m_run, l_run, alpha, p_a, scale_log2);
         if constexpr (T::kLazyRescale) rescale_o_lazy<T>(o_acc, alpha);
         //[trace] tracer.mark_tile_after(i, trace::kSoftmax, l_run[T::kMFrags - 1][1]);  // masking included
-        //[tma_split] tma_split_wait_v<T>(tma_bars, i);
+        if constexpr (T::kTmaSplit) tma_split_wait_v<T>(tma_bars, i);
         pv_tile<T>(o_acc, s_acc, p_a, sK_addr + (T::kStages + slot) * (2 * T::kKVElems), v_lane);
         //[trace] tracer.mark_tile_after(i, trace::kPV, o_acc[T::kMFrags - 1][T::kDFrags - 1][3]);
 
         if constexpr (T::kHasProducers) {
             if (i + T::kStages < n_tiles) named_bar_arrive(NamedBarrier::kSlotEmpty, slot, T::kThreads);
         }
-        //[tma_multicast] #if 0
-        //[tma_split] #if 0
-        //[tma_load] tma_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
-        //[tma_split] #endif
-        //[tma_multicast] #endif
-        //[tma_split] tma_split_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
-        //[tma_multicast] tma_mc_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
+        if constexpr (T::kTmaMulticast)
+            tma_mc_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
+        else if constexpr (T::kTmaSplit)
+            tma_split_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
+        else if constexpr (T::kTmaLoad)
+            tma_refill<T>(tma_bars, smem_addr(sK), smem_addr(sV), k_map, v_map, i, t_begin, n_tiles, kv_head, batch);
     }
-    //[tma_multicast] tma_mc_loads_landed();  // every part multicast to this CTA has landed: arrive (exit waits)
+    if constexpr (T::kTmaMulticast) tma_mc_loads_landed();  // every part multicast to this CTA has landed: arrive (exit waits)
 
     if constexpr (T::kKeyGroups > 1) {
         float* slots = reinterpret_cast<float*>(sV + T::kStages * T::kKVElems);
@@ -953,7 +967,7 @@ __device__ __forceinline__ void attention_fwd(const unsigned short* __restrict__
         combine_partials<T, WRITE_LSE>(wo, wlse, gO, o_ss, q_row0, seq_q, tid, gL);
         //[trace] tracer.mark(trace::kStore);  // the last split's combined O stores issued
     }
-    //[tma_multicast] tma_mc_exit_wait();  // no CTA of the cluster exits while a part it multicast is in flight
+    if constexpr (T::kTmaMulticast) tma_mc_exit_wait();  // no CTA of the cluster exits while a part it multicast is in flight
 }
 
 // The Hopper variant (mma = wgmma): sm_90a only, instantiated only by configs that ask for it.

@@ -1,6 +1,6 @@
 // kv_load = tma (evotune/problems/attention.py): the mma.sync kernel's Q, K and V tiles arrive by TMA instead of
-// cp.async. Included (and its code compiled) only by the configs with that knob value, through `//[tma_load]` lines
-// of attention.cu, so every other config's source is what it was before the knob.
+// cp.async. Always included; its templates are instantiated only by the `if constexpr (T::kTmaLoad)` branches of
+// attention.cu (the traits' KV_LOAD: 1, or 2 for tma_split).
 //
 // Why: with cp.async every thread issues 16-byte copies. On the mission shape (32x128 tiles, 4 compute warps) a CTA
 // copies its 4 K and 4 V tiles as 8192 of them, 64 per thread, and the phase trace put ~181 ns of issue on every

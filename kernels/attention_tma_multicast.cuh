@@ -1,8 +1,7 @@
 // kv_cluster = 2 or 4 (evotune/problems/attention.py): kv_load = tma with every K/V tile shared by a cluster of
-// kv_cluster CTAs, consecutive query tiles of one head. Included (and its code compiled) only by those configs,
-// through `//[tma_multicast]` lines of attention.cu, which stand in for the plain TMA loads' init, first fill and
-// refill (attention_tma_load.cuh, whose barriers, boxes and waits this builds on); every other config's source is
-// what it was before the knob.
+// kv_cluster CTAs, consecutive query tiles of one head. Always included; its templates are instantiated only by the
+// `if constexpr (T::kTmaMulticast)` branches of attention.cu (the traits' KV_CLUSTER), which stand in for the plain
+// TMA loads' init, first fill and refill (attention_tma_load.cuh, whose barriers, boxes and waits this builds on).
 //
 // Why: every CTA of a head reads the head's whole K and V. On the mission shape (16 query tiles of 32 rows per head)
 // that is 16 MB out of L2 per call for 1 MB of distinct data, and the phase trace of the kv_load = tma winner put

@@ -1,8 +1,8 @@
 // kv_load = tma_split (evotune/problems/attention.py): kv_load = tma with K and V of each slot on mbarriers of their
 // own, so that a step's Q K^T starts once K (and at step 0 Q) has landed while V is still on its way; P V waits for V.
-// Included (and its code compiled) only by those configs, through `//[tma_split]` lines of attention.cu, which stand
-// in for the plain TMA loads' init, first fill, wait and refill (attention_tma_load.cuh, whose boxes and waits this
-// builds on); every other config's source is what it was before the value.
+// Always included; its templates are instantiated only by the `if constexpr (T::kTmaSplit)` branches of attention.cu
+// (the traits' KV_LOAD = 2), which stand in for the plain TMA loads' init, first fill, wait and refill
+// (attention_tma_load.cuh, whose boxes and waits this builds on).
 //
 // Why: the TMA winner's phase trace (docs/TRACE.md) spends ~0.6 us of each CTA's chain between the end of its
 // prologue and Q with tile 0 resident, and then waits 100-170 ns for each later tile. Every CTA issues Q and its

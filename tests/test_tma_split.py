@@ -66,7 +66,8 @@ def test_split_source(attention, space):
                  "tma_split_wait_v<T>(tma_bars, i);\n        pv_tile<T>", "tma_split_refill<T>(tma_bars",
                  "sQ = tma_split_aligned_tiles<T>(smem_raw);", "evotune::TmaSplit<EvotuneBaseTraits>::kExtraBytes"):
         assert call in src.code, call
-    assert "attention_tma_multicast" not in src.code and "__cluster_dims__" not in src.code
+    assert "/* KV_LOAD = */ 2," in src.code and "/* KV_CLUSTER = */ 1," in src.code
+    assert "__cluster_dims__" not in src.code
     assert template_flag_names(src.code) == set()
     config = space.config(SPLIT_CONFIGS[0])
     assert is_tma_load(config) and is_tma_split(config) and kv_cluster(config) == 1

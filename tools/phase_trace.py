@@ -45,14 +45,14 @@ from typing import NamedTuple
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from evotune.problems.attention import AttentionProblem, is_split_merge, is_wgmma, knob  # noqa: E402
+from evotune.problems.attention import AttentionProblem, is_split_merge, is_tma_load, is_wgmma, knob  # noqa: E402
 
 # The mission winner with pdl: runs/mission-h100-exhaustive-small-pdl/best.json (4.77 us per call back to back).
 MISSION_WINNER = {"block_m": 32, "block_n": 128, "compute_warps": 4, "producer_warps": 0, "stages": 4,
                   "smem_layout": "swizzle", "q_in_regs": True, "kv_splits": 1, "warp_key_groups": 2, "pdl": True}
 TRACE_FLAG = "trace"
 SPLIT_TRACE_FLAG = "trace_split"
-TMA_LOAD_FLAG, TMA_LOAD_TRACE_FLAG = "tma_load", "trace_tma"
+TMA_LOAD_TRACE_FLAG = "trace_tma"
 # evotune::evotune_trace, the buffer's symbol in the cubin (a namespace-scope variable: its mangled name).
 TRACE_SYMBOL = "_ZN7evotune13evotune_traceE"
 ISOLATED, BACK_TO_BACK = "isolated", "back to back"
@@ -67,10 +67,10 @@ class TracedAttention(AttentionProblem):
 
     def template_flags(self, config) -> frozenset[str]:
         # The split merge's stamps (key_merge = split, the traits' kSplitMerge) are `//[trace_split]` lines inside its
-        # `if constexpr` branch; the TMA loads' wait stamp (kv_load = tma) a `//[trace_tma]` line, which needs both flags.
+        # `if constexpr` branch, the TMA loads' wait stamp (kv_load = tma, kTmaLoad) a `//[trace_tma]` line in its own.
         flags = super().template_flags(config)
         return (flags | {TRACE_FLAG} | ({SPLIT_TRACE_FLAG} if is_split_merge(config) else set())
-                | ({TMA_LOAD_TRACE_FLAG} if TMA_LOAD_FLAG in flags else set()))
+                | ({TMA_LOAD_TRACE_FLAG} if is_tma_load(config) else set()))
 
     def instantiation(self, config, shape, write_lse: bool = False) -> str:
         return "// phase trace variant (tools/phase_trace.py): evotune_trace holds per-warp stamps\n" + \

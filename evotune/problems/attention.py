@@ -407,17 +407,13 @@ class AttentionProblem(Problem):
         return KNOB_DOMAINS
 
     def template_flags(self, config) -> frozenset[str]:
-        """tma_load: the mma.sync kernel's `//[tma_load]` lines (kv_load = tma or tma_split); tma_multicast: its `//[tma_multicast]` lines (kv_cluster 2 or 4);
-        tma_split: its `//[tma_split]` lines (kv_load = tma_split); p_smem: the Hopper kernel's
+        """p_smem: the Hopper kernel's
         `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
         `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); causal_wg: its `//[causal_wg]`
         lines (causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal); stripe_mirror: its
         `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers). No such knob
         is a template argument, so that a config without them keeps its source."""
-        return frozenset(name for name, on in (("tma_load", is_tma_load(config)),
-                                               ("tma_multicast", is_tma_multicast(config)),
-                                               ("tma_split", is_tma_split(config)),
-                                               ("p_smem", is_p_smem(config)),
+        return frozenset(name for name, on in (("p_smem", is_p_smem(config)),
                                                ("skip_empty", is_skip_empty(config)),
                                                ("causal_wg", is_causal_warpgroup(config)),
                                                ("stripe_mirror", is_stripe_mirror(config)),
@@ -460,6 +456,8 @@ class AttentionProblem(Problem):
             ("PDL", "true" if is_pdl(config) else "false"),
             ("EXP2_FMA", exp2_fma_eighths(config)),
             ("SPLIT_MERGE", "true" if is_split_merge(config) else "false"),
+            ("KV_LOAD", 2 if is_tma_split(config) else 1 if is_tma_load(config) else 0),
+            ("KV_CLUSTER", kv_cluster(config)),
         ] + problem_args
 
     def instantiation(self, config, shape: Shape, write_lse: bool = False) -> str:
@@ -854,13 +852,11 @@ def _sync_traits(config, targs: str) -> str:
     """The mma.sync instantiation's EvotuneTraits. Only split-merge and TMA-loading configs' text differs from the plain
     AttnTraits (so every other config keeps its source): the split merge's slots replace gather's (kMergeBytes) in the
     launch's shared memory (kernels/attention_split_merge.cuh); TMA loads add their mbarriers and the slack that
-    aligns the tiles to 1024 bytes (kernels/attention_tma_load.cuh); kv_cluster adds a constant."""
+    aligns the tiles to 1024 bytes (kernels/attention_tma_load.cuh)."""
     smem_terms = ((" - kMergeBytes + evotune::SplitMerge<EvotuneBaseTraits>::kBytes" if is_split_merge(config) else "")
                   + (f" + evotune::{'TmaSplit' if is_tma_split(config) else 'TmaLoad'}<EvotuneBaseTraits>::kExtraBytes"
                      if is_tma_load(config) else ""))
     members = [f"static constexpr int kSmemBytes = EvotuneBaseTraits::kSmemBytes{smem_terms};"] if smem_terms else []
-    if is_tma_multicast(config):
-        members.append(f"static constexpr int kKVCluster = {kv_cluster(config)};  // kv_cluster: CTAs sharing each K/V tile")
     return _traits("evotune::AttnTraits", targs, members)
 
 
@@ -917,7 +913,7 @@ def _tma_load_entry(config) -> tuple[str, str, str]:
     """(parameters, arguments, comment) the mma.sync entry adds for kv_load = tma: the three maps by value; empty
     strings otherwise."""
     if not is_tma_load(config):
-        return "", "", ""
+        return "", "nullptr, nullptr, nullptr, ", ""
     return ((",\n                  const __grid_constant__ CUtensorMap q_map, const __grid_constant__ "
              "CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map"),
             "&q_map, &k_map, &v_map, ",
