@@ -106,8 +106,8 @@ def test_only_admitted_priors_are_proposed(attention, attention_small, mission, 
 
 
 def test_search_asks_the_priors_first(attention, attention_small, mission, admitted_small, tmp_path, monkeypatch):
-    """By default a search's first proposals are the priors (then the user's runs' configs); --no-priors and
-    --warm-start none ask none."""
+    """By default a search's first proposals are the priors (then the configs of the user's runs the priors were not
+    built from: the shipped runs are not read again); --no-priors and --warm-start none ask none."""
     c = admitted_small
     run = fake_run("shipped", mission, [(c[40], 5.0), (c[7], 5.1), (c[300], 5.2)])
     doc, _ = P.build_priors([run.path], "x")
@@ -117,7 +117,7 @@ def test_search_asks_the_priors_first(attention, attention_small, mission, admit
     fake_run("mine", mission, [(c[9], 6.0)])
     warm, meta = warm_start_configs("auto", False, "new", attention, mission, attention_small, 16, True, priors=True)
     assert list(warm) == [c[40], c[7], c[300], c[9]]
-    assert meta["priors"] == {"configs": 3, "runs": ["shipped"]} and meta["warm_start"]["runs"] == ["shipped", "mine"]
+    assert meta["priors"] == {"configs": 3, "runs": ["shipped"]} and meta["warm_start"]["runs"] == ["mine"]
     warm, _ = warm_start_configs(None, False, "new", attention, mission, attention_small, 16, True, priors=True)
     assert list(warm) == [c[40], c[7], c[300]]
     assert warm_start_configs(None, False, "new", attention, mission, attention_small, 16, True, priors=False) == ((), {})

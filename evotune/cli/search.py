@@ -377,7 +377,12 @@ def warm_start_configs(spec: Optional[str], resume: bool, run: Optional[str], pr
     meta = {"priors": {"configs": len(firsts), "runs": sorted({o["run"] for o in origin})}} if priors else {}
     if not spec:
         return tuple(firsts), meta
-    sources = pick_runs(spec, problem, shp, exclude=run)
+    shipped = set()
+    if priors:  # the runs the shipped priors come from were asked as priors already
+        from ..records.priors import load_priors
+
+        shipped = {source["run"] for source in load_priors()["sources"]}
+    sources = pick_runs(spec, problem, shp, exclude=shipped | ({run} if run else set()))
     # At most a population's worth: NSGA-II's first generation, from which the first elites are chosen.
     configs, notes = admitted(spc, context, with_new_knobs(spc, context, configs_from(sources, limit=None)))
     configs = configs[:population]

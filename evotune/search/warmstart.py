@@ -36,10 +36,12 @@ def similar(problem, a: dict, b: dict) -> bool:
     return bool(problem.similar_shapes(a, b))
 
 
-def pick_runs(spec: str, problem, shape, exclude: str | None = None) -> list[Source]:
+def pick_runs(spec: str, problem, shape, exclude=None) -> list[Source]:
     """The runs `--warm-start` names: "auto", or comma-separated run names (a run with no passing
     trial is an error when named, skipped by auto). Same-shape runs first, then similar ones, each
-    fastest first."""
+    fastest first. `exclude`: a run name, or a collection of them, that auto leaves out (the run itself;
+    the runs the shipped priors were built from, already asked as priors)."""
+    exclude = {exclude} if isinstance(exclude, str) else set(exclude or ())
     want = shape.as_dict()
     if spec.strip() == "auto":
         root = runs_dir()
@@ -53,11 +55,10 @@ def pick_runs(spec: str, problem, shape, exclude: str | None = None) -> list[Sou
         named = True
     out = []
     for run in runs:
-        if run.run_id == exclude:
+        if run.run_id in exclude and not named:
             continue
         try:
             meta = run.meta()
-            records = run.trials()
         except EvotuneError:
             if named:
                 raise
@@ -70,6 +71,12 @@ def pick_runs(spec: str, problem, shape, exclude: str | None = None) -> list[Sou
         theirs = meta.get("shape") or {}
         same = theirs == want
         if not named and not (same or similar(problem, theirs, want)):
+            continue  # before its records are read: a checkout's runs/ holds exhaustive runs of 100k records
+        try:
+            records = run.trials()
+        except EvotuneError:
+            if named:
+                raise
             continue
         ok = ok_records(records)
         if not ok:
