@@ -41,7 +41,7 @@ template <class A, class C> struct PickType<false, A, C> { using type = C; };
 
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
           bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, bool SOFTMAX_OVERLAP_,
-          bool LEAN_ADDRESSING_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool LEAN_ADDRESSING_, bool CAUSAL_WG_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -60,6 +60,8 @@ struct HopperTraits {
     // lean_addressing: descriptors advanced by one add (smem_desc16), the K/V slots' sequence counted unsigned
     static constexpr bool kLeanAddressing = LEAN_ADDRESSING_;
     using SlotUse = typename PickType<kLeanAddressing, unsigned, int>::type;  // a K/V tile's place in the slots' sequence
+    // causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal (warpgroup_kv_tiles)
+    static constexpr bool kCausalWarpgroup = CAUSAL_WG_;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -103,6 +105,9 @@ struct HopperTraits {
     static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 4, "one to four consumer warpgroups (64 to 256 query rows)");
     static_assert(kProducerWarps == 0 || kProducerWarps == 4, "the producer is a whole warpgroup (setmaxnreg is per warpgroup)");
     static_assert(!kPingPong || kConsumerWGs == 2, "ping-pong needs two consumer warpgroups");
+    static_assert(!kCausalWarpgroup || kIsCausal,
+                  "causal_extent = warpgroup: only a causal tile has K/V tiles past a warpgroup's rows");
+    static_assert(!kCausalWarpgroup || !kPingPong, "causal_extent = warpgroup: ping-pong's turns assume equal loops");
     // Persistent: the producer warpgroup alone loads, so it can run a tile ahead; ping-pong's per-tile turn
     // protocol (warpgroup 1 owes no turn after its last K/V tile) is not carried across tiles.
     static_assert(!kPersistent || (kHasProducer && !kPingPong), "a persistent CTA needs a producer and no ping-pong");
@@ -509,31 +514,31 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
 //[skip_empty]         if (lane == 0 && (T::kPersistent || t + 1 < n_tiles)) mbar_arrive(smem_addr(&bars->v_empty[slot]));
 //[skip_empty]     }
 //[skip_empty] }
-//[causal_wg]
-//[causal_wg] // causal_extent = warpgroup: a consumer warpgroup stops at its own diagonal, the K/V tile of its last row (row0_wg
-//[causal_wg] // + 63); the CTA's later tiles, there for the warpgroups below it, lie wholly past its rows (masked). For those
-//[causal_wg] // it only gives the slots the releases a refill waits for: K(t)'s and V(t)'s where tile t + STAGES comes into
-//[causal_wg] // t's slot (one tile per CTA: while t + STAGES < cta_tiles; persistent: always, the next query tile's K/V come
-//[causal_wg] // after). Each release first waits for the load it releases, as drain_tile's do, so it counts towards this
-//[causal_wg] // use of the slot and never the one before.
-//[causal_wg] template <class T>
-//[causal_wg] __device__ __forceinline__ int warpgroup_kv_tiles(int row0_wg, int seq_k) {
-//[causal_wg]     static_assert(T::kIsCausal, "causal_extent = warpgroup: only a causal tile has K/V tiles past a warpgroup's rows");
-//[causal_wg]     return (min(seq_k, row0_wg + 64) + T::kBlockN - 1) / T::kBlockN;
-//[causal_wg] }
-//[causal_wg] template <class T>
-//[causal_wg] __device__ __forceinline__ void pass_masked_tiles(Barriers<T>* bars, int from, int cta_tiles, int it0, int lane) {
-//[causal_wg]     const int released = T::kPersistent ? cta_tiles : cta_tiles - T::kStages;  // tiles whose slot is refilled
-//[causal_wg]     for (int t = from; t < released; ++t) {
-//[causal_wg]         const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence
-//[causal_wg]         const int slot = use % T::kStages;
-//[causal_wg]         const u32 parity = (use / T::kStages) & 1;
-//[causal_wg]         mbar_wait(smem_addr(&bars->k_full[slot]), parity);
-//[causal_wg]         if (lane == 0) mbar_arrive(smem_addr(&bars->k_empty[slot]));
-//[causal_wg]         mbar_wait(smem_addr(&bars->v_full[slot]), parity);
-//[causal_wg]         if (lane == 0) mbar_arrive(smem_addr(&bars->v_empty[slot]));
-//[causal_wg]     }
-//[causal_wg] }
+
+// causal_extent = warpgroup: a consumer warpgroup stops at its own diagonal, the K/V tile of its last row (row0_wg
+// + 63); the CTA's later tiles, there for the warpgroups below it, lie wholly past its rows (masked). For those
+// it only gives the slots the releases a refill waits for: K(t)'s and V(t)'s where tile t + STAGES comes into
+// t's slot (one tile per CTA: while t + STAGES < cta_tiles; persistent: always, the next query tile's K/V come
+// after). Each release first waits for the load it releases, as drain_tile's do, so it counts towards this
+// use of the slot and never the one before.
+template <class T>
+__device__ __forceinline__ int warpgroup_kv_tiles(int row0_wg, int seq_k) {
+    static_assert(T::kIsCausal, "causal_extent = warpgroup: only a causal tile has K/V tiles past a warpgroup's rows");
+    return (min(seq_k, row0_wg + 64) + T::kBlockN - 1) / T::kBlockN;
+}
+template <class T>
+__device__ __forceinline__ void pass_masked_tiles(Barriers<T>* bars, int from, int cta_tiles, int it0, int lane) {
+    const int released = T::kPersistent ? cta_tiles : cta_tiles - T::kStages;  // tiles whose slot is refilled
+    for (int t = from; t < released; ++t) {
+        const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence
+        const int slot = use % T::kStages;
+        const u32 parity = (use / T::kStages) & 1;
+        mbar_wait(smem_addr(&bars->k_full[slot]), parity);
+        if (lane == 0) mbar_arrive(smem_addr(&bars->k_empty[slot]));
+        mbar_wait(smem_addr(&bars->v_full[slot]), parity);
+        if (lane == 0) mbar_arrive(smem_addr(&bars->v_empty[slot]));
+    }
+}
 
 // ---- persistent tile order (plain C++: tests/test_persistent.py compiles this stretch with the host compiler)
 // A query tile: its first row, query head and batch index.
@@ -627,12 +632,9 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     const int grid_kv_head = kv_head_of(grid_tile.head, kv_magic);  // the K/V maps' head coordinate
     const int grid_n_tiles = kv_tile_count<T>(grid_tile.row0, seq_k);
     // The thread that issues TMA: the producer warpgroup's first, or the first consumer's.
-    //[causal_wg] #if 0
-    const int loader = T::kHasProducer ? T::kConsumerThreads : 0;
-    //[causal_wg] #endif
-    //[causal_wg] // causal_extent = warpgroup, without a producer: the last consumer warpgroup's first thread, since that warpgroup
-    //[causal_wg] // alone walks every K/V tile of the CTA (the others stop at their own diagonals) and so refills every slot.
-    //[causal_wg] const int loader = T::kHasProducer ? T::kConsumerThreads : T::kConsumerThreads - 128;
+    // causal_extent = warpgroup, without a producer: the last consumer warpgroup's first thread, since that warpgroup
+    // alone walks every K/V tile of the CTA (the others stop at their own diagonals) and so refills every slot.
+    const int loader = T::kHasProducer ? T::kConsumerThreads : T::kCausalWarpgroup ? T::kConsumerThreads - 128 : 0;
 
     if (tid == loader) {
         mbar_init(smem_addr(&bars.q_full), 1);
@@ -667,17 +669,15 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
 
     // One query tile of the consumer warpgroups: `it0` K/V tiles went through the slots before it (the
     // slot of its K/V tile t is (it0 + t) % STAGES), and its Q arrives in phase `q_phase` of q_full.
-    //[causal_wg] #if 0
-    auto consume_tile = [&](const QTile& w, int kv_head, int n_tiles, int it0, int q_phase) {
-    //[causal_wg] #endif
-    //[causal_wg] //[stripe_mirror] #if 0
-    //[causal_wg] auto consume_tile = [&](const QTile& w, int kv_head, int cta_tiles, int it0, int q_phase) {
-    //[causal_wg] //[stripe_mirror] #endif
+    //[stripe_mirror] #if 0
+    auto consume_tile = [&](const QTile& w, int kv_head, int cta_tiles, int it0, int q_phase) {
+    //[stripe_mirror] #endif
     //[stripe_mirror] // stripe_order = mirrored: qi, the CTA's query tiles before this one, picks Q's buffer, its phase and the stripes.
     //[stripe_mirror] auto consume_tile = [&](const QTile& w, int kv_head, int cta_tiles, int it0, int qi) {
-        //[causal_wg] static_assert(!T::kPingPong, "causal_extent = warpgroup: ping-pong's turns assume equal loops");
-        //[causal_wg] //[skip_empty] static_assert(T::kHasProducer, "causal_extent = warpgroup with skip: an empty last warpgroup would not refill");
-        //[causal_wg] int n_tiles = cta_tiles;  // the CTA's K/V tiles, then (below the empty test) this warpgroup's
+        //[skip_empty] static_assert(!T::kCausalWarpgroup || T::kHasProducer,
+        //[skip_empty]               "causal_extent = warpgroup with skip: an empty last warpgroup would not refill");
+        // The CTA's K/V tiles, then (causal_extent = warpgroup, below the empty test) this warpgroup's.
+        int n_tiles = cta_tiles;
         const int wg = tid / 128;
         const int warp_in_wg = (tid % 128) / 32;
         const int lane = tid & 31;
@@ -702,7 +702,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         //[skip_empty] //[stripe_mirror]     drain_tile<T>(&bars, n_tiles, it0, qi, lane);
         //[skip_empty]     return;
         //[skip_empty] }
-        //[causal_wg] n_tiles = warpgroup_kv_tiles<T>(q_row0 + 64 * wg, seq_k);  // up to its own diagonal
+        if constexpr (T::kCausalWarpgroup) n_tiles = warpgroup_kv_tiles<T>(q_row0 + 64 * wg, seq_k);  // to its diagonal
 
         float o_acc[T::kOAcc];
         float s_acc[T::kSAcc];
@@ -875,10 +875,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             // The last V slot is free for the next tile's loads.
             if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[last]));
         }
-        //[causal_wg] if constexpr (!T::kPersistent) {
-        //[causal_wg]     // A later K/V tile of the CTA comes into the slot of this warpgroup's last V.
-        //[causal_wg]     if (lane == 0 && n_tiles - 1 + T::kStages < cta_tiles) mbar_arrive(smem_addr(&bars.v_empty[last]));
-        //[causal_wg] }
+        if constexpr (T::kCausalWarpgroup && !T::kPersistent) {
+            // A later K/V tile of the CTA comes into the slot of this warpgroup's last V.
+            if (lane == 0 && n_tiles - 1 + T::kStages < cta_tiles) mbar_arrive(smem_addr(&bars.v_empty[last]));
+        }
 
         if constexpr (T::kTmaStore) {
             // epilogue = tma (kernels/hopper_tma_store.cuh): O goes out through shared memory and TMA instead.
@@ -890,8 +890,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         }
         if constexpr (WRITE_LSE)
             store_row_lse<T>(m_run, l_run, lse + batch * lse_sb + head * lse_sh, q_row, seq_q, scale_log2, lane);
-        //[causal_wg] // Its output is out; now the K/V tiles past its diagonal (their releases only).
-        //[causal_wg] pass_masked_tiles<T>(&bars, n_tiles, cta_tiles, it0, lane);
+        if constexpr (T::kCausalWarpgroup) {
+            // Its output is out; now the K/V tiles past its diagonal (their releases only).
+            pass_masked_tiles<T>(&bars, n_tiles, cta_tiles, it0, lane);
+        }
     };
 
     if constexpr (!T::kPersistent) {

@@ -1,5 +1,5 @@
 """Each consumer warpgroup's causal K/V range: to its query tile's diagonal or to its own (knob causal_extent,
-kernels/attention_hopper.cuh's `//[causal_wg]` lines, search_spaces/attention-hopper3-causal.yaml).
+the traits' CAUSAL_WG: kCausalWarpgroup, profile attention:hopper3-causal).
 
 A causal query tile of block_m rows reads the K/V tiles up to its last row's diagonal. Its first consumer warpgroup's
 64 rows end block_m - 64 rows earlier, so with tile every warpgroup but the last computes K/V tiles that are masked
@@ -116,17 +116,18 @@ def test_the_products_warpgroup_saves_on_gpt2_causal(block_m, block_n, saved):
 
 
 def test_warpgroup_source(attention, causal_space):
-    """warpgroup's source: each warpgroup's loop ends at its own diagonal and passes the later tiles; without a
-    producer the last warpgroup's first thread loads; tile's source has none of it, and no flag is left in either."""
+    """causal_extent is the traits' template parameter CAUSAL_WG (kCausalWarpgroup): under `if constexpr` each
+    warpgroup's loop ends at its own diagonal and passes the later tiles; without a producer the last warpgroup's
+    first thread loads; tile passes false, and no flag is left in either."""
     shape = parse_shape("gpt2-causal")
     wg = instantiate(attention, causal_space.config(CAUSAL_WG_CONFIGS[0]), shape).code
     tile = instantiate(attention, causal_space.config(_tile(CAUSAL_WG_CONFIGS[0])), shape).code
     live = without_if0(wg)
-    assert "n_tiles = warpgroup_kv_tiles<T>(q_row0 + 64 * wg, seq_k);" in live
+    assert "if constexpr (T::kCausalWarpgroup) n_tiles = warpgroup_kv_tiles<T>(q_row0 + 64 * wg, seq_k);" in live
     assert "pass_masked_tiles<T>(&bars, n_tiles, cta_tiles, it0, lane);" in live
-    assert "const int loader = T::kHasProducer ? T::kConsumerThreads : T::kConsumerThreads - 128;" in live
-    assert "const int loader = T::kHasProducer ? T::kConsumerThreads : 0;" not in live
-    assert "pass_masked_tiles" not in tile and "warpgroup_kv_tiles" not in tile
+    assert ("const int loader = T::kHasProducer ? T::kConsumerThreads : T::kCausalWarpgroup ? T::kConsumerThreads - 128 "
+            ": 0;") in live
+    assert "/* CAUSAL_WG = */ true," in wg and "/* CAUSAL_WG = */ false," in tile
     assert "//[causal_wg]" not in wg and "//[causal_wg]" not in tile
     assert is_causal_warpgroup(causal_space.config(CAUSAL_WG_CONFIGS[0]))
     assert not is_causal_warpgroup(causal_space.config(_tile(CAUSAL_WG_CONFIGS[0])))

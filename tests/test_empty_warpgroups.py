@@ -91,7 +91,7 @@ def test_skip_source(attention, skip_space):
     assert "drain_tile<T>(&bars, n_tiles, it0, q_phase, lane);" in live
     assert "constexpr bool kDynamic = true;" in live and "constexpr bool kDynamic = T::kIsCausal;" not in live
     assert live.count("= persistent_tile<T>(work,") == 2
-    assert "drain_tile" not in compute and "constexpr bool kDynamic = true;" not in without_if0(compute)
+    assert "drain_tile<T>" not in compute and "constexpr bool kDynamic = true;" not in without_if0(compute)
     assert "//[skip_empty]" not in skip and "//[skip_empty]" not in compute
     assert is_skip_empty(skip_space.config(SKIP_CONFIGS[0])) and not is_skip_empty(skip_space.config(_compute(SKIP_CONFIGS[0])))
 

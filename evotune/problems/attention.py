@@ -166,7 +166,7 @@ def is_skip_empty(config) -> bool:
 
 def is_causal_warpgroup(config) -> bool:
     """The Hopper variant's causal K/V range per consumer warpgroup (knob causal_extent = warpgroup,
-    kernels/attention_hopper.cuh's `//[causal_wg]` lines): each warpgroup computes the K/V tiles up to its own 64 rows'
+    the traits' CAUSAL_WG: kCausalWarpgroup): each warpgroup computes the K/V tiles up to its own 64 rows'
     diagonal and only gives the barriers their releases for the CTA's later tiles, which are masked whole for its rows
     (at block_m 128 and block_n 64 its first warpgroup skips one of each query tile's tiles, at block_m 256 three,
     two and one); without a producer the last warpgroup's first thread issues the loads, since it alone walks every
@@ -409,13 +409,11 @@ class AttentionProblem(Problem):
     def template_flags(self, config) -> frozenset[str]:
         """p_smem: the Hopper kernel's
         `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
-        `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); causal_wg: its `//[causal_wg]`
-        lines (causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal); stripe_mirror: its
+        `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); stripe_mirror: its
         `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers). No such knob
         is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("p_smem", is_p_smem(config)),
                                                ("skip_empty", is_skip_empty(config)),
-                                               ("causal_wg", is_causal_warpgroup(config)),
                                                ("stripe_mirror", is_stripe_mirror(config)),
                                                ) if on)
 
@@ -442,6 +440,7 @@ class AttentionProblem(Problem):
                 ("RESCALE_SLACK", -1 if rescale_slack_log2(config) is None else rescale_slack_log2(config)),
                 ("SOFTMAX_OVERLAP", "true" if is_softmax_overlap(config) else "false"),
                 ("LEAN_ADDRESSING", "true" if is_lean_addressing(config) else "false"),
+                ("CAUSAL_WG", "true" if is_causal_warpgroup(config) else "false"),
             ] + problem_args
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
