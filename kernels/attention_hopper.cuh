@@ -41,7 +41,7 @@ template <class A, class C> struct PickType<false, A, C> { using type = C; };
 
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
           bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, bool SOFTMAX_OVERLAP_,
-          bool LEAN_ADDRESSING_, bool CAUSAL_WG_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool LEAN_ADDRESSING_, bool CAUSAL_WG_, bool SKIP_EMPTY_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -62,6 +62,8 @@ struct HopperTraits {
     using SlotUse = typename PickType<kLeanAddressing, unsigned, int>::type;  // a K/V tile's place in the slots' sequence
     // causal_extent = warpgroup: each consumer warpgroup stops at its own diagonal (warpgroup_kv_tiles)
     static constexpr bool kCausalWarpgroup = CAUSAL_WG_;
+    // empty_warpgroups = skip: a consumer warpgroup whose rows all lie past seq_q walks the barriers only (drain_tile)
+    static constexpr bool kSkipEmpty = SKIP_EMPTY_;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -111,7 +113,9 @@ struct HopperTraits {
     // Persistent: the producer warpgroup alone loads, so it can run a tile ahead; ping-pong's per-tile turn
     // protocol (warpgroup 1 owes no turn after its last K/V tile) is not carried across tiles.
     static_assert(!kPersistent || (kHasProducer && !kPingPong), "a persistent CTA needs a producer and no ping-pong");
-    //[skip_empty] static_assert(!kPingPong, "empty_warpgroups = skip: an empty warpgroup does not take ping-pong's turns");
+    static_assert(!kSkipEmpty || !kPingPong, "empty_warpgroups = skip: an empty warpgroup does not take ping-pong's turns");
+    static_assert(!kSkipEmpty || !kCausalWarpgroup || kHasProducer,
+                  "causal_extent = warpgroup with skip: an empty last warpgroup would not refill");
     static_assert(kStages >= 1 && kStages <= 8, "1 to 8 pipeline stages (5 to 8: the deep ring's barriers)");
     // The K/V ring's barriers (Barriers): four slots, or eight for the deep ring (stages 5 to 8).
     static constexpr int kBarrierSlots = kStages > 4 ? 8 : 4;
@@ -485,35 +489,35 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
     mbar_wait(smem_addr(&bars->v_empty[slot]), parity);
     load_kv<T, 1>(v_map, sV, bars, slot, t + T::kStages, head, batch);
 }
-//[skip_empty]
-//[skip_empty] // empty_warpgroups = skip: one query tile of a consumer warpgroup whose 64 rows all lie at or past seq_q (the
-//[skip_empty] // padding of a ragged last query tile; with 192-row tiles, gpt2's 1024 rows leave 128 of the last tile's 192
-//[skip_empty] // empty). It computes nothing and stores nothing; it only gives the barriers the arrivals the loop would (one per
-//[skip_empty] // warp): Q's release (persistent), K(t)'s after each S and V(t)'s after each P V (the last V only when the slot
-//[skip_empty] // is refilled across query tiles, as consume_tile). Each arrival waits for the load it releases to have landed:
-//[skip_empty] // that load proves the slot's previous phase complete, so the arrival counts towards this tile's phase and never
-//[skip_empty] // the one before (a warpgroup that ran ahead would otherwise release a slot twice in one phase).
-//[skip_empty] template <class T>
-//[skip_empty] __device__ __forceinline__ void drain_tile(Barriers<T>* bars, int n_tiles, int it0, int q_phase, int lane) {
-//[skip_empty] //[stripe_mirror] #if 0
-//[skip_empty]     mbar_wait(smem_addr(&bars->q_full), q_phase);
-//[skip_empty]     if constexpr (T::kPersistent) {
-//[skip_empty]         if (lane == 0) mbar_arrive(smem_addr(&bars->q_empty));
-//[skip_empty]     }
-//[skip_empty] //[stripe_mirror] #endif
-//[skip_empty] //[stripe_mirror]     // stripe_order = mirrored: q_phase is the query tile's index qi (Q's buffer qi & 1, its phase (qi >> 1) & 1).
-//[skip_empty] //[stripe_mirror]     mbar_wait(smem_addr(&bars->q_buf_full[q_phase & 1]), (q_phase >> 1) & 1);
-//[skip_empty] //[stripe_mirror]     if (lane == 0) mbar_arrive(smem_addr(&bars->q_buf_empty[q_phase & 1]));
-//[skip_empty]     for (int t = 0; t < n_tiles; ++t) {
-//[skip_empty]         const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence
-//[skip_empty]         const int slot = use % T::kStages;
-//[skip_empty]         const u32 parity = (use / T::kStages) & 1;
-//[skip_empty]         mbar_wait(smem_addr(&bars->k_full[slot]), parity);
-//[skip_empty]         if (lane == 0) mbar_arrive(smem_addr(&bars->k_empty[slot]));
-//[skip_empty]         mbar_wait(smem_addr(&bars->v_full[slot]), parity);
-//[skip_empty]         if (lane == 0 && (T::kPersistent || t + 1 < n_tiles)) mbar_arrive(smem_addr(&bars->v_empty[slot]));
-//[skip_empty]     }
-//[skip_empty] }
+
+// empty_warpgroups = skip: one query tile of a consumer warpgroup whose 64 rows all lie at or past seq_q (the
+// padding of a ragged last query tile; with 192-row tiles, gpt2's 1024 rows leave 128 of the last tile's 192
+// empty). It computes nothing and stores nothing; it only gives the barriers the arrivals the loop would (one per
+// warp): Q's release (persistent), K(t)'s after each S and V(t)'s after each P V (the last V only when the slot
+// is refilled across query tiles, as consume_tile). Each arrival waits for the load it releases to have landed:
+// that load proves the slot's previous phase complete, so the arrival counts towards this tile's phase and never
+// the one before (a warpgroup that ran ahead would otherwise release a slot twice in one phase).
+template <class T>
+__device__ __forceinline__ void drain_tile(Barriers<T>* bars, int n_tiles, int it0, int q_phase, int lane) {
+//[stripe_mirror] #if 0
+    mbar_wait(smem_addr(&bars->q_full), q_phase);
+    if constexpr (T::kPersistent) {
+        if (lane == 0) mbar_arrive(smem_addr(&bars->q_empty));
+    }
+//[stripe_mirror] #endif
+//[stripe_mirror]     // stripe_order = mirrored: q_phase is the query tile's index qi (Q's buffer qi & 1, its phase (qi >> 1) & 1).
+//[stripe_mirror]     mbar_wait(smem_addr(&bars->q_buf_full[q_phase & 1]), (q_phase >> 1) & 1);
+//[stripe_mirror]     if (lane == 0) mbar_arrive(smem_addr(&bars->q_buf_empty[q_phase & 1]));
+    for (int t = 0; t < n_tiles; ++t) {
+        const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence
+        const int slot = use % T::kStages;
+        const u32 parity = (use / T::kStages) & 1;
+        mbar_wait(smem_addr(&bars->k_full[slot]), parity);
+        if (lane == 0) mbar_arrive(smem_addr(&bars->k_empty[slot]));
+        mbar_wait(smem_addr(&bars->v_full[slot]), parity);
+        if (lane == 0 && (T::kPersistent || t + 1 < n_tiles)) mbar_arrive(smem_addr(&bars->v_empty[slot]));
+    }
+}
 
 // causal_extent = warpgroup: a consumer warpgroup stops at its own diagonal, the K/V tile of its last row (row0_wg
 // + 63); the CTA's later tiles, there for the warpgroups below it, lie wholly past its rows (masked). For those
@@ -674,8 +678,6 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     //[stripe_mirror] #endif
     //[stripe_mirror] // stripe_order = mirrored: qi, the CTA's query tiles before this one, picks Q's buffer, its phase and the stripes.
     //[stripe_mirror] auto consume_tile = [&](const QTile& w, int kv_head, int cta_tiles, int it0, int qi) {
-        //[skip_empty] static_assert(!T::kCausalWarpgroup || T::kHasProducer,
-        //[skip_empty]               "causal_extent = warpgroup with skip: an empty last warpgroup would not refill");
         // The CTA's K/V tiles, then (causal_extent = warpgroup, below the empty test) this warpgroup's.
         int n_tiles = cta_tiles;
         const int wg = tid / 128;
@@ -695,13 +697,15 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         //[stripe_mirror] // stripe's offset, that sum is the first row of the stripe this warpgroup computes.
         //[stripe_mirror] const int q_row0 = w.row0 + 64 * (stripe - wg), head = w.head, batch = w.batch;
         const int q_row = q_row0 + 64 * wg + 16 * warp_in_wg + (lane >> 2);  // the first of the thread's two rows
-        //[skip_empty] if (q_row0 + 64 * wg >= seq_q) {  // every row of this warpgroup is padding (uniform per warpgroup)
-        //[skip_empty] //[stripe_mirror] #if 0
-        //[skip_empty]     drain_tile<T>(&bars, n_tiles, it0, q_phase, lane);
-        //[skip_empty] //[stripe_mirror] #endif
-        //[skip_empty] //[stripe_mirror]     drain_tile<T>(&bars, n_tiles, it0, qi, lane);
-        //[skip_empty]     return;
-        //[skip_empty] }
+        if constexpr (T::kSkipEmpty) {
+            if (q_row0 + 64 * wg >= seq_q) {  // every row of this warpgroup is padding (uniform per warpgroup)
+                //[stripe_mirror] #if 0
+                drain_tile<T>(&bars, n_tiles, it0, q_phase, lane);
+                //[stripe_mirror] #endif
+                //[stripe_mirror] drain_tile<T>(&bars, n_tiles, it0, qi, lane);
+                return;
+            }
+        }
         if constexpr (T::kCausalWarpgroup) n_tiles = warpgroup_kv_tiles<T>(q_row0 + 64 * wg, seq_k);  // to its diagonal
 
         float o_acc[T::kOAcc];
@@ -931,15 +935,12 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         // Causal only (the non-causal order has no sections). K/V heads: the last query head's, plus one.
         const int section =
             T::kIsCausal ? l2_section_pairs<T>(head_batches, seq_k, n_heads / (kv_head_of(n_heads - 1, kv_magic) + 1)) : 1;
-        //[skip_empty] #if 0
-        constexpr bool kDynamic = T::kIsCausal;
-        //[skip_empty] #endif
-        //[skip_empty] // empty_warpgroups = skip: the non-causal tiles are handed out too. A head's last query tile, whose empty
-        //[skip_empty] // warpgroups skip it, costs less than a full one; with the fixed stride every CTA would take tiles of one
-        //[skip_empty] // row block only (132 SMs and 6 row blocks on gpt2), so some CTAs would get only the cheap ones and the
-        //[skip_empty] // launch would last as long as the full ones. Handed out in persistent_tile's order, each head's tiles
-        //[skip_empty] // stay together (its K/V in L2); an order with every thin tile last measured 2.5-4% slower on gpt2.
-        //[skip_empty] constexpr bool kDynamic = true;
+        // empty_warpgroups = skip: the non-causal tiles are handed out too. A head's last query tile, whose empty
+        // warpgroups skip it, costs less than a full one; with the fixed stride every CTA would take tiles of one
+        // row block only (132 SMs and 6 row blocks on gpt2), so some CTAs would get only the cheap ones and the
+        // launch would last as long as the full ones. Handed out in persistent_tile's order, each head's tiles
+        // stay together (its K/V in L2); an order with every thin tile last measured 2.5-4% slower on gpt2.
+        constexpr bool kDynamic = T::kIsCausal || T::kSkipEmpty;
         //[stripe_mirror] #if 0
         __shared__ int handed_tile[2];  // kDynamic: per q_full phase, its query tile (or -1: none left)
         //[stripe_mirror] #endif

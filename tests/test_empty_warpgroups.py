@@ -1,5 +1,5 @@
 """Empty consumer warpgroups of a ragged last query tile computed or skipped (knob empty_warpgroups,
-kernels/attention_hopper.cuh's `//[skip_empty]` lines, search_spaces/attention-hopper3-skip.yaml).
+the traits' SKIP_EMPTY: kSkipEmpty, profile attention:hopper3-skip).
 
 At seq_q 1024 a 192-row tile leaves the last query tile of every head 64 rows and 128 rows of padding: with compute,
 two of its three consumer warpgroups run the whole K/V loop on zero rows whose output is discarded (12.5% more tensor
@@ -82,16 +82,17 @@ def test_skip_is_admitted_where_a_warpgroup_is_empty(attention, skip_space, shap
 
 
 def test_skip_source(attention, skip_space):
-    """skip's source: an empty warpgroup walks drain_tile instead of the loop; a persistent grid hands its tiles out
-    (persistent_tile's order, from tile_counter); compute has neither, and no flag is left in either."""
+    """empty_warpgroups is the traits' template parameter SKIP_EMPTY (kSkipEmpty): under `if constexpr` an empty
+    warpgroup walks drain_tile instead of the loop, and a persistent grid hands its tiles out (kDynamic: persistent_tile's
+    order, from tile_counter); compute passes false, and no flag is left in either."""
     shape = parse_shape("gpt2")
     skip = instantiate(attention, skip_space.config(SKIP_CONFIGS[0]), shape).code
     compute = instantiate(attention, skip_space.config(_compute(SKIP_CONFIGS[0])), shape).code
     live = without_if0(skip)
-    assert "drain_tile<T>(&bars, n_tiles, it0, q_phase, lane);" in live
-    assert "constexpr bool kDynamic = true;" in live and "constexpr bool kDynamic = T::kIsCausal;" not in live
+    assert "drain_tile<T>(&bars, n_tiles, it0, q_phase, lane);" in live and "if constexpr (T::kSkipEmpty) {" in live
+    assert "constexpr bool kDynamic = T::kIsCausal || T::kSkipEmpty;" in live
     assert live.count("= persistent_tile<T>(work,") == 2
-    assert "drain_tile<T>" not in compute and "constexpr bool kDynamic = true;" not in without_if0(compute)
+    assert "/* SKIP_EMPTY = */ true," in skip and "/* SKIP_EMPTY = */ false," in compute
     assert "//[skip_empty]" not in skip and "//[skip_empty]" not in compute
     assert is_skip_empty(skip_space.config(SKIP_CONFIGS[0])) and not is_skip_empty(skip_space.config(_compute(SKIP_CONFIGS[0])))
 

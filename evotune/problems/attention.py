@@ -155,8 +155,8 @@ def is_p_smem(config) -> bool:
 
 
 def is_skip_empty(config) -> bool:
-    """The Hopper variant's empty warpgroups skipped (knob empty_warpgroups = skip, kernels/attention_hopper.cuh's
-    `//[skip_empty]` lines): a consumer warpgroup whose 64 query rows all lie past seq_q (the padding of a ragged last
+    """The Hopper variant's empty warpgroups skipped (knob empty_warpgroups = skip, the traits' SKIP_EMPTY:
+    kSkipEmpty): a consumer warpgroup whose 64 query rows all lie past seq_q (the padding of a ragged last
     query tile, e.g. 128 of the last 192-row tile's rows at seq_q 1024) computes and stores nothing and only gives the
     K/V and Q barriers their arrivals; a persistent grid then hands its tiles out from tile_counter (causal or not),
     so that the CTAs that draw the cheap thin tiles take more. compute: the padding rows are computed and discarded,
@@ -408,12 +408,10 @@ class AttentionProblem(Problem):
 
     def template_flags(self, config) -> frozenset[str]:
         """p_smem: the Hopper kernel's
-        `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); skip_empty: its
-        `//[skip_empty]` lines (empty_warpgroups = skip: empty consumer warpgroups walk the barriers only); stripe_mirror: its
+        `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); stripe_mirror: its
         `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers). No such knob
         is a template argument, so that a config without them keeps its source."""
         return frozenset(name for name, on in (("p_smem", is_p_smem(config)),
-                                               ("skip_empty", is_skip_empty(config)),
                                                ("stripe_mirror", is_stripe_mirror(config)),
                                                ) if on)
 
@@ -441,6 +439,7 @@ class AttentionProblem(Problem):
                 ("SOFTMAX_OVERLAP", "true" if is_softmax_overlap(config) else "false"),
                 ("LEAN_ADDRESSING", "true" if is_lean_addressing(config) else "false"),
                 ("CAUSAL_WG", "true" if is_causal_warpgroup(config) else "false"),
+                ("SKIP_EMPTY", "true" if is_skip_empty(config) else "false"),
             ] + problem_args
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
