@@ -146,17 +146,19 @@ def test_plugin_failing_on_import_is_one_line(cli, tmp_path, body, fragment):
 
 
 def test_bare_space_name_is_a_builtin(monkeypatch, tmp_path):
-    """`--space attention-hopper3` names the packaged space from any folder (as a wheel install ships them: here a
-    copy in EVOTUNE_SPACES); a file of that path still wins; an unknown name lists the built-in ones."""
+    """`--space attention:hopper3` (and `attention-hopper3`, the file that profile was) names the packaged profile
+    from any folder (as a wheel install ships them: here a copy in EVOTUNE_SPACES); an unknown name lists the
+    built-in ones."""
     from evotune.cli.common import load_problem
 
     packaged = tmp_path / "site-packages" / "evotune" / "search_spaces"
     shutil.copytree(REPO_ROOT / "search_spaces", packaged)
     monkeypatch.setenv("EVOTUNE_SPACES", str(packaged))
     monkeypatch.chdir(tmp_path)
-    _, _, space = load_problem(None, "attention-hopper3")
-    assert space.path == str(packaged / "attention-hopper3.yaml")
-    with pytest.raises(UsageError, match=r"--space nope: no such file, nor a built-in space .*attention-hopper3"):
+    for name in ("attention:hopper3", "attention-hopper3"):
+        _, _, space = load_problem(None, name)
+        assert space.path == str(packaged / "attention.yaml") + "#hopper3"
+    with pytest.raises(UsageError, match=r"--space nope: no such file, nor a built-in space .*attention:hopper3"):
         load_problem(None, "nope")
 
 
