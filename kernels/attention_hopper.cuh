@@ -31,7 +31,7 @@
 // Every tile starts on a 1024-byte boundary (the swizzle atom: 8 rows x 128 bytes).
 
 #include "wgmma.cuh"
-//[p_smem] #include "wgmma_n192.cuh"
+#include "wgmma_n192.cuh"
 
 namespace hopper {
 
@@ -41,7 +41,7 @@ template <class A, class C> struct PickType<false, A, C> { using type = C; };
 
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
           bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, bool SOFTMAX_OVERLAP_,
-          bool LEAN_ADDRESSING_, bool CAUSAL_WG_, bool SKIP_EMPTY_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool LEAN_ADDRESSING_, bool CAUSAL_WG_, bool SKIP_EMPTY_, bool P_SMEM_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -64,6 +64,8 @@ struct HopperTraits {
     static constexpr bool kCausalWarpgroup = CAUSAL_WG_;
     // empty_warpgroups = skip: a consumer warpgroup whose rows all lie past seq_q walks the barriers only (drain_tile)
     static constexpr bool kSkipEmpty = SKIP_EMPTY_;
+    // p_operand = smem: P V's P from the warpgroup's P tile in shared memory (store_p, issue_pv_smem; kPBytes)
+    static constexpr bool kPSmem = P_SMEM_;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -96,12 +98,11 @@ struct HopperTraits {
     static constexpr int kConsumerRegs = kConsumerWGs == 4 ? 112 : kConsumerWGs == 3 ? 160 : 240;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
-    //[p_smem] #if 0
-    static_assert(kBlockN == 16 || kBlockN == 32 || kBlockN == 64 || kBlockN == 128 || kBlockN == 176,
+    static_assert(kPSmem || kBlockN == 16 || kBlockN == 32 || kBlockN == 64 || kBlockN == 128 || kBlockN == 176,
                   "BLOCK_N: a wgmma N of 16 to 128, or 176 (FlashAttention-3's d128 tile)");
-    //[p_smem] #endif
-    //[p_smem] static_assert(kBlockN == 64 || kBlockN == 128 || kBlockN == 192,
-    //[p_smem]               "p_operand = smem: P in whole 64-key regions of the 128-byte swizzle, up to FlashAttention-3's 192-key d64 tile");
+    static_assert(!kPSmem || kBlockN == 64 || kBlockN == 128 || kBlockN == 192,
+                  "p_operand = smem: P in whole 64-key regions of the 128-byte swizzle, up to FlashAttention-3's 192-key "
+                  "d64 tile");
     static_assert(kRescaleSlackLog2 >= -1 && kRescaleSlackLog2 <= 8,
                   "rescale: -1 (always), or a slack of 0 (new_max) to 8 (lazy: P at most 256, inside fp16's range)");
     static_assert(kConsumerWGs >= 1 && kConsumerWGs <= 4, "one to four consumer warpgroups (64 to 256 query rows)");
@@ -235,50 +236,50 @@ __device__ __forceinline__ void issue_pv(float (&o)[T::kOAcc], const u32 (&p)[T:
     wgmma_commit();
 }
 
-//[p_smem] // p_operand = smem (FlashAttention-3's d64 tile, its MmaPV_is_RS = false): P goes from its packed A fragments to
-//[p_smem] // this warpgroup's P tile in shared memory, laid out as Q's (64 rows x BLOCK_N keys as BLOCK_N / 64 regions of 64
-//[p_smem] // rows x 128 bytes, 128-byte swizzle), and P V reads it through descriptors as Q K^T reads Q. The BLOCK_N / 4
-//[p_smem] // registers a thread held for P from its packing until its P V completed are free (for a 192-key S tile), at the
-//[p_smem] // price of the stores and P V's A operand from shared memory. The tile is the traits' kPBytes at the end of the
-//[p_smem] // dynamic shared memory (the instantiation adds it to kSmemBytes).
-//[p_smem] __device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
-//[p_smem]     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
-//[p_smem]                  ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-//[p_smem] }
-//[p_smem]
-//[p_smem] // P's A fragments (rescale_and_pack's) into the warpgroup's P tile: stmatrix.x4 per 16x16 block, the addresses
-//[p_smem] // load_q_regs's ldmatrix reads Q's fragments from. Every P V before it has completed (the wgmma_wait<0> ahead of
-//[p_smem] // each packing), so one tile serves every K/V tile. The fence makes the stores visible to wgmma's async proxy;
-//[p_smem] // a warp's rows of P are read by its own part of the warpgroup's wgmma, so the warp's own barrier suffices
-//[p_smem] // (FlashAttention-3's reasoning; the GPU tests check the output bit for bit against P in registers).
-//[p_smem] template <class T>
-//[p_smem] __device__ __forceinline__ void store_p(const u32 (&p)[T::kPVSteps][4], u32 sP_wg, int warp_in_wg, int lane) {
-//[p_smem]     const int row = 16 * warp_in_wg + (lane & 15);
-//[p_smem] #pragma unroll
-//[p_smem]     for (int kk = 0; kk < T::kPVSteps; ++kk) {
-//[p_smem]         const int chunk = 2 * (kk % 4) + (lane >> 4);  // 16-byte chunk inside the 128-byte row
-//[p_smem]         stmatrix_x4(sP_wg + (kk / 4) * (64 * 128) + row * 128 + ((chunk ^ (row & 7)) << 4), p[kk]);
-//[p_smem]     }
-//[p_smem]     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-//[p_smem]     __syncwarp();
-//[p_smem] }
-//[p_smem]
-//[p_smem] // O += P V for one V tile with P from the warpgroup's P tile (store_p's) rather than registers.
-//[p_smem] template <class T>
-//[p_smem] __device__ __forceinline__ void issue_pv_smem(float (&o)[T::kOAcc], u32 sP_wg, u32 sV) {
-//[p_smem] #pragma unroll
-//[p_smem]     for (int kk = 0; kk < T::kPVSteps; ++kk) {  // 16 keys per step: P's region kk / 4, 32 bytes a step inside it
-//[p_smem]         const u32 p_off = (kk / 4) * (64 * 128) + (kk % 4) * 32;
-//[p_smem]         if constexpr (T::kLeanAddressing)
-//[p_smem]             wgmma_ss<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, smem_desc16((sP_wg >> 4) + (p_off >> 4), 16, 1024),
-//[p_smem]                         smem_desc16((sV >> 4) + kk * 128, T::kBlockN * 128, 1024), 1);
-//[p_smem]         else
-//[p_smem]             wgmma_ss<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, smem_desc(sP_wg + p_off, 16, 1024),
-//[p_smem]                         smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
-//[p_smem]     }
-//[p_smem]     wgmma_commit();
-//[p_smem] }
-//[p_smem]
+// p_operand = smem (FlashAttention-3's d64 tile, its MmaPV_is_RS = false): P goes from its packed A fragments to
+// this warpgroup's P tile in shared memory, laid out as Q's (64 rows x BLOCK_N keys as BLOCK_N / 64 regions of 64
+// rows x 128 bytes, 128-byte swizzle), and P V reads it through descriptors as Q K^T reads Q. The BLOCK_N / 4
+// registers a thread held for P from its packing until its P V completed are free (for a 192-key S tile), at the
+// price of the stores and P V's A operand from shared memory. The tile is the traits' kPBytes at the end of the
+// dynamic shared memory (the instantiation adds it to kSmemBytes).
+__device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
+// P's A fragments (rescale_and_pack's) into the warpgroup's P tile: stmatrix.x4 per 16x16 block, the addresses
+// load_q_regs's ldmatrix reads Q's fragments from. Every P V before it has completed (the wgmma_wait<0> ahead of
+// each packing), so one tile serves every K/V tile. The fence makes the stores visible to wgmma's async proxy;
+// a warp's rows of P are read by its own part of the warpgroup's wgmma, so the warp's own barrier suffices
+// (FlashAttention-3's reasoning; the GPU tests check the output bit for bit against P in registers).
+template <class T>
+__device__ __forceinline__ void store_p(const u32 (&p)[T::kPVSteps][4], u32 sP_wg, int warp_in_wg, int lane) {
+    const int row = 16 * warp_in_wg + (lane & 15);
+#pragma unroll
+    for (int kk = 0; kk < T::kPVSteps; ++kk) {
+        const int chunk = 2 * (kk % 4) + (lane >> 4);  // 16-byte chunk inside the 128-byte row
+        stmatrix_x4(sP_wg + (kk / 4) * (64 * 128) + row * 128 + ((chunk ^ (row & 7)) << 4), p[kk]);
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncwarp();
+}
+
+// O += P V for one V tile with P from the warpgroup's P tile (store_p's) rather than registers.
+template <class T>
+__device__ __forceinline__ void issue_pv_smem(float (&o)[T::kOAcc], u32 sP_wg, u32 sV) {
+#pragma unroll
+    for (int kk = 0; kk < T::kPVSteps; ++kk) {  // 16 keys per step: P's region kk / 4, 32 bytes a step inside it
+        const u32 p_off = (kk / 4) * (64 * 128) + (kk % 4) * 32;
+        if constexpr (T::kLeanAddressing)
+            wgmma_ss<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, smem_desc16((sP_wg >> 4) + (p_off >> 4), 16, 1024),
+                        smem_desc16((sV >> 4) + kk * 128, T::kBlockN * 128, 1024), 1);
+        else
+            wgmma_ss<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, smem_desc(sP_wg + p_off, 16, 1024),
+                        smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
+    }
+    wgmma_commit();
+}
+
 // Q's A fragments for all k-steps from the swizzled tile (Q_IN_REGS): ldmatrix.x4 per 16x16 block.
 template <class T>
 __device__ __forceinline__ void load_q_regs(u32 (&qr)[T::kQRegSteps][4], u32 sQ_wg, int warp_in_wg, int lane) {
@@ -688,7 +689,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         //[stripe_mirror] #endif
         //[stripe_mirror] const int stripe = mirrored_stripe<T>(wg, qi);  // the tile's 64-row stripe this warpgroup computes
         //[stripe_mirror] const u32 sQ_wg = q_buffer<T>(smem_base, qi) + stripe * (64 * 128);  // its 64 rows inside each region
-        //[p_smem] const u32 sP_wg = smem_base + T::kSmemBytes - 1024 - T::kPBytes + wg * (64 * T::kBlockN * 2);  // its P tile
+        u32 sP_wg = 0;  // p_operand = smem: its P tile
+        if constexpr (T::kPSmem) sP_wg = smem_base + T::kSmemBytes - 1024 - T::kPBytes + wg * (64 * T::kBlockN * 2);
         //[stripe_mirror] #if 0
         const int q_row0 = w.row0, head = w.head, batch = w.batch;
         //[stripe_mirror] #endif
@@ -765,7 +767,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         scores_to_probs<T>(s_acc, m_run, l_run, alpha, 0, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
         if constexpr (!T::kSoftmaxOverlap) {
             rescale_and_pack<T>(o_acc, s_acc, alpha, p);
-            //[p_smem] store_p<T>(p, sP_wg, warp_in_wg, lane);
+            if constexpr (T::kPSmem) store_p<T>(p, sP_wg, warp_in_wg, lane);
         }
         // softmax_overlap (kSoftmaxOverlap): the loop below is rotated. Written as one iteration (products of tile t,
         // its softmax, the wait for P(t-1) V(t-1), O's rescaling and P's packing), ptxas schedules that wait near the
@@ -777,9 +779,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         auto finish_tile = [&](int u) {
             wgmma_wait<0>();
             fence_regs(o_acc);
-            //[p_smem] #if 0
-            fence_a_regs(p);
-            //[p_smem] #endif
+            if constexpr (!T::kPSmem) fence_a_regs(p);
             if (u >= 1) {
                 if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[(it0 + u - 1) % T::kStages]));
                 if constexpr (!T::kHasProducer) {
@@ -789,7 +789,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 }
             }
             rescale_and_pack<T>(o_acc, s_acc, alpha, p);
-            //[p_smem] store_p<T>(p, sP_wg, warp_in_wg, lane);
+            if constexpr (T::kPSmem) store_p<T>(p, sP_wg, warp_in_wg, lane);
         };
 
         for (int t = 1; t < n_tiles; ++t) {
@@ -807,15 +807,11 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             // Everything the two products read from registers is final before the fence.
             fence_regs(s_acc);
             fence_regs(o_acc);
-            //[p_smem] #if 0
-            fence_a_regs(p);
-            //[p_smem] #endif
+            if constexpr (!T::kPSmem) fence_a_regs(p);
             wgmma_fence();
             issue_qk<T>(s_acc, qr, sQ_wg, sK + slot * T::kKVBytes);
-            //[p_smem] #if 0
-            issue_pv<T>(o_acc, p, sV + prev * T::kKVBytes);
-            //[p_smem] #endif
-            //[p_smem] issue_pv_smem<T>(o_acc, sP_wg, sV + prev * T::kKVBytes);
+            if constexpr (T::kPSmem) issue_pv_smem<T>(o_acc, sP_wg, sV + prev * T::kKVBytes);
+            else issue_pv<T>(o_acc, p, sV + prev * T::kKVBytes);
             if constexpr (T::kPingPong) {
                 // Hand the tensor cores to the other warpgroup; warpgroup 1 owes none after its last tile.
                 if (wg == 0 || t + 1 < n_tiles) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 1 - wg, 256);
@@ -838,9 +834,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             if constexpr (!T::kSoftmaxOverlap) {
                 wgmma_wait<0>();
                 fence_regs(o_acc);
-                //[p_smem] #if 0
-                fence_a_regs(p);
-                //[p_smem] #endif
+                if constexpr (!T::kPSmem) fence_a_regs(p);
                 if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[prev]));
                 if constexpr (!T::kHasProducer) {
                     if (tid == loader && t - 1 + T::kStages < n_tiles)
@@ -848,7 +842,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                     __syncwarp();
                 }
                 rescale_and_pack<T>(o_acc, s_acc, alpha, p);
-                //[p_smem] store_p<T>(p, sP_wg, warp_in_wg, lane);
+                if constexpr (T::kPSmem) store_p<T>(p, sP_wg, warp_in_wg, lane);
             }
         }
         if constexpr (T::kSoftmaxOverlap) finish_tile(n_tiles - 1);
@@ -862,19 +856,13 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         const int last = (it0 + n_tiles - 1) % T::kStages;
         mbar_wait(smem_addr(&bars.v_full[last]), ((it0 + n_tiles - 1) / T::kStages) & 1);
         fence_regs(o_acc);
-        //[p_smem] #if 0
-        fence_a_regs(p);
-        //[p_smem] #endif
+        if constexpr (!T::kPSmem) fence_a_regs(p);
         wgmma_fence();
-        //[p_smem] #if 0
-        issue_pv<T>(o_acc, p, sV + last * T::kKVBytes);
-        //[p_smem] #endif
-        //[p_smem] issue_pv_smem<T>(o_acc, sP_wg, sV + last * T::kKVBytes);
+        if constexpr (T::kPSmem) issue_pv_smem<T>(o_acc, sP_wg, sV + last * T::kKVBytes);
+        else issue_pv<T>(o_acc, p, sV + last * T::kKVBytes);
         wgmma_wait<0>();
         fence_regs(o_acc);
-        //[p_smem] #if 0
-        fence_a_regs(p);
-        //[p_smem] #endif
+        if constexpr (!T::kPSmem) fence_a_regs(p);
         if constexpr (T::kPersistent) {
             // The last V slot is free for the next tile's loads.
             if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[last]));

@@ -1,5 +1,5 @@
-"""P V's P operand from registers or shared memory (knob p_operand, kernels/attention_hopper.cuh's `//[p_smem]` lines,
-search_spaces/attention-hopper3-ss.yaml), and the 192-key tile it allows (FlashAttention-3's d64 tile).
+"""P V's P operand from registers or shared memory (knob p_operand, the traits' P_SMEM: kPSmem,
+profile attention:hopper3-ss), and the 192-key tile it allows (FlashAttention-3's d64 tile).
 
 With p_operand = regs the packed scores stay in registers as P V's A operand until that P V completes; with smem each
 consumer warpgroup stores them (stmatrix) to a P tile of its own at the end of the dynamic shared memory and P V reads
@@ -78,10 +78,10 @@ def test_every_regs_config_keeps_its_source(attention, ss_space):
 
 @pytest.mark.parametrize("lean", [True, False])
 def test_smem_source(attention, ss_space, lean):
-    """A smem config's source issues every P V from the P tile (issue_pv_smem, never issue_pv), stores P after each
-    packing, no longer fences P's registers, takes the lean or the written descriptors as lean_addressing says (the
-    lines where the two knobs meet, over attention.yaml) and keeps no flag; the regs twin has none of it. The N = 192
-    wrappers come with smem only. On mma.sync the knob selects nothing."""
+    """p_operand is the traits' template parameter P_SMEM (kPSmem): under `if constexpr` every P V is issued from the P
+    tile (issue_pv_smem) or from registers (issue_pv), P is stored after each packing and P's registers fenced only
+    with regs; issue_pv_smem takes the lean or the written descriptors as lean_addressing says; no flag is left; the
+    regs twin passes false. The N = 192 wrappers are always inlined. On mma.sync the knob selects nothing."""
     shape = parse_shape("gpt2")
     full = load_builtin("attention")
     for cfg in (SMEM_CONFIGS[0], FA3_D64[0]):
@@ -89,13 +89,14 @@ def test_smem_source(attention, ss_space, lean):
         code = instantiate(attention, full.config(cfg), shape).code
         live = without_if0(code)
         assert template_flag_names(code) == set()
-        assert "issue_pv<T>(" not in live and live.count("issue_pv_smem<T>(o_acc, sP_wg") == 2
-        assert live.count("store_p<T>(p, sP_wg, warp_in_wg, lane);") == 1  # the rotated loop's finish_tile
-        assert "fence_a_regs(p)" not in live and "m64n192k16" in live
-        assert ("smem_desc16((sP_wg >> 4)" in live) == lean and ("smem_desc(sP_wg + p_off" in live) == (not lean)
+        assert "/* P_SMEM = */ true," in code and f"/* LEAN_ADDRESSING = */ {str(lean).lower()}," in code
+        assert live.count("if constexpr (T::kPSmem) issue_pv_smem<T>(o_acc, sP_wg") == 2
+        assert live.count("if constexpr (T::kPSmem) store_p<T>(p, sP_wg, warp_in_wg, lane);") == 3
+        assert "if constexpr (!T::kPSmem) fence_a_regs(p);" in live and "m64n192k16" in live
+        assert "smem_desc16((sP_wg >> 4)" in live and "smem_desc(sP_wg + p_off" in live
         plain = instantiate(attention, full.config(_regs(cfg if cfg["block_n"] != 192 else SMEM_CONFIGS[0])),
                             shape).code
-        assert "issue_pv_smem" not in plain and "stmatrix" not in plain and "m64n192k16" not in plain
+        assert "/* P_SMEM = */ false," in plain
     assert is_p_smem(ss_space.config(SMEM_CONFIGS[0]))
     assert not is_p_smem(dict(mma="sync", p_operand="smem"))
 

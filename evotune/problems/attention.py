@@ -147,8 +147,8 @@ def is_lean_addressing(config) -> bool:
 
 
 def is_p_smem(config) -> bool:
-    """The Hopper variant's P V with P from shared memory (knob p_operand = smem, kernels/attention_hopper.cuh's
-    `//[p_smem]` lines; FlashAttention-3's d64 tile runs so): each consumer warpgroup stores P's packed fragments to a
+    """The Hopper variant's P V with P from shared memory (knob p_operand = smem, the traits' P_SMEM: kPSmem;
+    FlashAttention-3's d64 tile runs so): each consumer warpgroup stores P's packed fragments to a
     64 x block_n tile of its own (stmatrix) and P V reads it through descriptors, so the registers that held P until
     its P V completed are free, for a 192-key S tile among others. regs: P stays in registers as P V's A operand."""
     return is_wgmma(config) and knob(config, "p_operand") == "smem"
@@ -407,12 +407,9 @@ class AttentionProblem(Problem):
         return KNOB_DOMAINS
 
     def template_flags(self, config) -> frozenset[str]:
-        """p_smem: the Hopper kernel's
-        `//[p_smem]` lines (p_operand = smem: P V's P from shared memory, and the N = 192 wgmma wrappers); stripe_mirror: its
-        `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers). No such knob
+        """stripe_mirror: the Hopper kernel's `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers). No such knob
         is a template argument, so that a config without them keeps its source."""
-        return frozenset(name for name, on in (("p_smem", is_p_smem(config)),
-                                               ("stripe_mirror", is_stripe_mirror(config)),
+        return frozenset(name for name, on in (("stripe_mirror", is_stripe_mirror(config)),
                                                ) if on)
 
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
@@ -440,6 +437,7 @@ class AttentionProblem(Problem):
                 ("LEAN_ADDRESSING", "true" if is_lean_addressing(config) else "false"),
                 ("CAUSAL_WG", "true" if is_causal_warpgroup(config) else "false"),
                 ("SKIP_EMPTY", "true" if is_skip_empty(config) else "false"),
+                ("P_SMEM", "true" if is_p_smem(config) else "false"),
             ] + problem_args
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
