@@ -357,7 +357,7 @@ def test_tune_stale_re_measures_each_stale_entry_first(tmp_path, main_in_process
     path = save_table(table(entry(mission, digest="0123456789abcdef"), entry(fresh_shape)), tmp_path / "t.json")
     calls = []
 
-    def search_key(shape, trials, timeout, gpu, json_out, seeds=()):
+    def search_key(shape, trials, timeout, gpu, json_out, seeds=(), **options):  # priors: not read here
         calls.append((shape.spec, [dict(c) for c in seeds]))
         make_run(runs_root, f"r{len(calls)}", shape, time_us=1.0, baselines={"cudnn": base(2.0)})
         return f"r{len(calls)}"

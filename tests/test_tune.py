@@ -22,7 +22,7 @@ def fake_search(runs_root, monkeypatch):
     runs_root.mkdir()
     calls = []
 
-    def search_key(shape, trials, timeout, gpu, json_out):
+    def search_key(shape, trials, timeout, gpu, json_out, **options):  # seeds, priors: not read here
         calls.append((shape.spec, trials))
         if shape.spec in fake_search_fails:
             raise EvotuneError(f"run r{len(calls)}: no candidate passed the correctness gate")
