@@ -163,7 +163,9 @@ class Agents:
         deadline = None if timeout is None else time.time() + timeout
         while self.alive() and (deadline is None or time.time() < deadline):
             self.collect()  # drained as they come: an agent exits only once its report is through the pipe
-            next(p for p in self.procs.values() if p.is_alive()).join(0.2)
+            live = next((p for p in self.procs.values() if p.is_alive()), None)  # the last may exit meanwhile
+            if live is not None:
+                live.join(0.2)
         self.collect()
         return not self.alive()
 
