@@ -12,7 +12,7 @@ import pytest
 
 from evotune.errors import UsageError
 from evotune.outputs import read_input
-from evotune.space import searchspace
+from evotune.space import enumeration, searchspace
 from _paths import REPO_ROOT
 from test_cli import assert_one_line_error, cli, make_run, passing_record  # noqa: F401 (cli: a fixture)
 
@@ -102,7 +102,7 @@ def _wide_space(tmp_path, constraint: str = "") -> str:
 
 def test_enumeration_is_bounded_in_memory(tmp_path, monkeypatch):
     """A space that admits more configs than the bound is one UsageError saying so, not gigabytes."""
-    monkeypatch.setattr(searchspace, "MAX_ADMITTED", 1000)
+    monkeypatch.setattr(enumeration, "MAX_ADMITTED", 1000)
     space = searchspace.load_space(_wide_space(tmp_path), context_names=(), knob_domains=None)
     with pytest.raises(UsageError, match=r"wide.yaml: admits more than 1,000 configs on this shape \(of 262,144\)"):
         space.admitted_configs({})
@@ -111,7 +111,7 @@ def test_enumeration_is_bounded_in_memory(tmp_path, monkeypatch):
 def test_enumeration_is_bounded_in_steps(tmp_path, monkeypatch):
     """A walk that would visit more nodes than the bound (here: nothing admitted, decided at the last knob) is one
     UsageError, counted in steps, not timed; check_nonempty stops the same way."""
-    monkeypatch.setattr(searchspace, "MAX_ENUMERATION_STEPS", 10_000)
+    monkeypatch.setattr(enumeration, "MAX_ENUMERATION_STEPS", 10_000)
     space = searchspace.load_space(_wide_space(tmp_path, "p5 > 100"), context_names=(), knob_domains=None)
     with pytest.raises(UsageError, match=r"enumerating its 262,144 configs takes more than 10,000 steps"):
         space.admitted_configs({})
@@ -121,7 +121,7 @@ def test_enumeration_is_bounded_in_steps(tmp_path, monkeypatch):
 
 def test_check_says_the_space_is_too_large(main_in_process, monkeypatch):
     """Through `evotune check`: one line, exit 2, nothing compiled."""
-    monkeypatch.setattr(searchspace, "MAX_ADMITTED", 10)
+    monkeypatch.setattr(enumeration, "MAX_ADMITTED", 10)
     assert_one_line_error(main_in_process("check", "--space", "attention-small", "--sample", "1"), 2,
                           "admits more than 10 configs")
 

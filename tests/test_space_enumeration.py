@@ -307,12 +307,12 @@ def attention_admitted(shape: str) -> tuple[Config, ...]:
     """The full attention space's admitted configs on `shape` (a named context), enumerated once per session by the
     pruned walk alone: the naive loop over every config would take hours, so reaching it fails the test."""
     space = load_builtin("attention")
-    real_naive = searchspace._Enumeration.naive
-    searchspace._Enumeration.naive = lambda self, context: pytest.fail("the naive loop ran on the full space")
+    real_naive = enumeration._Enumeration.naive
+    enumeration._Enumeration.naive = lambda self, context: pytest.fail("the naive loop ran on the full space")
     try:
         return tuple(space.admitted_configs(contexts_of("attention")[shape]))
     finally:
-        searchspace._Enumeration.naive = real_naive
+        enumeration._Enumeration.naive = real_naive
 
 
 # A slice's configs at most: the reference takes ~10 s for 150,000 on one core, whatever the full space's size.
@@ -510,9 +510,9 @@ def same_outcome(tmp_path, body: str, context: Mapping[str, object]) -> tuple:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(enumeration, "_BLOCK_ROWS", 2)
         assert outcome(lambda: space.admitted_configs(context)) == fast
-    for naive_first in (0, searchspace._NAIVE_FIRST):  # the walk and scan alone, and after the naive configs
+    for naive_first in (0, enumeration._NAIVE_FIRST):  # the walk and scan alone, and after the naive configs
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(searchspace, "_NAIVE_FIRST", naive_first)
+            patch.setattr(enumeration, "_NAIVE_FIRST", naive_first)
             assert outcome(lambda: check_nonempty(space, context)) == \
                 outcome(lambda: naive_check_nonempty(space, context))
     return fast

@@ -38,13 +38,8 @@ variant knob, left one value or omitted, is none). The parent may extend another
 
 from __future__ import annotations
 
-import sys
-import types
-
-from . import enumeration
 from .enumeration import (  # noqa: F401
-    MAX_ADMITTED, MAX_ENUMERATION_STEPS, _NAIVE_FIRST, _Enumeration, _Scan, _Step, _nothing_admitted, _steps,
-    _too_many_admitted, _too_many_steps, check_nonempty,
+    _Enumeration, _Scan, _Step, _nothing_admitted, _steps, _too_many_admitted, _too_many_steps, check_nonempty,
 )
 from .expressions import (  # noqa: F401
     _BINOPS, _COMPARE, _COMPILED_GLOBALS, _FUNCTIONS, _MAX_EXPONENT, _MAX_EXPRESSION_CHARS, _MAX_EXPRESSION_DEPTH,
@@ -69,18 +64,3 @@ def __getattr__(name: str):
         attention = _FAMILIES["attention"]()
         return attention.context_names if name == "CONTEXT_NAMES" else attention.context
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-# The enumeration's bounds, which tests and callers set here (monkeypatch.setattr(searchspace, "MAX_ADMITTED", ...)),
-# are read by evotune.space.enumeration: setting one here sets it there too, as when this module held them.
-_FORWARDED = ("MAX_ADMITTED", "MAX_ENUMERATION_STEPS", "_NAIVE_FIRST")
-
-
-class _Module(types.ModuleType):
-    def __setattr__(self, name: str, value) -> None:
-        if name in _FORWARDED:
-            setattr(enumeration, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Module
