@@ -2,8 +2,8 @@
 
 One wrapper per (N, element type, A source): the PTX names every accumulator register,
 so N/2 operands per instruction are spelled out here rather than by hand. N = 192 (FlashAttention-3's d64 tile, which
-the kernel runs with P from shared memory) has a header of its own, included only by the configs that use it
-(kernels/attention_hopper.cuh's `//[p_smem]` include), so every other config keeps its source.
+the kernel runs with P from shared memory) has a header of its own, kept apart because only the p_operand = smem
+configs (the traits' kPSmem) call its wrappers; kernels/attention_hopper.cuh includes both.
 Run: python tools/gen_wgmma.py  (the headers are committed; a test checks they are current).
 """
 
