@@ -53,7 +53,13 @@ class Problem(ABC):
 
     A shape is the family's own frozen, hashable dataclass with `spec` (its `--shape`
     spelling), `as_dict()` (read back by `shape_from_dict`) and `dtype`; only the family's
-    module reads its other fields.
+    module reads its other fields (its FLOPs and bytes reach generic code through `work`).
+
+    A launch may write several outputs: new_output then returns name -> tensor, reference the same names,
+    perturb one row mask per name, and a baseline all of them; the gate checks each (gpu/evaluate.py).
+
+    A plugin's `kernel_file` and `default_space` may be paths relative to its module's folder.
+    evotune.problems.generic declares a whole family in a YAML file instead (docs/PLUGINS.md).
     """
 
     family: str                           # the name runs record and get_problem() takes
@@ -105,9 +111,25 @@ class Problem(ABC):
     def context(self, shape) -> dict:
         """The names `context_names` for `shape`: what the space's expressions may read."""
 
-    def knob_domains(self) -> Mapping[str, tuple | range] | None:
-        """Knob name -> the values the template accepts (a tuple, or a range of ints); None: undeclared, not checked."""
+    def knob_domains(self) -> Mapping[str, tuple | range | None] | None:
+        """Knob name -> the values the template accepts (a tuple, a range of ints, or None for any value); None:
+        undeclared, not checked (a misspelled knob then reaches the template)."""
         return None
+
+    def load_space(self, context_names):
+        """The family's default space: the built-in `default_space`, or the file it names (a plugin's, beside it)."""
+        from ..space.reader import load_builtin, load_space
+
+        if self.default_space.endswith((".yaml", ".yml")) or os.sep in self.default_space:
+            return load_space(self.default_space, context_names, self.knob_domains())
+        return load_builtin(self.default_space, context_names)
+
+    def work(self, shape) -> tuple[float | None, float | None]:
+        """(FLOPs, fewest bytes moved) of one call on `shape`, or None each: what bench's roofline reads. By default
+        the shape's own `flops()` and `min_bytes()`, the two methods a shape may define for it."""
+        flops = shape.flops() if callable(getattr(type(shape), "flops", None)) else None
+        nbytes = shape.min_bytes() if callable(getattr(type(shape), "min_bytes", None)) else None
+        return flops, nbytes
 
     def rate(self, shape, time_us: float) -> float | None:
         """Throughput in `rate_unit` at `time_us` per call, or None."""
@@ -207,7 +229,7 @@ class Problem(ABC):
 
 # The built-in families: name -> the module (under evotune.problems) whose PROBLEM it is. Imported on
 # first use, so naming a family costs nothing until it is used.
-REGISTRY: dict[str, str] = {"attention": "attention", "softmax": "softmax"}
+REGISTRY: dict[str, str] = {"attention": "attention", "softmax": "softmax", "attention-decode": "decode"}
 FAMILIES = tuple(REGISTRY)
 
 
@@ -215,11 +237,14 @@ def get_problem(family: str) -> Problem:
     """The Problem object of a family name, or of a plugin path `package.module:ATTR` (a family
     defined outside evotune, loaded only where EVOTUNE_PLUGINS allows its module; worker processes
     load it by that same name)."""
+    if _is_family_file(family):
+        return load_family_file(family)
     if ":" in family:
         return load_plugin(family)
     module = REGISTRY.get(family)
     if module is None:
-        raise UsageError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+        raise UsageError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}; a family of your own is "
+                         f"a family file (path/to/family.yaml, docs/PLUGINS.md) or a plugin package.module:ATTR")
     return importlib.import_module(f"{__name__}.{module}").PROBLEM
 
 
@@ -232,6 +257,31 @@ for _name in REGISTRY:
 PROBLEM_ATTRIBUTES = ("family", "kernel_file", "entry_name", "check_shape", "context", "instantiation", "geometry")
 
 
+def _is_family_file(name: str) -> bool:
+    return str(name).endswith((".yaml", ".yml"))
+
+
+def load_family_file(path: str):
+    """The family a family file declares (evotune.problems.generic), where the person running evotune allowed it:
+    loading it imports its reference module. `--family FILE` allows it (allow_plugins), as EVOTUNE_PLUGINS listing
+    the file or a folder above it does; a space or a run folder naming it does not."""
+    from pathlib import Path
+
+    resolved = Path(path).resolve()
+    allowed = [Path(p).resolve() for p in allowed_plugin_modules() if _is_path_entry(p)]
+    if not any(resolved == a or a in resolved.parents for a in allowed):
+        raise UsageError(f"kernel family {str(path)!r} is a family file: loading it runs its reference module; to "
+                         f"allow that, name it with --family, or set {PLUGINS_ENV}={resolved} (or its folder)")
+    from .generic import load_family
+
+    return load_family(resolved)
+
+
+def _is_path_entry(entry: str) -> bool:
+    """An EVOTUNE_PLUGINS entry naming a family file or a folder of them (rather than a module)."""
+    return os.sep in entry or _is_family_file(entry)
+
+
 def allowed_plugin_modules() -> tuple[str, ...]:
     """The modules EVOTUNE_PLUGINS allows plugin families to be loaded from (a package allows its submodules)."""
     return tuple(m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip())
@@ -239,9 +289,9 @@ def allowed_plugin_modules() -> tuple[str, ...]:
 
 def allow_plugins(modules: Iterable[str]) -> None:
     """Allow plugin families from `modules` in this process and the workers it starts (what a `--plugin` flag calls)."""
-    modules = [m.strip() for m in modules]
+    modules = [str(_absolute(m.strip())) if _is_family_file(m.strip()) else m.strip() for m in modules]
     for module in modules:
-        if not _is_module_name(module):
+        if not _is_module_name(module) and not _is_family_file(module):
             raise UsageError(f"plugin module {module!r}: write a module name, package.module")
     os.environ[PLUGINS_ENV] = ",".join(dict.fromkeys(allowed_plugin_modules() + tuple(modules)))
 
@@ -249,6 +299,12 @@ def allow_plugins(modules: Iterable[str]) -> None:
 def plugin_allowed(module_name: str) -> bool:
     """True when the person running evotune allowed `module_name`; evotune's own modules always are."""
     return any(module_name == m or module_name.startswith(m + ".") for m in ("evotune", *allowed_plugin_modules()))
+
+
+def _absolute(path: str):
+    from pathlib import Path
+
+    return Path(path).resolve()
 
 
 def _is_module_name(name: str) -> bool:
@@ -290,7 +346,24 @@ def load_plugin(path: str):
     if problem.family != path:
         raise UsageError(f"kernel family {path!r}: its family attribute is {problem.family!r}; it must be {path!r}, "
                          f"the name worker processes load it by")
+    _files_beside(problem, module)
     return problem
+
+
+def _files_beside(problem: Problem, module) -> None:
+    """A plugin's template and space named relative to its module's folder are found there (the kernels folder and
+    the built-in spaces stay first, as before): the object keeps their absolute paths."""
+    from pathlib import Path
+
+    from ..build.template import kernels_dir
+
+    folder = Path(getattr(module, "__file__", "") or ".").resolve().parent
+    kernel = getattr(problem, "kernel_file", "")
+    if kernel and not (kernels_dir() / kernel).is_file() and (folder / kernel).is_file():
+        problem.kernel_file = str(folder / kernel)
+    space = getattr(problem, "default_space", "")
+    if space and space.endswith((".yaml", ".yml")) and not os.path.isabs(space) and (folder / space).is_file():
+        problem.default_space = str(folder / space)
 
 
 def _one_line(e: BaseException) -> str:

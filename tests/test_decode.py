@@ -1,0 +1,211 @@
+"""CPU tests of the decode attention family: shapes, the space, NVRTC compiles for sm_90a, and the split-KV math."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from evotune.build.compile import compile_source, static_violations
+from evotune.build.template import instantiate
+from evotune.errors import UsageError
+from evotune.problems import FAMILIES, get_problem
+from evotune.problems.decode import PRESETS, DecodeShape, parse_shape, reference_decode
+from evotune.space.searchspace import load_builtin
+
+
+@pytest.fixture(scope="module")
+def decode():
+    return get_problem("attention-decode")
+
+
+@pytest.fixture(scope="module")
+def dspace():
+    return load_builtin("attention-decode")
+
+
+# ------------------------------------------------------------------ shapes
+
+
+def test_registered_with_its_space(decode, dspace):
+    """The family is a built-in one, and its default space names it."""
+    assert "attention-decode" in FAMILIES and decode.family == dspace.family == "attention-decode"
+
+
+@pytest.mark.parametrize("text, want", [
+    ("1,32,8,16384,128:bf16", DecodeShape(1, 32, 8, 1, 16384, 128, "bf16")),
+    ("2,8,1,4,300,64:causal:bshd", DecodeShape(2, 8, 1, 4, 300, 64, "fp16", "bshd", True)),
+    ("llama8b-decode-2k:fp16", DecodeShape(1, 32, 8, 1, 2048, 128, "fp16")),
+])
+def test_shape_spelling_round_trips(text, want):
+    """A spelling parses to its shape, and the shape's spec and dict read back to it."""
+    shape = parse_shape(text)
+    assert shape == want
+    assert parse_shape(shape.spec) == shape and DecodeShape.from_dict(shape.as_dict()) == shape
+
+
+@pytest.mark.parametrize("text, words", [
+    ("1,32,8,128", "cannot read"),
+    ("1,32,7,64,128", "must divide"),
+    ("1,32,8,8,4,128", "Sq <= Sk"),
+    ("1,32,8,17,2048,128", "at most 16"),
+    ("1,32,8,64,128:causal:causal", "repeats"),
+    ("1,32,8,64,128:kv8", "unknown flag"),
+    ("nosuch", "unknown preset"),
+])
+def test_bad_shapes_say_why(text, words):
+    """A shape the family cannot take is one UsageError naming the fault."""
+    with pytest.raises(UsageError, match=words):
+        parse_shape(text)
+
+
+def test_check_shape_refuses_what_the_kernel_cannot_compute(decode):
+    """Head dims other than 64/128 and more than 16 packed rows are refused before any compile."""
+    with pytest.raises(UsageError, match="head_dim 96"):
+        decode.check_shape(parse_shape("1,32,8,64,96"))
+    with pytest.raises(UsageError, match="32 rows"):
+        decode.check_shape(parse_shape("1,64,2,64,128"))
+    decode.check_shape(parse_shape("1,32,8,4,64,128:causal"))
+
+
+# ------------------------------------------------------------------ the space
+
+
+def test_every_preset_admits_a_split(decode, dspace):
+    """On every preset some config with several splits is admitted, and the default where at most 8 rows are packed
+    (16 rows need vec 4 and unroll 1 to fit the registers)."""
+    for name, (shape, _) in PRESETS.items():
+        ctx = decode.context(shape)
+        if shape.rows <= 8:
+            assert dspace.admitted(dspace.default_config(), ctx), (name, dspace.violations(dspace.default_config(), ctx))
+        assert any(c["splits"] > 1 for c in dspace.admitted_configs(ctx)), name
+
+
+def test_no_admitted_split_is_empty(decode, dspace):
+    """Where the space admits a split count, the kernel's chunking gives every split at least one key."""
+    shape = parse_shape("1,32,8,1000,128")
+    for cfg in random.Random(3).sample(dspace.admitted_configs(decode.context(shape)), 40):
+        splits, block_n = cfg["splits"], decode.block_n(cfg, shape)
+        per_split = math.ceil(math.ceil(shape.seq_k / splits) / block_n) * block_n
+        assert per_split * (splits - 1) < shape.seq_k, cfg.key()
+
+
+# ------------------------------------------------------------------ compiles (shared: one compile per case)
+
+COMPILE_CASES = [
+    ("1,32,8,16384,128:bf16", {"splits": 16, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
+    ("2,8,1,2,300,64:causal:bshd", {"splits": 2, "warps": 2, "vec": 4, "unroll": 2, "stages": 3}),
+    ("1,32,8,4,2048,128:bf16:causal", {"splits": 8, "warps": 8, "vec": 4, "unroll": 1, "stages": 1}),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled_cases(decode, dspace):
+    out = []
+    for text, overrides in COMPILE_CASES:
+        shape, cfg = parse_shape(text), dspace.config(overrides)
+        src = instantiate(decode, cfg, shape)
+        out.append((shape, cfg, src, compile_source(src.code, src.entry)))
+    return out
+
+
+def test_compiles_clean(decode, dspace, compiled_cases):
+    """Admitted configs (a split, fp16 and bf16, d64 and d128, causal, Sq 1/2/4) compile for sm_90a with no spills
+    and pass the static gate."""
+    for shape, cfg, _, compiled in compiled_cases:
+        assert dspace.admitted(cfg, decode.context(shape)), dspace.violations(cfg, decode.context(shape))
+        res = compiled.resources
+        assert res.spill_stores == res.spill_loads == res.stack_frame == 0, (shape.spec, cfg.key(), res)
+        geo = decode.geometry(cfg, shape)
+        assert static_violations(res, geo.threads, geo.dynamic_smem) == [], cfg.key()
+        assert "Compiling entry function 'evotune_decode' for 'sm_90a'" in compiled.log
+
+
+@pytest.mark.parametrize("name", ["splits", "warps", "vec", "unroll", "stages"])
+def test_every_knob_changes_the_machine_code(decode, dspace, compiled_cases, name):
+    """Moving one knob of the first compiled case changes the entry's machine code."""
+    from test_softmax import text_section
+
+    shape, cfg, src, compiled = compiled_cases[0]
+    param = next(p for p in dspace.params if p.name == name)
+    other = next(dspace.config({**cfg.as_dict(), name: v}) for v in param.values
+                 if v != cfg[name] and dspace.admitted(dspace.config({**cfg.as_dict(), name: v}), decode.context(shape)))
+    src2 = instantiate(decode, other, shape)
+    texts = [text_section(Path(c.cubin_path).read_bytes(), s.entry)
+             for s, c in ((src, compiled), (src2, compile_source(src2.code, src2.entry)))]
+    assert texts[0] != texts[1]
+
+
+# ------------------------------------------------------------------ the split-KV math, emulated on the CPU
+
+
+def emulate_kernel(q, k, v, scale, causal, splits, groups, unroll):
+    """kernels/attention_decode.cu's algorithm in torch on the CPU for one (batch, K/V head): keys dealt to splits
+    of whole tiles and within a tile to key groups (key = tile_start + u * groups + g), a running log2-domain
+    (max, sum, O) per group, the merge of the groups, then the combine of the splits' partials."""
+    import torch
+
+    rows, sk = q.shape[0], k.shape[0]
+    seq_q = rows  # one query head per row group is enough for the math: rows are the queries here
+    block_n = groups * unroll
+    per_split = math.ceil(math.ceil(sk / splits) / block_n) * block_n
+    s_all = (q @ k.T) * scale * math.log2(math.e)
+    key = torch.arange(sk)
+    visible = torch.ones(rows, sk, dtype=torch.bool)
+    if causal:
+        visible = key[None, :] <= (sk - seq_q + torch.arange(rows))[:, None]
+    partials = []
+    for split in range(splits):
+        begin, end = min(sk, split * per_split), min(sk, split * per_split + per_split)
+        gm = torch.full((groups, rows), -math.inf)
+        gl = torch.zeros(groups, rows)
+        go = torch.zeros(groups, rows, v.shape[1])
+        for tile in range(begin, end, block_n):
+            keys = tile + torch.arange(unroll)[None, :] * groups + torch.arange(groups)[:, None]  # (groups, unroll)
+            live = keys < end
+            keys = keys.clamp(max=sk - 1)
+            s = s_all[:, keys].masked_fill(~(visible[:, keys] & live), -math.inf)  # (rows, groups, unroll)
+            mx = torch.maximum(gm, s.max(dim=2).values.T)                           # (groups, rows)
+            base = torch.where(mx == -math.inf, torch.zeros_like(mx), mx)
+            rescale = torch.exp2(gm - base)
+            p = torch.exp2(s - base.T[..., None])                                   # (rows, groups, unroll)
+            gl = gl * rescale + p.sum(dim=2).T
+            go = go * rescale[..., None] + torch.einsum("rgu,gud->grd", p, v[keys])
+            gm = mx
+        mx = gm.max(dim=0).values
+        w = torch.exp2(gm - torch.where(mx == -math.inf, torch.zeros_like(mx), mx))
+        partials.append((mx, (gl * w).sum(dim=0), (go * w[..., None]).sum(dim=0)))
+    m = torch.stack([p[0] for p in partials]).max(dim=0).values
+    w = [torch.exp2(p[0] - m) for p in partials]
+    total = sum(p[1] * wi for p, wi in zip(partials, w))
+    return sum(p[2] * wi[:, None] for p, wi in zip(partials, w)) / total[:, None]
+
+
+@pytest.mark.parametrize("sk, causal, splits, groups, unroll", [
+    (301, False, 4, 8, 2),   # ragged: the last split is short, the last tile partial
+    (64, True, 3, 4, 1),     # bottom-right causal over a short cache
+    (1000, True, 7, 16, 4),  # causal, many splits of whole tiles
+])
+def test_split_kv_math_matches_the_reference(sk, causal, splits, groups, unroll):
+    """The kernel's split/group/tile dealing and its combine give the reference's softmax(QK^T)V."""
+    import torch
+
+    gen = torch.Generator().manual_seed(sk)
+    q, k, v = (torch.randn(n, 64, generator=gen) for n in (4, sk, sk))
+    want = reference_decode(q[None, :, None, :].transpose(1, 2), k[None, None], v[None, None], 0.125, causal)[0, 0]
+    got = emulate_kernel(q, k, v, 0.125, causal, splits, groups, unroll)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_is_bottom_right_causal():
+    """The reference's causal mask lets query i see keys 0 .. Sk - Sq + i (a KV cache's), not top-left."""
+    import torch
+
+    q = torch.zeros(1, 1, 3, 8)
+    k = torch.zeros(1, 1, 5, 8)
+    v = torch.arange(5.0)[None, None, :, None].expand(1, 1, 5, 8)
+    out = reference_decode(q, k, v, 1.0, causal=True)[0, 0, :, 0]
+    # Equal scores: each query averages the values of the keys it sees (0..2, 0..3, 0..4).
+    assert torch.allclose(out, torch.tensor([1.0, 1.5, 2.0]))
