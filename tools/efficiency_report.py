@@ -346,14 +346,14 @@ def write_markdown(path: Path, ex: Exhaustive, summary: dict, runs: list[dict], 
 
 def _kept_blocks(path: Path) -> str:
     """Sections other tools generate into the same file (tools/kt_compare.py's: one per exhaustive oracle and its
-    cross-oracle verdict, each between its markers): kept, from the first begin marker to the last end marker,
-    so rerunning this report deletes none of them."""
+    cross-oracle verdict; tools/heldout_tuner.py's pointer to its page; each between its markers): kept, from the
+    first begin marker to the last end marker, so rerunning this report deletes none of them."""
     try:
         old = path.read_text()
     except OSError:
         return ""
-    begin = re.search(r"<!-- kt_compare:(?:verdict )?begin\b", old)
-    ends = list(re.finditer(r"<!-- kt_compare:(?:verdict )?end\b[^>]*-->", old))
+    begin = re.search(r"<!-- (?:kt_compare:(?:verdict )?|heldout:)begin\b", old)
+    ends = list(re.finditer(r"<!-- (?:kt_compare:(?:verdict )?|heldout:)end\b[^>]*-->", old))
     if not begin or not ends or ends[-1].end() <= begin.start():
         return ""
     return "\n" + old[begin.start():ends[-1].end()] + "\n"
