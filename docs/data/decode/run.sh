@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The decode attention family (issue 41 section 2) on the H100, in one device call of under 8 minutes:
+#   1. the GPU tests (tests/test_gpu_decode.py: full gate, ragged caches, GQA 32/8 and 8/1, Sq 1 and 4, bf16)
+#   2. a short search on two Llama-3-8B decode shapes (1x32/8 d128 bf16 at Sk 2048 and 16384)
+#   3. `evotune bench` of each run's best beside SDPA's backends (enable_gqa), and of one fixed config on the
+#      4-query bottom-right-causal preset
+# Run from the repository root with .whl carried (optuna):  bash docs/data/decode/run.sh
+# Writes $OUT/decode.tar.gz (pytest log, run folders without caches, bench JSONs, logs) and prints the table last.
+set -u
+OUT=${OUT:-/tmp/decode-out}
+TRIALS=${TRIALS:-30}
+if ! python3 -c "import optuna" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+export PYTHONUNBUFFERED=1
+work=/tmp/decode-work
+rm -rf "$work"; mkdir -p "$work/runs" "$work/bench"
+export EVOTUNE_RUNS=$work/runs EVOTUNE_CACHE=$work/cache
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$work/device.txt"
+start=$(date +%s)
+
+timeout 170 python3 -m pytest -q -m gpu tests/test_gpu_decode.py -p no:cacheprovider > "$work/pytest.log" 2>&1
+echo "pytest rc=$? ($(( $(date +%s) - start )) s): $(tail -n 1 "$work/pytest.log")"
+
+for preset in llama8b-decode-2k llama8b-decode-16k; do
+  timeout 130 python3 -m evotune search --family attention-decode --shape "$preset" --trials "$TRIALS" \
+    --run "$preset" > "$work/search-$preset.log" 2>&1
+  echo "search $preset rc=$? ($(( $(date +%s) - start )) s)"
+  timeout 45 python3 -m evotune bench best --run "$preset" --reps 100 --out "$work/bench/$preset.json" \
+    > "$work/bench-$preset.log" 2>&1
+  echo "bench $preset rc=$? ($(( $(date +%s) - start )) s)"
+done
+timeout 45 python3 -m evotune bench --family attention-decode --shape llama8b-chunk4 \
+  --config '{"splits": 8, "warps": 4, "vec": 4, "unroll": 1, "stages": 2}' --reps 100 \
+  --out "$work/bench/llama8b-chunk4.json" > "$work/bench-llama8b-chunk4.log" 2>&1
+echo "bench llama8b-chunk4 rc=$? ($(( $(date +%s) - start )) s)"
+
+mkdir -p "$OUT"
+tar czf "$OUT/decode.tar.gz" --exclude=cache --exclude=study.db -C "$work" .
+grep -E "passed|failed|error" "$work/pytest.log" | tail -n 5
+python3 - "$work/bench" <<'PY'
+import glob, json, os, sys
+print(f"{'shape':<22}{'config':<44}{'ours us':>9}{'GB/s':>7}  " + "  ".join(f"{n:>10}" for n in ("flash", "cudnn", "efficient", "math")) + "   ours/best")
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    rec = json.load(open(path))
+    rows = {r["name"]: r for r in rec["rows"]}
+    ours = rec["rows"][0]
+    cfg = " ".join(f"{k}={v}" for k, v in sorted(rec["config"].items()))
+    cells = []
+    for n in ("flash", "cudnn", "efficient", "math"):
+        r = rows.get(n) or {}
+        cells.append(f"{r['time_us']:>8.2f}us" if r.get("time_us") else f"{'-':>10}")
+    ratio = rec.get("ours_over_best_baseline")
+    t = f"{ours['time_us']:.2f}" if ours.get("time_us") else ours.get("reason", "")[:30]
+    gb = f"{ours['gb_s']:.0f}" if ours.get("gb_s") else "-"
+    print(f"{rec['shape']:<22}{cfg:<44}{t:>9}{gb:>7}  " + "  ".join(cells)
+          + f"   {ratio:.3f} vs {rec.get('best_baseline')}" if ratio else f"{rec['shape']:<22}{cfg:<44}{t:>9}{gb:>7}  " + "  ".join(cells))
+PY

@@ -1,0 +1,363 @@
+"""Decode attention as a PyTorch op: `decode_attention(q, k, v, causal=..., scale=...)`.
+
+    from evotune.torch.decode import decode_attention
+    out = decode_attention(q, k, v, causal=True)   # q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D): a KV cache
+
+A few queries (Sq <= 16) over a KV cache, grouped K/V heads un-repeated, causal bottom-right aligned (query i
+sees keys 0 .. Sk - Sq + i, as a cache's mask does; for Sq = 1 causal changes nothing). The call runs the
+attention-decode family's kernel (kernels/attention_decode.cu) with the config the decode table holds for its
+key, else PyTorch SDPA (enable_gqa, the bottom-right mask as a boolean tensor), and says why once per reason
+(EvotuneFallbackWarning): never SDPA reported as ours.
+
+The decode table (a JSON file: $EVOTUNE_DECODE_TABLE, else decode-table.json in evotune's cache root, or one
+given to use_decode_table) is built by `build_decode_table` from `evotune bench --out` records of the
+attention-decode family: an entry routes to evotune only where that bench measured our kernel passing the gate
+and faster than the fastest SDPA backend beside it. Its key is exact, no nearest bucket:
+
+    gpu, cc, dtype, head_dim, group (Hq / Hkv), seq_q, causal: what the compiled code depends on;
+    seq_k_bucket: the K/V length rounded up to a power of two (the split count's best value moves with it);
+    bkv_bucket: batch x K/V heads rounded up likewise (the CTAs the splits multiply).
+
+An entry whose kernel source is no longer the one measured (the template changed) is stale: SDPA, said once.
+The op is `torch.ops.evotune.decode_attention` (an opaque node for torch.compile, a fake implementation for
+its metadata); eager calls skip the dispatcher. Kernels compile and load on first use, never inside a CUDA
+graph capture: call the op once before capturing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import EvotuneError, UsageError
+from ..problems import get_problem
+from ..problems.decode import HEAD_DIMS, MAX_ROWS, MAX_SEQ_Q, DecodeShape, bottom_right_mask
+from ..records.tuning_table import seq_bucket
+from .routing import EvotuneFallbackWarning
+
+PROBLEM = get_problem("attention-decode")
+TABLE_ENV = "EVOTUNE_DECODE_TABLE"
+TABLE_VERSION = 1
+KEY_FIELDS = ("gpu", "cc", "dtype", "head_dim", "group", "seq_q", "causal", "seq_k_bucket", "bkv_bucket")
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+_LOCK = threading.Lock()
+_WARNED: set[str] = set()
+_TABLE: dict | None = None          # key tuple -> entry dict, loaded once
+_TABLE_PATH: Path | None = None
+_KERNELS: dict = {}                 # (config items, code key, device) -> (kernel, digest)
+_DECISIONS: dict = {}               # call key -> ("evotune", launch) | ("sdpa", reason)
+_COUNTERS: dict = {}                # (device, stream) -> zeroed int32 tensor the kernel leaves zero
+_MASKS: dict = {}                   # (Sq, Sk, device) -> bottom-right boolean mask
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def default_decode_table_path() -> Path:
+    """$EVOTUNE_DECODE_TABLE, else decode-table.json in evotune's cache root ($EVOTUNE_CACHE or ~/.cache/evotune)."""
+    if os.environ.get(TABLE_ENV):
+        return Path(os.environ[TABLE_ENV])
+    root = os.environ.get("EVOTUNE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "evotune")
+    return Path(root) / "decode-table.json"
+
+
+def table_key(gpu: str, cc: str, shape: DecodeShape) -> tuple:
+    """The table key of a call's shape on a GPU (KEY_FIELDS, in order)."""
+    return (gpu, cc, shape.dtype, shape.head_dim, shape.group, shape.seq_q, bool(shape.causal and shape.seq_q > 1),
+            seq_bucket(shape.seq_k), seq_bucket(shape.batch * shape.kv_heads))
+
+
+def build_decode_table(bench_paths) -> dict:
+    """The decode table from `evotune bench --out` records of the attention-decode family (a later record of the
+    same key replaces an earlier one). Route "evotune" only where our kernel passed the gate and its median beat
+    the fastest SDPA backend measured beside it; "sdpa" otherwise, with the reason."""
+    entries: dict[tuple, dict] = {}
+    for path in bench_paths:
+        rec = json.loads(Path(path).read_text())
+        if rec.get("family") != PROBLEM.family:
+            raise UsageError(f"{path}: a bench record of family {rec.get('family')!r}, not {PROBLEM.family}")
+        shape = PROBLEM.shape_from_dict(rec["shape_dict"])
+        device = rec["raw"]["device"]
+        ours = rec["rows"][0]
+        base = [r for r in rec["rows"][1:] if r.get("time_us") and r.get("passed") is not False]
+        best = min(base, key=lambda r: r["time_us"]) if base else None
+        if not ours.get("available") or not ours.get("time_us"):
+            route, reason = "sdpa", f"evotune's kernel did not pass: {ours.get('reason', '')}"
+        elif best is None:
+            route, reason = "sdpa", "unverified: no SDPA backend was measured beside the kernel"
+        elif ours["time_us"] < best["time_us"]:
+            route, reason = "evotune", f"{ours['time_us']:.2f} us vs {best['name']} {best['time_us']:.2f} us"
+        else:
+            route, reason = "sdpa", f"slower: {ours['time_us']:.2f} us vs {best['name']} {best['time_us']:.2f} us"
+        key = table_key(device["name"], str(device["cc"]), shape)
+        entries[key] = {"key": dict(zip(KEY_FIELDS, key)), "config": rec["config"], "shape": shape.as_dict(),
+                        "route": route, "reason": reason, "evotune_us": ours.get("time_us"),
+                        "sdpa": {"backend": best["name"], "time_us": best["time_us"]} if best else None,
+                        "source_digest": rec["source_digest"], "bench": str(path)}
+    return {"version": TABLE_VERSION, "family": PROBLEM.family, "entries": list(entries.values())}
+
+
+def _parse_table(obj, where: str) -> dict:
+    if not isinstance(obj, dict) or obj.get("version") != TABLE_VERSION or obj.get("family") != PROBLEM.family:
+        raise UsageError(f"decode table {where}: not a version {TABLE_VERSION} {PROBLEM.family} table")
+    table = {}
+    for i, e in enumerate(obj.get("entries", [])):
+        try:
+            key = tuple(e["key"][f] for f in KEY_FIELDS)
+            if e["route"] not in ("evotune", "sdpa"):
+                raise KeyError("route")
+            table[key] = {**e, "config_obj": _space().config(e["config"])}
+        except (KeyError, TypeError, UsageError) as exc:
+            raise UsageError(f"decode table {where}: entry {i}: missing or bad {exc}") from None
+    return table
+
+
+@lru_cache(maxsize=1)
+def _space():
+    """The family's built-in space: a table's configs are read, and admitted on a call's shape, by it."""
+    from ..space.searchspace import load_builtin
+
+    return load_builtin(PROBLEM.default_space)
+
+
+def use_decode_table(table=None) -> None:
+    """Use this decode table (a path, a table dict, or None: the default path again) from the next call on."""
+    global _TABLE, _TABLE_PATH
+    with _LOCK:
+        if table is None or isinstance(table, (str, os.PathLike)):
+            _TABLE, _TABLE_PATH = None, Path(table) if table is not None else None
+        else:
+            _TABLE, _TABLE_PATH = _parse_table(table, "(given)"), None
+        _DECISIONS.clear()
+        _WARNED.clear()
+
+
+def _table() -> dict:
+    global _TABLE
+    if _TABLE is None:
+        path = _TABLE_PATH or default_decode_table_path()
+        if not path.is_file():
+            _TABLE = {}
+        else:
+            try:
+                obj = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise UsageError(f"decode table {path}: cannot read it: {e}") from None
+            _TABLE = _parse_table(obj, str(path))
+    return _TABLE
+
+
+# --------------------------------------------------------------------------- deciding a call
+
+
+def uncovered_reason(q, k, v, causal: bool) -> str | None:
+    """Why the decode kernel does not compute this call (None where it does): checked on the tensors' metadata."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be 4-D (B, H, S, D)"
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} / {k.dtype} / {v.dtype}: the kernel takes fp16 or bf16, the same for q, k, v"
+    if not q.is_cuda or k.device != q.device or v.device != q.device:
+        return "tensors not all on one CUDA device"
+    (b, hq, sq, d), (bk, hk, sk, dk) = q.shape, k.shape
+    if tuple(v.shape) != (bk, hk, sk, dk) or bk != b or dk != d:
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not agree (v's head dim must be q's)"
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} (the kernel takes {', '.join(map(str, HEAD_DIMS))})"
+    if hk == 0 or hq % hk:
+        return f"{hq} query heads over {hk} K/V heads"
+    if sq > MAX_SEQ_Q or sq > sk:
+        return f"{sq} queries over {sk} keys (the kernel takes 1 to {MAX_SEQ_Q} queries, no more than the keys)"
+    if (hq // hk) * sq > MAX_ROWS:
+        return f"{hq // hk} query heads per K/V head x {sq} queries > {MAX_ROWS} rows"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            return f"{name} has strides {tuple(t.stride())} (the kernel needs 16-byte aligned rows, unit last stride)"
+    return None
+
+
+def _device_name(index: int) -> tuple[str, str]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, f"{props.major}.{props.minor}"
+
+
+def _decide(q, k, v, causal: bool):
+    """("evotune", DecodeLaunch) or ("sdpa", reason) for this call."""
+    why = uncovered_reason(q, k, v, causal)
+    if why is not None:
+        return "sdpa", why
+    b, hq, sq, d = q.shape
+    shape = DecodeShape(b, hq, k.shape[1], sq, k.shape[2], d, _DTYPES[q.dtype], causal=bool(causal and sq > 1))
+    gpu, cc = _device_name(q.device.index)
+    key = table_key(gpu, cc, shape)
+    entry = _table().get(key)
+    if entry is None:
+        return "sdpa", (f"untuned decode key {dict(zip(KEY_FIELDS, key))}: tune it with `evotune search --family "
+                        f"attention-decode --shape {shape.spec}`, bench the best with --out and add it to the "
+                        f"decode table (build_decode_table)")
+    if entry["route"] != "evotune":
+        return "sdpa", f"the decode table routes {shape.spec} to SDPA: {entry.get('reason', '')}"
+    cfg = entry["config_obj"]
+    space = _space()
+    if not space.admitted(cfg, PROBLEM.context(shape)):
+        return "sdpa", f"the tuned config is not admitted on {shape.spec}: {'; '.join(space.violations(cfg, PROBLEM.context(shape)))}"
+    try:
+        kernel = _load(cfg, shape, q.device.index, entry["source_digest"])
+    except EvotuneError as e:
+        return "sdpa", str(e)
+    return "evotune", DecodeLaunch(kernel, cfg, shape)
+
+
+def _load(cfg, shape: DecodeShape, device_index: int, digest: str):
+    """The loaded kernel of `cfg` on `shape`'s code key, compiled and loaded once per device; EvotuneError where
+    today's source is not the measured one or the kernel breaks the launch's limits."""
+    code_key = (cfg.items, shape.dtype, shape.head_dim, shape.group, shape.seq_q, shape.causal, device_index)
+    found = _KERNELS.get(code_key)
+    if found is not None:
+        return found
+    from ..build.compile import compile_source, launch_violations, load_kernel
+    from ..build.template import instantiate
+
+    source = instantiate(PROBLEM, cfg, shape)
+    if source.digest != digest:
+        raise EvotuneError(f"stale decode table entry: kernel source {source.digest} is not the measured {digest} "
+                           f"(the template changed): re-bench it")
+    if torch.cuda.is_current_stream_capturing():
+        raise EvotuneError(f"the decode kernel for {shape.spec} is not loaded yet and a CUDA graph is being "
+                           f"captured: call decode_attention once before capture")
+    compiled = compile_source(source.code, source.entry)
+    geometry = PROBLEM.geometry(cfg, shape)
+    why = launch_violations(compiled.resources, geometry)
+    if why:
+        raise EvotuneError(f"decode config {cfg.key()} on {shape.spec}: {'; '.join(why)}")
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        kernel = load_kernel(compiled, geometry.dynamic_smem)
+    with _LOCK:
+        _KERNELS[code_key] = kernel
+    return kernel
+
+
+class DecodeLaunch:
+    """One call key's launch: grid, block, shared memory worked out once; per call the pointers, strides and a
+    workspace (fp32 slices from torch's allocator; the counters, which the kernel leaves zero, kept per stream)."""
+
+    def __init__(self, kernel, cfg, shape: DecodeShape):
+        self.kernel, self.cfg, self.shape = kernel, cfg, shape
+        geo = PROBLEM.geometry(cfg, shape)
+        self.grid, self.block, self.smem = geo.grid, geo.block, geo.dynamic_smem
+        self.n_o, self.n_ml, self.n_count = PROBLEM.workspace_elems(cfg, shape)
+
+    def __call__(self, q, k, v, scale: float):
+        from ..build.compile import cupy_stream
+
+        out = torch.empty_like(q)
+        stream = torch.cuda.current_stream(q.device)
+        workspace = ()
+        if self.n_count:
+            workspace = (torch.empty(self.n_o, dtype=torch.float32, device=q.device),
+                         torch.empty(self.n_ml, dtype=torch.float32, device=q.device),
+                         _counters(q.device, stream, self.n_count))
+        args = PROBLEM.launch_args(self.cfg, self.shape, q, k, v, out, scale, workspace)
+        self.kernel(self.grid, self.block, args, shared_mem=self.smem,
+                    stream=cupy_stream(stream.cuda_stream, q.device.index))
+        return out
+
+
+def _counters(device, stream, n: int):
+    """A zeroed int32 buffer of at least n counters for launches on `stream`: launches on one stream run in order
+    and each leaves its counters zero, so they share it; another stream gets its own."""
+    key = (device.index, stream.cuda_stream)
+    found = _COUNTERS.get(key)
+    if found is None or found.numel() < n:
+        found = _COUNTERS[key] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    return found
+
+
+def _sdpa(q, k, v, causal: bool, scale):
+    gqa = {"enable_gqa": True} if q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1] else {}
+    mask = None
+    if causal and q.shape[-2] > 1:
+        key = (q.shape[-2], k.shape[-2], q.device)
+        mask = _MASKS.get(key)
+        if mask is None:
+            mask = _MASKS[key] = bottom_right_mask(q.shape[-2], k.shape[-2], q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)
+
+
+def _tell(reason: str) -> None:
+    with _LOCK:
+        if reason in _WARNED:
+            return
+        _WARNED.add(reason)
+    warnings.warn(f"evotune.torch.decode: running PyTorch SDPA: {reason}", EvotuneFallbackWarning, stacklevel=4)
+
+
+def _call_key(q, k, v, causal, scale):
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, bool(causal), scale)
+
+
+def _decode_body(q, k, v, causal=False, scale=None):
+    """The op's implementation: the call key's cached decision, then our kernel or SDPA (told once)."""
+    key = _call_key(q, k, v, causal, scale)
+    decision = _DECISIONS.get(key)
+    if decision is None:
+        decision = _DECISIONS[key] = _decide(q, k, v, causal)
+    route, what = decision
+    if route == "evotune":
+        return what(q, k, v, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    _tell(what)
+    return _sdpa(q, k, v, causal, scale)
+
+
+def decode_route(q, k, v, causal: bool = False) -> str:
+    """"evotune" or "sdpa: <reason>" for this call, as decode_attention would take it (explain, tests)."""
+    key = _call_key(q, k, v, causal, None)
+    decision = _DECISIONS.get(key) or _decide(q, k, v, causal)
+    return "evotune" if decision[0] == "evotune" else f"sdpa: {decision[1]}"
+
+
+# An opaque node for torch.compile (the decision is made at run time on the real tensors), its body registered
+# straight to the CPU and CUDA keys as evotune::attention's is (evotune.torch.op says why not custom_op).
+_LIB = torch.library.Library("evotune", "FRAGMENT")
+_LIB.define("decode_attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None) -> Tensor")
+for _dispatch_key in ("CPU", "CUDA"):
+    _LIB.impl("decode_attention", _decode_body, _dispatch_key)
+
+
+@torch.library.register_fake("evotune::decode_attention", lib=_LIB)
+def _decode_fake(q, k, v, causal=False, scale=None):
+    return torch.empty_like(q)
+
+
+decode_op = torch.ops.evotune.decode_attention
+
+
+def decode_attention(q, k, v, *, causal: bool = False, scale: float | None = None):
+    """softmax(scale·QKᵀ + mask)·V for q (B, Hq, Sq, D) over a KV cache k, v (B, Hkv, Sk, D), Hkv dividing Hq;
+    causal is bottom-right aligned. Our tuned kernel where the decode table routes the call's key to it, else
+    SDPA, said once per reason. The output has q's shape and layout."""
+    if torch.compiler.is_compiling():
+        return decode_op(q, k, v, causal, scale)
+    return _decode_body(q, k, v, causal, scale)
+
+
+def clear() -> None:
+    """Forget decisions, loaded kernels, counters, masks and the reasons already told (the table is reloaded)."""
+    global _TABLE
+    with _LOCK:
+        _DECISIONS.clear()
+        _KERNELS.clear()
+        _COUNTERS.clear()
+        _MASKS.clear()
+        _WARNED.clear()
+        _TABLE = None
