@@ -89,7 +89,120 @@ def test_nearest_class_first_and_other_classes_never(admitted_small, mission):
     found = P.nearest_configs(doc, target)
     assert [e["run"] for _, e, _ in found] == ["same", "far"]
     assert found[0][0] == 0 and found[1][0] == 3
-    assert P.class_distance(P.class_of_shape(mission, "attention", "another GPU"), found[0][1]["class"]) == math.inf
+    assert P.class_distance(P.class_of_shape(mission, "attention", "another GPU"), found[0][1]["class"]) == 0
+
+
+def test_the_searchs_gpu_model_ranks_first_among_equals(attention, attention_small, mission, admitted_small,
+                                                        tmp_path):
+    """At the same class distance a prior measured on the search's GPU model comes before one from another GPU;
+    the other GPU's is not dropped, and a nearer class still comes first whatever its GPU."""
+    c = admitted_small
+    other = fake_run("other", mission, [(c[0], 1.0)], gpu="NVIDIA A100")
+    same = fake_run("same", mission, [(c[1], 9.0)])
+    doc, _ = P.build_priors([other.path, same.path], "x")
+    path = tmp_path / "p.json"
+    path.write_text(P.dump_priors(doc))
+    context = attention.context(mission)
+    assert prior_configs(attention, mission, attention_small, context, path=path, gpu=H100)[0] == [c[1], c[0]]
+    assert prior_configs(attention, mission, attention_small, context, path=path, gpu="NVIDIA A100")[0] == [c[0], c[1]]
+    assert prior_configs(attention, mission, attention_small, context, path=path)[0] == [c[0], c[1]]  # by time
+
+
+def test_a_stale_prior_is_marked_and_its_time_is_never_read(attention, attention_small, mission, admitted_small,
+                                                           tmp_path, main_in_process):
+    """A prior whose recorded source digest is not today's is stale (priors show says so; today's digest is not);
+    within one run's priors, what the search takes (the configs asked first, the surrogate's prior mean) does not
+    change when their recorded times do."""
+    from evotune.build.template import instantiate
+    from evotune.search.warmstart import knob_prior
+
+    c = admitted_small
+    run = fake_run("r", mission, [(c[0], 5.0), (c[1], 5.1)])
+    doc, _ = P.build_priors([run.path], "x")
+    (entry,) = doc["entries"]
+    entry["winners"][1]["source_digest"] = instantiate(attention, Config.from_dict(c[1]), mission).digest
+    assert "measured source src0" in P.stale_reason(entry, entry["winners"][0])
+    assert P.stale_reason(entry, entry["winners"][1]) is None
+    path = tmp_path / "p.json"
+    path.write_text(P.dump_priors(doc))
+    proc = main_in_process("priors", "show", "--file", str(path), "--json")
+    assert [w["stale"] is None for w in json.loads(proc.stdout)["entries"][0]["winners"]] == [False, True]
+    proc = main_in_process("priors", "show", "--file", str(path))
+    assert "1 of 2 configs are stale" in proc.stdout
+    context = attention.context(mission)
+    before = (prior_configs(attention, mission, attention_small, context, path=path)[0],
+              knob_prior(attention, mission, attention_small, path=path))
+    for w in entry["winners"]:
+        w["time_us"], w["ratio_to_sdpa"] = 1e6, 99.0
+    path.write_text(P.dump_priors(doc))
+    assert (prior_configs(attention, mission, attention_small, context, path=path)[0],
+            knob_prior(attention, mission, attention_small, path=path)) == before
+
+
+def test_knob_prior_favours_what_nearer_priors_chose(attention, attention_small, mission, admitted_small, tmp_path):
+    """The surrogate's prior mean: a knob value chosen by a nearer class's prior is favoured over one a farther
+    class chose; a prior from another GPU counts half; knobs no prior names get no mean."""
+    from evotune.search.warmstart import TRANSFER_SCALE, knob_prior
+
+    c = admitted_small
+    a = c[0]
+    b = next(x for x in c if x["block_m"] != a["block_m"])
+    s = mission.as_dict()
+    near = fake_run("near", mission, [(a, 5.0)])
+    far = fake_run("far", parse_shape(f"{s['batch']},{s['heads']},{s['seq_q'] * 8},{s['head_dim']}"), [(b, 5.0)])
+    doc, _ = P.build_priors([near.path, far.path], "x")
+    path = tmp_path / "p.json"
+    path.write_text(P.dump_priors(doc))
+    mean = knob_prior(attention, mission, attention_small, path=path)
+    assert mean[("block_m", a["block_m"])] < mean[("block_m", b["block_m"])]
+    n = len(next(p for p in attention_small.params if p.name == "block_m").values)
+    # near counts 1, far 2^-3: a's value holds 8/9 of the weight
+    assert mean[("block_m", a["block_m"])] == pytest.approx(-TRANSFER_SCALE * (8 / 9 - 1 / n))
+    on_other_gpu = knob_prior(attention, mission, attention_small, path=path, gpu="NVIDIA A100")
+    assert on_other_gpu == mean  # both priors are from the H100: each halved, the shares stay
+    halved = knob_prior(attention, mission, attention_small, path=path, gpu=H100)
+    assert halved == mean
+    assert all(len(p.values) > 1 for p in attention_small.params if (p.name, p.values[0]) in mean)
+
+
+def test_the_surrogate_starts_from_the_priors_knob_values(attention, attention_small, mission, admitted_small,
+                                                          tmp_path):
+    """With the priors' prior mean and no result yet, the surrogate's first proposals (after the prior itself,
+    asked first) are the prior's neighbours: configs that differ from it in one knob; without it they are random.
+    A search's options carry the mean to the sampler."""
+    import optuna
+
+    from evotune.search import loop as S
+    from evotune.search.strategies import SurrogateSampler
+    from evotune.search.warmstart import knob_prior
+
+    context = attention.context(mission)
+    admitted = attention_small.admitted_configs(context)
+    prior = admitted_small[17]
+    run = fake_run("p", mission, [(prior, 5.0)])
+    doc, _ = P.build_priors([run.path], "x")
+    path = tmp_path / "p.json"
+    path.write_text(P.dump_priors(doc))
+    mean = knob_prior(attention, mission, attention_small, path=path)
+
+    def first_asks(prior_mean, n=6):
+        taken = {Config.from_dict(prior).digest()}
+        sampler = SurrogateSampler(admitted, S.distributions(attention_small), lambda d: d in taken, seed=1,
+                                   prior_mean=prior_mean)
+        study = optuna.create_study(directions=["minimize", "minimize"], sampler=sampler)
+        out = []
+        for _ in range(n):
+            config = attention_small.config(study.ask(S.distributions(attention_small)).params)
+            taken.add(config.digest())
+            out.append(sum(config.as_dict()[k] != v for k, v in prior.items()))
+        return out
+
+    assert first_asks(mean) == [1] * 6
+    assert first_asks({}) != [1] * 6
+    options = SearchOptions(prior_mean=mean)
+    sampler = S.make_sampler("surrogate", 16, 0, space=attention_small, admitted=admitted,
+                             prior_mean=options.prior_mean)
+    assert dict(options.prior_mean) == mean and sampler._transfer
 
 
 def test_only_admitted_priors_are_proposed(attention, attention_small, mission, admitted_small, tmp_path):

@@ -16,6 +16,8 @@ from ..errors import UsageError
 from ..outputs import write_output
 from .common import app, console, emit_json, err_console, print_fit_table
 
+REBUILD_HINT = "evotune priors build"
+
 priors_app = typer.Typer(no_args_is_help=True, help="Build and show the priors a search asks first (the best "
                          "configs of recorded runs per shape class).")
 app.add_typer(priors_app, name="priors")
@@ -80,21 +82,33 @@ def show(
     file: Optional[str] = typer.Option(None, "--file", help="Priors file (default: the packaged one)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """List the priors: per run its shape class, best time and ratio to the fastest SDPA backend."""
-    from ..records.priors import PACKAGED, load_priors
+    """List the priors: per run its shape class, best time and ratio to the fastest SDPA backend, and how many of its
+    configs are stale (their kernel source is not today's: proposed all the same, and re-measured)."""
+    from ..records.priors import PACKAGED, load_priors, stale_reason
 
     doc = load_priors(file)
+    stale = {(i, j): stale_reason(e, w) for i, e in enumerate(doc["entries"]) for j, w in enumerate(e["winners"])}
     if json_out:
-        emit_json(doc)
+        emit_json({**doc, "entries": [{**e, "winners": [{**w, "stale": stale[(i, j)]}
+                                                         for j, w in enumerate(e["winners"])]}
+                                      for i, e in enumerate(doc["entries"])]})
         return
     rows = []
-    for e in doc["entries"]:
+    for i, e in enumerate(doc["entries"]):
         c, w = e["class"], e["winners"][0] if e["winners"] else {}
         ratio = w.get("ratio_to_sdpa")
+        n_stale = sum(stale[(i, j)] is not None for j in range(len(e["winners"])))
         rows.append([e["run"], f"{c['dtype']} d{c['head_dim']}{' causal' if c['causal'] else ''}"
                      f"{' kv-group ' + str(c['kv_group']) if c['kv_group'] > 1 else ''}",
                      f"2^{c['seq_bucket']}", f"2^{c['bh_bucket']}", str(len(e["winners"])),
+                     f"{n_stale}/{len(e['winners'])}" if n_stale else "no",
                      f"{w.get('time_us', 0):.2f}", f"{ratio:.3f}" if ratio else "-", c["gpu"]])
     print_fit_table(f"priors in {file or PACKAGED} (version {doc['version']}, built {doc.get('built_at', '?')})",
-                    ["run", "class", "seq_k", "B*H", "configs", "best us", "vs sdpa", "gpu"], rows,
+                    ["run", "class", "seq_k", "B*H", "configs", "stale", "best us", "vs sdpa", "gpu"], rows,
                     ("gpu", "B*H", "seq_k"))
+    total = sum(v is not None for v in stale.values())
+    if total:
+        console.print(f"{total} of {len(stale)} configs are stale (measured on a kernel source that is not "
+                      f"today's): a search proposes them all the same and re-measures them (`{REBUILD_HINT}` over "
+                      f"runs measured on today's source gives priors that are not stale)",
+                      highlight=False, markup=False, soft_wrap=True)

@@ -74,16 +74,16 @@ def search(
     problem, shp, spc = load_problem(shape, space, family or resumed_family(run, resume) or (remote or {}).get("family"))
     rn = run_to_continue(run, resume, storage, remote, shp.spec)
     told: list[str] = []  # said once the GPU is found: a search without one is one line
+    gpu_model, prior_mean = transfer_context(warm_start, priors, problem, shp, spc, devices[0])
     warm, warm_meta = warm_start_configs(default_warm_start(warm_start, resume), resume, run, problem, shp, spc,
-                                         population, json_out,
-                                         priors=priors, lines=told)
+                                         population, json_out, priors=priors, lines=told, gpu=gpu_model)
     require_gpu("search")
     check_devices(devices)
     for line in told:
         err_console.print(line, highlight=False)
     options = SearchOptions(trials=trials, sampler=sampler, population=population, seed=seed,
                             compile_workers=compile_workers, lookahead=lookahead, mutation_prob=mutation_prob,
-                            crossover_prob=crossover_prob, steer=steer, warm_start=warm)
+                            crossover_prob=crossover_prob, steer=steer, warm_start=warm, prior_mean=prior_mean)
 
     new_meta = new_meta_for(problem, shp, spc, options, storage, devices, warm_meta)
 
@@ -347,8 +347,18 @@ def default_warm_start(spec: Optional[str], resume: bool) -> Optional[str]:
     return spec if spec is not None or resume else "auto"
 
 
+def transfer_context(spec: Optional[str], priors: bool, problem, shp, spc, gpu: int) -> tuple[Optional[str], dict]:
+    """(the model name of GPU `gpu`, whose priors rank first: None without one; the surrogate's prior mean from the
+    priors, {} where they are off: search.warmstart.search_prior_mean)."""
+    from ..search.warmstart import gpu_name, search_prior_mean
+
+    model = gpu_name(gpu)
+    return model, search_prior_mean(spec, priors, problem, shp, spc, gpu=model)
+
+
 def warm_start_configs(spec: Optional[str], resume: bool, run: Optional[str], problem, shp, spc, population: int,
-                       json_out: bool, priors: bool = False, lines: list | None = None) -> tuple[tuple, dict]:
+                       json_out: bool, priors: bool = False, lines: list | None = None,
+                       gpu: str | None = None) -> tuple[tuple, dict]:
     """The configs asked first (admitted on this shape): with `priors`, the shipped priors' (nearest shape class
     first, at most warmstart.PRIORS), then those of the runs --warm-start names; and what meta.json records of it.
     What it tells the user is printed, or appended to `lines` (printed by the caller once the GPU is found)."""
@@ -369,7 +379,7 @@ def warm_start_configs(spec: Optional[str], resume: bool, run: Optional[str], pr
     from ..search.warmstart import admitted, configs_from, pick_runs, prior_configs, with_new_knobs
 
     context = problem.context(shp)
-    firsts, origin = prior_configs(problem, shp, spc, context) if priors else ([], [])
+    firsts, origin = prior_configs(problem, shp, spc, context, gpu=gpu) if priors else ([], [])
     if priors and not json_out:
         runs = sorted({o["run"] for o in origin})
         say(f"priors: {len(firsts)} configs asked first, from {len(runs)} runs (nearest: {origin[0]['run']})"

@@ -17,7 +17,7 @@ from ..errors import EvotuneError, UsageError
 from ..outputs import MAX_JSON_BYTES, check_output_path, read_input
 from .common import (GPU_RANGE, MAX_TRIALS, app, console, emit_json, err_console, load_problem, require_gpu,
                      timeout_seconds)
-from .search import new_meta_for, resume_command, search_one, warm_start_configs
+from .search import new_meta_for, resume_command, search_one, transfer_context, warm_start_configs
 
 table_app = typer.Typer(no_args_is_help=True, help="Build and show the tuning table that "
                         "evotune.torch.attention reads (EVOTUNE_TABLE, else the default in evotune's cache).")
@@ -152,15 +152,16 @@ def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool, se
     from ..search.warmstart import admitted, with_new_knobs
 
     problem, shp, spc = load_problem(shape.spec, None, "attention")
+    gpu_model, prior_mean = transfer_context("auto", priors, problem, shp, spc, gpu)
     warm, warm_meta = warm_start_configs("auto", False, None, problem, shp, spc, SearchOptions.population, json_out,
-                                         priors=priors)
+                                         priors=priors, gpu=gpu_model)
     if seeds:
         context = problem.context(shp)
         first, _ = admitted(spc, context, with_new_knobs(spc, context, [dict(c) for c in seeds]))
         firsts = [c.as_dict() for c in first]
         warm = tuple(firsts + [c for c in warm if c not in firsts])[:max(SearchOptions.population, len(firsts))]
         warm_meta = {**warm_meta, "stale_entry_configs": len(firsts)}
-    options = SearchOptions(trials=trials, warm_start=warm)
+    options = SearchOptions(trials=trials, warm_start=warm, prior_mean=prior_mean)
     new_meta = new_meta_for(problem, shp, spc, options, None, [gpu], warm_meta)
     summary, rn = search_one(None, new_meta, None, gpu, None, options, problem, shp, spc, timeout, json_out,
                              lambda rn: resume_command(rn, shp.spec, trials, None, None))

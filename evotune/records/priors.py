@@ -7,8 +7,14 @@ changed since it was measured (its source_digest is not today's) is proposed all
 any other candidate.
 
 Shape class: GPU name, dtype, head dim, causal, K/V group (heads / kv_heads), and log2 buckets of seq_k and
-batch*heads. Distance between classes: infinite unless family, GPU, dtype, head dim and causal agree; else the
-K/V group's and the buckets' log2 distances added.
+batch*heads. Distance between classes: infinite unless family, dtype, head dim and causal agree; else the K/V
+group's and the buckets' log2 distances added. At equal distance a prior measured on the search's GPU model comes
+before one measured on another (`nearest_configs(gpu=)`): a config that won on an H100 is not wrong on another
+GPU, only less likely to win there.
+
+Stale priors (`stale_reason`): a prior whose recorded source digest is not the one today's template gives its config
+is listed as stale by `evotune priors show`; it is proposed all the same, and re-measured like any candidate: the
+search reads no prior's recorded time as a measurement (search/warmstart.py reads which configs won, not their times).
 """
 
 from __future__ import annotations
@@ -56,13 +62,11 @@ def class_of_shape(shape, family: str, gpu: str | None) -> dict:
 
 
 def class_distance(a: dict, b: dict) -> float:
-    """How far class `b` is from `a` (0: the same; inf: another family, GPU, dtype, head dim or mask). A GPU of
-    None in `a` matches any."""
+    """How far class `b` is from `a` (0: the same sizes; inf: another family, dtype, head dim or mask). The GPU is
+    not a distance: nearest_configs ranks the search's own GPU model first among equals."""
     for field in ("family", "dtype", "head_dim", "causal"):
         if a.get(field) != b.get(field):
             return math.inf
-    if a.get("gpu") not in (None, "unknown") and a.get("gpu") != b.get("gpu"):
-        return math.inf
     return (abs(math.log2(a["kv_group"]) - math.log2(b["kv_group"])) + abs(a["seq_bucket"] - b["seq_bucket"])
             + abs(a["bh_bucket"] - b["bh_bucket"]))
 
@@ -187,22 +191,42 @@ def load_priors(path: str | Path | None = None) -> dict:
     return parse_priors(obj, str(path))
 
 
-def nearest_configs(doc: dict, target: dict, limit: int | None = None) -> list[tuple[float, dict, dict]]:
-    """(distance, entry, winner) of every prior in a class comparable with `target`, nearest class first, then
-    each entry's rank; each config once."""
+def nearest_configs(doc: dict, target: dict, limit: int | None = None,
+                    gpu: str | None = None) -> list[tuple[float, dict, dict]]:
+    """(distance, entry, winner) of every prior in a class comparable with `target`, nearest class first, then (where
+    `gpu` names the search's GPU model) those measured on it before those measured on another, then each entry's
+    rank; each config once."""
     found = []
     for e in doc["entries"]:
         d = class_distance(target, e["class"])
         if d == math.inf:
             continue
+        other = gpu is not None and e["class"].get("gpu") != gpu
         for w in e["winners"]:
-            found.append((d, w.get("rank", 0), w.get("time_us", 0.0), e, w))
-    found.sort(key=lambda t: t[:3])
+            found.append((d, other, w.get("rank", 0), w.get("time_us", 0.0), e, w))
+    found.sort(key=lambda t: t[:4])
     out, seen = [], set()
-    for d, _, _, e, w in found:
+    for d, _, _, _, e, w in found:
         key = json.dumps(w["config"], sort_keys=True)
         if key in seen:
             continue
         seen.add(key)
         out.append((d, e, w))
     return out[:limit] if limit is not None else out
+
+
+def stale_reason(entry: dict, winner: dict) -> str | None:
+    """Why a prior is stale (its recorded source digest is not what today's template gives its config on its shape's
+    class), or None where it is today's source."""
+    from ..errors import EvotuneError
+    from ..problems.shapes import Shape
+    from .tuning_table import _digest_now
+
+    recorded = winner.get("source_digest")
+    if not recorded:
+        return "no source digest recorded"
+    try:
+        now = _digest_now(winner["config"], Shape.from_dict(entry["shape"]))
+    except (EvotuneError, KeyError, TypeError, ValueError) as e:
+        return f"today's template cannot instantiate it ({e})"
+    return None if now == recorded else f"measured source {recorded[:12]}, today's {now[:12]}"

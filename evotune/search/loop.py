@@ -80,6 +80,7 @@ class SearchOptions:
     steer: bool = True                  # nsga2: breed children inside the constraints and away from taken configs
                                         # (strategies.SteeredNSGAIISampler); False: Optuna's NSGA-II as it is
     warm_start: tuple = ()              # config dicts asked first on a fresh study (earlier runs' best); see warmstart.py
+    prior_mean: tuple = ()              # ((knob, value), mean) the surrogate shrinks toward (warmstart.knob_prior)
     precompile: bool | None = None      # compile every admitted config at the start; None: where it fits the budget
     lookahead_given: bool = field(default=False, init=False, repr=False)  # lookahead was set, not derived
 
@@ -91,6 +92,8 @@ class SearchOptions:
         if self.population < 2:
             raise UsageError(f"population must be at least 2, not {self.population}")
         object.__setattr__(self, "warm_start", tuple(dict(c) for c in self.warm_start))
+        mean = self.prior_mean.items() if isinstance(self.prior_mean, dict) else self.prior_mean
+        object.__setattr__(self, "prior_mean", tuple((tuple(key), float(mu)) for key, mu in mean))
         workers = self.compile_workers if self.compile_workers is not None else (os.cpu_count() or 1)
         lookahead = self.lookahead if self.lookahead is not None else 2 * workers
         if self.lookahead is None and self.sampler == "nsga2":
@@ -127,7 +130,7 @@ class SearchOptions:
 def make_sampler(name: str, population: int, seed: int, *, space=None, admitted: list[Config] | None = None,
                  taken: Callable[[str], bool] | None = None, recorded: Callable[[str], bool] | None = None,
                  context=None, steer: bool = False, mutation_prob: float | None = None,
-                 crossover_prob: float = 0.9):
+                 crossover_prob: float = 0.9, prior_mean=()):
     """The Optuna sampler for a SAMPLERS name; "exhaustive" needs the space, its admitted configs (in the
     order to visit them) and `taken(digest)`, true for configs already recorded or in flight.
 
@@ -141,7 +144,7 @@ def make_sampler(name: str, population: int, seed: int, *, space=None, admitted:
         if space is None or admitted is None:
             raise ValueError("the surrogate sampler needs the space and its admitted configs")
         return SurrogateSampler(admitted, distributions(space), taken if taken is not None else (lambda digest: False),
-                                seed=seed, variant=space.variant)
+                                seed=seed, variant=space.variant, prior_mean=dict(prior_mean))
     if name == "nsga2":
         nsga = dict(population_size=population, seed=seed, mutation_prob=mutation_prob, crossover_prob=crossover_prob)
         if not steer:
@@ -300,7 +303,7 @@ class SearchLoop:
                                or view.claimed_elsewhere(digest) is not None,
                                recorded=lambda digest: digest in self.by_digest, context=self.context,
                                steer=options.steer, mutation_prob=options.mutation_prob,
-                               crossover_prob=options.crossover_prob)
+                               crossover_prob=options.crossover_prob, prior_mean=options.prior_mean)
         with self.timeline.phase("open the study"):
             with self.rn.lock():  # agents starting at once on a new SQLite file (a run made before the journal) race to create its tables
                 self.storage = self.rn.storage()

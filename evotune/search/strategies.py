@@ -229,10 +229,18 @@ class SurrogateSampler(optuna.samplers.BaseSampler):
 
     Random draws (before the model has data) pick the variant knob's value first, as SteeredNSGAIISampler does,
     so a variant with few admitted configs is still drawn.
+
+    Transfer (`prior_mean`: {(knob, value): mean of its weight}, from the shipped priors: warmstart.knob_prior): the
+    ridge shrinks each weight toward its prior mean instead of toward 0, so before this shape has any result the
+    model already ranks first the configs made of the knob values that won on the nearest shape classes, and the
+    first measurements here move it from there rather than from a flat start. Measured results outweigh it as they
+    come (each weight's prior counts as one observation, `ridge`). With a prior mean the model proposes from the
+    first ask; without one, random configs come until `min_results` have passed.
     """
 
     def __init__(self, admitted: Sequence, distributions: dict, taken: Callable[[str], bool], *, seed: int = 0,
-                 ridge: float = 1.0, explore: float = 1.0, variant: str | None = None, min_results: int = 2):
+                 ridge: float = 1.0, explore: float = 1.0, variant: str | None = None, min_results: int = 2,
+                 prior_mean: dict | None = None):
         import numpy as np
 
         self._configs = list(admitted)
@@ -254,6 +262,11 @@ class SurrogateSampler(optuna.samplers.BaseSampler):
         self._width = 1 + len(self._column)
         self._active = np.array([self.active(c.as_dict()) for c in self._configs], dtype=np.intp).reshape(
             len(self._configs), 1 + len(varying))
+        self._mean = np.zeros(self._width)  # the weights' prior mean (transfer); knob values it does not name: 0
+        for key, mu in (prior_mean or {}).items():
+            if key in self._column:
+                self._mean[self._column[key]] = float(mu)
+        self._transfer = bool(self._mean.any())
         self._variant = variant if variant in varying else None
         if self._variant is not None:  # each config's variant value, as its index in the values sorted by text
             of_config = [c.as_dict()[self._variant] for c in self._configs]
@@ -269,13 +282,15 @@ class SurrogateSampler(optuna.samplers.BaseSampler):
         """log(time) predicted for every admitted config from `trials` (COMPLETE, values[0] = time)."""
         import numpy as np
 
+        if not trials:  # transfer only: the prior mean ranks the configs (a constant intercept ranks nothing)
+            return self._mean[self._active].sum(axis=1)
         x = np.zeros((len(trials), self._width))
         x[np.arange(len(trials))[:, None], [self.active(t.params) for t in trials]] = 1.0
         y = np.log([t.values[0] for t in trials])
         penalty = self._ridge * np.eye(self._width)
         penalty[0, 0] = 0.0  # the intercept is not shrunk: it is the mean log time
         gram = x.T @ x + penalty
-        weights = np.linalg.solve(gram, x.T @ y)
+        weights = np.linalg.solve(gram, x.T @ y + penalty @ self._mean)  # ridge toward the prior mean
         if self._explore > 0:
             # Thompson sampling: weights drawn from the ridge posterior (noise variance from the residuals), so a
             # knob value never measured, whose weight the data do not pin, is tried now and then.
@@ -302,7 +317,7 @@ class SurrogateSampler(optuna.samplers.BaseSampler):
         if trial.system_attrs.get("fixed_params"):
             return {}  # an enqueued (warm-start) trial: its params are given
         done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
-        if len(done) < self._min_results:
+        if len(done) < self._min_results and not self._transfer:
             index = self._random_free()
         else:
             # Lowest prediction first, random among equal ones; `taken` is asked lazily, in that order (the full

@@ -166,15 +166,16 @@ def _short(d: dict) -> str:
 PRIORS = 8  # shipped priors asked first, at most (records/priors.py), before the user's own runs
 
 
-def prior_configs(problem, shape, space, context, limit: int = PRIORS, path=None) -> tuple[list[dict], list[dict]]:
+def prior_configs(problem, shape, space, context, limit: int = PRIORS, path=None,
+                  gpu: str | None = None) -> tuple[list[dict], list[dict]]:
     """(config dicts, where each came from) of the shipped priors (records/priors.py; `path`: another priors file)
-    that `space` admits under `context` on `shape`, nearest shape class first, at most `limit`. Any GPU's priors
-    count (the search has not opened its GPU yet); a prior is only a proposal: measured like any candidate, a stale
-    one (its kernel source changed since) included."""
+    that `space` admits under `context` on `shape`, nearest shape class first, and among equals those measured on
+    GPU model `gpu` first (None: any GPU alike), at most `limit`. A prior is only a proposal: measured like any
+    candidate, a stale one (its kernel source changed since) included."""
     from ..records.priors import class_of_shape, load_priors, nearest_configs
 
     doc = load_priors(path)
-    found = nearest_configs(doc, class_of_shape(shape, problem.family, None))
+    found = nearest_configs(doc, class_of_shape(shape, problem.family, None), gpu=gpu)
     keep, origin = [], []
     for distance, entry, winner in found:
         if len(keep) == limit:
@@ -188,3 +189,63 @@ def prior_configs(problem, shape, space, context, limit: int = PRIORS, path=None
         keep.append(d)
         origin.append({"run": entry["run"], "distance": distance, "ratio_to_sdpa": winner.get("ratio_to_sdpa")})
     return keep, origin
+
+
+# log-time: a knob value every nearby winner chose starts about 10% faster than its knob's average. Chosen, not
+# fitted (to keep the priors from being tuned to any shape list): of the order of one knob's effect on these kernels
+# (wgmma's exp2_fma lost 6-16%, search_spaces/attention.yaml), so a few results on the shape outweigh it.
+TRANSFER_SCALE = 0.1
+
+
+def knob_prior(problem, shape, space, path=None, gpu: str | None = None) -> dict:
+    """{(knob, value): prior mean of its weight in the surrogate (strategies.SurrogateSampler's prior_mean)} from
+    the shipped priors (records/priors.py; `path`: another file) of shape classes comparable with `shape`: for each
+    varying knob of `space`, -TRANSFER_SCALE x (the share of those priors that chose the value - 1 / its number of
+    values), each prior counted with weight 2^-distance (one size bucket or K/V-group doubling away: half), halved
+    again where it was measured on another GPU than `gpu` (None: any counts in full). Only which configs won is
+    read, never their recorded times: a prior is knowledge of where to look, not a measurement on this machine
+    (a stale one, whose kernel source changed since, included)."""
+    from ..records.priors import class_of_shape, load_priors, nearest_configs
+
+    doc = load_priors(path)
+    target = class_of_shape(shape, problem.family, None)
+    share: dict = {}
+    total: dict = {}
+    for distance, entry, winner in nearest_configs(doc, target):
+        weight = 2.0 ** -distance
+        if gpu is not None and entry["class"].get("gpu") != gpu:
+            weight /= 2
+        for param in space.params:
+            value = winner["config"].get(param.name)
+            if len(param.values) < 2 or value not in param.values:
+                continue
+            share[(param.name, value)] = share.get((param.name, value), 0.0) + weight
+            total[param.name] = total.get(param.name, 0.0) + weight
+    out = {}
+    for param in space.params:
+        if param.name not in total:
+            continue
+        for value in param.values:
+            out[(param.name, value)] = -TRANSFER_SCALE * (share.get((param.name, value), 0.0) / total[param.name]
+                                                          - 1.0 / len(param.values))
+    return out
+
+
+def search_prior_mean(spec, priors: bool, problem, shape, space, gpu: str | None = None) -> dict:
+    """The surrogate's prior mean for a search (knob_prior), or {} where the priors are off (--no-priors, or
+    --warm-start none: nothing known is used)."""
+    if not priors or (spec and spec.strip() == "none"):
+        return {}
+    return knob_prior(problem, shape, space, gpu=gpu)
+
+
+def gpu_name(index: int) -> str | None:
+    """The name of CUDA device `index` as the driver reports it (what a run's meta.json records), None where no
+    such device is visible: which GPU's priors rank first (a property query; nothing runs on the device)."""
+    try:
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(int(index))["name"]
+    except Exception:  # noqa: BLE001 - no driver, no device: any GPU's priors count alike
+        return None
+    return name.decode() if isinstance(name, bytes) else str(name)
