@@ -126,6 +126,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query (B, H, Sq, D), key/value (B, Hk, Sk, D); returns
     ((B, Sq, H, D) contiguous, None), like sdpa_attention_forward."""
+    decoded = decode_call(query, key, value, attention_mask, dropout, scaling, kwargs)
+    if decoded is not None:
+        return decoded
     # The causal flag as sdpa_attention_forward derives it (a single query attends to every key).
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
@@ -143,6 +146,36 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=gqa)
     # The op returns the query's layout: a projection's (B, S, H, D) memory seen as (B, H, S, D), so this
     # transpose is already contiguous and .contiguous() copies nothing.
+    return out.transpose(1, 2).contiguous(), None
+
+
+def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> tuple[torch.Tensor, None] | None:
+    """A decode step or a cached chunk, run by evotune.torch.decode.decode_attention (which routes by the decode
+    table, else runs SDPA and says so): Sq < Sk with either one query and no mask (a DynamicCache decode step:
+    transformers' sdpa mask builder drops its all-True mask) or a boolean mask that is exactly the bottom-right
+    causal one (a cached prefill chunk). Checking that mask reads it on the host (a sync), so only in eager code.
+    Every other call gets None (the adapter's own path): a StaticCache's mask spans the whole cache with
+    padding past the filled length, which the kernel cannot take without reading that length on the host."""
+    from .decode import MAX_SEQ_Q, decode_attention
+
+    sq, sk = query.shape[2], key.shape[2]
+    if not 1 <= sq <= min(MAX_SEQ_Q, sk - 1) or dropout or any(kwargs.get(name) is not None for name in (
+            "softcap", "position_bias", "cache", "s_aux", "sinks")) or kwargs.get("output_attentions"):
+        return None
+    if attention_mask is not None:
+        if (sq == 1 or attention_mask.dtype != torch.bool or attention_mask.dim() != 4
+                or tuple(attention_mask.shape[1:]) != (1, sq, sk) or torch.compiler.is_compiling()
+                or (attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return None
+        expected = torch.ones(sq, sk, dtype=torch.bool, device=attention_mask.device).tril(diagonal=sk - sq)
+        if not torch.equal(attention_mask, expected.expand_as(attention_mask)):
+            return None
+    elif sq > 1:
+        return None  # no mask with several queries: sdpa's is_causal would be top-left; the adapter's path keeps it
+    if not torch.compiler.is_compiling():
+        with _LOCK:
+            _STATS["evotune"] += 1
+    out = decode_attention(query, key, value, causal=sq > 1, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
