@@ -41,7 +41,7 @@ template <class A, class C> struct PickType<false, A, C> { using type = C; };
 
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
           bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, bool SOFTMAX_OVERLAP_,
-          bool LEAN_ADDRESSING_, bool CAUSAL_WG_, bool SKIP_EMPTY_, bool P_SMEM_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool LEAN_ADDRESSING_, bool CAUSAL_WG_, bool SKIP_EMPTY_, bool P_SMEM_, bool STRIPE_MIRROR_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -66,6 +66,10 @@ struct HopperTraits {
     static constexpr bool kSkipEmpty = SKIP_EMPTY_;
     // p_operand = smem: P V's P from the warpgroup's P tile in shared memory (store_p, issue_pv_smem; kPBytes)
     static constexpr bool kPSmem = P_SMEM_;
+    // stripe_order = mirrored: consumer warpgroup wg computes stripe wg of the CTA's even query tiles and W - 1 - wg of
+    // its odd ones, with Q in two buffers (mirrored_stripe, q_buffer; the second at kQ1Offset, which the instantiation
+    // adds)
+    static constexpr bool kStripeMirror = STRIPE_MIRROR_;
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
@@ -94,7 +98,11 @@ struct HopperTraits {
     // the allocation's 8): producer 24, consumers 112, 128*24 + 512*112 = 60416 of the CTA's 61440. setmaxnreg.inc
     // takes what the CTA's setmaxnreg.dec freed, never the SM's unallocated rest: a split above the launch's
     // allocation (consumers 120: 64512) waits forever (it hung the H100).
-    static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 24;
+    // stripe_order = mirrored at four consumer warpgroups: producer 32. Its two Q buffers' barriers and four handed-tile
+    // entries took the 24-register producer over (ptxas spilled 8 bytes, the persistent order's section width, which
+    // the consumers then reloaded from local memory at every tile); 128*32 + 512*112 = 61440 is the launch's whole
+    // allocation, which setmaxnreg.inc may take.
+    static constexpr int kProducerRegs = kConsumerWGs == 3 || (kStripeMirror && kConsumerWGs == 4) ? 32 : 24;
     static constexpr int kConsumerRegs = kConsumerWGs == 4 ? 112 : kConsumerWGs == 3 ? 160 : 240;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
@@ -114,6 +122,10 @@ struct HopperTraits {
     // Persistent: the producer warpgroup alone loads, so it can run a tile ahead; ping-pong's per-tile turn
     // protocol (warpgroup 1 owes no turn after its last K/V tile) is not carried across tiles.
     static_assert(!kPersistent || (kHasProducer && !kPingPong), "a persistent CTA needs a producer and no ping-pong");
+    // stripe_order = mirrored evens out the warpgroups' unequal K/V ranges over a persistent CTA's consecutive tiles:
+    // only causal_extent = warpgroup makes them unequal, and only a persistent CTA has a next tile.
+    static_assert(!kStripeMirror || (kPersistent && kCausalWarpgroup),
+                  "stripe_order = mirrored: a persistent CTA with causal_extent = warpgroup");
     static_assert(!kSkipEmpty || !kPingPong, "empty_warpgroups = skip: an empty warpgroup does not take ping-pong's turns");
     static_assert(!kSkipEmpty || !kCausalWarpgroup || kHasProducer,
                   "causal_extent = warpgroup with skip: an empty last warpgroup would not refill");
@@ -429,39 +441,47 @@ __device__ __forceinline__ void store_row_lse(const float (&m)[2], const float (
     }
 }
 
-// Shared-memory bookkeeping of one CTA.
+// Shared-memory bookkeeping of one CTA: the barriers every variant has (Barriers adds stripe_order = mirrored's).
 template <class T>
-struct Barriers {
+struct BarriersBase {
     unsigned long long q_full;
     unsigned long long k_full[T::kBarrierSlots];
     unsigned long long v_full[T::kBarrierSlots];
     unsigned long long k_empty[T::kBarrierSlots];  // every consumer warp is done reading K of the slot
     unsigned long long v_empty[T::kBarrierSlots];  // ... V of the slot
     unsigned long long q_empty;     // PERSISTENT: every consumer warp is done reading the Q tile
-    //[stripe_mirror] // stripe_order = mirrored: Q's two buffers' full and empty barriers (q_full and q_empty stay unused).
-    //[stripe_mirror] unsigned long long q_buf_full[2];
-    //[stripe_mirror] unsigned long long q_buf_empty[2];
 };
-//[stripe_mirror]
-//[stripe_mirror] // stripe_order = mirrored (persistent, causal_extent = warpgroup). With causal_extent = warpgroup, the consumer
-//[stripe_mirror] // warpgroup that takes the tile's last 64 rows (stripe W - 1 of W) walks W - 1 more K/V tiles than the one that
-//[stripe_mirror] // takes its first, so in a fixed assignment the same warpgroup is always the longest and the others wait for it at
-//[stripe_mirror] // every query tile (Q's one buffer frees only after the last warpgroup's last Q K^T). Here the assignment is
-//[stripe_mirror] // mirrored on every other query tile of the CTA: warpgroup wg takes stripe wg on even tiles and W - 1 - wg on odd
-//[stripe_mirror] // ones, so over two tiles every warpgroup walks the same number of K/V tiles, and Q has two buffers (query tile
-//[stripe_mirror] // qi in buffer qi & 1, phase (qi >> 1) & 1), so that a warpgroup done with tile qi starts on tile qi + 1 while
-//[stripe_mirror] // the longest one finishes qi. What stays per physical warpgroup: its O staging rows and named barrier (the
-//[stripe_mirror] // TMA-store epilogue), its P tile (p_operand = smem), its register split.
-//[stripe_mirror] template <class T>
-//[stripe_mirror] __device__ __forceinline__ int mirrored_stripe(int wg, int qi) {
-//[stripe_mirror]     return (qi & 1) ? T::kConsumerWGs - 1 - wg : wg;
-//[stripe_mirror] }
-//[stripe_mirror] // Query tile qi's Q buffer in shared memory: the first at sQ, the second at the traits' kQ1Offset.
-//[stripe_mirror] template <class T>
-//[stripe_mirror] __device__ __forceinline__ u32 q_buffer(u32 smem_base, int qi) {
-//[stripe_mirror]     static_assert(T::kQ1Offset % 1024 == 0, "Q's second buffer keeps the 1024-byte swizzle alignment");
-//[stripe_mirror]     return smem_base + ((qi & 1) ? T::kQ1Offset : 0);
-//[stripe_mirror] }
+// The members of a derived struct follow its base's, so the mirrored barriers come after q_empty and every variant's
+// common barriers keep their addresses.
+template <class T, bool MIRRORED = T::kStripeMirror>
+struct Barriers : BarriersBase<T> {};
+template <class T>
+struct Barriers<T, true> : BarriersBase<T> {
+    // stripe_order = mirrored: Q's two buffers' full and empty barriers (q_full and q_empty stay unused).
+    unsigned long long q_buf_full[2];
+    unsigned long long q_buf_empty[2];
+};
+
+// stripe_order = mirrored (persistent, causal_extent = warpgroup). With causal_extent = warpgroup, the consumer
+// warpgroup that takes the tile's last 64 rows (stripe W - 1 of W) walks W - 1 more K/V tiles than the one that
+// takes its first, so in a fixed assignment the same warpgroup is always the longest and the others wait for it at
+// every query tile (Q's one buffer frees only after the last warpgroup's last Q K^T). Here the assignment is
+// mirrored on every other query tile of the CTA: warpgroup wg takes stripe wg on even tiles and W - 1 - wg on odd
+// ones, so over two tiles every warpgroup walks the same number of K/V tiles, and Q has two buffers (query tile
+// qi in buffer qi & 1, phase (qi >> 1) & 1), so that a warpgroup done with tile qi starts on tile qi + 1 while
+// the longest one finishes qi. What stays per physical warpgroup: its O staging rows and named barrier (the
+// TMA-store epilogue), its P tile (p_operand = smem), its register split.
+template <class T>
+__device__ __forceinline__ int mirrored_stripe(int wg, int qi) {
+    static_assert(T::kStripeMirror, "the stripes are mirrored only with stripe_order = mirrored");
+    return (qi & 1) ? T::kConsumerWGs - 1 - wg : wg;
+}
+// Query tile qi's Q buffer in shared memory: the first at sQ, the second at the traits' kQ1Offset.
+template <class T>
+__device__ __forceinline__ u32 q_buffer(u32 smem_base, int qi) {
+    static_assert(T::kQ1Offset % 1024 == 0, "Q's second buffer keeps the 1024-byte swizzle alignment");
+    return smem_base + ((qi & 1) ? T::kQ1Offset : 0);
+}
 
 // Issue the TMA loads of K (WHICH = 0) or V (1) tile `t` into slot `slot` (one thread).
 template <class T, int WHICH>
@@ -500,15 +520,16 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
 // the one before (a warpgroup that ran ahead would otherwise release a slot twice in one phase).
 template <class T>
 __device__ __forceinline__ void drain_tile(Barriers<T>* bars, int n_tiles, int it0, int q_phase, int lane) {
-//[stripe_mirror] #if 0
-    mbar_wait(smem_addr(&bars->q_full), q_phase);
-    if constexpr (T::kPersistent) {
-        if (lane == 0) mbar_arrive(smem_addr(&bars->q_empty));
+    if constexpr (T::kStripeMirror) {
+        // q_phase is the query tile's index qi (Q's buffer qi & 1, its phase (qi >> 1) & 1).
+        mbar_wait(smem_addr(&bars->q_buf_full[q_phase & 1]), (q_phase >> 1) & 1);
+        if (lane == 0) mbar_arrive(smem_addr(&bars->q_buf_empty[q_phase & 1]));
+    } else {
+        mbar_wait(smem_addr(&bars->q_full), q_phase);
+        if constexpr (T::kPersistent) {
+            if (lane == 0) mbar_arrive(smem_addr(&bars->q_empty));
+        }
     }
-//[stripe_mirror] #endif
-//[stripe_mirror]     // stripe_order = mirrored: q_phase is the query tile's index qi (Q's buffer qi & 1, its phase (qi >> 1) & 1).
-//[stripe_mirror]     mbar_wait(smem_addr(&bars->q_buf_full[q_phase & 1]), (q_phase >> 1) & 1);
-//[stripe_mirror]     if (lane == 0) mbar_arrive(smem_addr(&bars->q_buf_empty[q_phase & 1]));
     for (int t = 0; t < n_tiles; ++t) {
         const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence
         const int slot = use % T::kStages;
@@ -644,10 +665,12 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     if (tid == loader) {
         mbar_init(smem_addr(&bars.q_full), 1);
         if constexpr (T::kPersistent) mbar_init(smem_addr(&bars.q_empty), T::kConsumerThreads / 32);
-        //[stripe_mirror] for (int b = 0; b < 2; ++b) {
-        //[stripe_mirror]     mbar_init(smem_addr(&bars.q_buf_full[b]), 1);
-        //[stripe_mirror]     mbar_init(smem_addr(&bars.q_buf_empty[b]), T::kConsumerThreads / 32);
-        //[stripe_mirror] }
+        if constexpr (T::kStripeMirror) {
+            for (int b = 0; b < 2; ++b) {
+                mbar_init(smem_addr(&bars.q_buf_full[b]), 1);
+                mbar_init(smem_addr(&bars.q_buf_empty[b]), T::kConsumerThreads / 32);
+            }
+        }
 #pragma unroll
         for (int s = 0; s < T::kStages; ++s) {
             mbar_init(smem_addr(&bars.k_full[s]), 1);
@@ -673,38 +696,33 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     }
 
     // One query tile of the consumer warpgroups: `it0` K/V tiles went through the slots before it (the
-    // slot of its K/V tile t is (it0 + t) % STAGES), and its Q arrives in phase `q_phase` of q_full.
-    //[stripe_mirror] #if 0
+    // slot of its K/V tile t is (it0 + t) % STAGES), and its Q arrives in phase `q_phase` of q_full. stripe_order =
+    // mirrored: q_phase is qi, the CTA's query tiles before this one, which picks Q's buffer, its phase and the stripes.
     auto consume_tile = [&](const QTile& w, int kv_head, int cta_tiles, int it0, int q_phase) {
-    //[stripe_mirror] #endif
-    //[stripe_mirror] // stripe_order = mirrored: qi, the CTA's query tiles before this one, picks Q's buffer, its phase and the stripes.
-    //[stripe_mirror] auto consume_tile = [&](const QTile& w, int kv_head, int cta_tiles, int it0, int qi) {
         // The CTA's K/V tiles, then (causal_extent = warpgroup, below the empty test) this warpgroup's.
         int n_tiles = cta_tiles;
         const int wg = tid / 128;
         const int warp_in_wg = (tid % 128) / 32;
         const int lane = tid & 31;
-        //[stripe_mirror] #if 0
-        const u32 sQ_wg = sQ + wg * (64 * 128);  // this warpgroup's 64 rows inside each region
-        //[stripe_mirror] #endif
-        //[stripe_mirror] const int stripe = mirrored_stripe<T>(wg, qi);  // the tile's 64-row stripe this warpgroup computes
-        //[stripe_mirror] const u32 sQ_wg = q_buffer<T>(smem_base, qi) + stripe * (64 * 128);  // its 64 rows inside each region
+        const int qi = q_phase;  // stripe_order = mirrored: the CTA's query tiles before this one
+        // The tile's 64-row stripe this warpgroup computes: its own, or with stripe_order = mirrored mirrored_stripe's.
+        int stripe = wg;
+        if constexpr (T::kStripeMirror) stripe = mirrored_stripe<T>(wg, qi);
+        u32 sQ_wg;  // this warpgroup's 64 rows inside each region
+        if constexpr (T::kStripeMirror) sQ_wg = q_buffer<T>(smem_base, qi) + stripe * (64 * 128);
+        else sQ_wg = sQ + wg * (64 * 128);
         u32 sP_wg = 0;  // p_operand = smem: its P tile
         if constexpr (T::kPSmem) sP_wg = smem_base + T::kSmemBytes - 1024 - T::kPBytes + wg * (64 * T::kBlockN * 2);
-        //[stripe_mirror] #if 0
-        const int q_row0 = w.row0, head = w.head, batch = w.batch;
-        //[stripe_mirror] #endif
-        //[stripe_mirror] // Every use of the tile's first row below is q_row0 + 64 * wg, the first row of the warpgroup's rows (wg stays
-        //[stripe_mirror] // the physical warpgroup: it indexes the staging rows, the P tile and the named barriers). Shifted by the
-        //[stripe_mirror] // stripe's offset, that sum is the first row of the stripe this warpgroup computes.
-        //[stripe_mirror] const int q_row0 = w.row0 + 64 * (stripe - wg), head = w.head, batch = w.batch;
+        // Every use of the tile's first row below is q_row0 + 64 * wg, the first row of the warpgroup's rows (wg stays
+        // the physical warpgroup: it indexes the staging rows, the P tile and the named barriers). Shifted by the
+        // stripe's offset (mirrored), that sum is the first row of the stripe this warpgroup computes.
+        int q_row0 = w.row0;
+        if constexpr (T::kStripeMirror) q_row0 = w.row0 + 64 * (stripe - wg);
+        const int head = w.head, batch = w.batch;
         const int q_row = q_row0 + 64 * wg + 16 * warp_in_wg + (lane >> 2);  // the first of the thread's two rows
         if constexpr (T::kSkipEmpty) {
             if (q_row0 + 64 * wg >= seq_q) {  // every row of this warpgroup is padding (uniform per warpgroup)
-                //[stripe_mirror] #if 0
                 drain_tile<T>(&bars, n_tiles, it0, q_phase, lane);
-                //[stripe_mirror] #endif
-                //[stripe_mirror] drain_tile<T>(&bars, n_tiles, it0, qi, lane);
                 return;
             }
         }
@@ -720,10 +738,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
 #pragma unroll
         for (int i = 0; i < T::kSAcc; ++i) s_acc[i] = 0.f;
 
-        //[stripe_mirror] #if 0
-        mbar_wait(smem_addr(&bars.q_full), q_phase);
-        //[stripe_mirror] #endif
-        //[stripe_mirror] mbar_wait(smem_addr(&bars.q_buf_full[qi & 1]), (qi >> 1) & 1);
+        if constexpr (T::kStripeMirror) mbar_wait(smem_addr(&bars.q_buf_full[qi & 1]), (qi >> 1) & 1);
+        else mbar_wait(smem_addr(&bars.q_full), q_phase);
         // The previous tile's epilogue branched per lane (rows past seq_q): reconverge before the .aligned
         // instructions (ldmatrix's users, wgmma) rather than rely on ptxas to.
         if constexpr (T::kPersistent) __syncwarp();
@@ -734,10 +750,11 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 // (ldmatrix) are ordered before the TMA's async-proxy writes by the fence.
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 __syncwarp();
-                //[stripe_mirror] #if 0
-                if (lane == 0) mbar_arrive(smem_addr(&bars.q_empty));
-                //[stripe_mirror] #endif
-                //[stripe_mirror] if (lane == 0) mbar_arrive(smem_addr(&bars.q_buf_empty[qi & 1]));
+                if constexpr (T::kStripeMirror) {
+                    if (lane == 0) mbar_arrive(smem_addr(&bars.q_buf_empty[qi & 1]));
+                } else {
+                    if (lane == 0) mbar_arrive(smem_addr(&bars.q_empty));
+                }
             }
         }
         if constexpr (T::kPingPong) {
@@ -758,11 +775,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         wgmma_wait<0>();
         fence_regs(s_acc);
         if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[slot0]));
-        // Persistent, Q from shared memory: its last reader has completed when the tile has one K/V tile.
-        if constexpr (T::kPersistent && !T::kQInRegs) {
-            //[stripe_mirror] #if 0
+        // Persistent, Q from shared memory: its last reader has completed when the tile has one K/V tile (mirrored:
+        // released after the tile's loop).
+        if constexpr (T::kPersistent && !T::kQInRegs && !T::kStripeMirror) {
             if (lane == 0 && n_tiles == 1) mbar_arrive(smem_addr(&bars.q_empty));
-            //[stripe_mirror] #endif
         }
         scores_to_probs<T>(s_acc, m_run, l_run, alpha, 0, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
         if constexpr (!T::kSoftmaxOverlap) {
@@ -824,10 +840,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             if (lane == 0) mbar_arrive(smem_addr(&bars.k_empty[slot]));
             // Persistent, Q from shared memory: S(t) of the last K/V tile was Q's last reader, so the next tile's
             // Q may come in under this tile's last softmax, P V and epilogue.
-            if constexpr (T::kPersistent && !T::kQInRegs) {
-                //[stripe_mirror] #if 0
+            if constexpr (T::kPersistent && !T::kQInRegs && !T::kStripeMirror) {
                 if (lane == 0 && t == n_tiles - 1) mbar_arrive(smem_addr(&bars.q_empty));
-                //[stripe_mirror] #endif
             }
             scores_to_probs<T>(s_acc, m_run, l_run, alpha, t * T::kBlockN, q_row0 + 64 * wg, q_row, seq_k, lane,
                                scale_log2);
@@ -846,12 +860,12 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             }
         }
         if constexpr (T::kSoftmaxOverlap) finish_tile(n_tiles - 1);
-        //[stripe_mirror] // Q from shared memory: released after the loop rather than at its last Q K^T. The next tile's Q goes to the
-        //[stripe_mirror] // other buffer, so this release only gates tile qi + 2's load, and a barrier indexed by qi inside the loop
-        //[stripe_mirror] // cost the 112-register consumers a spill.
-        //[stripe_mirror] if constexpr (!T::kQInRegs) {
-        //[stripe_mirror]     if (lane == 0) mbar_arrive(smem_addr(&bars.q_buf_empty[qi & 1]));
-        //[stripe_mirror] }
+        // stripe_order = mirrored, Q from shared memory: released after the loop rather than at its last Q K^T. The
+        // next tile's Q goes to the other buffer, so this release only gates tile qi + 2's load, and a barrier indexed
+        // by qi inside the loop cost the 112-register consumers a spill.
+        if constexpr (T::kStripeMirror && !T::kQInRegs) {
+            if (lane == 0) mbar_arrive(smem_addr(&bars.q_buf_empty[qi & 1]));
+        }
         // P V of the last tile.
         const int last = (it0 + n_tiles - 1) % T::kStages;
         mbar_wait(smem_addr(&bars.v_full[last]), ((it0 + n_tiles - 1) / T::kStages) & 1);
@@ -929,14 +943,13 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         // launch would last as long as the full ones. Handed out in persistent_tile's order, each head's tiles
         // stay together (its K/V in L2); an order with every thin tile last measured 2.5-4% slower on gpt2.
         constexpr bool kDynamic = T::kIsCausal || T::kSkipEmpty;
-        //[stripe_mirror] #if 0
-        __shared__ int handed_tile[2];  // kDynamic: per q_full phase, its query tile (or -1: none left)
-        //[stripe_mirror] #endif
-        //[stripe_mirror] // stripe_order = mirrored: query tile qi's entry is qi & 3. The producer writes it at the top of tile qi,
-        //[stripe_mirror] // before it awaits anything there. Its last reader was tile qi - 4's: each consumer warp reads before it
-        //[stripe_mirror] // releases that tile's Q, and the producer awaited the release (q_buf_empty) at tile qi - 2's Q load. With
-        //[stripe_mirror] // two entries the last reader would be tile qi - 2's, whose release is awaited only at tile qi's Q load.
-        //[stripe_mirror] __shared__ int handed_tile[4];
+        // kDynamic: per q_full phase, its query tile (or -1: none left), query tile qi's entry qi % kHanded.
+        // stripe_order = mirrored: four entries. The producer writes tile qi's at the top of tile qi, before it
+        // awaits anything there. Its last reader was tile qi - 4's: each consumer warp reads before it releases that
+        // tile's Q, and the producer awaited the release (q_buf_empty) at tile qi - 2's Q load. With two entries the
+        // last reader would be tile qi - 2's, whose release is awaited only at tile qi's Q load.
+        constexpr int kHanded = T::kStripeMirror ? 4 : 2;
+        __shared__ int handed_tile[kHanded];
         if (tid >= T::kConsumerThreads) {
             if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
             if (tid == loader) {
@@ -948,10 +961,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                     // which the wait for q_empty at tile qi - 1's Q load saw. Both sides use atomics: the mbarriers
                     // order them, but compute-sanitizer's racecheck does not model mbarrier waits and reports
                     // plain accesses here as a race (measured); it leaves atomic ones alone.
-                    //[stripe_mirror] #if 0
-                    if constexpr (kDynamic) atomicExch(&handed_tile[qi & 1], work);
-                    //[stripe_mirror] #endif
-                    //[stripe_mirror] atomicExch(&handed_tile[qi & 3], work);  // mirrored is causal: kDynamic
+                    if constexpr (kDynamic) atomicExch(&handed_tile[qi & (kHanded - 1)], work);  // mirrored is causal
                     const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
                     const int kv_head = kv_head_of(w.head, kv_magic);
                     const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
@@ -964,22 +974,23 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                         if (t == 0) {
                             // Q after the first K: that K's slot was released a few K/V tiles back, Q's buffer only
                             // after the previous tile's last Q K^T (or once it was in registers).
-                            //[stripe_mirror] #if 0
-                            if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
-                            const u32 qb = smem_addr(&bars.q_full);
-                            mbar_expect_tx(qb, T::kQBytes);
+                            if constexpr (T::kStripeMirror) {
+                                // Into buffer qi & 1, once every consumer warp released tile qi - 2's Q there.
+                                if (qi > 1) mbar_wait(smem_addr(&bars.q_buf_empty[qi & 1]), ((qi - 2) >> 1) & 1);
+                                const u32 qb = smem_addr(&bars.q_buf_full[qi & 1]);
+                                mbar_expect_tx(qb, T::kQBytes);
+                                const u32 q_dst = q_buffer<T>(smem_base, qi);
 #pragma unroll
-                            for (int r = 0; r < T::kRegions; ++r)
-                                tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
-                            //[stripe_mirror] #endif
-                            //[stripe_mirror] // Into buffer qi & 1, once every consumer warp released tile qi - 2's Q there.
-                            //[stripe_mirror] if (qi > 1) mbar_wait(smem_addr(&bars.q_buf_empty[qi & 1]), ((qi - 2) >> 1) & 1);
-                            //[stripe_mirror] const u32 qb = smem_addr(&bars.q_buf_full[qi & 1]);
-                            //[stripe_mirror] mbar_expect_tx(qb, T::kQBytes);
-                            //[stripe_mirror] const u32 q_dst = q_buffer<T>(smem_base, qi);
-                            //[stripe_mirror] #pragma unroll
-                            //[stripe_mirror] for (int r = 0; r < T::kRegions; ++r)
-                            //[stripe_mirror]     tma_load_4d(q_dst + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
+                                for (int r = 0; r < T::kRegions; ++r)
+                                    tma_load_4d(q_dst + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
+                            } else {
+                                if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
+                                const u32 qb = smem_addr(&bars.q_full);
+                                mbar_expect_tx(qb, T::kQBytes);
+#pragma unroll
+                                for (int r = 0; r < T::kRegions; ++r)
+                                    tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
+                            }
                         }
                         if (use > 0) mbar_wait(smem_addr(&bars.v_empty[slot]), (use - 1) & 1);
                         load_kv<T, 1>(v_map, sV, &bars, slot, t, kv_head, w.batch);
@@ -993,14 +1004,14 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 if constexpr (kDynamic) {
                     // No tile left: hand the consumers -1 (their signal to stop) with a bare arrival, once
                     // q_full's previous phase is complete (seen through q_empty).
-                    //[stripe_mirror] #if 0
-                    atomicExch(&handed_tile[qi & 1], -1);
-                    if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
-                    mbar_arrive(smem_addr(&bars.q_full));
-                    //[stripe_mirror] #endif
-                    //[stripe_mirror] atomicExch(&handed_tile[qi & 3], -1);
-                    //[stripe_mirror] if (qi > 1) mbar_wait(smem_addr(&bars.q_buf_empty[qi & 1]), ((qi - 2) >> 1) & 1);
-                    //[stripe_mirror] mbar_arrive(smem_addr(&bars.q_buf_full[qi & 1]));
+                    atomicExch(&handed_tile[qi & (kHanded - 1)], -1);
+                    if constexpr (T::kStripeMirror) {
+                        if (qi > 1) mbar_wait(smem_addr(&bars.q_buf_empty[qi & 1]), ((qi - 2) >> 1) & 1);
+                        mbar_arrive(smem_addr(&bars.q_buf_full[qi & 1]));
+                    } else {
+                        if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
+                        mbar_arrive(smem_addr(&bars.q_full));
+                    }
                     // Every CTA asks until it is refused, then counts itself done: the last one done knows no
                     // CTA of this launch will ask again and zeroes both counters for the next launch.
                     __threadfence();
@@ -1016,16 +1027,12 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         int it = 0, qi = 0;
         for (int work = blockIdx.x;; ++qi) {
             if constexpr (kDynamic) {
-                //[stripe_mirror] #if 0
-                mbar_wait(smem_addr(&bars.q_full), qi & 1);  // consume_tile's own wait then passes at once
-                //[stripe_mirror] #endif
-                //[stripe_mirror] mbar_wait(smem_addr(&bars.q_buf_full[qi & 1]), (qi >> 1) & 1);  // consume_tile's then passes at once
+                // consume_tile's own wait then passes at once
+                if constexpr (T::kStripeMirror) mbar_wait(smem_addr(&bars.q_buf_full[qi & 1]), (qi >> 1) & 1);
+                else mbar_wait(smem_addr(&bars.q_full), qi & 1);
                 // One read per warp (see the producer's store), broadcast.
                 int handed = 0;
-                //[stripe_mirror] #if 0
-                if ((tid & 31) == 0) handed = atomicAdd(&handed_tile[qi & 1], 0);
-                //[stripe_mirror] #endif
-                //[stripe_mirror] if ((tid & 31) == 0) handed = atomicAdd(&handed_tile[qi & 3], 0);
+                if ((tid & 31) == 0) handed = atomicAdd(&handed_tile[qi & (kHanded - 1)], 0);
                 work = __shfl_sync(0xffffffffu, handed, 0);
             } else if (qi > 0) {
                 work += gridDim.x;
@@ -1033,10 +1040,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             if (kDynamic ? work < 0 : work >= n_work) break;
             const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
             const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
-            //[stripe_mirror] #if 0
-            consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, it, qi & 1);
-            //[stripe_mirror] #endif
-            //[stripe_mirror] consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, it, qi);
+            // Q's phase in q_full, or (stripe_order = mirrored) the tile's index, which picks Q's buffer and phase.
+            consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, it, T::kStripeMirror ? qi : qi & 1);
             it += n_tiles;
         }
         // The last tile's O store must have read the staging rows before the CTA may leave.

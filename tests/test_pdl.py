@@ -45,14 +45,12 @@ def test_a_line_with_two_flags_is_code_only_where_both_are_on():
 
 
 def test_the_kernels_flag_known_knobs_only():
-    """The attention template's flagged lines name stripe_mirror (the Hopper persistent kernel's
-    stripes mirrored every other tile and Q's second buffer, knob stripe_order), trace (tools/phase_trace.py's stamps),
+    """The attention template's flagged lines are instrumentation only: trace (tools/phase_trace.py's stamps),
     trace_split and trace_tma (its stamps in the split merge and the TMA loads) and no_wg_overlap (the baseline
-    `tools/time_configs.py --with-flag` measures) and nothing else (a misspelt flag would drop its lines); the last four
-    are never a searched config's. Every other searched variant is a traits template parameter."""
+    `tools/time_configs.py --with-flag` measures), never a searched config's, and nothing else (a misspelt flag would
+    drop its lines). Every searched variant is a traits template parameter, so a config keeps no flag."""
     _, template = read_template("attention.cu")
-    assert template_flag_names(template) == {"trace", "trace_split", "trace_tma", "no_wg_overlap",
-                                             "stripe_mirror"}
+    assert template_flag_names(template) == {"trace", "trace_split", "trace_tma", "no_wg_overlap"}
 
 
 @pytest.mark.parametrize("shape_text, cfg", [("mission", MISSION), ("2,16,1024,64:causal", WGMMA_PERSISTENT),

@@ -1,6 +1,6 @@
 """Which 64-row stripe of a query tile each consumer warpgroup computes in the persistent causal kernel: fixed, or
-mirrored on every other query tile with a second Q buffer (knob stripe_order, kernels/attention_hopper.cuh's
-`//[stripe_mirror]` lines, search_spaces/attention-hopper3-mirror.yaml).
+mirrored on every other query tile with a second Q buffer (knob stripe_order, the Hopper traits' STRIPE_MIRROR:
+kStripeMirror, profile attention:hopper3-mirror).
 
 With causal_extent = warpgroup the warpgroup on a query tile's last 64 rows walks W - 1 more K/V tiles than the one on
 its first. fixed: warpgroup wg always takes stripe wg, so the last one is always the longest, and with Q's one buffer
@@ -10,7 +10,8 @@ same arithmetic whichever warpgroup runs them, so the output is bit for bit fixe
 
 CPU: every fixed config keeps the source attention-hopper3-causal's searches measured; mirrored is admitted only with
 persistent and causal_extent = warpgroup; the stripes even out over two tiles; the second Q buffer's shared memory and
-the four-warpgroup producer's registers agree between host and traits; mirrored's source; clean compiles. GPU (marked):
+the four-warpgroup producer's registers agree between host and traits; mirrored is a traits parameter; clean
+compiles. GPU (marked):
 the gate passes and the output is bit for bit fixed's, on persistent causal shapes and on 5 SMs (dozens of query
 tiles per CTA, both parities); the log-sum-exp; memcheck and racecheck find nothing."""
 
@@ -18,10 +19,9 @@ from __future__ import annotations
 
 import pytest
 from _variant_pairs import (assert_compiles_clean, assert_lse_twin, assert_same_sources, assert_sanitizer_clean,
-                            assert_twin_where_admitted, hopper_config_id, serialised_notes, skip_unless_admitted,
-                            without_if0)
+                            assert_twin_where_admitted, hopper_config_id, serialised_notes, skip_unless_admitted)
 
-from evotune.build.template import instantiate
+from evotune.build.template import instantiate, template_flag_names
 from evotune.problems.attention import (MIRRORED_WG4_PRODUCER_REGS, is_stripe_mirror, q_buffer_bytes,
                                         setmaxnreg_registers)
 from evotune.problems.shapes import parse_shape
@@ -103,7 +103,8 @@ def test_mirrored_stripes_even_out_over_two_tiles(warpgroups):
 def test_host_and_traits_agree_on_the_second_buffer(attention, mirror_space):
     """mirrored adds one Q tile of shared memory (after O's staging tile, before P's) and, at four consumer
     warpgroups, gives the producer 32 registers: 32 x 128 + 112 x 512 = 61440, the launch's whole allocation; the
-    instantiation's static_asserts tie the traits to the host's geometry, and its source says so."""
+    instantiation's static_asserts tie the traits' shared memory and setmaxnreg split to the host's, and its source
+    says so (the compiles below hold the traits to them)."""
     shape = parse_shape("gpt2-causal")
     cfg = mirror_space.config(MIRROR_CONFIGS[0])
     geo = attention.geometry(cfg, shape)
@@ -113,30 +114,31 @@ def test_host_and_traits_agree_on_the_second_buffer(attention, mirror_space):
     assert setmaxnreg_registers(cfg) == 128 * MIRRORED_WG4_PRODUCER_REGS + 512 * 112 == 61440 == 96 * 640
     assert fixed_geo.register_split == 128 * 24 + 512 * 112
     code = instantiate(attention, cfg, shape).code
-    assert f"static constexpr int kProducerRegs = {MIRRORED_WG4_PRODUCER_REGS};" in code
+    split = "128 * EvotuneTraits::kProducerRegs + EvotuneTraits::kConsumerThreads * EvotuneTraits::kConsumerRegs"
+    assert f"static_assert(EvotuneTraits::kSetMaxNReg && {split} == 61440," in code
+    assert f"{split} == {fixed_geo.register_split}," in instantiate(
+        attention, mirror_space.config(_fixed(MIRROR_CONFIGS[0])), shape).code
     assert "static constexpr int kQ1Offset = kQBytes + 2 * kStages * kKVBytes + kOStageBytes;" in code
     three = mirror_space.config(MIRROR_CONFIGS[1])
-    assert "kProducerRegs" not in instantiate(attention, three, shape).code.split("evotune instantiation")[1]
     assert setmaxnreg_registers(three) == 128 * 32 + 384 * 160
+    assert f"{split} == {128 * 32 + 384 * 160}," in instantiate(attention, three, shape).code
 
 
-def test_mirrored_source(attention, mirror_space):
-    """mirrored's source: the stripe shifts the tile's first row, Q's two buffers and their barriers, four handed-tile
-    entries; fixed's source has none of it, and no flag is left in either."""
+def test_mirrored_is_a_traits_parameter(attention, mirror_space):
+    """stripe_order is the traits' template parameter STRIPE_MIRROR (kStripeMirror): mirrored passes true, its fixed
+    twin false, and neither keeps a flag (the template text is one); the traits tie mirrored to a persistent CTA with
+    causal_extent = warpgroup, as the space's constraint does, and Q's two buffers' barriers exist only with it."""
     shape = parse_shape("gpt2-causal")
     mirrored = instantiate(attention, mirror_space.config(MIRROR_CONFIGS[0]), shape).code
     fixed = instantiate(attention, mirror_space.config(_fixed(MIRROR_CONFIGS[0])), shape).code
-    live = without_if0(mirrored)
-    assert "const int q_row0 = w.row0 + 64 * (stripe - wg), head = w.head, batch = w.batch;" in live
-    assert "const int q_row0 = w.row0, head = w.head, batch = w.batch;" not in live
-    assert "mbar_wait(smem_addr(&bars.q_buf_full[qi & 1]), (qi >> 1) & 1);" in live
-    assert "mbar_wait(smem_addr(&bars.q_empty)" not in live  # (q_full stays in the one-tile grid's branch)
-    assert "if (qi > 1) mbar_wait(smem_addr(&bars.q_buf_empty[qi & 1]), ((qi - 2) >> 1) & 1);" in live
-    assert "__shared__ int handed_tile[4];" in live and "handed_tile[qi & 1]" not in live
-    assert "q_buf_full" not in fixed and "mirrored_stripe" not in fixed
-    assert "//[stripe_mirror]" not in mirrored and "//[stripe_mirror]" not in fixed
+    assert "/* STRIPE_MIRROR = */ true," in mirrored and "/* STRIPE_MIRROR = */ false," in fixed
+    assert template_flag_names(mirrored) == template_flag_names(fixed) == set()
+    assert mirrored.split("evotune instantiation")[0] == fixed.split("evotune instantiation")[0]
+    assert "static_assert(!kStripeMirror || (kPersistent && kCausalWarpgroup)," in fixed
+    assert "struct Barriers<T, true> : BarriersBase<T> {" in fixed
     assert is_stripe_mirror(mirror_space.config(MIRROR_CONFIGS[0]))
     assert not is_stripe_mirror(mirror_space.config(_fixed(MIRROR_CONFIGS[0])))
+    assert not is_stripe_mirror(dict(mma="wgmma", persistent=False, stripe_order="mirrored"))
 
 
 @pytest.mark.parametrize("cfg", MIRROR_CONFIGS, ids=hopper_config_id)

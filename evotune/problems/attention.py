@@ -175,18 +175,17 @@ def is_causal_warpgroup(config) -> bool:
 
 
 def is_stripe_mirror(config) -> bool:
-    """The persistent Hopper variant's stripes mirrored (knob stripe_order = mirrored, kernels/attention_hopper.cuh's
-    `//[stripe_mirror]` lines): with causal_extent = warpgroup the warpgroup on a query tile's last 64 rows walks the
+    """The persistent Hopper variant's stripes mirrored (knob stripe_order = mirrored, the traits' STRIPE_MIRROR:
+    kStripeMirror): with causal_extent = warpgroup the warpgroup on a query tile's last 64 rows walks the
     most K/V tiles; consumer warpgroup wg computes stripe wg of the CTA's even query tiles and W - 1 - wg of its odd
     ones, and Q has a second buffer, so that a warpgroup done with one tile starts the next (whose long stripe it then
     takes) while the longest finishes. fixed: warpgroup wg always computes rows 64 wg.., with Q's one buffer."""
     return is_persistent(config) and knob(config, "stripe_order") == "mirrored"
 
 
-# stripe_order = mirrored with four consumer warpgroups: the producer's registers. Its two Q buffers' barriers and
-# four handed-tile entries took the 24-register producer over (ptxas spilled 8 bytes, the persistent order's section
-# width, which the consumers then reload from local memory at every tile); 32 + 4 x 112 per thread, 61440 registers, is
-# the launch's whole allocation (96 a thread, 640 threads), which setmaxnreg.inc may take.
+# stripe_order = mirrored with four consumer warpgroups: the producer's registers (HopperTraits::kProducerRegs says
+# why; the instantiation asserts that the traits' split holds what setmaxnreg_registers counts). 32 + 4 x 112 per
+# thread, 61440 registers, is the launch's whole allocation (96 a thread, 640 threads).
 MIRRORED_WG4_PRODUCER_REGS = 32
 
 
@@ -197,7 +196,7 @@ def mirrored_producer_regs(config) -> int:
 
 def is_deep_ring(config) -> bool:
     """The Hopper kernel's K/V ring deeper than four slots (stages 5 to 8, kernels/attention_hopper.cuh's
-    `//[deep_ring]` lines: barriers for eight); a warpgroup that runs ahead into the next query tile (stripe_order =
+    HopperTraits::kBarrierSlots: barriers for eight); a warpgroup that runs ahead into the next query tile (stripe_order =
     mirrored) may then be further ahead of the longest one."""
     return is_wgmma(config) and int(knob(config, "stages")) > 4
 
@@ -406,12 +405,6 @@ class AttentionProblem(Problem):
     def knob_domains(self) -> dict:
         return KNOB_DOMAINS
 
-    def template_flags(self, config) -> frozenset[str]:
-        """stripe_mirror: the Hopper kernel's `//[stripe_mirror]` lines (stripe_order = mirrored: stripes mirrored every other tile, two Q buffers). No such knob
-        is a template argument, so that a config without them keeps its source."""
-        return frozenset(name for name, on in (("stripe_mirror", is_stripe_mirror(config)),
-                                               ) if on)
-
     def template_args(self, config, shape: Shape) -> list[tuple[str, object]]:
         """(name, value) of the traits' template parameters, in order: AttnTraits for mma.sync,
         hopper::HopperTraits for wgmma (whose BLOCK_M is 64 rows per consumer warpgroup)."""
@@ -438,6 +431,7 @@ class AttentionProblem(Problem):
                 ("CAUSAL_WG", "true" if is_causal_warpgroup(config) else "false"),
                 ("SKIP_EMPTY", "true" if is_skip_empty(config) else "false"),
                 ("P_SMEM", "true" if is_p_smem(config) else "false"),
+                ("STRIPE_MIRROR", "true" if is_stripe_mirror(config) else "false"),
             ] + problem_args
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
@@ -467,9 +461,8 @@ class AttentionProblem(Problem):
         asserts = launch_asserts(geo.threads, geo.dynamic_smem, ("kBlockM", rows_per_cta(config)))
         if is_wgmma(config):
             tma = is_tma_store(config)
-            traits = _traits("evotune::hopper::HopperTraits", targs,
-                             _hopper_smem_members(config, shape)
-                             + _producer_regs_member(config))
+            traits = _traits("evotune::hopper::HopperTraits", targs, _hopper_smem_members(config, shape))
+            asserts += _register_split_assert(config)
             o_map_param, o_map_arg, o_map_note = (
                 (", const __grid_constant__ CUtensorMap o_map", ", &o_map",
                  "\n// o_map (epilogue = tma): O's CUtensorMap, boxes of 64 columns x 64 rows (one consumer warpgroup's).")
@@ -877,12 +870,15 @@ def _hopper_smem_members(config, shape: Shape) -> list[str]:
     return members
 
 
-def _producer_regs_member(config) -> list[str]:
-    """The traits member that stripe_order = mirrored adds at four consumer warpgroups (MIRRORED_WG4_PRODUCER_REGS);
-    none otherwise."""
-    regs = mirrored_producer_regs(config)
-    return [f"static constexpr int kProducerRegs = {regs};  // stripe_order = mirrored: the producer's setmaxnreg"
-            ] if regs else []
+def _register_split_assert(config) -> str:
+    """The static_assert that ties the traits' setmaxnreg split (kProducerRegs, kConsumerRegs) to the host's
+    (setmaxnreg_registers, the launch's register_split), where the kernel resizes its warpgroups; else nothing."""
+    regs = setmaxnreg_registers(config)
+    if not regs:
+        return ""
+    split = "128 * EvotuneTraits::kProducerRegs + EvotuneTraits::kConsumerThreads * EvotuneTraits::kConsumerRegs"
+    return (f"static_assert(EvotuneTraits::kSetMaxNReg && {split} == {regs}, "
+            f"\"host geometry: the setmaxnreg split holds {regs} registers\");\n")
 
 
 def _traits(base: str, targs: str, members: list[str]) -> str:
