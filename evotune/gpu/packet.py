@@ -69,7 +69,13 @@ def launch_packet(function_ptr: int, grid, block, shared_mem: int, stream_handle
 
         launch_ex(function_ptr, launch_config(grid, block, shared_mem, stream_handle, pdl=True), packet.kernel_params)
         return
-    from cupy.cuda import driver
+    global _launch_kernel
+    if _launch_kernel is None:  # imported once, not per launch (the op's host cost per call)
+        from cupy.cuda import driver
 
-    driver.launchKernel(function_ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,
-                        stream_handle, packet.kernel_params, 0)
+        _launch_kernel = driver.launchKernel
+    _launch_kernel(function_ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_mem,
+                   stream_handle, packet.kernel_params, 0)
+
+
+_launch_kernel = None

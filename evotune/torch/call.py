@@ -31,11 +31,17 @@ def layout_of(q: torch.Tensor) -> str:
 def new_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The op's output, (B, H, Sq, Dv) dense in the query's layout. The fake implementation returns the
     same, so the strides torch.compile plans with are the strides the op returns."""
+    size, stride = output_layout(q, v)
+    return q.new_empty_strided(size, stride)
+
+
+def output_layout(q, v) -> tuple[tuple, tuple]:
+    """(size, stride) of the op's output for q and v (new_output's, without allocating)."""
     b, h, s = q.shape[0], q.shape[1], q.shape[2]
     dv = v.shape[3]
     if layout_of(q) == "bshd":
-        return q.new_empty((b, s, h, dv)).transpose(1, 2)
-    return q.new_empty((b, h, s, dv))
+        return (b, h, s, dv), (s * h * dv, dv, h * dv, 1)
+    return (b, h, s, dv), (h * s * dv, s * dv, dv, 1)
 
 
 def check_args(q, k, v, enable_gqa: bool) -> None:

@@ -158,18 +158,17 @@ class PreparedLaunch:
             args = PROBLEM.tensor_map_args(loaded.config, shape, tensors)
             self.maps = tuple((f"{name}_map", "qkvo".index(name), a) for name, a in args.items())
         self._local = threading.local()
+        self.function, self.device_index = loaded.function, loaded.device_index
 
     def __call__(self, q, k, v, out, lse=None) -> None:
-        from ..gpu.packet import launch_packet
-
         workspace = PROBLEM.new_workspace(self.loaded.config, self.shape, out.device) if self.needs_workspace else ()
         packet = getattr(self._local, "packet", None)
         if packet is None:
             packet = self._local.packet = self._new_packet(q, k, v, out, lse, workspace)
         else:
             self._patch(packet, q, k, v, out, lse, workspace)
-        launch_packet(self.loaded.function, self.grid, self.block, self.smem, current_stream_handle(out.device.index),
-                      packet, self.pdl)
+        _launch_packet()(self.function, self.grid, self.block, self.smem, _stream_of(self.device_index), packet,
+                         self.pdl)
 
     def _new_packet(self, q, k, v, out, lse, workspace):
         from ..gpu.packet import ParamPacket
@@ -177,10 +176,13 @@ class PreparedLaunch:
         values = PROBLEM.launch_values(self.loaded.config, self.shape, q, k, v, out, self.scale, lse, workspace)
         packet = ParamPacket(self.params, values)
         packet.addresses = {}  # per map parameter: the address its bytes were made for
+        # The slots a call rewrites, looked up once (o; q, k, v where they are pointers, not tensor maps).
+        packet.o = packet.slot("o")
+        packet.qkv = () if self.wgmma else (packet.slot("q"), packet.slot("k"), packet.slot("v"))
         return packet
 
     def _patch(self, packet, q, k, v, out, lse, workspace) -> None:
-        packet.slot("o").value = out.data_ptr()
+        packet.o.value = out.data_ptr()
         if lse is not None:
             packet.slot("lse").value = lse.data_ptr()
         if self.maps:
@@ -196,9 +198,8 @@ class PreparedLaunch:
             if workspace:
                 packet.slot("tile_counter").value = workspace[2].data_ptr()
             return
-        packet.slot("q").value = q.data_ptr()
-        packet.slot("k").value = k.data_ptr()
-        packet.slot("v").value = v.data_ptr()
+        sq, sk, sv = packet.qkv
+        sq.value, sk.value, sv.value = q.data_ptr(), k.data_ptr(), v.data_ptr()
         for name, t in zip(("ws_o", "ws_lse", "ws_count"), workspace):
             packet.slot(name).value = t.data_ptr()
 
@@ -222,6 +223,29 @@ class _PreparedCache:
 
 
 PREPARED = _PreparedCache()
+
+
+def _launch_packet():
+    """evotune.gpu.packet.launch_packet, imported on first use (it imports CuPy's driver binding)."""
+    global _LAUNCH
+    if _LAUNCH is None:
+        from ..gpu.packet import launch_packet
+
+        _LAUNCH = launch_packet
+    return _LAUNCH
+
+
+_LAUNCH = None
+
+
+def _stream_of(device_index: int) -> int:
+    global _stream_of
+    import torch
+
+    # Resolved once: torch._C's raw current-stream getter where torch has it (a C call), else the slower
+    # current_stream_handle.
+    _stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None) or current_stream_handle
+    return _stream_of(device_index)
 
 
 def current_stream_handle(device_index: int) -> int:

@@ -19,20 +19,37 @@ import torch.nn.functional as F
 from ..errors import UsageError
 from ..problems.shapes import Shape
 from . import record, routing
-from .call import DTYPES, Call, check_args, misaligned, new_output
+from .call import DTYPES, Call, check_args, misaligned, new_output, output_layout
 from .autograd import lse_backend
 from .kernels import CACHE, PREPARED, launch, load_for
+from .routing import FAST_ROUTES
 
 
-@torch.library.custom_op("evotune::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-                 scale: Optional[float] = None, enable_gqa: bool = False, fallback: str = "sdpa") -> torch.Tensor:
-    # A compiled graph calls this at run time, call after call: the same cached routes as eager code.
-    if not record.active():
-        fast = routing.FAST_ROUTES.get(_facts(q, k, v, is_causal, scale, enable_gqa, fallback))
+# The op is defined through torch.library.Library with its Python body registered straight to the CPU and
+# CUDA dispatch keys, not through torch.library.custom_op: custom_op wraps the body in its own autograd,
+# redispatch, dynamo-disable and aliasing-check layers, Python functions that a compiled graph paid on every
+# call (on a CPU, torch.ops.evotune.attention cost 54 us against SDPA's 7 us through them, 11 us without:
+# tools/op_host_overhead.py). The op has no autograd formula of its own: attention() sends calls that need
+# gradients to evotune::attention_lse (evotune.torch.autograd), which has one.
+_LIB = torch.library.Library("evotune", "FRAGMENT")
+_LIB.define("attention(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, "
+            "bool enable_gqa=False, str fallback='sdpa') -> Tensor")
+
+
+def _op_body(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa"):
+    """The op's kernel on CPU and CUDA tensors. A compiled graph calls it at run time, call after call: the
+    same cached routes as eager code."""
+    if not record._ACTIVE:
+        fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+                                is_causal, scale, enable_gqa, fallback))
         if fast is not None:
             return fast(q, k, v)
     return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("attention", _op_body, _key)
+attention_op = torch.ops.evotune.attention
 
 
 def _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback):
@@ -47,7 +64,7 @@ def _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback):
     return _run_sdpa(q, k, v, is_causal, scale, enable_gqa)
 
 
-@attention_op.register_fake
+@torch.library.register_fake("evotune::attention", lib=_LIB)
 def _attention_fake(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa"):
     routing.check_fallback(fallback)
     check_args(q, k, v, enable_gqa)
@@ -72,10 +89,15 @@ def _launch_here(decision, q, k, v, scale):
 
 def _run_sdpa(q, k, v, is_causal, scale, enable_gqa):
     gqa = {"enable_gqa": True} if enable_gqa else {}  # the keyword exists from torch 2.5
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa)
-    out = new_output(q, v)
-    if o.stride() == out.stride():
+    return _in_query_layout(F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa), q, v)
+
+
+def _in_query_layout(o, q, v):
+    """SDPA's result `o` in the op's output layout (call.new_output's); a copy only where SDPA's backend chose
+    another."""
+    if o.stride() == output_layout(q, v)[1]:
         return o
+    out = new_output(q, v)
     out.copy_(o)
     return out
 
@@ -103,9 +125,15 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, e
     q (B, H, Sq, D), k and v (B, Hk, Sk, D): any strides with a unit last one; the output has the
     query's layout. Inputs that require grad run `evotune::attention_lse` (the kernel with its
     log-sum-exp epilogue, then PyTorch's attention backward: evotune.torch.autograd)."""
-    fast = _fast_route(q, k, v, is_causal, scale, enable_gqa, fallback)
-    if fast is not None:
-        return fast(q, k, v)
+    # The eager fast path first (see below): a call seen before costs this lookup and its route's work.
+    if not torch.compiler.is_compiling() and FAST_ROUTES and not record._ACTIVE:
+        try:
+            fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
+                                    q.device, is_causal, scale, enable_gqa, fallback))
+        except (AttributeError, TypeError):  # not tensors, or unhashable options: the full path says what is wrong
+            fast = None
+        if fast is not None and _plain(q, k, v) and not _needs_grad(q, k, v):
+            return fast(q, k, v)
     _check_options(q, k, v, is_causal, scale, enable_gqa)
     scale = None if scale is None else float(scale)
     routing.check_fallback(fallback)
@@ -172,18 +200,22 @@ def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback):
 
 # --------------------------------------------------------------------------- the eager fast path
 #
-# In eager code the op's implementation is called directly, not through the dispatcher (whose Python
-# custom-op layers cost more than SDPA's whole call: tools/op_host_overhead.py); torch.compile, export and
-# any tensor subclass or mode still go through torch.ops.evotune.attention. After a call's first run its
+# In eager code the op's implementation is called directly, not through the dispatcher; torch.compile, export
+# and any tensor subclass or mode still go through torch.ops.evotune.attention. After a call's first run its
 # route is kept per call facts (sizes, strides, dtype, device, options) as a small closure, so a repeated
-# call costs a dict lookup, an alignment check, the output's allocation and a packet launch, in eager code
-# and inside a compiled graph alike (the op's body looks the closure up first).
+# call costs a dict lookup and its route's own work, in eager code and inside a compiled graph alike (the op's
+# body looks the closure up first): an SDPA route one F.scaled_dot_product_attention call (and a stride
+# compare), a kernel route an alignment and device check, the output's allocation and a packet launch.
+
+
+def _plain(q, k, v) -> bool:
+    """Plain tensors with no torch-function or dispatch mode active (compiling is checked before)."""
+    return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack())
 
 
 def _eager(q, k, v) -> bool:
-    return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-            and not torch.compiler.is_compiling() and not torch._C._is_torch_function_mode_enabled()
-            and not torch._C._len_torch_dispatch_stack())
+    return not torch.compiler.is_compiling() and _plain(q, k, v)  # compiling first: dynamo then reads no more
 
 
 def _facts(q, k, v, is_causal, scale, enable_gqa, fallback) -> tuple:
@@ -191,23 +223,11 @@ def _facts(q, k, v, is_causal, scale, enable_gqa, fallback) -> tuple:
             enable_gqa, fallback)
 
 
-def _fast_route(q, k, v, is_causal, scale, enable_gqa, fallback):
-    """The cached route of a call seen before (None: take the full path), for plain eager forward calls."""
-    if torch.compiler.is_compiling():  # first: dynamo then reads nothing below (no guards on the cache)
-        return None
-    if record.active() or not routing.FAST_ROUTES or not _eager(q, k, v) or _needs_grad(q, k, v):
-        return None
-    try:
-        return routing.FAST_ROUTES.get(_facts(q, k, v, is_causal, scale, enable_gqa, fallback))
-    except TypeError:  # unhashable arguments: the full path says what is wrong with them
-        return None
-
-
 def _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback):
     out = _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback)
     route = _route_for(q, k, v, is_causal, scale, enable_gqa, fallback)
     if route is not None:
-        routing.FAST_ROUTES[_facts(q, k, v, is_causal, scale, enable_gqa, fallback)] = route
+        FAST_ROUTES[_facts(q, k, v, is_causal, scale, enable_gqa, fallback)] = route
     return out
 
 
@@ -217,19 +237,45 @@ def _route_for(q, k, v, is_causal, scale, enable_gqa, fallback):
     if decision.route != "evotune":
         if fallback == "error" and decision.refused_by_error_fallback:
             return None
-        return lambda q, k, v: _run_sdpa(q, k, v, is_causal, scale, enable_gqa)
+        return _sdpa_route(q, v, is_causal, scale, enable_gqa)
     if misaligned(q, k, v):
         return None
+    return _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback)
+
+
+def _sdpa_route(q, v, is_causal, scale, enable_gqa):
+    """One SDPA call, its result returned as it is where it has the op's layout (decided now: the call's facts
+    fix SDPA's output strides unless the caller changes SDPA's backend, which the check still catches)."""
+    sdpa = F.scaled_dot_product_attention
+    size, want = output_layout(q, v)
+
+    def relayout(o, q):
+        out = q.new_empty_strided(size, want)
+        out.copy_(o)
+        return out
+
+    if enable_gqa:
+        def run(q, k, v):
+            o = sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
+            return o if o.stride() == want else relayout(o, q)
+    else:
+        def run(q, k, v):
+            o = sdpa(q, k, v, is_causal=is_causal, scale=scale)
+            return o if o.stride() == want else relayout(o, q)
+    return run
+
+
+def _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback):
     index = decision.call.device_index
-    loaded = load_for(decision)
-    shape = decision.shape
-    prepared = PREPARED.get(loaded, shape, q, k, v, new_output(q, v), scale if scale is not None
-                            else 1.0 / math.sqrt(q.shape[-1]))
+    size, stride = output_layout(q, v)
+    prepared = PREPARED.get(load_for(decision), decision.shape, q, k, v, new_output(q, v),
+                            scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
     def run(q, k, v):
-        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or torch.cuda.current_device() != index:
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or current_device() != index:
             return _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback)
-        out = new_output(q, v)
+        out = q.new_empty_strided(size, stride)
         prepared(q, k, v, out)
         return out
 
