@@ -224,9 +224,14 @@ def output_errors(out, ref, atol: float, rtol: float) -> tuple[float, float, int
 
     The gate ratio is max |out-ref| / (atol + rtol*|ref|) elementwise (the caller scales
     atol to the inputs' magnitude); errors are inf
-    when any output is non-finite.
+    when any output is non-finite. Named outputs (a dict, see `named_outputs`) are each compared with the
+    reference's output of that name: the worst of them, non-finite ones summed.
     """
     import torch
+
+    if isinstance(out, dict):
+        per = [output_errors(t, ref[name], atol, rtol) for name, t in named_outputs(out, ref).items()]
+        return (max(p[0] for p in per), max(p[1] for p in per), sum(p[2] for p in per), max(p[3] for p in per))
 
     outf = out.float()
     nonfinite = int((~torch.isfinite(outf)).sum().item())
@@ -237,6 +242,35 @@ def output_errors(out, ref, atol: float, rtol: float) -> tuple[float, float, int
     ratio = float((diff / (atol + rtol * ref.abs())).max().item())
     ref_max = float(ref.abs().max().item())
     return max_abs, max_abs / max(ref_max, 1e-30), 0, ratio
+
+
+def named_outputs(out: dict, ref) -> dict:
+    """`out` (name -> tensor: a family whose launch writes several outputs) after checking that the reference
+    answers exactly those names. One tensor is the one output of most families; a dict is checked output by
+    output everywhere the gate reads O (errors, bitwise repeats, guard bands, the dependency check)."""
+    if not isinstance(ref, dict) or set(ref) != set(out):
+        got = sorted(ref) if isinstance(ref, dict) else type(ref).__name__
+        raise ValueError(f"the reference answers {got}, the launch writes outputs {sorted(out)}")
+    return out
+
+
+def clone_output(out):
+    """A copy of O (each named output's)."""
+    return {name: t.clone() for name, t in out.items()} if isinstance(out, dict) else out.clone()
+
+
+def output_numel(out) -> int:
+    """Elements of O, summed over named outputs."""
+    return sum(t.numel() for t in out.values()) if isinstance(out, dict) else out.numel()
+
+
+def copy_output(out, value) -> None:
+    """Write `value` (what a baseline returns: a tensor, or name -> tensor) into O."""
+    if isinstance(out, dict):
+        for name, t in named_outputs(out, value).items():
+            t.copy_(value[name])
+    else:
+        out.copy_(value)
 
 
 def gate_cases(problem, seeds=DEFAULT_SEEDS) -> list[tuple[int, str]]:
@@ -266,6 +300,8 @@ def _sync(t) -> None:
     """Wait for the work writing `t` (nothing to wait for on the CPU)."""
     import torch
 
+    if isinstance(t, dict):
+        t = next(iter(t.values()))
     if t.is_cuda:
         torch.cuda.synchronize(t.device)
 
@@ -283,7 +319,9 @@ def _bits(t):
 
 
 def differing_elements(a, b) -> int:
-    """How many elements of `a` and `b` (same shape and dtype) differ bitwise."""
+    """How many elements of `a` and `b` (same shape and dtype; or named outputs, summed) differ bitwise."""
+    if isinstance(a, dict):
+        return sum(differing_elements(t, b[name]) for name, t in a.items())
     return int((_bits(a) != _bits(b)).sum().item())
 
 
@@ -332,11 +370,20 @@ class GuardedOutput:
     allocation, with GUARD_BYTES of a sentinel byte pattern before and after it. O starts GUARD_BYTES
     into the allocation, so it is as aligned as a fresh allocation of its own. The bands are compared
     byte for byte: any store there, NaN included, shows. (O from new_output is dense in every family;
-    gaps inside a strided O would not be checked.)"""
+    gaps inside a strided O would not be checked.)
+
+    Named outputs (new_output returns name -> tensor) are each placed in an allocation of their own with its
+    own bands; `out` is then name -> the guarded tensor."""
 
     def __init__(self, like, guard_bytes: int = GUARD_BYTES):
         import torch
 
+        self.parts = None
+        if isinstance(like, dict):
+            self.guard_bytes = guard_bytes
+            self.parts = {name: GuardedOutput(t, guard_bytes) for name, t in like.items()}
+            self.out = {name: g.out for name, g in self.parts.items()}
+            return
         item = like.element_size()
         if guard_bytes % item:
             raise ValueError(f"guard of {guard_bytes} bytes is not a whole number of {item}-byte elements")
@@ -350,11 +397,22 @@ class GuardedOutput:
         raw[raw.numel() - guard_bytes:].copy_(self._sentinel[guard_bytes:])
 
     def fill(self, what: str, seed: int = 0) -> None:
+        if self.parts is not None:
+            for i, part in enumerate(self.parts.values()):
+                part.fill(what, seed + 7919 * i)  # each output its own garbage: no output can copy another's
+            return
         _fill(self.out, what, seed)
 
     def stray_writes(self) -> str | None:
         """Where a launch wrote outside O, in words, or None when both guard bands are intact."""
         import torch
+
+        if self.parts is not None:
+            for name, part in self.parts.items():
+                stray = part.stray_writes()
+                if stray:
+                    return f"{stray.replace('O', f'output {name}', 1)}"
+            return None
 
         raw = self.flat.view(torch.uint8)
         n = self.guard_bytes
@@ -491,7 +549,7 @@ def check_repeat(checker: CheckedLauncher, inputs: dict, guarded: GuardedOutput,
     """After a first launch into `guarded`, `launches - 1` more on the same inputs, O refilled between
     them alternately with finite garbage and NaN, must leave O bitwise equal to the first. Finite
     garbage catches a kernel that skips work when O is not NaN or has been written before."""
-    first = guarded.out.clone()
+    first = clone_output(guarded.out)
     snapshot = InputSnapshot(inputs)
     differing = []
     for i in range(2, launches + 1):
@@ -500,7 +558,7 @@ def check_repeat(checker: CheckedLauncher, inputs: dict, guarded: GuardedOutput,
                     when=f"in launch {i} of {launches} on {label}")
         n = differing_elements(guarded.out, first)
         if n:
-            differing.append(f"launch {i}, into {fill}: {n} of {first.numel()} elements")
+            differing.append(f"launch {i}, into {fill}: {n} of {output_numel(first)} elements")
     if differing:
         return False, (f"{len(differing)} of {launches - 1} repeated launches on {label} differ from the first "
                        f"({differing[0]})")
@@ -526,20 +584,31 @@ def check_dependency(problem, shape, run_into, seed: int = 11, checker: CheckedL
     atol, rtol = problem.tolerance(shape)
     atol *= _error_scale(problem, inputs)
     ref1, ref2 = problem.reference(shape, inputs), problem.reference(shape, changed_inputs)
-    moved = (out1 != out2).any(dim=-1)
-    clearly = ((ref2 - ref1).abs() > atol + rtol * ref1.abs()).any(dim=-1) & may_change
-    stray = int((moved & ~may_change).sum().item())
-    missed = int((clearly & ~moved).sum().item())
+    stray, missed, clearly, any_may = _row_changes(out1, out2, ref1, ref2, may_change, atol, rtol)
     what = problem.perturbed
-    if not bool(may_change.any()):  # no output can see it on this shape (a softmax row of one element): none may move
+    if not any_may:  # no output can see it on this shape (a softmax row of one element): none may move
         if stray:
             return False, f"{stray} rows changed though no output can see the perturbed {what}"
         return True, f"no output can see the perturbed {what} on this shape; all rows bitwise unchanged"
-    if not bool(clearly.any()):
+    if not clearly:
         return False, "the perturbation moved no reference row beyond the tolerance (test is too weak)"
     if stray or missed:
         return False, f"{stray} rows changed that cannot see the perturbed {what}; {missed} rows that see it did not change"
-    return True, f"{int(clearly.sum().item())} rows followed the perturbed {what}; all others bitwise unchanged"
+    return True, f"{clearly} rows followed the perturbed {what}; all others bitwise unchanged"
+
+
+def _row_changes(out1, out2, ref1, ref2, may_change, atol: float, rtol: float) -> tuple[int, int, int, bool]:
+    """(rows that moved though they may not, rows the reference clearly moved that did not, rows the reference
+    clearly moved, whether any row may move) between two launches; for named outputs, `may_change` is name -> mask
+    and the counts are summed over the outputs."""
+    if isinstance(out1, dict):
+        per = [_row_changes(t, out2[name], ref1[name], ref2[name], may_change[name], atol, rtol)
+               for name, t in named_outputs(out1, ref1).items()]
+        return sum(p[0] for p in per), sum(p[1] for p in per), sum(p[2] for p in per), any(p[3] for p in per)
+    moved = (out1 != out2).any(dim=-1)
+    clearly = ((ref2 - ref1).abs() > atol + rtol * ref1.abs()).any(dim=-1) & may_change
+    return (int((moved & ~may_change).sum().item()), int((clearly & ~moved).sum().item()),
+            int(clearly.sum().item()), bool(may_change.any()))
 
 
 def check_determinism(problem, shape, run_into, launches: int = 100, seed: int = 12) -> tuple[bool, str]:
@@ -676,7 +745,7 @@ def expect_untimed(problem, shape, inputs: dict, launch, guarded: GuardedOutput,
     Raises GateViolation."""
     _launch_checked(launch, guarded, snapshot, inputs, NAN, "in the untimed launch on the timing inputs")
     _expect_passing(problem, shape, inputs, guarded, R.TIMED_OUTPUT, "the untimed launch on the timing inputs")
-    expected = guarded.out.clone()
+    expected = clone_output(guarded.out)
     guarded.fill(NAN)
     return expected
 
@@ -742,7 +811,7 @@ def _launch_checked(launch, guarded: GuardedOutput, snapshot: InputSnapshot, inp
 def _expect_output(guarded: GuardedOutput, expected, what: str) -> None:
     n = differing_elements(guarded.out, expected)
     if n:
-        raise GateViolation(R.TIMED_OUTPUT, f"{what} in {n} of {expected.numel()} elements")
+        raise GateViolation(R.TIMED_OUTPUT, f"{what} in {n} of {output_numel(expected)} elements")
 
 
 # ------------------------------------------------------------------ one candidate
@@ -848,7 +917,7 @@ def measure_baselines(problem, shape, names=None, seeds=DEFAULT_SEEDS, reps: int
             continue
 
         def run_into(inputs, out, name=name):
-            out.copy_(problem.baseline_launcher(name, shape, inputs, probe=False)())
+            copy_output(out, problem.baseline_launcher(name, shape, inputs, probe=False)())
 
         check = verify(problem, shape, run_into, seeds)
         timing = time_gpu(Rotation(probes), reps=reps)
