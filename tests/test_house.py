@@ -17,7 +17,7 @@ FLOORS = [
     {"records"},
     {"gpu"},
     {"search"},
-    {"cli", "torch", "__main__"},
+    {"cli", "torch", "__main__", "api", "testing"},
 ]
 FLOOR_OF = {name: level for level, names in enumerate(FLOORS) for name in names}
 LONGEST_FUNCTION = 80

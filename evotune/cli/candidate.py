@@ -29,7 +29,8 @@ def replay(
     which: str = typer.Argument("best", help="'best' or a trial number."),
     run: Optional[str] = RUN,
     baselines: bool = typer.Option(True, "--baselines/--no-baselines",
-                                   help="Time the family's baselines beside it (SDPA backends, torch.softmax)."),
+                                   help="Time the family's baselines beside it (attention: SDPA backends; softmax: "
+                                   "torch.softmax; a family file: its baselines)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Recompile a recorded config, re-verify on fresh inputs, re-time beside the baselines, report drift."""
@@ -166,7 +167,8 @@ def bench(
     out: Optional[str] = typer.Option(None, "--out", help="Also write the full JSON record to this file."),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """The tuned kernel beside every SDPA backend on one shape: same inputs, same gate, same timing."""
+    """The tuned kernel beside its family's baselines (attention: every SDPA backend) on one shape: same inputs, same
+    gate, same timing."""
     from ..gpu.bench import flops_and_bytes, header, summarize
     from ..gpu.workers import BenchJob, GPUWorker
 
@@ -183,7 +185,7 @@ def bench(
     with GPUWorker(timeout_s=900) as worker:
         raw = worker.call(BenchJob(family=problem.family, shape=shp.as_dict(), config=cfg, compiled=compiled,
                                    reps=reps, seeds=REPLAY_SEEDS, names=names))
-    flops, nbytes = flops_and_bytes(shp)
+    flops, nbytes = flops_and_bytes(shp, problem)
     summary = summarize(raw, flops, nbytes)
     from ..records.runs import base_meta
 

@@ -25,8 +25,9 @@ err_console = Console(stderr=True)
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 INTERRUPTED = "evotune: interrupted"
-FAMILY_HELP = ("Kernel family: attention, softmax or package.module:ATTR (a plugin: allow its module with "
-               "--plugin or EVOTUNE_PLUGINS; default: the one the --space file names, else attention).")
+FAMILY_HELP = ("Kernel family: attention, softmax, a family file (path/to/family.yaml: docs/PLUGINS.md) or "
+               "package.module:ATTR (a plugin: allow its module with --plugin or EVOTUNE_PLUGINS; default: the one "
+               "the --space file names, else attention).")
 SHAPE_HELP = "Preset name (`evotune shapes --family F`) or the family's spelling (default: the family's)."
 
 
@@ -54,24 +55,44 @@ def emit_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
+def named_family(family: str):
+    """The Problem of a family named on the command line: naming a family file there is the consent to load it."""
+    from pathlib import Path
+
+    from ..problems import allow_plugins, get_problem
+    from ..problems.generic import is_family_file
+
+    if is_family_file(family):
+        allow_plugins([family])
+        family = str(Path(family).resolve())
+    return get_problem(family)
+
+
 def load_problem(shape_text: Optional[str], space_path: Optional[str], family: Optional[str] = None):
     """(problem, shape, space): the family is --family, else the one the --space file names, else attention;
     the shape is parsed by that family (its default shape when none is given)."""
-    from ..problems import get_problem
-    from ..space.searchspace import check_nonempty, load_builtin, load_space, resolve_space, space_family
+    from pathlib import Path
 
-    # A space file names its family, so `--space` alone picks it (a plugin `package.module:ATTR` too).
+    from ..problems import get_problem
+    from ..problems.generic import is_family_file
+    from ..space.searchspace import check_nonempty, load_space, resolve_space, space_family
+
+    # A space file names its family, so `--space` alone picks it (a plugin `package.module:ATTR` too, and a family
+    # file, named relative to the space file's folder).
     space_path = resolve_space(space_path) if space_path else None
     declared = space_family(space_path) if space_path else None
-    problem = get_problem(family or declared or "attention")
+    if declared and is_family_file(declared):
+        declared = str((Path(space_path.partition("#")[0]).parent / declared).resolve())
+        if Path(declared) == Path(space_path).resolve():  # --space names a family file: the family itself
+            family = family or declared
+    problem = named_family(family) if family else get_problem(declared or "attention")
     if declared is not None and declared != problem.family:
         raise UsageError(f"{space_path}: space is for family {declared!r}, not {problem.family!r}")
     shape = problem.parse_shape(shape_text if shape_text is not None else problem.default_shape)
     problem.check_shape(shape)
     # The space's expressions may read exactly the names the family's context gives.
     names = tuple(problem.context(shape))
-    space = (load_space(space_path, names, problem.knob_domains()) if space_path
-             else load_builtin(problem.default_space, names))
+    space = load_space(space_path, names, problem.knob_domains()) if space_path else problem.load_space(names)
     if space.family != problem.family:
         raise UsageError(f"{space.path}: space is for family {space.family!r}, not {problem.family!r}")
     check_nonempty(space, problem.context(shape))

@@ -18,17 +18,29 @@ from ..records.runs import best_record
 
 
 @lru_cache(maxsize=1)
-def _knob_abbrev() -> dict:
-    """Every built-in family's knob spellings (a config summary does not know its family; names do not clash)."""
-    merged: dict = {}
-    for family in FAMILIES:
-        merged.update(get_problem(family).knob_abbrev)
-    return merged
+def _builtin_spellings() -> tuple[tuple[frozenset, dict], ...]:
+    """Each built-in family's (knobs, spellings of them): Problem.knob_domains and Problem.knob_abbrev."""
+    return tuple((frozenset(problem.knob_domains() or problem.knob_abbrev), dict(problem.knob_abbrev))
+                 for problem in (get_problem(family) for family in FAMILIES))
 
 
-def cfg_short(cfg: dict) -> str:
-    """A config on one line, in its family's spelling (Problem.knob_abbrev)."""
-    abbrev = _knob_abbrev()
+def _abbrev_for(cfg: dict, family: Optional[str]) -> Optional[dict]:
+    """The spellings of `cfg`'s knobs: its family's own where it is named; else those of the built-in family whose
+    knobs hold all of the config's; None for a family of your own (every knob by its name)."""
+    if family is not None:
+        return dict(get_problem(family).knob_abbrev) if family in FAMILIES else None
+    for knobs, abbrev in _builtin_spellings():
+        if set(cfg) <= knobs:
+            return abbrev
+    return None
+
+
+def cfg_short(cfg: dict, family: Optional[str] = None) -> str:
+    """A config on one line, in its family's spelling (Problem.knob_abbrev): attention's "M128 N128 st3" only for
+    attention's knobs, a family of your own's by their names ("block_m=128 block_n=128 stages=3")."""
+    abbrev = _abbrev_for(cfg, family)
+    if abbrev is None:
+        return " ".join(f"{k}={v}" for k, v in cfg.items())
     parts = []
     for k, v in cfg.items():
         spelled = abbrev.get(k, k)

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from ..errors import EvotuneError
 from .common import (FAMILY_HELP, MAX_SAMPLE, MAX_WORKERS, SEED_RANGE, SHAPE_HELP, app, console, emit_json, err_console,
-                     load_problem, print_fit_table)
+                     load_problem, named_family, print_fit_table)
 from .display import cfg_short
 
 
@@ -23,11 +23,9 @@ def shapes(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """List a family's shape presets (attention's `--shape` also takes B,H,S,D or B,H,Sq,Sk,D with :bf16,
-    :causal, :bshd; softmax's ROWS,COLS with :bf16)."""
-    from ..problems import get_problem
-
-    problem = get_problem(family)
-    presets = problem.presets()
+    :causal, :bshd; softmax's ROWS,COLS with :bf16; a family file's NAME=INT,...:dtype)."""
+    problem = named_family(family)
+    presets = problem.presets() or {"default": (problem.parse_shape(problem.default_shape), "the family's default")}
     if json_out:
         emit_json({name: {**s.as_dict(), "spec": s.spec, "about": about} for name, (s, about) in presets.items()})
         return
@@ -84,7 +82,7 @@ def _print_check(summary: dict, rows: list[dict], family: str) -> None:
         table.add_column(col)
     for r in sorted(rows, key=lambda r: (r["status"] != "ok", (r.get("resources") or {}).get("registers", 0))):
         res = r.get("resources") or {}
-        table.add_row(cfg_short(r["config"]), str(r.get("threads", "-")),
+        table.add_row(cfg_short(r["config"], family), str(r.get("threads", "-")),
                       f"{r.get('dynamic_smem', 0) / 1024:.1f}", str(res.get("registers", "-")),
                       str(res.get("spill_stores", "-")), str(res.get("stack_frame", "-")),
                       r["status"] + (f": {r['message']}" if r["message"] else ""))

@@ -58,7 +58,7 @@ def search(
                                             help="Proposals compiled ahead of the GPU (default: 2 x compile workers; 0: serial)."),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Search the space on the GPU; record every trial, the Pareto front and the best in runs/<run>, then the best beside SDPA."""
+    """Search the space on the GPU; record every trial, the Pareto front and the best in runs/<run>, then the best beside the baselines."""
     from ..records.runs import check_storage_url, remote_meta, resumed_family, run_to_continue
     from ..search.loop import SearchOptions
     from ..timeline import Timeline

@@ -31,10 +31,20 @@ from ..records import result as R
 from ..records.result import Result, Verification
 from .evaluate import DEFAULT_SEEDS, failure_message, with_violation
 from .interleave import DEFAULT_ROUNDS, head_to_head, split_reps, time_interleaved
-from .plausibility import Floors, ceilings, floor_analysis, flops_and_bytes  # noqa: F401 (bench's API)
+from .plausibility import Floors, ceilings, floor_analysis  # noqa: F401 (bench's API)
 
 BENCH_REPS = 100
 OURS = "evotune"            # the kernel's row, and its name among the head-to-head's contenders
+
+
+def flops_and_bytes(shape, problem=None) -> tuple[float | None, float | None]:
+    """The FLOPs and compulsory bytes of one call on `shape`: its family's Problem.work (the contract's way to say
+    them); without a problem, the shape's own flops()/min_bytes() as Problem.work's default reads them."""
+    if problem is not None:
+        return problem.work(shape)
+    from ..problems import Problem
+
+    return Problem.work(None, shape)
 
 
 def bench_candidate(problem, shape, config, compiled, reps: int = BENCH_REPS, seeds=DEFAULT_SEEDS,

@@ -272,9 +272,8 @@ def load_family_file(path: str):
     if not any(resolved == a or a in resolved.parents for a in allowed):
         raise UsageError(f"kernel family {str(path)!r} is a family file: loading it runs its reference module; to "
                          f"allow that, name it with --family, or set {PLUGINS_ENV}={resolved} (or its folder)")
-    from .generic import load_family
-
-    return load_family(resolved)
+    # By name, as the registry's families: the module imports this one.
+    return importlib.import_module(f"{__name__}.generic").load_family(resolved)
 
 
 def _is_path_entry(entry: str) -> bool:

@@ -158,7 +158,10 @@ def config_fault(d: Mapping[str, object], domains: Mapping[str, tuple | range] |
 
 
 def _in_domain(value, domain) -> bool:
-    """`value` is in `domain` (a tuple, or a range of ints), type-strictly: True is not 1."""
+    """`value` is in `domain` (a tuple, or a range of ints; None: any value, a knob whose values the family does not
+    bound), type-strictly: True is not 1."""
+    if domain is None:
+        return True
     if isinstance(domain, range):
         return type(value) is int and value in domain
     return any(_same_value(value, v) for v in domain)
@@ -166,6 +169,8 @@ def _in_domain(value, domain) -> bool:
 
 def _describe(domain) -> str:
     """A domain in words, e.g. `one of plain, pad, swizzle` or `an integer from 0 to 4`."""
+    if domain is None:
+        return "any value"
     if not isinstance(domain, range):  # in YAML's spelling: true and false
         return "one of " + ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in domain)
     last = domain[-1]

@@ -441,7 +441,48 @@ def load_space(path: str | os.PathLike, context_names: Iterable[str] | None = No
     file, profile = profile_of(path)
     if profile is not None:
         return _read(file, lambda reader, root: reader.profile_space(root, profile), context_names, knob_domains)
+    family = embedded_family(path)
+    if family is not None:  # a family file's own space (recorded as the file's path: compile workers read it so)
+        return load_embedded_space(path, family, context_names, knob_domains)
     return _read(path, lambda reader, root: reader.space(root), context_names, knob_domains)
+
+
+def embedded_family(path: str | os.PathLike) -> str | None:
+    """For a family file (evotune.problems.generic: `kernel:` and `space:` at the top, no `params:`), the family's
+    name, its absolute path; None for a space file."""
+    def keys(reader: _Reader, root) -> set:
+        if not isinstance(root, yaml.MappingNode):
+            return set()
+        return {k.value for k, _ in root.value if isinstance(k, yaml.ScalarNode)}
+
+    if not os.path.isfile(path):
+        return None
+    top = _read(path, keys)
+    return str(Path(path).resolve()) if {"kernel", "space"} <= top and "params" not in top else None
+
+
+def load_embedded_space(path: str | os.PathLike, family: str, context_names: Iterable[str] | None = None,
+                        knob_domains: Mapping[str, tuple | range] | None = None, key: str = "space") -> SearchSpace:
+    """The space a family file (evotune.problems.generic) states under `key:`: a mapping in a space file's format
+    whose family is implied (`family`), read and checked as load_space reads a file, its errors at the family
+    file's lines."""
+    def parse(reader: _Reader, root):
+        if not isinstance(root, yaml.MappingNode):
+            raise UsageError(f"{path}:1: the top level must be a mapping")
+        node = next((v for k, v in root.value if isinstance(k, yaml.ScalarNode) and k.value == key), None)
+        if node is None:
+            raise UsageError(f"{path}:1: no `{key}:` section (the family's knobs: params, derived, constraints)")
+        if not isinstance(node, yaml.MappingNode):
+            reader.fail(node, f"{key} must be a mapping with params (and derived, constraints, profiles)")
+        for k, _ in node.value:
+            if isinstance(k, yaml.ScalarNode) and k.value in ("family", "extends"):
+                reader.fail(k, f"{key}: no {k.value!r} here: the space is this family's own")
+        mark = node.start_mark, node.end_mark
+        named = (yaml.ScalarNode("tag:yaml.org,2002:str", "family", *mark),
+                 yaml.ScalarNode("tag:yaml.org,2002:str", family, *mark))
+        return reader.space(yaml.MappingNode(node.tag, [named, *node.value], *mark))
+
+    return _read(path, parse, context_names, knob_domains)
 
 
 def profile_of(path: str | os.PathLike) -> tuple[str, str | None]:
@@ -472,7 +513,11 @@ def _profile_names(root: Path) -> list[str]:
 
 
 def space_family(path: str | os.PathLike) -> str:
-    """The family a search-space file names (read before its Problem, which knows the context names, is loaded)."""
+    """The family a search-space file names (read before its Problem, which knows the context names, is loaded); a
+    family file names itself."""
+    family = embedded_family(profile_of(path)[0])
+    if family is not None:
+        return family
     return _read(profile_of(path)[0], lambda reader, root: reader.string(reader.top(root)["family"], "family"))
 
 
