@@ -5,7 +5,7 @@ tracebacks appear only with --debug. GPU work happens in worker processes.
 
 The commands live beside this file, one module per group: family (shapes, check), search, candidate
 (replay, bench, verify, sanitize, sass), records (export, runs), table (table build|show, tune), priors
-(priors build|show). They
+(priors build|show), new_family (new-family). They
 register on common.app, which also holds what they share; this module adds the root options and main().
 """
 
@@ -20,7 +20,7 @@ from ..errors import EvotuneError
 from .common import INTERRUPTED, INTERRUPTED_EXIT, app, err_console
 
 # Importing a command module registers its commands on app, and --help lists them in this order.
-from . import family, search, candidate, records, table, priors  # noqa: F401
+from . import family, search, candidate, records, table, priors, new_family  # noqa: F401
 
 _state = {"debug": False}
 
