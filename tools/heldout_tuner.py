@@ -54,6 +54,8 @@ KT_BUDGET = 60
 KT_STRATEGY = "genetic_algorithm"
 KT_SPACE = "attention:small"
 DEADLINE_S = 480.0
+BENCH_RESERVE_S = 90.0  # a stopped long search's best benched beside the baselines (a GPU worker, gate and timing);
+                        # Kernel Tuner's time_limit leaves the same for its winner's
 # The issue's targets (issue 40, H100): tune at least 1.10x cuDNN wherever the long search reaches 1.12x, within 3%
 # of the long search's best, in under 60 s.
 TARGET_SPEEDUP, TARGET_WHEN_LONG, TARGET_WITHIN, TARGET_WALL_S = 1.10, 1.12, 0.03, 60.0
@@ -264,7 +266,8 @@ def phase_long(name: str, spec: str, args, work: Path) -> dict:
     env = fresh_env(work, args.gpu)
     run = "heldout-long"
     cmd = evotune_cmd("search", "--shape", spec, "--trials", str(args.long_trials), "--run", run, "--json")
-    rc, wall, stopped = run_cmd(cmd, env, args.deadline, work / "long.log")
+    # Room left under the deadline for `evotune bench best` should the search be stopped.
+    rc, wall, stopped = run_cmd(cmd, env, max(0.8 * args.deadline, args.deadline - BENCH_RESERVE_S), work / "long.log")
     out = {"command": " ".join(cmd[2:]), "exit_code": rc, "wall_s": wall, "stopped_by_deadline": stopped,
            "trials_asked": args.long_trials}
     run_dir = work / "runs" / run
@@ -280,7 +283,7 @@ def phase_long(name: str, spec: str, args, work: Path) -> dict:
         return {**out, "error": "no trial passed the gate"}
     bench = work / "bench-best.json"
     cmd = evotune_cmd("bench", "best", "--run", run, "--out", str(bench))
-    brc, bwall, _ = run_cmd(cmd, env, 300.0, work / "bench.log")
+    brc, bwall, _ = run_cmd(cmd, env, max(BENCH_RESERVE_S, args.deadline - wall), work / "bench.log")
     out.update(bench_exit_code=brc, bench_wall_s=bwall)
     if brc != 0 or not bench.exists():
         return {**out, "error": f"evotune bench best failed (exit {brc}): {last_line(work / 'bench.log')}"}
@@ -294,7 +297,8 @@ def phase_kt(name: str, spec: str, args, work: Path) -> dict:
     env = fresh_env(work, args.gpu)
     result = work / "kt.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--kt-worker", spec, "--kt-strategy", args.kt_strategy,
-           "--kt-budget", str(args.kt_budget), "--out", str(result)]
+           "--kt-budget", str(args.kt_budget), "--out", str(result),
+           "--deadline", str(max(0.5 * args.deadline, args.deadline - BENCH_RESERVE_S))]
     rc, wall, stopped = run_cmd(cmd, env, args.deadline, work / "kt.log")
     out = {"exit_code": rc, "wall_s": wall, "stopped_by_deadline": stopped}
     if not result.exists():
@@ -302,25 +306,35 @@ def phase_kt(name: str, spec: str, args, work: Path) -> dict:
     return {**out, **json.loads(result.read_text())}
 
 
-def kt_worker(spec: str, strategy: str, budget: int, out: Path) -> int:
-    """Kernel Tuner's tune (kt_live.run_kt) and its winner beside the baselines; writes `out`."""
+def kt_worker(spec: str, strategy: str, budget: int, out: Path, time_limit: float) -> int:
+    """Kernel Tuner's tune (kt_live.run_kt, with Kernel Tuner's own time_limit beside max_fevals: a tune cut short
+    says so in its runner_visits) and its winner beside the baselines; writes `out`."""
     import importlib.util
 
     s = importlib.util.spec_from_file_location("kt_live", ROOT / "tools" / "kt_live.py")
     kt_live = importlib.util.module_from_spec(s)
     s.loader.exec_module(kt_live)
+    plain_kwargs = kt_live.tune_kwargs
+
+    def with_time_limit(*a, **k):
+        kwargs = plain_kwargs(*a, **k)
+        kwargs["strategy_options"] = {**kwargs["strategy_options"], "time_limit": time_limit}
+        return kwargs
+
+    kt_live.tune_kwargs = with_time_limit
     from evotune.build.compile import compile_source
     from evotune.build.template import instantiate
     from evotune.gpu.bench import BENCH_REPS, kernels_beside_baselines
     from evotune.gpu.evaluate import DEFAULT_SEEDS
 
     setup = kt_live.Setup(spec, KT_SPACE)
-    record = {"space": KT_SPACE, "strategy": strategy, "budget": budget, "admitted": len(setup.admitted)}
+    record = {"space": KT_SPACE, "strategy": strategy, "budget": budget, "time_limit_s": time_limit,
+              "admitted": len(setup.admitted)}
     why = setup.kt_admits_the_same()
     if why:
         out.write_text(json.dumps({**record, "error": why}) + "\n")
         return 1
-    built = kt_live.kt_arguments(setup)
+    built = kt_arguments_reference_on_gpu(kt_live, setup)
     work = out.parent / "kt-work"
     work.mkdir(exist_ok=True)
     kt = kt_live.run_kt(setup, built, strategy, budget, 0, 7, work)
@@ -341,6 +355,25 @@ def kt_worker(spec: str, strategy: str, budget: int, out: Path) -> int:
         record["error"] = f"Kernel Tuner's winner is {status} in evotune's gate: {why}"
     out.write_text(json.dumps(record, indent=1, default=str) + "\n")
     return 0 if status == "ok" else 1
+
+
+def kt_arguments_reference_on_gpu(kt_live, setup) -> dict:
+    """kt_live.kt_arguments with its fp32 reference computed on the GPU and brought back: on the CPU it took
+    minutes on the 16k shapes (32 heads of 16k x 16k scores). The same function on the same inputs."""
+    import torch
+
+    problem = setup.problem
+    plain = problem.reference
+
+    def on_gpu(shape, inputs):
+        moved = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in inputs.items()}
+        return plain(shape, moved).cpu()
+
+    problem.reference = on_gpu
+    try:
+        return kt_live.kt_arguments(setup)
+    finally:
+        del problem.reference  # the class's method again, for the gate that times the winner
 
 
 PHASE_FUNCS = {"tune": phase_tune, "long": phase_long, "kt": phase_kt}
@@ -524,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         if args.kt_worker:
-            return kt_worker(args.kt_worker, args.kt_strategy, args.kt_budget, Path(args.out[0]))
+            return kt_worker(args.kt_worker, args.kt_strategy, args.kt_budget, Path(args.out[0]), args.deadline)
         if args.list:
             known = known_shapes()
             for name, (spec, what) in SHAPES.items():
