@@ -39,3 +39,30 @@ def test_reference_passes_the_gate_on_cpu(example):
     problem, small = example
     check = testing.gate_on_cpu(problem, problem.parse_shape(small))
     assert check.passed, check
+
+
+GPU_SHAPES = {"gemm": ["M=256,N=384,K=128:fp16", "M=128,N=256,K=256:bf16"],
+              "rmsnorm": ["M=100,N=4096:fp16", "M=33,N=1000:bf16"]}
+
+
+@pytest.mark.gpu
+def test_sampled_configs_pass_the_gate_on_the_gpu(example):
+    """Eight admitted configs of each example (the default first) pass the whole gate and are timed on the GPU, on
+    two shapes each (both dtypes; rmsnorm with rows that end mid-CTA and a width that is no power of two)."""
+    import random
+
+    from evotune.gpu.evaluate import evaluate_compiled
+    from evotune.records import result as R
+
+    problem, _ = example
+    problem = get_problem(problem.family)  # the family itself: inputs on the GPU
+    for spec in GPU_SHAPES[problem.name]:
+        shape = problem.parse_shape(spec)
+        admitted = problem.space.admitted_configs(problem.context(shape))
+        picked = [problem.space.default_config()] + random.Random(0).sample(admitted, min(7, len(admitted)))
+        for config in picked:
+            if not problem.space.admitted(config, problem.context(shape)):
+                continue
+            source = instantiate(problem, config, shape)
+            res = evaluate_compiled(problem, shape, config, compile_source(source.code, source.entry), reps=5)
+            assert res.status in (R.OK, R.PRUNED), (spec, config.as_dict(), res.message)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The examples (examples/gemm, examples/rmsnorm) tuned on the GPU, each beside its torch op and Kernel Tuner at the
-# same budget (docs/PLUGINS.md). About 4-6 minutes on one H100. From the repository root, with .whl carried:
+# same budget (docs/PLUGINS.md). About 4-6 minutes on one H100, at most 8 (each step has its own timeout; the GPU test of tests/test_examples.py first). From the repository root, with .whl carried:
 #
 #   bash docs/data/examples/run.sh [BUDGET]          # BUDGET: trials each (default 40)
 #
@@ -25,17 +25,20 @@ work=/tmp/examples-work
 rm -rf "$work"; mkdir -p "$work"
 export EVOTUNE_RUNS=$work/runs
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$work/device.txt"
+timeout 75 python3 -m pytest -q -p no:cacheprovider tests/test_examples.py > "$work/gpu-test.log" 2>&1
+echo "tests/test_examples.py (the GPU test: 8 configs x 2 shapes each through the whole gate): rc $?" | tee "$work/gpu-test.txt"
+tail -n 3 "$work/gpu-test.log"
 for ex in gemm rmsnorm; do
   start=$(date +%s.%N)
-  timeout 200 python3 -m evotune search --family "examples/$ex/$ex.yaml" --trials "$budget" --json \
+  timeout 110 python3 -m evotune search --family "examples/$ex/$ex.yaml" --trials "$budget" --json \
     > "$work/$ex-search.json" 2> "$work/$ex-search.log"
   rc=$?
   wall=$(python3 -c "print(round($(date +%s.%N) - $start, 2))")
   echo "$ex: evotune search rc $rc in $wall s"; tail -n 3 "$work/$ex-search.log"
-  timeout 150 python3 docs/data/examples/compare.py "$ex" "$work/$ex-search.json" "$wall" "$rc" "$work/$ex-compare.json" \
+  timeout 90 python3 docs/data/examples/compare.py "$ex" "$work/$ex-search.json" "$wall" "$rc" "$work/$ex-compare.json" \
     --budget "$budget" > "$work/$ex-compare.log" 2>&1 || { echo "$ex: compare failed"; tail -n 5 "$work/$ex-compare.log"; }
 done
-python3 docs/data/examples/compare.py --table "$work"/*-compare.json > "$work/table.txt" 2>&1
+{ cat "$work/gpu-test.txt"; python3 docs/data/examples/compare.py --table "$work"/*-compare.json; } > "$work/table.txt" 2>&1
 cp "$work/table.txt" "$OUT/table.txt"
 tar czf "$OUT/examples.tar.gz" -C "$work" --exclude='*.cubin' .
 cat "$work/table.txt"
