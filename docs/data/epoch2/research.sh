@@ -11,9 +11,9 @@ shape=$1 trials=$2 run=$3 preset=$4
 [ -d /tmp/runs ] || cp -r runs /tmp/runs
 d=$OUT/$run; mkdir -p $d
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv,noheader | tee $d/device.txt
-start=$(date +%s.%N)
+SECONDS=0
 python3 -m evotune search --shape "$shape" --space attention:wgmma --trials "$trials" --run "$run" 2>&1 | tail -n 25 | tee $d/search.txt
-echo "search wall $(echo "$(date +%s.%N) - $start" | bc) s" | tee -a $d/search.txt
+echo "search wall ${SECONDS} s (the whole command; the search's own wall is its last line above)" | tee -a $d/search.txt
 python3 -m evotune bench best --run "$run" --out $d/bench-new.json > $d/bench-new.txt 2>&1; tail -n 14 $d/bench-new.txt
 cfg=$(python3 -c "import json,sys; p=json.load(open('docs/data/epoch2/presets.json'))['$preset']; print(json.dumps(p['config']))")
 python3 -m evotune bench --config "$cfg" --shape "$shape" --out $d/bench-old.json > $d/bench-old.txt 2>&1; tail -n 14 $d/bench-old.txt
