@@ -51,6 +51,7 @@ static_assert(sizeof(CUtensorMap) == 128 && alignof(CUtensorMap) >= 64, "CUtenso
 namespace evotune {
 
 #include "device_common.cuh"
+#include "ptx.cuh"
 #include "attention_exp2_fma.cuh"
 
 enum SmemLayout { kPlain = 0, kPadded = 1, kSwizzled = 2 };
@@ -160,24 +161,7 @@ struct AttnTraits {
     // evotune/limits.py, the one place they are written, together with the host's launch geometry.
 };
 
-// ---------------------------------------------------------------- PTX wrappers
-
-// 16-byte async copy; src_bytes = 0 zero-fills (used for rows past the sequence end).
-__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
+// ---------------------------------------------------------------- the mma.sync product (the PTX wrappers: ptx.cuh)
 
 template <bool IS_BF16>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {

@@ -138,76 +138,6 @@ struct HopperTraits {
     // The per-CTA shared memory and thread limits: asserted by the instantiation (evotune/limits.py).
 };
 
-// ---------------------------------------------------------------- PTX wrappers
-
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Arm a barrier for `bytes` of TMA transactions (counts as the one expected arrival).
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Wait until the phase with parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-
-// One TMA box of a 4-D tensor map (head_dim, seq, head, batch) into shared memory.
-__device__ __forceinline__ void tma_load_4d(u32 dst, const void* tmap, u32 bar, int c0, int c1, int c2, int c3) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
-        ::"r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
-}
-__device__ __forceinline__ void tma_prefetch_map(const void* tmap) {
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(tmap) : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-
-// Pin accumulators at this point of the program: the wgmma asm writes them "now" in the
-// compiler's view, but the values exist only after wgmma_wait; without this fence the
-// compiler may move their readers (the softmax) above the wait.
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-template <int REGS>
-__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
-template <int REGS>
-__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
-
-// Matrix descriptor of a 128-byte-swizzled operand at shared address `addr`: LBO and SBO
-// in bytes (K-major: SBO = 1024 between 8-row groups, LBO unused; N-major: LBO = offset
-// between 64-column regions, SBO = 1024 between 8-row groups of K).
-__device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
-    return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(lbo >> 4) << 16) |
-           (static_cast<u64>(sbo >> 4) << 32) | (1ull << 62);
-}
-// lean_addressing: the same descriptor from addr >> 4, which the caller computes once per tile and advances by
-// each k-step's offset >> 4 (CUTLASS's descriptor iterator): one add where smem_desc masks, shifts and ors
-// per k-step. The LBO field is added rather than or-ed so it folds into that add's immediate. Shared-window
-// addresses are below 2^18, so addr >> 4 fits the 14-bit field without the mask and the add never carries.
-__device__ __forceinline__ u64 smem_desc16(u32 addr16, u32 lbo, u32 sbo) {
-    const u32 lo = addr16 + ((lbo >> 4) << 16);
-    const u32 hi = (sbo >> 4) | (1u << 30);
-    u64 desc;
-    asm("mov.b64 %0, {%1, %2};" : "=l"(desc) : "r"(lo), "r"(hi));
-    return desc;
-}
-
 // ------------------------------------------------------------------ the math
 
 // S = Q K^T for one K tile (64 rows of this warpgroup x BLOCK_N keys), issued and committed.
@@ -254,11 +184,6 @@ __device__ __forceinline__ void issue_pv(float (&o)[T::kOAcc], const u32 (&p)[T:
 // registers a thread held for P from its packing until its P V completed are free (for a 192-key S tile), at the
 // price of the stores and P V's A operand from shared memory. The tile is the traits' kPBytes at the end of the
 // dynamic shared memory (the instantiation adds it to kSmemBytes).
-__device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
-                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-}
-
 // P's A fragments (rescale_and_pack's) into the warpgroup's P tile: stmatrix.x4 per 16x16 block, the addresses
 // load_q_regs's ldmatrix reads Q's fragments from. Every P V before it has completed (the wgmma_wait<0> ahead of
 // each packing), so one tile serves every K/V tile. The fence makes the stores visible to wgmma's async proxy;
@@ -272,7 +197,7 @@ __device__ __forceinline__ void store_p(const u32 (&p)[T::kPVSteps][4], u32 sP_w
         const int chunk = 2 * (kk % 4) + (lane >> 4);  // 16-byte chunk inside the 128-byte row
         stmatrix_x4(sP_wg + (kk / 4) * (64 * 128) + row * 128 + ((chunk ^ (row & 7)) << 4), p[kk]);
     }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_proxy_async_smem();
     __syncwarp();
 }
 
@@ -395,16 +320,6 @@ __device__ __forceinline__ void scores_to_probs(float (&s)[T::kSAcc], float (&m)
     if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kBlockN - 1 > wg_row0;
     if (need_mask) mask_scores<T>(s, q_row, kv0, seq_k, lane);
     softmax_scores<T>(s, m, l, alpha, scale_log2);
-}
-
-// Keep the A operand of an in-flight register-sourced wgmma alive (and its registers
-// unreused) until this point: the hardware reads them until the wgmma completes.
-template <int N>
-__device__ __forceinline__ void fence_a_regs(u32 (&a)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
 // O / l to the output rows of this thread (rows at or past seq_q are not written).
@@ -678,7 +593,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             mbar_init(smem_addr(&bars.k_empty[s]), T::kConsumerThreads / 32);  // one arrival per consumer warp
             mbar_init(smem_addr(&bars.v_empty[s]), T::kConsumerThreads / 32);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_fence();
         tma_prefetch_map(q_map);
         tma_prefetch_map(k_map);
         tma_prefetch_map(v_map);
@@ -748,7 +663,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             if constexpr (T::kPersistent) {
                 // Q is in registers: the producer may load the next tile's over it. The generic-proxy reads
                 // (ldmatrix) are ordered before the TMA's async-proxy writes by the fence.
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                fence_proxy_async_smem();
                 __syncwarp();
                 if constexpr (T::kStripeMirror) {
                     if (lane == 0) mbar_arrive(smem_addr(&bars.q_buf_empty[qi & 1]));

@@ -16,8 +16,7 @@
 // i % STAGES, and it refills that slot. The condition is the CTA's (n_tiles), so the barrier is uniform, and a
 // CTA with no more tiles than STAGES (the mission shape's) has no barrier in its loop at all.
 //
-// The PTX wrappers repeat the Hopper header's (attention_hopper.cuh, namespace hopper): that header's text is part of
-// the source every committed wgmma run compiled, and it is included after this kernel.
+// The PTX wrappers (mbarriers, TMA boxes) are ptx.cuh's, shared with the Hopper kernel.
 
 template <class T>
 struct TmaLoad {
@@ -32,29 +31,6 @@ struct TmaLoad {
     static_assert(!T::kHasProducers, "kv_load = tma: thread 0 issues the loads (no producer warps)");
     static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles keep the 1024-byte swizzle atom's alignment");
 };
-
-__device__ __forceinline__ void tma_mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Arm a barrier for `bytes` of TMA transactions (counts as its one expected arrival).
-__device__ __forceinline__ void tma_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Wait until the phase with parity `parity` of the barrier has completed.
-__device__ __forceinline__ void tma_mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-// One box of a 4-D tensor map (head_dim, seq, head, batch) into shared memory, completing on `bar`.
-__device__ __forceinline__ void tma_box_4d(u32 dst, const void* tmap, u32 bar, int c0, int c1, int c2, int c3) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
-        ::"r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
-}
 
 // The first 1024-byte boundary after the barriers at the start of the dynamic shared memory: the 128-byte swizzle TMA
 // writes is a function of address bits 7-9, which the ldmatrix addressing takes as the row. (In the dynamic shared
@@ -74,11 +50,11 @@ __device__ __forceinline__ void tma_load_init(u32 bars, const CUtensorMap* q_map
     (void)TmaLoad<T>{};
     if (thread_id() == 0) {
 #pragma unroll
-        for (int s = 0; s < T::kStages; ++s) tma_mbar_init(bars + 8 * s, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(q_map) : "memory");
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(k_map) : "memory");
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(v_map) : "memory");
+        for (int s = 0; s < T::kStages; ++s) mbar_init(bars + 8 * s, 1);
+        mbar_init_fence();
+        tma_prefetch_map(q_map);
+        tma_prefetch_map(k_map);
+        tma_prefetch_map(v_map);
     }
     __syncthreads();
 }
@@ -88,8 +64,8 @@ template <class T>
 __device__ __forceinline__ void tma_load_kv(u32 bars, u32 sK, u32 sV, const CUtensorMap* k_map, const CUtensorMap* v_map,
                                             int slot, int t, int kv_head, int batch) {
     const u32 bar = bars + 8 * slot;
-    tma_box_4d(sK + slot * TmaLoad<T>::kKVBytes, k_map, bar, 0, t * T::kBlockN, kv_head, batch);
-    tma_box_4d(sV + slot * TmaLoad<T>::kKVBytes, v_map, bar, 0, t * T::kBlockN, kv_head, batch);
+    tma_load_4d(sK + slot * TmaLoad<T>::kKVBytes, k_map, bar, 0, t * T::kBlockN, kv_head, batch);
+    tma_load_4d(sV + slot * TmaLoad<T>::kKVBytes, v_map, bar, 0, t * T::kBlockN, kv_head, batch);
 }
 
 // Before the loop, thread 0: Q and tiles t_begin ... into every slot the CTA's n_tiles use. Nothing when the CTA has
@@ -100,13 +76,13 @@ __device__ __forceinline__ void tma_load_first(u32 bars, u32 sQ, u32 sK, u32 sV,
                                                const CUtensorMap* k_map, const CUtensorMap* v_map, int q_row0, int head,
                                                int kv_head, int batch, int t_begin, int n_tiles) {
     if (thread_id() != 0 || n_tiles == 0) return;
-    tma_expect_tx(bars, TmaLoad<T>::kQBytes + 2 * TmaLoad<T>::kKVBytes);
-    tma_box_4d(sQ, q_map, bars, 0, q_row0, head, batch);
+    mbar_expect_tx(bars, TmaLoad<T>::kQBytes + 2 * TmaLoad<T>::kKVBytes);
+    tma_load_4d(sQ, q_map, bars, 0, q_row0, head, batch);
     tma_load_kv<T>(bars, sK, sV, k_map, v_map, 0, t_begin, kv_head, batch);
 #pragma unroll
     for (int s = 1; s < T::kStages; ++s) {
         if (s < n_tiles) {
-            tma_expect_tx(bars + 8 * s, 2 * TmaLoad<T>::kKVBytes);
+            mbar_expect_tx(bars + 8 * s, 2 * TmaLoad<T>::kKVBytes);
             tma_load_kv<T>(bars, sK, sV, k_map, v_map, s, t_begin + s, kv_head, batch);
         }
     }
@@ -115,7 +91,7 @@ __device__ __forceinline__ void tma_load_first(u32 bars, u32 sQ, u32 sK, u32 sV,
 // Step i's K and V (and at i = 0 Q) have arrived: phase i / STAGES of slot i % STAGES's barrier.
 template <class T>
 __device__ __forceinline__ void tma_wait_tile(u32 bars, int i) {
-    tma_mbar_wait(bars + 8 * (i % T::kStages), (i / T::kStages) & 1);
+    mbar_wait(bars + 8 * (i % T::kStages), (i / T::kStages) & 1);
 }
 
 // End of step i: if tile i + STAGES exists, every warp has read slot i % STAGES once all pass the barrier, and
@@ -127,7 +103,7 @@ __device__ __forceinline__ void tma_refill(u32 bars, u32 sK, u32 sV, const CUten
         __syncthreads();
         if (thread_id() == 0) {
             const int slot = i % T::kStages;
-            tma_expect_tx(bars + 8 * slot, 2 * TmaLoad<T>::kKVBytes);
+            mbar_expect_tx(bars + 8 * slot, 2 * TmaLoad<T>::kKVBytes);
             tma_load_kv<T>(bars, sK, sV, k_map, v_map, slot, t_begin + i + T::kStages, kv_head, batch);
         }
     }

@@ -36,24 +36,6 @@ struct TmaMulticast {
     static_assert(T::kKVSplits == 1, "kv_cluster: the CTAs of a cluster load the same tiles (no K/V split)");
 };
 
-__device__ __forceinline__ u32 tma_cluster_rank() {
-    u32 rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-    return rank;
-}
-// Every thread of every CTA of the cluster: what each did before is visible to all after.
-__device__ __forceinline__ void tma_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// One box of a 4-D tensor map into shared memory at `dst` of every CTA of `mask`, completing on each one's `bar`.
-__device__ __forceinline__ void tma_box_4d_multicast(u32 dst, const void* tmap, u32 bar, unsigned short mask, int c0,
-                                                     int c1, int c2, int c3) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n"
-        ::"r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(mask) : "memory");
-}
-
 // The first key row past the last query row of this CTA's cluster: a causal cluster's CTAs take its tile count.
 template <class T>
 __device__ __forceinline__ int tma_cluster_row_end(int q_row0) {
@@ -70,13 +52,13 @@ __device__ __forceinline__ void tma_mc_init(u32 bars, const CUtensorMap* q_map, 
     (void)TmaMulticast<T>{};
     if (thread_id() == 0) {
 #pragma unroll
-        for (int s = 0; s < T::kStages; ++s) tma_mbar_init(bars + 8 * s, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(q_map) : "memory");
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(k_map) : "memory");
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(v_map) : "memory");
+        for (int s = 0; s < T::kStages; ++s) mbar_init(bars + 8 * s, 1);
+        mbar_init_fence();
+        tma_prefetch_map(q_map);
+        tma_prefetch_map(k_map);
+        tma_prefetch_map(v_map);
     }
-    tma_cluster_sync();
+    cluster_sync();
 }
 
 // This CTA's part (rows rank * kPartRows ...) of K and V tile `t`, into the same part of slot `slot` of every CTA of
@@ -85,13 +67,13 @@ template <class T>
 __device__ __forceinline__ void tma_mc_load_kv(u32 bars, u32 sK, u32 sV, const CUtensorMap* k_map,
                                                const CUtensorMap* v_map, int slot, int t, int kv_head, int batch) {
     using M = TmaMulticast<T>;
-    const u32 rank = tma_cluster_rank();
+    const u32 rank = cluster_rank();
     const u32 bar = bars + 8 * slot;
     const u32 part = slot * TmaLoad<T>::kKVBytes + rank * M::kPartBytes;
     const unsigned short mask = (1u << M::kCluster) - 1;
     const int row = t * T::kBlockN + static_cast<int>(rank) * M::kPartRows;
-    tma_box_4d_multicast(sK + part, k_map, bar, mask, 0, row, kv_head, batch);
-    tma_box_4d_multicast(sV + part, v_map, bar, mask, 0, row, kv_head, batch);
+    tma_load_4d_multicast(sK + part, k_map, bar, mask, 0, row, kv_head, batch);
+    tma_load_4d_multicast(sV + part, v_map, bar, mask, 0, row, kv_head, batch);
 }
 
 // tma_load_first with multicast K/V parts; Q stays the CTA's own.
@@ -100,13 +82,13 @@ __device__ __forceinline__ void tma_mc_first(u32 bars, u32 sQ, u32 sK, u32 sV, c
                                              const CUtensorMap* k_map, const CUtensorMap* v_map, int q_row0, int head,
                                              int kv_head, int batch, int t_begin, int n_tiles) {
     if (thread_id() != 0 || n_tiles == 0) return;
-    tma_expect_tx(bars, TmaLoad<T>::kQBytes + 2 * TmaLoad<T>::kKVBytes);
-    tma_box_4d(sQ, q_map, bars, 0, q_row0, head, batch);
+    mbar_expect_tx(bars, TmaLoad<T>::kQBytes + 2 * TmaLoad<T>::kKVBytes);
+    tma_load_4d(sQ, q_map, bars, 0, q_row0, head, batch);
     tma_mc_load_kv<T>(bars, sK, sV, k_map, v_map, 0, t_begin, kv_head, batch);
 #pragma unroll
     for (int s = 1; s < T::kStages; ++s) {
         if (s < n_tiles) {
-            tma_expect_tx(bars + 8 * s, 2 * TmaLoad<T>::kKVBytes);
+            mbar_expect_tx(bars + 8 * s, 2 * TmaLoad<T>::kKVBytes);
             tma_mc_load_kv<T>(bars, sK, sV, k_map, v_map, s, t_begin + s, kv_head, batch);
         }
     }
@@ -119,10 +101,10 @@ __device__ __forceinline__ void tma_mc_refill(u32 bars, u32 sK, u32 sV, const CU
                                               const CUtensorMap* v_map, int i, int t_begin, int n_tiles, int kv_head,
                                               int batch) {
     if (i + T::kStages < n_tiles) {
-        tma_cluster_sync();
+        cluster_sync();
         if (thread_id() == 0) {
             const int slot = i % T::kStages;
-            tma_expect_tx(bars + 8 * slot, 2 * TmaLoad<T>::kKVBytes);
+            mbar_expect_tx(bars + 8 * slot, 2 * TmaLoad<T>::kKVBytes);
             tma_mc_load_kv<T>(bars, sK, sV, k_map, v_map, slot, t_begin + i + T::kStages, kv_head, batch);
         }
     }
@@ -130,8 +112,8 @@ __device__ __forceinline__ void tma_mc_refill(u32 bars, u32 sK, u32 sV, const CU
 
 // After the loop (every tile this CTA waits for has landed): arrive; before the CTA exits: wait for the cluster.
 __device__ __forceinline__ void tma_mc_loads_landed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+    cluster_arrive_relaxed();
 }
 __device__ __forceinline__ void tma_mc_exit_wait() {
-    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+    cluster_wait();
 }

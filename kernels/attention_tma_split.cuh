@@ -34,11 +34,11 @@ __device__ __forceinline__ void tma_split_init(u32 bars, const CUtensorMap* q_ma
     (void)TmaLoad<T>{};
     if (thread_id() == 0) {
 #pragma unroll
-        for (int s = 0; s < 2 * T::kStages; ++s) tma_mbar_init(bars + 8 * s, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(q_map) : "memory");
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(k_map) : "memory");
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(v_map) : "memory");
+        for (int s = 0; s < 2 * T::kStages; ++s) mbar_init(bars + 8 * s, 1);
+        mbar_init_fence();
+        tma_prefetch_map(q_map);
+        tma_prefetch_map(k_map);
+        tma_prefetch_map(v_map);
     }
     __syncthreads();
 }
@@ -50,10 +50,10 @@ __device__ __forceinline__ void tma_split_load_kv(u32 bars, u32 sK, u32 sV, cons
                                                   const CUtensorMap* v_map, int slot, int t, int kv_head, int batch,
                                                   u32 extra = 0) {
     const u32 k_bar = bars + 8 * slot, v_bar = bars + 8 * (T::kStages + slot);
-    tma_expect_tx(k_bar, TmaLoad<T>::kKVBytes + extra);
-    tma_expect_tx(v_bar, TmaLoad<T>::kKVBytes);
-    tma_box_4d(sK + slot * TmaLoad<T>::kKVBytes, k_map, k_bar, 0, t * T::kBlockN, kv_head, batch);
-    tma_box_4d(sV + slot * TmaLoad<T>::kKVBytes, v_map, v_bar, 0, t * T::kBlockN, kv_head, batch);
+    mbar_expect_tx(k_bar, TmaLoad<T>::kKVBytes + extra);
+    mbar_expect_tx(v_bar, TmaLoad<T>::kKVBytes);
+    tma_load_4d(sK + slot * TmaLoad<T>::kKVBytes, k_map, k_bar, 0, t * T::kBlockN, kv_head, batch);
+    tma_load_4d(sV + slot * TmaLoad<T>::kKVBytes, v_map, v_bar, 0, t * T::kBlockN, kv_head, batch);
 }
 
 // tma_load_first with K and V on their own barriers: Q, then K0, V0, K1, V1, ... (Q on K0's barrier).
@@ -62,7 +62,7 @@ __device__ __forceinline__ void tma_split_first(u32 bars, u32 sQ, u32 sK, u32 sV
                                                 const CUtensorMap* k_map, const CUtensorMap* v_map, int q_row0,
                                                 int head, int kv_head, int batch, int t_begin, int n_tiles) {
     if (thread_id() != 0 || n_tiles == 0) return;
-    tma_box_4d(sQ, q_map, bars, 0, q_row0, head, batch);
+    tma_load_4d(sQ, q_map, bars, 0, q_row0, head, batch);
     tma_split_load_kv<T>(bars, sK, sV, k_map, v_map, 0, t_begin, kv_head, batch, TmaLoad<T>::kQBytes);
 #pragma unroll
     for (int s = 1; s < T::kStages; ++s)
@@ -72,11 +72,11 @@ __device__ __forceinline__ void tma_split_first(u32 bars, u32 sQ, u32 sK, u32 sV
 // Step i's K (and at i = 0 Q) has landed; then, before P V, its V.
 template <class T>
 __device__ __forceinline__ void tma_split_wait_k(u32 bars, int i) {
-    tma_mbar_wait(bars + 8 * (i % T::kStages), (i / T::kStages) & 1);
+    mbar_wait(bars + 8 * (i % T::kStages), (i / T::kStages) & 1);
 }
 template <class T>
 __device__ __forceinline__ void tma_split_wait_v(u32 bars, int i) {
-    tma_mbar_wait(bars + 8 * (T::kStages + i % T::kStages), (i / T::kStages) & 1);
+    mbar_wait(bars + 8 * (T::kStages + i % T::kStages), (i / T::kStages) & 1);
 }
 
 // tma_refill with both barriers of the slot.

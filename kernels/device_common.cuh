@@ -1,5 +1,5 @@
 // evotune: device helpers shared by the mma.sync kernel (attention.cu) and the Hopper kernel
-// (attention_hopper.cuh): integer types, PTX wrappers both use, named-barrier ids, fp conversions.
+// (attention_hopper.cuh): integer types, named-barrier ids, fp conversions (their PTX wrappers: ptx.cuh).
 // Included by attention.cu inside namespace evotune, before either kernel.
 
 typedef unsigned int u32;
@@ -23,16 +23,6 @@ enum class NamedBarrier : int {
     kEnd = 12,           // one past the last id used
 };
 static_assert(static_cast<int>(NamedBarrier::kEnd) <= 16, "a CTA has 16 named barriers");
-
-// Programmatic dependent launch (knob pdl, docs/PDL.md): the kernels call these where their traits' kPdl is
-// true (template parameter PDL), in every thread before its first global access.
-// pdl_wait: griddepcontrol.wait returns once every grid this one depends on in its stream has completed and its
-// memory operations are visible to this grid (at once where the launch was not programmatic). It is per thread,
-// so every thread that touches global memory runs it first. pdl_launch_dependents: the next grid launched with
-// programmatic stream serialization may begin launching once every CTA of this one has run it (or exited); that
-// grid's own pdl_wait still waits for all of this one, so where it is called is a matter of speed only.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 // Named barriers let producer and consumer warps hand tiles over without stopping the whole CTA. Both
 // order prior memory accesses for participants. `index` selects within a family (a slot, a warpgroup).

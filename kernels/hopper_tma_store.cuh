@@ -27,17 +27,6 @@ __device__ __forceinline__ void o_stage_sync(int wg) {
     asm volatile("bar.sync %0, 128;\n" ::"r"(kOStageBarrier + wg) : "memory");
 }
 
-// One TMA box of shared memory at `src` to the 4-D tensor map's box at (c0, c1, c2, c3); rows outside the
-// tensor are not written.
-__device__ __forceinline__ void tma_store_4d(const void* tmap, u32 src, int c0, int c1, int c2, int c3) {
-    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
-                 ::"l"(tmap), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// Wait until at most N of this thread's committed bulk stores have not yet read their shared memory.
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
-
 // The staging rows of warpgroup `wg` (see above).
 template <class T>
 __device__ __forceinline__ u32 o_stage_addr(u32 sQ, u32 sV, int wg) {
@@ -74,7 +63,7 @@ __device__ __forceinline__ void store_out_tma(const float (&o)[T::kOAcc], const 
         }
     }
     // The generic-proxy writes above become visible to the TMA (async proxy) of the thread that issues it.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_proxy_async_smem();
     o_stage_sync(wg);
     if (issuer) {
 #pragma unroll
