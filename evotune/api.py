@@ -170,9 +170,10 @@ def _lambda_in(text: str) -> str:
 
 def search_family(family_file: str | Path, shape: str | None = None, trials: int = 40, run: str | None = None,
                   gpu: int = 0, timeout_s: float = 60.0, sampler: str = "surrogate", seed: int = 0,
-                  evaluate=None) -> TuneResult:
+                  evaluate=None, lookahead: int | None = None) -> TuneResult:
     """Search a family file's default space on `shape` as `evotune search --family FILE` does; `evaluate` (an
-    injected evaluator, evotune.testing.ModelEvaluator) replaces the GPU worker and the finalists' re-timing."""
+    injected evaluator, evotune.testing.ModelEvaluator) replaces the GPU worker and the finalists' re-timing;
+    `lookahead` is SearchOptions' (0: compile in this process, one proposal at a time)."""
     from .problems import allow_plugins, get_problem
     from .records.runs import base_meta, new_run
     from .search.loop import SearchLoop, SearchOptions, worker_evaluator
@@ -182,7 +183,7 @@ def search_family(family_file: str | Path, shape: str | None = None, trials: int
     shp = problem.parse_shape(shape or problem.default_shape)
     problem.check_shape(shp)
     space = problem.load_space(tuple(problem.context(shp)))
-    options = SearchOptions(trials=trials, sampler=sampler, seed=seed)
+    options = SearchOptions(trials=trials, sampler=sampler, seed=seed, lookahead=lookahead)
     meta = {**base_meta(), "family": problem.family, "shape": shp.as_dict(), "shape_spec": shp.spec,
             "space": space.path, "options": options.__dict__, "device": {}}
     rn = new_run(run, meta, None)

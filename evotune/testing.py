@@ -108,14 +108,15 @@ class ModelEvaluator:
 
 
 def search_on_cpu(problem, shape, evaluate, trials: int = 4, space=None, run_name: str | None = None,
-                  sampler: str = "random", seed: int = 0, compile_workers: int = 2) -> dict:
+                  sampler: str = "random", seed: int = 0, lookahead: int = 0) -> dict:
     """A search of `problem` on `shape` with real NVRTC compiles and the injected `evaluate` (ModelEvaluator), into a
-    new run (under EVOTUNE_RUNS): the search's summary, with "run" its folder."""
+    new run (under EVOTUNE_RUNS): the search's summary, with "run" its folder. `lookahead` 0 (the default) compiles
+    in this process, one proposal at a time (no compile pool to start: a test's few trials cost their compiles)."""
     from .records.runs import Run
     from .search.loop import SearchOptions, run_search
 
     space = space or problem.load_space(tuple(problem.context(shape)))
     run = Run.create(run_name, {"family": problem.family, "shape": shape.as_dict(), "shape_spec": shape.spec,
                                 "space": space.path})
-    options = SearchOptions(trials=trials, sampler=sampler, population=4, seed=seed, compile_workers=compile_workers)
+    options = SearchOptions(trials=trials, sampler=sampler, population=4, seed=seed, lookahead=lookahead)
     return {**run_search(problem, space, shape, run, evaluate, options), "run": str(run.path)}

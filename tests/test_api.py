@@ -51,7 +51,7 @@ def test_written_family_passes_the_gate_and_searches(tmp_path, runs_root):
     assert torch.equal(y, inputs["x"] * 3) and torch.equal(s, torch.full((6,), 3.0))
 
     evaluator = testing.ModelEvaluator(lambda c: 100.0 / (c["threads"] * c["items"]))
-    found = search_family(path, trials=3, sampler="random", evaluate=evaluator)
+    found = search_family(path, trials=3, sampler="random", evaluate=evaluator, lookahead=0)
     assert found.summary["evaluated"] == len(evaluator.calls) == 3
     assert found.time_us == min(evaluator.cost(c) for c in evaluator.calls) and found.config in evaluator.calls
     assert found.family == str(path.resolve()) and (runs_root / found.run.split("/")[-1] / "trials.jsonl").is_file()
