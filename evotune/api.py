@@ -61,7 +61,8 @@ def tune_kernel(source: str, entry: str, knobs: Mapping[str, Sequence], *, input
                 reference: Callable, grid: Sequence, block: Sequence, shape: str, smem: str | int = 0,
                 constraints: Sequence = (), template: Sequence[str] | None = None, args: Sequence[str] | None = None,
                 tolerance: Mapping | None = None, baseline: Callable | Mapping[str, Callable] | None = None,
-                trials: int = 40, constants: Mapping[str, float] | None = None, derived: Mapping[str, str] | None = None,
+                trials: int = 40, constants: Mapping[str, float] | None = None,
+                derived: Mapping[str, str] | None = None,
                 flops: str | None = None, nbytes: str | None = None, name: str | None = None,
                 family_dir: str | None = None, run: str | None = None, gpu: int = 0, timeout_s: float = 60.0,
                 sampler: str = "surrogate", seed: int = 0) -> TuneResult:

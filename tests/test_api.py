@@ -21,7 +21,8 @@ template <typename T, int THREADS, int ITEMS>
 __device__ void scale(const T* __restrict__ x, T* __restrict__ y, float* __restrict__ s, int rows, int cols) {
     int r = blockIdx.x, c0 = threadIdx.x * ITEMS;
     for (int c = c0; c < cols; c += THREADS * ITEMS)
-        for (int i = 0; i < ITEMS && c + i < cols; ++i) y[r * cols + c + i] = __float2half(3.0f * __half2float(x[r * cols + c + i]));
+        for (int i = 0; i < ITEMS && c + i < cols; ++i)
+            y[r * cols + c + i] = __float2half(3.0f * __half2float(x[r * cols + c + i]));
     if (threadIdx.x == 0) s[r] = 3.0f;
 }
 """

@@ -135,7 +135,8 @@ space:
 
 
 def _family(tmp_path: Path, text: str) -> Path:
-    (tmp_path / "k.cu").write_text("#include <cuda_fp16.h>\ntemplate <typename T, int THREADS>\n__device__ void twice(const T* x, T* y, int n)"
+    (tmp_path / "k.cu").write_text("#include <cuda_fp16.h>\ntemplate <typename T, int THREADS>\n"
+                                   "__device__ void twice(const T* x, T* y, int n)"
                                    " { int i = blockIdx.x * THREADS + threadIdx.x; if (i < n) y[i] = x[i] + x[i]; }\n")
     (tmp_path / "ref.py").write_text("def ref(x):\n    return 2 * x.float()\n")
     path = tmp_path / "twice.yaml"
@@ -181,7 +182,8 @@ def test_command_line_speaks_the_family(tmp_path, main_in_process):
     unknown = main_in_process("shapes", "--family", "byo_gemm")
     assert unknown.returncode == 2 and "a family file (path/to/family.yaml" in unknown.stderr \
         and "package.module:ATTR" in unknown.stderr
-    path.write_text(FAMILY.replace("threads: {values: [32, 64]}", "threads: {values: [32, 64]}\n    thraeds: {values: [1]}"))
+    knobs = "threads: {values: [32, 64]}"
+    path.write_text(FAMILY.replace(knobs, knobs + "\n    thraeds: {values: [1]}"))
     bad = main_in_process("check", "--family", str(path))
     assert bad.returncode == 2 and "twice.yaml:15: parameter 'thraeds'" in bad.stderr
 

@@ -594,7 +594,8 @@ class GenericProblem(Problem):
 
     def baseline_launcher(self, name: str, shape, inputs: dict, probe: bool = True):
         if name not in self._baselines:
-            raise UsageError(f"{self.name}: unknown baseline {name!r}; baselines: {', '.join(self._baselines) or 'none'}")
+            known = ", ".join(self._baselines) or "none"
+            raise UsageError(f"{self.name}: unknown baseline {name!r}; baselines: {known}")
 
         def run(function=self._baselines[name]):
             return self._call(function, shape, inputs)
