@@ -16,12 +16,26 @@ CUDA, in one process, and for each (model, BxS) in --sizes:
   train       one training step (--train-size, loss.backward()) per model: loss and the largest per-tensor
               max |grad diff| / max |grad| of evotune against sdpa
 
-eager attention is skipped where its score matrices would pass --eager-attn-max-gb (said so). Compile runs
+--e2e measures instead, per model (llama; gpt2; qwen2: Qwen2-7B's attention, 28 query heads on 4 K/V heads, head
+dim 128, --qwen2-layers layers) and row, evotune against sdpa_unpacked, each on its own copy of the same weights,
+timed in alternating rounds (--rounds; the ratio sdpa_unpacked / evotune per round, median [min-max]):
+
+  prefill     --prefill MODEL:BxS rows in --prefill-modes eager, graph (CUDA graph), compile (fullgraph, default
+              mode); logits over the last --check-tokens positions against sdpa_unpacked
+  generate    --generate MODEL:BxS contexts: generate() time to first token and decode tokens/s over --new-tokens
+              greedy tokens, in --generate-modes dynamic (DynamicCache), static (StaticCache, eager), compile
+              (StaticCache with transformers' compiled decode step); the share of generated tokens that agree
+  kernel      per row, the attention calls that reached evotune's kernels (the op's routes, the decode routes,
+              the adapter's fallbacks to transformers' sdpa)
+
+--tune-trials N first records every row's attention keys and runs `evotune tune --shapes` into --table
+(--tune-only: only that). eager attention is skipped where its score matrices would pass --eager-attn-max-gb (said so). Compile runs
 last and stops starting new measurements after --budget-s seconds (the rest is recorded as skipped). Writes
 JSON (--out) and markdown (--md), prints a short table last; exit status 1 where a correctness check failed.
 
     python tools/model_bench.py --table TABLE.json --out model_bench.json --md model_bench.md
     python tools/model_bench.py --device cpu --tiny     # a CPU smoke run: no performance claim
+    python tools/model_bench.py --e2e --table TABLE.json --prefill llama:1x8192 --generate llama:1x16384
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ DEFAULT_SIZES = "llama:1x512,llama:4x4096,llama:1x16384,gpt2:1x512,gpt2:16x1024"
 TINY_SIZES = "llama:1x16,llama:2x32,gpt2:1x16,gpt2:2x32"
 DEFAULT_COMPILE_SIZES = "gpt2:1x512,llama:1x512,gpt2:16x1024,llama:4x4096,llama:1x16384"
 IMPLS = ("sdpa", "sdpa_unpacked", "evotune", "eager")
+FAMILIES = ("llama", "gpt2", "qwen2")
 MODES = ("eager", "graph", "compile")
 
 
@@ -65,6 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--llama-layers", type=int, default=4)
     p.add_argument("--llama-vocab", type=int, default=128256)
     p.add_argument("--gpt2-layers", type=int, default=12)
+    p.add_argument("--qwen2-layers", type=int, default=4)
     p.add_argument("--check-tokens", type=int, default=128, help="positions whose logits are compared")
     p.add_argument("--tol", type=float, default=None,
                    help="max |logits diff| / max |sdpa logits| allowed (default 2e-2 in fp16, 1e-4 in fp32)")
@@ -78,6 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--md", default=None, help="markdown tables")
+    add_e2e_args(p)
     return p.parse_args(argv)
 
 
@@ -88,8 +105,10 @@ def parse_sizes(text):
     for item in text.split(","):
         model, _, bs = item.strip().partition(":")
         b, _, s = bs.partition("x")
-        if model not in ("llama", "gpt2") or not b.isdigit() or not s.isdigit():
-            raise SystemExit(f"model_bench: bad size {item!r}: use llama:BxS or gpt2:BxS")
+        if model not in FAMILIES or not b.isdigit() or not s.isdigit() or int(b) < 1 or int(s) < 1:
+            print(f"model_bench: bad size {item!r}: use MODEL:BxS, MODEL one of {', '.join(FAMILIES)}",
+                  file=sys.stderr)
+            raise SystemExit(2)
         out.append((model, int(b), int(s)))
     return out
 
@@ -115,6 +134,17 @@ def build_model(family, args, max_seq, torch, dtype):
                               num_hidden_layers=args.llama_layers, num_attention_heads=32, num_key_value_heads=8,
                               head_dim=128, max_position_embeddings=max(max_seq, 8192), rope_theta=500000.0,
                               tie_word_embeddings=False)
+    elif family == "qwen2":
+        from transformers import Qwen2Config
+
+        if args.tiny:
+            cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(max_seq, 64))
+        else:  # Qwen2-7B's attention: 28 query heads on 4 K/V heads (groups of 7), head dim 128
+            cfg = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                              num_hidden_layers=args.qwen2_layers, num_attention_heads=28, num_key_value_heads=4,
+                              max_position_embeddings=max(max_seq, 32768), rope_theta=1000000.0,
+                              tie_word_embeddings=False)
     else:
         if args.tiny:
             cfg = GPT2Config(vocab_size=256, n_embd=64, n_head=4, n_layer=2, n_positions=max(max_seq, 64))
@@ -131,6 +161,10 @@ def build_model(family, args, max_seq, torch, dtype):
 
 
 def describe(family, cfg) -> str:
+    if family == "qwen2":
+        return (f"Qwen2-like: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} "
+                f"q heads, {cfg.num_key_value_heads} kv heads, head dim {cfg.hidden_size // cfg.num_attention_heads}, "
+                f"vocab {cfg.vocab_size}")
     if family == "llama":
         return (f"Llama-like: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} "
                 f"q heads, {cfg.num_key_value_heads} kv heads, head dim {cfg.head_dim}, vocab {cfg.vocab_size}")
@@ -140,7 +174,7 @@ def describe(family, cfg) -> str:
 
 def attn_bytes(family, cfg, b, s) -> int:
     """Eager attention's score matrices for one layer: fp16 scores, fp32 softmax, fp16 probabilities."""
-    heads = cfg.num_attention_heads if family == "llama" else cfg.n_head
+    heads = cfg.n_head if family == "gpt2" else cfg.num_attention_heads
     return b * heads * s * s * (2 + 4 + 2)
 
 
@@ -506,6 +540,415 @@ def short_table(result) -> str:
     return "\n".join(out)
 
 
+# --------------------------------------------------------------------------- end to end (--e2e)
+#
+# Per model and size, evotune against sdpa_unpacked (transformers' sdpa under the same mask policy: no mask for
+# an unpadded causal prefill, hf.register(assume_unpacked=True)), each on its own copy of the same weights, so
+# every mode's compiled or captured function of both lives at once and the two are timed in alternating rounds
+# (order swapped every round): the ratio is taken per round (sdpa's time / evotune's) and its median, min and
+# max over --rounds are reported, so a drift of the machine lands on both alike.
+
+E2E_PREFILL = ("gpt2:1x512,gpt2:1x8192,gpt2:8x2048,llama:1x512,llama:1x8192,llama:8x2048,"
+               "qwen2:1x512,qwen2:1x8192,qwen2:8x2048")
+E2E_GENERATE = "gpt2:1x2048,gpt2:8x2048,llama:1x2048,llama:1x16384,llama:8x2048,qwen2:1x2048,qwen2:1x16384,qwen2:8x2048"
+PREFILL_MODES = ("eager", "graph", "compile")
+GENERATE_MODES = ("dynamic", "static", "compile")
+E2E_IMPLS = ("sdpa_unpacked", "evotune")
+
+
+def add_e2e_args(p):
+    g = p.add_argument_group("end to end (--e2e)")
+    g.add_argument("--e2e", action="store_true", help="prefill and generate() rows, evotune vs sdpa_unpacked in "
+                                                      "alternating rounds (the options below)")
+    g.add_argument("--prefill", default=None, help=f"MODEL:BxS prefill rows ('none'; default {E2E_PREFILL})")
+    g.add_argument("--generate", default=None, help=f"MODEL:BxS generate() contexts ('none'; default {E2E_GENERATE})")
+    g.add_argument("--prefill-modes", default=",".join(PREFILL_MODES), help="eager, graph (CUDA graph), compile "
+                                                                            "(torch.compile fullgraph, default mode)")
+    g.add_argument("--generate-modes", default=",".join(GENERATE_MODES),
+                   help="dynamic (DynamicCache, eager), static (StaticCache, eager), compile (StaticCache with "
+                        "transformers' own compiled decode step: torch.compile, CUDA graphs)")
+    g.add_argument("--rounds", type=int, default=5, help="alternating rounds per measurement")
+    g.add_argument("--new-tokens", type=int, default=32, help="decode steps timed by generate()")
+    g.add_argument("--tune-trials", type=int, default=0,
+                   help="first record every row's attention keys and run `evotune tune --shapes` with this many "
+                        "trials per key into --table (0: use --table as it is)")
+    g.add_argument("--tune-only", action="store_true", help="stop after --tune-trials' tuning (a device call of its own)")
+
+
+def _paired(fns: dict, rounds: int, reps: int, warmup: int, timer) -> dict:
+    """Each impl's fn timed `reps` times a round, rounds alternating (order swapped each round): per impl the
+    median of each round's median; ratio = sdpa_unpacked / evotune per round, median, min and max."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    timer.sync()
+    per_round = {n: [] for n in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            per_round[name].append(timer(fns[name], reps, 0)["median_ms"])
+    out = {n: {"median_ms": statistics.median(x), "min_ms": min(x), "max_ms": max(x), "rounds_ms": x}
+           for n, x in per_round.items()}
+    if "sdpa_unpacked" in per_round and "evotune" in per_round:
+        ratios = [a / b for a, b in zip(per_round["sdpa_unpacked"], per_round["evotune"])]
+        out["ratio"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return out
+
+
+def _graph_fn(fn, torch):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph.replay, out, graph
+
+
+def _prefill_fns(models, ids, mode, torch, args):
+    """{impl: zero-argument callable} for one prefill mode, and what must stay alive (graphs, compiled models)."""
+    fns, keep = {}, []
+    for impl, model in models.items():
+        fn = forward_fn(model, ids, 1)
+        if mode == "graph":
+            replay, out, graph = _graph_fn(fn, torch)
+            keep += [out, graph]
+            fn = replay
+        elif mode == "compile":
+            compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=args.compile_backend)
+            keep.append(compiled)
+            fn = forward_fn(compiled, ids, 1)
+        fns[impl] = fn
+    return fns, keep
+
+
+def _generate_fn(model, ids, mode, new_tokens):
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if mode in ("static", "compile"):
+        kw["cache_implementation"] = "static"
+        kw["disable_compile"] = mode == "static"
+    attn = ids.new_ones(ids.shape)
+    return lambda: model.generate(input_ids=ids, attention_mask=attn, **kw)
+
+
+def _kernel_share(model, call, torch):
+    """Which attention calls of one run of `call` reached evotune's kernels: the adapter's own fallbacks to
+    transformers' sdpa, the op's routes (record_shapes) and the decode routes (evotune.torch.decode)."""
+    from evotune.torch import hf, record_shapes
+
+    decode_routes = {}
+    try:
+        from evotune.torch import decode as decode_mod
+    except ImportError:
+        decode_mod = None
+    real = decode_mod.decode_attention if decode_mod else None
+    if decode_mod is not None:
+        def counted(q, k, v, **kw):
+            route = decode_mod.decode_route(q, k, v, kw.get("causal", False))
+            decode_routes[route] = decode_routes.get(route, 0) + 1
+            return real(q, k, v, **kw)
+
+        decode_mod.decode_attention = counted
+    hf.reset_stats()
+    try:
+        with warnings.catch_warnings(record=True) as caught, record_shapes() as rec, torch.no_grad():
+            warnings.simplefilter("always")
+            call()
+    finally:
+        if decode_mod is not None:
+            decode_mod.decode_attention = real
+    rows = rec.shapes
+    adapter = hf.stats()
+    op_kernel = sum(r["calls"] for r in rows if r["route"] == "evotune")
+    decode_kernel = sum(n for route, n in decode_routes.items() if route == "evotune")
+    total = adapter.get("evotune", 0) + adapter.get("sdpa", 0)
+    return {"attention_calls": total, "kernel_calls": op_kernel + decode_kernel,
+            "share": (op_kernel + decode_kernel) / total if total else None, "adapter": adapter,
+            "adapter_fallbacks": hf.fallbacks(), "op_routes": rows, "decode_routes": decode_routes,
+            "notices": sorted({str(w.message) for w in caught})}
+
+
+def _tune_first(args, torch, dtype, prefill, generate) -> dict:
+    """Record the attention keys of every row (one prefill per prefill row, one generate() per context) and run
+    `evotune tune --shapes` into --table."""
+    from evotune.torch import hf, record_shapes
+
+    table = Path(args.table or "e2e-table.json").resolve()
+    shapes = table.with_suffix(".shapes.json")
+    hf.register("evotune", assume_unpacked=True)
+    with record_shapes() as rec, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for family in dict.fromkeys(f for f, _, _ in prefill + generate):
+            sizes = [(b, s, "p") for f, b, s in prefill if f == family] + \
+                    [(b, s, "g") for f, b, s in generate if f == family]
+            model, cfg = build_model(family, args, max(s for _, s, _ in sizes) + args.new_tokens, torch, dtype)
+            model.set_attn_implementation("evotune")
+            for b, s, kind in sizes:
+                ids = torch.randint(0, cfg.vocab_size, (b, s), device=args.device)
+                if kind == "p":
+                    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                else:
+                    _generate_fn(model, ids, "dynamic", 2)()
+            del model
+            free(torch)
+    rec.save(shapes)
+    cmd = [sys.executable, "-m", "evotune", "tune", "--shapes", str(shapes), "--trials", str(args.tune_trials),
+           "--table", str(table)]
+    t = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    args.table = str(table)
+    return {"command": " ".join(cmd[1:]), "shapes": rec.specs(), "rc": proc.returncode,
+            "seconds": time.monotonic() - t, "tail": (proc.stdout + proc.stderr)[-3000:]}
+
+
+def _save_partial(args, result) -> None:
+    """The rows so far to --out (a device call stopped by its timeout keeps them); main() writes the whole."""
+    if args.out:
+        Path(args.out).write_text(json.dumps({**result, "partial": True}, indent=1, default=str) + "\n")
+
+
+def run_e2e(args) -> dict:
+    import copy
+
+    import torch
+
+    prefill = parse_sizes(args.prefill if args.prefill is not None else ("gpt2:1x16,llama:2x16,qwen2:1x16" if args.tiny
+                                                                       else E2E_PREFILL))
+    generate = parse_sizes(args.generate if args.generate is not None else ("llama:1x16,qwen2:2x16" if args.tiny
+                                                                         else E2E_GENERATE))
+    pmodes = [m for m in args.prefill_modes.split(",") if m]
+    gmodes = [m for m in args.generate_modes.split(",") if m]
+    if set(pmodes) - set(PREFILL_MODES) or set(gmodes) - set(GENERATE_MODES) or args.rounds < 1:
+        print(f"model_bench: --prefill-modes of {PREFILL_MODES}, --generate-modes of {GENERATE_MODES}, "
+              f"--rounds >= 1", file=sys.stderr)
+        raise SystemExit(2)
+    if args.tune_only and not args.tune_trials:
+        print("model_bench: --tune-only needs --tune-trials N", file=sys.stderr)
+        raise SystemExit(2)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("model_bench: no CUDA device visible (use --device cpu --tiny for a smoke run)", file=sys.stderr)
+        raise SystemExit(2)
+    fp16 = args.device == "cuda"
+    dtype = torch.float16 if fp16 else torch.float32
+    args.tol = args.tol if args.tol is not None else (2e-2 if fp16 else 1e-4)
+    args.debug_traceback = bool(os.environ.get("MODEL_BENCH_TRACEBACK"))
+    t0 = time.monotonic()
+    result = {"e2e": True, "models": {}, "prefill": [], "generate": [], "tune": None, "failed_checks": [],
+              "rounds": args.rounds, "reps": args.reps, "new_tokens": args.new_tokens}
+    if args.tune_trials:
+        result["tune"] = _tune_first(args, torch, dtype, prefill, generate)
+        print(f"[{time.monotonic() - t0:6.0f}s] tune: rc {result['tune']['rc']}", flush=True)
+        if result["tune"]["rc"]:
+            result["failed_checks"].append(f"evotune tune exited {result['tune']['rc']}")
+        if args.tune_only:
+            prefill, generate = [], []
+    if args.table:
+        os.environ["EVOTUNE_TABLE"] = str(Path(args.table).resolve())
+    import evotune.torch as et
+    from evotune.torch import hf
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if args.table:
+        et.use_table(str(Path(args.table).resolve()))
+    hf.register("evotune", assume_unpacked=True)
+    hf.register("sdpa_unpacked", assume_unpacked=True, attention_function=sdpa_attention_forward)
+    result["env"] = environment(args, torch)
+    if args.device == "cuda" and result["env"].get("table_entries"):
+        try:
+            result["warmup"] = et.warmup()
+        except Exception as e:
+            result["warmup"] = {"error": short(e)}
+    timer = Timer(torch, args.device)
+
+    def over_budget():
+        return args.budget_s is not None and time.monotonic() - t0 > args.budget_s
+
+    for family in dict.fromkeys(f for f, _, _ in prefill + generate):
+        longest = max([s for f, _, s in prefill if f == family] + [s + args.new_tokens for f, _, s in generate
+                                                                     if f == family])
+        base, cfg = build_model(family, args, longest, torch, dtype)
+        result["models"][family] = describe(family, cfg)
+        models = {"sdpa_unpacked": base, "evotune": copy.deepcopy(base)}  # the same weights, one copy per impl
+        for impl, model in models.items():
+            model.set_attn_implementation(impl)
+        for _, b, s in [x for x in prefill if x[0] == family]:
+            gen = torch.Generator(device="cpu").manual_seed(args.seed + b * 100003 + s)
+            ids = torch.randint(0, cfg.vocab_size, (b, s), generator=gen).to(args.device)
+            row = {"model": family, "size": f"{b}x{s}", "modes": {}}
+            keep = min(args.check_tokens, s)
+            with torch.no_grad():
+                ref = forward_fn(models["sdpa_unpacked"], ids, keep)()
+                got = forward_fn(models["evotune"], ids, keep)()
+            row["logits"] = rel_diff(got, ref)
+            row["logits"]["ok"] = bool(row["logits"]["rel"] <= args.tol)
+            row["kernel"] = _kernel_share(models["evotune"], forward_fn(models["evotune"], ids, 1), torch)
+            del ref, got
+            for mode in pmodes:
+                if mode == "graph" and args.device != "cuda":
+                    row["modes"][mode] = {"skipped": "CUDA graphs need a CUDA device"}
+                    continue
+                if over_budget():
+                    row["modes"][mode] = {"skipped": f"--budget-s {args.budget_s:g} spent"}
+                    continue
+                try:
+                    with torch.no_grad():
+                        fns, alive = _prefill_fns(models, ids, mode, torch, args)
+                        row["modes"][mode] = _paired(fns, args.rounds, args.reps, args.warmup, timer)
+                    del fns, alive
+                except Exception as e:
+                    if args.debug_traceback:
+                        traceback.print_exc()
+                    row["modes"][mode] = {"error": short(e)}
+                finally:
+                    if mode == "compile":
+                        torch._dynamo.reset()
+                    free(torch)
+            result["prefill"].append(row)
+            _save_partial(args, result)
+            print(f"[{time.monotonic() - t0:6.0f}s] prefill {family} {b}x{s} done", flush=True)
+        for _, b, s in [x for x in generate if x[0] == family]:
+            gen = torch.Generator(device="cpu").manual_seed(args.seed + 7 + b * 100003 + s)
+            ids = torch.randint(0, cfg.vocab_size, (b, s), generator=gen).to(args.device)
+            row = {"model": family, "context": f"{b}x{s}", "new_tokens": args.new_tokens, "modes": {}}
+            row["kernel"] = _kernel_share(models["evotune"], _generate_fn(models["evotune"], ids, "dynamic", 4),
+                                          torch)
+            for mode in gmodes:
+                if over_budget():
+                    row["modes"][mode] = {"skipped": f"--budget-s {args.budget_s:g} spent"}
+                    continue
+                try:
+                    with torch.no_grad():
+                        tokens = {i: _generate_fn(m, ids, mode, args.new_tokens)()[:, s:] for i, m in models.items()}
+                        first = {i: _generate_fn(m, ids, mode, 1) for i, m in models.items()}
+                        full = {i: _generate_fn(m, ids, mode, args.new_tokens) for i, m in models.items()}
+                        ttft = _paired(first, args.rounds, max(1, args.reps // 4), 1, timer)
+                        whole = _paired(full, args.rounds, max(1, args.reps // 4), 1, timer)
+                    same = (tokens["evotune"] == tokens["sdpa_unpacked"]).float().mean().item()
+                    steps = args.new_tokens - 1
+                    # Per round: the decode steps' time is the whole generate() less the first token's.
+                    decode_ms = {i: [w - f for w, f in zip(whole[i]["rounds_ms"], ttft[i]["rounds_ms"])]
+                                 for i in models}
+                    row["modes"][mode] = {"ttft": ttft, "generate": whole, "same_tokens": same}
+                    if min(min(x) for x in decode_ms.values()) <= 0:  # the machine's noise beat the decode steps
+                        row["modes"][mode]["decode_error"] = ("a generate() timed no longer than its first token: "
+                                                              "raise --new-tokens")
+                        continue
+                    tps = {i: b * steps / (statistics.median(x) / 1e3) for i, x in decode_ms.items()}
+                    ratios = [a / e for a, e in zip(decode_ms["sdpa_unpacked"], decode_ms["evotune"])]
+                    row["modes"][mode].update(decode_tokens_per_s=tps, decode_ratio=statistics.median(ratios),
+                                              decode_ratio_range=[min(ratios), max(ratios)])
+                except Exception as e:
+                    if args.debug_traceback:
+                        traceback.print_exc()
+                    row["modes"][mode] = {"error": short(e)}
+                finally:
+                    if mode == "compile":
+                        torch._dynamo.reset()
+                    free(torch)
+            result["generate"].append(row)
+            _save_partial(args, result)
+            print(f"[{time.monotonic() - t0:6.0f}s] generate {family} {b}x{s} done", flush=True)
+        del models, base
+        free(torch)
+    for row in result["prefill"]:
+        if not row["logits"]["ok"]:
+            result["failed_checks"].append(f"logits {row['model']} {row['size']}")
+    result["wall_s"] = time.monotonic() - t0
+    return result
+
+
+def _ms(m, impl) -> str:
+    if not m or "error" in m:
+        return "FAIL" if m else "-"
+    if "skipped" in m:
+        return "skip"
+    return f"{m[impl]['median_ms']:.2f}"
+
+
+def _ratio(m) -> str:
+    if not m or "ratio" not in m:
+        return "-"
+    r = m["ratio"]
+    return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
+
+
+def e2e_markdown(result) -> str:
+    env = result["env"]
+    lines = [f"Device: {env['device']}" + (f" (CUDA {env.get('cuda')}, cc {env.get('capability')})" if env.get("cuda") else ""),
+             f"Versions: torch {env['torch']}, transformers {env['transformers']}, python {env['python']}, "
+             f"evotune git {env.get('git')}", f"Date: {env['date']}", f"Command: `{env['command']}`",
+             f"Tuning table: {env['table']} ({env.get('table_entries', env.get('table_error'))} entries)", ""]
+    lines += [f"- {fam}: {text}" for fam, text in result["models"].items()]
+    lines += ["", f"Prefill, ms (median of {result['rounds']} alternating rounds of {result['reps']} forwards; speed = "
+              "sdpa_unpacked / evotune per round, median [min-max]; kernel = attention calls that ran evotune's kernel):",
+              "", "| model | BxS | mode | sdpa_unpacked | evotune | speed | logits rel | kernel |", "|---|---|---|---|---|---|---|---|"]
+    for row in result["prefill"]:
+        k = row["kernel"]
+        share = f"{k['kernel_calls']}/{k['attention_calls']}"
+        for mode, m in row["modes"].items():
+            lines.append(f"| {row['model']} | {row['size']} | {mode} | {_ms(m, 'sdpa_unpacked')} | {_ms(m, 'evotune')} | "
+                         f"{_ratio(m)} | {row['logits']['rel']:.1e} | {share} |")
+    lines += ["", f"generate(), {result['new_tokens']} new tokens, greedy: time to first token (ms) and decode tokens/s "
+              "(batch x (new tokens - 1) / (generate time - first-token time)); speed = sdpa_unpacked / evotune:", "",
+              "| model | context | mode | TTFT sdpa | TTFT evotune | TTFT speed | decode tok/s sdpa | decode tok/s evotune | "
+              "decode ratio | same tokens | kernel |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in result["generate"]:
+        k = row["kernel"]
+        share = f"{k['kernel_calls']}/{k['attention_calls']}"
+        for mode, m in row["modes"].items():
+            if "ttft" not in m:
+                lines.append(f"| {row['model']} | {row['context']} | {mode} | {m.get('error', m.get('skipped'))} "
+                             f"| | | | | | | {share} |")
+                continue
+            if "decode_tokens_per_s" in m:
+                t = m["decode_tokens_per_s"]
+                decode = (f"{t['sdpa_unpacked']:.0f} | {t['evotune']:.0f} | {m['decode_ratio']:.2f}x "
+                          f"[{m['decode_ratio_range'][0]:.2f}-{m['decode_ratio_range'][1]:.2f}]")
+            else:
+                decode = f"- | - | {m['decode_error']}"
+            lines.append(f"| {row['model']} | {row['context']} | {mode} | {_ms(m['ttft'], 'sdpa_unpacked')} | "
+                         f"{_ms(m['ttft'], 'evotune')} | {_ratio(m['ttft'])} | {decode} | {m['same_tokens']:.2f} | "
+                         f"{share} |")
+    fails = [f"{r['model']} {r.get('size', r.get('context'))} {mode}: {m['error']}"
+             for r in result["prefill"] + result["generate"] for mode, m in r["modes"].items() if "error" in m]
+    if fails:
+        lines += ["", "Failures:", ""] + [f"- {f}" for f in fails]
+    notices = sorted({n for r in result["prefill"] + result["generate"] for n in r["kernel"]["notices"]})
+    if notices:
+        lines += ["", "Notices:", ""] + [f"- {n}" for n in notices]
+    return "\n".join(lines) + "\n"
+
+
+def e2e_short_table(result) -> str:
+    out = [f"{'model':6} {'size':9} {'mode':8} {'sdpa ms':>9} {'evo ms':>9} {'speed [min-max]':>20} kernel"]
+    for row in result["prefill"]:
+        k = row["kernel"]
+        for mode, m in row["modes"].items():
+            out.append(f"{row['model']:6} {row['size']:9} {mode:8} {_ms(m, 'sdpa_unpacked'):>9} {_ms(m, 'evotune'):>9} "
+                       f"{_ratio(m):>20} {k['kernel_calls']}/{k['attention_calls']}")
+    for row in result["generate"]:
+        k = row["kernel"]
+        for mode, m in row["modes"].items():
+            if "ttft" not in m:
+                out.append(f"{row['model']:6} {row['context']:9} gen-{mode:4} {m.get('error', m.get('skipped'))[:60]}")
+                continue
+            t = m.get("decode_tokens_per_s")
+            decode = (f"{t['sdpa_unpacked']:.0f}/{t['evotune']:.0f} tok/s {m['decode_ratio']:.2f}x "
+                      f"[{m['decode_ratio_range'][0]:.2f}-{m['decode_ratio_range'][1]:.2f}]" if t else "n/a")
+            out.append(f"{row['model']:6} {row['context']:9} gen-{mode:4} ttft {_ratio(m['ttft'])} decode {decode} "
+                       f"same {m['same_tokens']:.2f} kernel {k['kernel_calls']}/{k['attention_calls']}")
+    if result.get("tune"):
+        t = result["tune"]
+        out.append(f"tune: rc {t['rc']} in {t['seconds']:.0f} s, {len(t['shapes'])} keys: {', '.join(t['shapes'])}")
+    out.append("CHECKS: " + ("ok" if not result["failed_checks"] else "FAILED: " + "; ".join(result["failed_checks"])))
+    return "\n".join(out)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -626,12 +1069,12 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = run(args)
+    result = run_e2e(args) if args.e2e else run(args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     if args.md:
-        Path(args.md).write_text(markdown(result))
-    print(short_table(result))
+        Path(args.md).write_text(e2e_markdown(result) if args.e2e else markdown(result))
+    print(e2e_short_table(result) if args.e2e else short_table(result))
     return 1 if result["failed_checks"] else 0
 
 

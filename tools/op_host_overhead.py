@@ -1,17 +1,31 @@
-"""Host time per call of evotune.torch.attention against F.scaled_dot_product_attention (developer tool, GPU).
+"""Host time per attention call, for every route and mode of evotune.torch.attention, beside SDPA (developer tool).
 
-For each variant (the space's default config of `attention` = mma.sync, and of `attention-hopper` = wgmma),
-a fixture tuning table routes the shape's key on this GPU to that config; then, on the same inputs:
+Rows, on the same inputs (--shape), each timed in every round, rounds interleaved (row order rotated each
+round), so a slow stretch of the machine lands on all rows alike:
 
-  eager host us   time.perf_counter() around N back-to-back calls with no synchronisation inside, after a
-                  warm-up, divided by N: what a call costs the CPU (dispatcher, routing, launch); the GPU
-                  runs behind, so for a small shape this is the op's floor in eager code
-  eager wall us   the same N calls followed by one synchronize, divided by N
-  graph us        CUDA-graph replay of N captured calls, CUDA events, per call (host cost gone)
+  sdpa            F.scaled_dot_product_attention
+  op-tuned        evotune.torch.attention on a tuned key (a fixture table routes the shape to the default config
+                  of --space on this GPU; CUDA only: the kernel launches)
+  op-fallback     evotune.torch.attention on a key the table lacks (the SDPA route, told once)
+  op-dispatch     torch.ops.evotune.attention.default, tuned where op-tuned runs, else the fallback: what a
+                  compiled graph pays per call (the dispatcher, then the op's body)
+  hf-sdpa         transformers' sdpa_attention_forward (no mask, is_causal), as a model calls it
+  hf-tuned        evotune.torch.hf.attention_forward, tuned key (CUDA only)
+  hf-fallback     evotune.torch.hf.attention_forward, missing key
+  compile-sdpa    torch.compile(fullgraph=True, default mode) of a function calling SDPA then one small op
+  compile-tuned   the same function calling evotune.torch.attention on the tuned key (CUDA only)
+  compile-fallback  ... on the missing key (the trace calls SDPA itself: op._sdpa_when_traced)
 
-Prints a short table and writes JSON to --out:
+Per row and round: time.perf_counter() around --n back-to-back calls with no synchronisation inside, divided
+by --n (host us per call: what a call costs the CPU; the GPU runs behind). Reported per row: the median over
+--rounds rounds with the min and max, and the ratio to sdpa's time in the same round (compile rows: to
+compile-sdpa's), median with min and max. On CUDA, --graph adds each eager row's per-call time inside one CUDA
+graph of --graph-n captured calls (CUDA events around replays).
 
-    python tools/op_host_overhead.py --shape 1,8,512,64 --n 2000 --out op_host_overhead.json
+    python tools/op_host_overhead.py --shape 1,8,512,64 --graph --out op_host_overhead.json --md op_host_overhead.md
+    python tools/op_host_overhead.py --device cpu --shape 1,1,1,64     # host cost on a CPU: no kernel rows
+
+Writes JSON to --out and the docs' markdown table to --md, prints a table last. Exit status 2 for bad options.
 """
 
 from __future__ import annotations
@@ -25,45 +39,144 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROWS = ("sdpa", "op-tuned", "op-fallback", "op-dispatch", "hf-sdpa", "hf-tuned", "hf-fallback", "compile-sdpa",
+        "compile-tuned", "compile-fallback")
+CUDA_ONLY = ("op-tuned", "hf-tuned", "compile-tuned")
 
 
-def _table_for(space_name: str, shape, gpu) -> object:
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="1,8,512,64", help="attention shape (evotune spelling or preset)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--layout", default="bshd", choices=["bshd", "bhsd"],
+                    help="the inputs' memory: bshd as a projection leaves them (models), or bhsd")
+    ap.add_argument("--n", type=int, default=1000, help="calls per timed batch")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each row once a round)")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
+    ap.add_argument("--space", default="attention-hopper", help="space whose default config the tuned rows run")
+    ap.add_argument("--graph", action="store_true", help="also time each eager row inside a CUDA graph")
+    ap.add_argument("--graph-n", type=int, default=100, help="calls captured per CUDA graph")
+    ap.add_argument("--out", default=None, help="JSON results")
+    ap.add_argument("--md", default=None, help="markdown table (for the docs)")
+    args = ap.parse_args(argv)
+    rows = [r for r in args.rows.split(",") if r]
+    bad = [r for r in rows if r not in ROWS]
+    if bad or not rows or args.n < 1 or args.rounds < 1:
+        print(f"op_host_overhead: bad --rows {','.join(bad)} (rows: {', '.join(ROWS)}) or --n/--rounds < 1"
+              if bad or not rows else "op_host_overhead: --n and --rounds must be at least 1", file=sys.stderr)
+        raise SystemExit(2)
+    if args.device == "cpu":
+        rows = [r for r in rows if r not in CUDA_ONLY]
+    args.rows = rows
+    return args
+
+
+class _Module:
+    """The attention module a transformers attention function reads (is_causal, num_key_value_groups)."""
+
+    def __init__(self, groups):
+        self.is_causal, self.num_key_value_groups, self.training = True, groups, False
+
+
+def _inputs(shape, device, layout, torch):
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[shape.dtype]
+    if device == "cpu":
+        dt = torch.float32  # CPU SDPA's cheapest dtype: the rows differ by their host work, not the math
+    gen = torch.Generator().manual_seed(0)
+
+    # bshd: as a projection leaves them, (B, S, H, D) memory seen as (B, H, S, D), the layout models call with.
+    def one(seq, heads):
+        if layout == "bhsd":
+            return torch.randn(shape.batch, heads, seq, shape.head_dim, generator=gen).to(device, dt)
+        return torch.randn(shape.batch, seq, heads, shape.head_dim, generator=gen).to(device, dt).transpose(1, 2)
+
+    return one(shape.seq_q, shape.heads), one(shape.seq_k, shape.kv_heads), one(shape.seq_k, shape.kv_heads)
+
+
+def _fixture_table(space_name, shape, gpu):
     from _tables import entry, table
 
     from evotune.space.searchspace import load_builtin
 
-    config = load_builtin(space_name).default_config().as_dict()
-    return table(entry(shape, config, space_name, gpu=gpu))
+    return table(entry(shape, load_builtin(space_name).default_config().as_dict(), space_name, gpu=gpu))
 
 
-def _inputs(shape, torch):
-    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[shape.dtype]
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def build_rows(args, shape, torch):
+    """{row: (table, fn)}: the table each row runs under (a fixture table with the tuned key, or None) and
+    the zero-argument call it times."""
+    import torch.nn.functional as F
 
-    def one(seq):
-        return torch.randn(shape.batch, shape.heads, seq, shape.head_dim, generator=gen, device="cuda").to(dt)
+    import evotune.torch as et
 
-    return one(shape.seq_q), one(shape.seq_k), one(shape.seq_k)
+    q, k, v = _inputs(shape, args.device, args.layout, torch)
+    causal, gqa = shape.causal, shape.kv_heads != shape.heads
+    extra = {"enable_gqa": True} if gqa else {}
+    tuned = None
+    if args.device == "cuda":
+        gpu = (torch.cuda.get_device_name(0), "%d.%d" % torch.cuda.get_device_capability(0))
+        tuned = _fixture_table(args.space, shape, gpu)
+    fns = {}
+    fns["sdpa"] = (None, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, **extra))
+    op = lambda: et.attention(q, k, v, is_causal=causal, enable_gqa=gqa)  # noqa: E731
+    fns["op-tuned"] = (tuned, op)
+    fns["op-fallback"] = (None, op)
+    dispatch = torch.ops.evotune.attention.default
+    fns["op-dispatch"] = (tuned, lambda: dispatch(q, k, v, causal, None, gqa, "sdpa"))
+    try:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        from evotune.torch import hf
+    except ImportError:
+        sdpa_attention_forward = hf = None
+    if hf is not None:
+        module = _Module(shape.heads // shape.kv_heads)
+        fns["hf-sdpa"] = (None, lambda: sdpa_attention_forward(module, q, k, v, None, is_causal=causal))
+        adapter = lambda: hf.attention_forward(module, q, k, v, None, is_causal=causal)  # noqa: E731
+        fns["hf-tuned"] = (tuned, adapter)
+        fns["hf-fallback"] = (None, adapter)
+
+    # One function per compiled row, each its own code object: dynamo keeps a compiled graph per code object
+    # (guarded on its inputs, not on the op's table), so the tuned and fallback rows must not share one.
+    def compile_sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **extra) + 1
+
+    def compile_tuned(q, k, v):
+        return et.attention(q, k, v, is_causal=causal, enable_gqa=gqa) + 1
+
+    def compile_fallback(q, k, v):
+        return et.attention(q, k, v, is_causal=causal, enable_gqa=gqa) + 1
+
+    for name, table, body in (("compile-sdpa", None, compile_sdpa), ("compile-tuned", tuned, compile_tuned),
+                              ("compile-fallback", None, compile_fallback)):
+        fn = torch.compile(body, fullgraph=True)
+        fns[name] = (table, lambda fn=fn: fn(q, k, v))
+    return {r: fns[r] for r in args.rows if r in fns}, (q, k, v)
 
 
-def _eager(fn, n: int, reps: int, torch) -> tuple[float, float]:
-    """(median host us per call, median wall us per call) over `reps` batches of `n` calls."""
-    host, wall = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / n * 1e6)
-        wall.append((t2 - t0) / n * 1e6)
-    return statistics.median(host), statistics.median(wall)
+def _use(table, et):
+    """Make `table` (None: an empty one, every key missing) the op's table, keeping its cached routes where
+    it already is."""
+    table = table if table is not None else _EMPTY[0]
+    if et.current_table() is not table:
+        et.use_table(table)
 
 
-def _graph(fn, n: int, reps: int, torch) -> float:
-    """Median us per call of a CUDA-graph replay of `n` captured calls."""
+_EMPTY = [None]
+
+
+def time_host(fn, n, sync) -> float:
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    return (t1 - t0) / n * 1e6
+
+
+def time_graph(fn, n, reps, torch) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -87,61 +200,112 @@ def _graph(fn, n: int, reps: int, torch) -> float:
     return statistics.median(times)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="1,8,512,64", help="attention shape (evotune spelling or preset)")
-    ap.add_argument("--n", type=int, default=2000, help="calls per timed batch")
-    ap.add_argument("--reps", type=int, default=5, help="timed batches (median reported)")
-    ap.add_argument("--graph-n", type=int, default=100, help="calls captured per CUDA graph")
-    ap.add_argument("--variants", default="sync,wgmma", help="comma list of sync, wgmma")
-    ap.add_argument("--out", default="op_host_overhead.json")
-    args = ap.parse_args(argv)
+def spread(xs) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
+
+def markdown(report) -> str:
+    """The docs' table of one report."""
+    lines = [f"{report['device']}, torch {report['torch']}"
+             + (f", transformers {report['transformers']}" if report.get("transformers") else "")
+             + f"; shape {report['shape']} ({report['layout']} inputs); host us per call: median [min - max] of "
+             f"{report['rounds']} interleaved rounds of {report['n']} calls; speed: SDPA's time in the same round "
+             "(compile rows: the compiled SDPA function's) / the row's, median [min - max]", "",
+             "| row | route | host us | speed vs SDPA | CUDA graph us |", "|---|---|---|---|---|"]
+    for r in report["rows"]:
+        h, sp = r["host_us"], r.get("speed_vs_sdpa") or r.get("speed_vs_compile-sdpa")
+        g = r["graph_us"]
+        lines.append(f"| {r['row']} | {r['route']} | {h['median']:.2f} [{h['min']:.2f} - {h['max']:.2f}] | "
+                     + (f"{sp['median']:.2f}x [{sp['min']:.2f} - {sp['max']:.2f}]" if sp else "-") + " | "
+                     + (f"{g:.2f}" if isinstance(g, float) else (g or "-")) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     import torch
-    import torch.nn.functional as F
 
     import evotune.torch as et
+    from evotune.errors import UsageError
     from evotune.problems.shapes import parse_shape
+    import _tables
 
-    shape = parse_shape(args.shape)
-    gpu = (torch.cuda.get_device_name(0), "%d.%d" % torch.cuda.get_device_capability(0))
-    q, k, v = _inputs(shape, torch)
-    causal = shape.causal
-
-    def sdpa():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    rows = []
-    host, wall = _eager(sdpa, 200, 1, torch)  # warm-up
-    host, wall = _eager(sdpa, args.n, args.reps, torch)
-    rows.append({"impl": "F.scaled_dot_product_attention", "eager_host_us": host, "eager_wall_us": wall,
-                 "graph_us": _graph(sdpa, args.graph_n, args.reps, torch)})
-    spaces = {"sync": "attention", "wgmma": "attention-hopper"}
-    for variant in [x for x in args.variants.split(",") if x]:
-        et.use_table(_table_for(spaces[variant], shape, gpu))
-
-        def op():
-            return et.attention(q, k, v, is_causal=causal, fallback="error")
-
-        assert et.explain(q, k, v, is_causal=causal).kind == "tuned"
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", et.EvotuneFallbackWarning)
+    try:
+        shape = parse_shape(args.shape)
+    except UsageError as e:
+        print(f"op_host_overhead: {e}", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("op_host_overhead: no CUDA device visible (use --device cpu)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1 if args.device == "cpu" else torch.get_num_threads())
+    _EMPTY[0] = _tables.table(path="<empty table: every key missing>")
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    warnings.simplefilter("ignore")  # the fallback rows' notices, told once each
+    rows, _ = build_rows(args, shape, torch)
+    # Warm-up, once per row under its table: compiles (kernel and torch.compile), loads, caches routes.
+    routes = {}
+    for name, (table, fn) in rows.items():
+        _use(table, et)
+        if table is not None:
             et.warmup()
-            _eager(op, 200, 1, torch)
-            host, wall = _eager(op, args.n, args.reps, torch)
-            graph_us = _graph(op, args.graph_n, args.reps, torch)
-        rows.append({"impl": f"evotune.torch.attention ({variant})", "eager_host_us": host, "eager_wall_us": wall,
-                     "graph_us": graph_us})
+        for _ in range(50):
+            fn()
+        sync()
+        routes[name] = "tuned" if table is not None else ("sdpa" if name.endswith(("sdpa",)) else "fallback")
+    samples = {name: [] for name in rows}
+    order = list(rows)
+    for r in range(args.rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            table, fn = rows[name]
+            _use(table, et)
+            for _ in range(20):
+                fn()
+            samples[name].append(time_host(fn, args.n, sync))
+    graph = {}
+    if args.graph and args.device == "cuda":
+        for name, (table, fn) in rows.items():
+            if name.startswith("compile"):
+                continue
+            _use(table, et)
+            try:
+                graph[name] = time_graph(fn, args.graph_n, 5, torch)
+            except Exception as e:  # a row that cannot capture is a value, not the end of the run
+                graph[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     et.use_table(None)
+    report_rows = []
+    for name, xs in samples.items():
+        base = "compile-sdpa" if name.startswith("compile") else "sdpa"
+        ratio = ([b / x for x, b in zip(xs, samples[base])] if base in samples else None)
+        report_rows.append({"row": name, "route": routes[name], "host_us": spread(xs), "samples_us": xs,
+                            "speed_vs_" + base: spread(ratio) if ratio else None, "graph_us": graph.get(name)})
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (no kernel rows)"
+    report = {"shape": shape.spec, "layout": args.layout, "device": gpu, "torch": torch.__version__, "n": args.n, "rounds": args.rounds,
+              "space": args.space, "rows": report_rows,
+              "how": "perf_counter around n back-to-back calls, no sync inside; rounds interleaved, order rotated"}
+    try:
+        import transformers
 
-    report = {"shape": shape.spec, "gpu": gpu[0], "cc": gpu[1], "torch": torch.__version__, "n": args.n,
-              "reps": args.reps, "graph_n": args.graph_n, "rows": rows}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{shape.spec} on {gpu[0]}: per call, median of {args.reps} x {args.n} calls")
-    print(f"{'implementation':<40} {'eager host us':>14} {'eager wall us':>14} {'graph us':>10}")
-    for r in rows:
-        print(f"{r['impl']:<40} {r['eager_host_us']:>14.2f} {r['eager_wall_us']:>14.2f} {r['graph_us']:>10.2f}")
-    print(f"wrote {args.out}")
+        report["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if args.md:
+        Path(args.md).write_text(markdown(report))
+    print(f"{shape.spec} {args.layout} on {gpu}, torch {torch.__version__}: host us per call, median [min-max] of {args.rounds} "
+          f"rounds x {args.n} calls; speed = sdpa's time / the row's, same round")
+    print(f"{'row':<17} {'route':<9} {'host us':>9} {'[min - max]':>17} {'speed vs sdpa':>22} {'graph us':>9}")
+    for r in report_rows:
+        h = r["host_us"]
+        sp = r.get("speed_vs_sdpa") or r.get("speed_vs_compile-sdpa")
+        g = r["graph_us"]
+        span = "[%.2f - %.2f]" % (h["min"], h["max"])
+        speed = "%.2fx [%.2f-%.2f]" % (sp["median"], sp["min"], sp["max"]) if sp else "-"
+        graph_text = "%.2f" % g if isinstance(g, float) else (g or "-")[:9]
+        print(f"{r['row']:<17} {r['route']:<9} {h['median']:>9.2f} {span:>17} {speed:>22} {graph_text:>9}")
+    if args.out:
+        print(f"wrote {args.out}")
     return 0
 
 

@@ -5,8 +5,9 @@
     print(evotune.torch.explain(q, k, v, is_causal=True))      # which kernel, and why
     evotune.torch.warmup()                                     # compile + load before graph capture
 
-The op is `torch.ops.evotune.attention` (torch.library.custom_op, no mutated arguments, a fake
-implementation), so torch.compile(fullgraph=True) traces it without a graph break. It reads the
+The op is `torch.ops.evotune.attention` (defined through torch.library.Library, its Python body registered
+to the CPU and CUDA keys, no mutated arguments, a fake implementation), so torch.compile(fullgraph=True)
+traces it without a graph break and a compiled graph calls the body with no custom_op wrapper layers. It reads the
 tuning table in $EVOTUNE_TABLE, else evotune.records.tuning_table.default_table_path(), or one given to
 use_table(); evotune.records.tuning_table documents the table, its buckets and its selection rules, and
 evotune.torch.routing the fallback policy.
