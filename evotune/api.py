@@ -65,20 +65,21 @@ def tune_kernel(source: str, entry: str, knobs: Mapping[str, Sequence], *, input
                 derived: Mapping[str, str] | None = None,
                 flops: str | None = None, nbytes: str | None = None, name: str | None = None,
                 family_dir: str | None = None, run: str | None = None, gpu: int = 0, timeout_s: float = 60.0,
-                sampler: str = "surrogate", seed: int = 0) -> TuneResult:
+                sampler: str = "surrogate", seed: int = 0, evaluate=None, lookahead: int | None = None) -> TuneResult:
     """Search `knobs` of the kernel `source` (CUDA text, or a path to a .cu file) on `shape` with the gate against
     `reference`; the module docstring has an example. `entry` is the __device__ function template evotune's entry
     point calls with `args` (default: the inputs, the outputs, then the shape's names) and `template` (default: the
     knobs in order; "ctype" is the dtype's C type). `inputs` / `outputs`: name -> shape (a list of expressions of the
     shape's names) or a mapping with shape, dtype, init, scale. `grid`, `block`, `smem`, `flops`, `nbytes` and
-    `derived` are expressions of the knobs and the shape; `constraints` are expressions or (expr, why) pairs."""
+    `derived` are expressions of the knobs and the shape; `constraints` are expressions or (expr, why) pairs.
+    `evaluate` and `lookahead`: as search_family's (an injected evaluator runs the whole search without a GPU)."""
     folder = Path(family_dir) if family_dir else Path(tempfile.mkdtemp(prefix="evotune-family-"))
     family_file = write_family(folder, source, entry, knobs, inputs=inputs, outputs=outputs, reference=reference,
                                grid=grid, block=block, shape=shape, smem=smem, constraints=constraints,
                                template=template, args=args, tolerance=tolerance, baseline=baseline,
                                constants=constants, derived=derived, flops=flops, nbytes=nbytes, name=name)
     return search_family(family_file, shape=shape, trials=trials, run=run, gpu=gpu, timeout_s=timeout_s,
-                         sampler=sampler, seed=seed)
+                         sampler=sampler, seed=seed, evaluate=evaluate, lookahead=lookahead)
 
 
 def write_family(folder: Path, source: str, entry: str, knobs: Mapping[str, Sequence], *, inputs, outputs, reference,

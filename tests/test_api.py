@@ -11,7 +11,7 @@ import torch
 
 import evotune
 from evotune import testing
-from evotune.api import search_family, write_family
+from evotune.api import tune_kernel
 from evotune.problems import allow_plugins, get_problem
 from _paths import REPO_ROOT
 
@@ -32,16 +32,23 @@ def _reference(x):
     return 3 * x.float(), torch.full((x.shape[0],), 3.0)
 
 
-def test_written_family_passes_the_gate_and_searches(tmp_path, runs_root):
-    """A lambda and a def become the family's reference module; the family has two outputs; a search of it compiles
-    and records each trial and picks the config the cost model favours."""
-    path = write_family(tmp_path / "fam", KERNEL, "scale", {"threads": [32, 64], "items": [1, 2]},
+def test_tune_kernel_writes_a_family_that_passes_the_gate_and_searches(tmp_path, runs_root):
+    """tune_kernel with an injected evaluator: a def and a lambda become the family's reference module (two outputs);
+    the search compiles and records each trial and returns the config the cost model favours; the family it wrote
+    passes the gate on the CPU."""
+    evaluator = testing.ModelEvaluator(lambda c: 100.0 / (c["threads"] * c["items"]))
+    found = tune_kernel(KERNEL, "scale", {"threads": [32, 64], "items": [1, 2]},
                         inputs={"x": ["rows", "cols"]}, outputs={"y": ["rows", "cols"], "s": {"shape": ["rows"],
                                                                                               "dtype": "fp32"}},
                         reference=_reference, baseline={"mul": lambda x: (x * 3, torch.full((x.shape[0],), 3.0))},
                         grid=["rows"], block=["threads"], shape="rows=6,cols=40:fp16",
                         template=["ctype", "threads", "items"], constraints=[("threads * items <= 128", "a test")],
-                        tolerance={"atol": 1e-3, "rtol": 1e-3})
+                        tolerance={"atol": 1e-3, "rtol": 1e-3}, family_dir=str(tmp_path / "fam"), trials=3,
+                        sampler="random", evaluate=evaluator, lookahead=0)
+    assert found.summary["evaluated"] == len(evaluator.calls) == 3
+    assert found.time_us == min(evaluator.cost(c) for c in evaluator.calls) and found.config in evaluator.calls
+    path = tmp_path / "fam" / "scale.yaml"
+    assert found.family == str(path.resolve()) and (runs_root / found.run.split("/")[-1] / "trials.jsonl").is_file()
     assert (path.parent / "scale.cu").read_text() == KERNEL
     allow_plugins([str(path)])
     problem = testing.on_cpu(get_problem(str(path)))
@@ -50,12 +57,6 @@ def test_written_family_passes_the_gate_and_searches(tmp_path, runs_root):
     inputs = problem.make_inputs(shape, 1, device="cpu")
     y, s = problem.baseline_launcher("mul", shape, inputs, probe=False)().values()
     assert torch.equal(y, inputs["x"] * 3) and torch.equal(s, torch.full((6,), 3.0))
-
-    evaluator = testing.ModelEvaluator(lambda c: 100.0 / (c["threads"] * c["items"]))
-    found = search_family(path, trials=3, sampler="random", evaluate=evaluator, lookahead=0)
-    assert found.summary["evaluated"] == len(evaluator.calls) == 3
-    assert found.time_us == min(evaluator.cost(c) for c in evaluator.calls) and found.config in evaluator.calls
-    assert found.family == str(path.resolve()) and (runs_root / found.run.split("/")[-1] / "trials.jsonl").is_file()
 
 
 def test_import_evotune_stays_cheap():

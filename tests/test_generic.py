@@ -217,3 +217,30 @@ def test_plugin_files_resolve_beside_its_module(tmp_path, monkeypatch):
     problem = get_problem("evotune_besidefam:PROBLEM")
     assert problem.kernel_file == str(tmp_path / "my_kernel.cu")
     assert problem.default_space == str(tmp_path / "my_space.yaml")
+
+
+def test_a_plugin_without_knob_domains_names_a_misspelled_knob(tmp_path, monkeypatch, main_in_process):
+    """A plugin that declares no knob domains and reads a knob the space misspells: one `file:line` line, exit 2,
+    not an internal KeyError."""
+    (tmp_path / "evotune_readsfam.py").write_text(textwrap.dedent("""\
+        from evotune.problems.softmax import SoftmaxProblem
+
+        class Reads(SoftmaxProblem):
+            family = "evotune_readsfam:PROBLEM"
+
+            def knob_domains(self):
+                return None
+
+            def instantiation(self, config, shape):
+                config["threads_per_row"]
+                return super().instantiation(config, shape)
+
+        PROBLEM = Reads()
+        """))
+    (tmp_path / "space.yaml").write_text("family: evotune_readsfam:PROBLEM\nparams:\n"
+                                         "  threads_per_rwo: {values: [32]}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    done = main_in_process("--plugin", "evotune_readsfam", "check", "--space", str(tmp_path / "space.yaml"))
+    assert done.returncode == 2
+    assert "space.yaml:3: the evotune_readsfam:PROBLEM family reads knob 'threads_per_row', which the space does " \
+           "not have; is 'threads_per_rwo' a misspelling of it?" in done.stderr

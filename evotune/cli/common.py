@@ -96,7 +96,29 @@ def load_problem(shape_text: Optional[str], space_path: Optional[str], family: O
     if space.family != problem.family:
         raise UsageError(f"{space.path}: space is for family {space.family!r}, not {problem.family!r}")
     check_nonempty(space, problem.context(shape))
+    _check_knobs_read(problem, shape, space)
     return problem, shape, space
+
+
+def _check_knobs_read(problem, shape, space) -> None:
+    """A family that declares no knob domains (a plugin's choice) reads its knobs by name: a knob the space lacks,
+    misspelled there, is a KeyError in its instantiation. Said here, before any compile, as the space's error at the
+    line of the parameter nearest the name read."""
+    import difflib
+
+    if problem.knob_domains() is not None:
+        return
+    config = space.default_config()
+    try:
+        problem.geometry(config, shape)
+        problem.instantiation(config, shape)
+    except KeyError as e:
+        name = str(e.args[0]) if e.args else "?"
+        near = difflib.get_close_matches(name, space.param_names(), n=1)
+        line = next((p.line for p in space.params if near and p.name == near[0]), 1)
+        hint = f"; is {near[0]!r} a misspelling of it?" if near else f"; its parameters: {', '.join(space.param_names())}"
+        raise UsageError(f"{space.path.partition('#')[0]}:{line}: the {problem.family} family reads knob {name!r}, "
+                         f"which the space does not have{hint}") from None
 
 
 def gpu_count() -> int:
