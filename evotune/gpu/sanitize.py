@@ -82,7 +82,8 @@ def _target(job_path: str) -> None:
     kernel = load_kernel(compiled, problem.geometry(config, shape).dynamic_smem)
     inputs = problem.make_inputs(shape, 1)
     out = problem.new_output(inputs)
-    out.fill_(float("nan"))
+    for t in out.values() if isinstance(out, dict) else (out,):  # a family may write several outputs
+        t.fill_(float("nan"))
     problem.launcher(kernel, config, shape, inputs, out)()
     torch.cuda.synchronize()
     print("evotune-sanitize-target: launched", flush=True)
