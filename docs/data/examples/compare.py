@@ -219,7 +219,7 @@ def table(paths: list[str]) -> None:
             print(f"{'':<8} {'kernel_tuner':<13} {us(kt.get('wall_s')):>7} {str(kt.get('evaluated', '-')):>6} "
                   f"{us(k_rt.get('time_us')):>10}  {k_rt.get('status', kt.get('error', '-'))} {kt.get('best')}")
         for name, t in r["torch"].items():
-            print(f"{'':<8} {name:<22} {'':>4} {us(t):>10}")
+            print(f"{'':<8} {name:<28} {us(t):>10}  the torch op, timed by the same harness")
 
 
 if __name__ == "__main__":
