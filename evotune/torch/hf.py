@@ -116,8 +116,8 @@ def uncovered_reason(module, query, key, value, attention_mask, dropout, is_caus
     if kwargs.get("output_attentions"):
         return "output_attentions=True"
     if is_causal and query.shape[2] != key.shape[2]:
-        return (f"a causal mask with {query.shape[2]} queries over {key.shape[2]} keys (transformers' sdpa path "
-                f"crops the keys; the op's causal mask is top-left aligned)")
+        return (f"a causal mask with {query.shape[2]} queries over {key.shape[2]} keys (more queries than keys; "
+                f"the op's causal mask is top-left aligned)")
     return None
 
 
@@ -132,6 +132,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # The causal flag as sdpa_attention_forward derives it (a single query attends to every key).
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    if causal and key.shape[2] > query.shape[2]:
+        # A prefill into an empty StaticCache (no mask, the whole cache as keys): with the top-left causal mask
+        # SDPA and the op share, no query sees a key past the queries, so the keys are cropped to them, as
+        # sdpa_attention_forward crops them (views of the cache: nothing copied).
+        key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
     why = uncovered_reason(module, query, key, value, attention_mask, dropout, causal, kwargs)
     if why is not None:
         _fallback(why)
@@ -156,9 +161,11 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
     causal one (a cached prefill chunk). Checking that mask reads it on the host (a sync), so only in eager code.
     Every other call gets None (the adapter's own path): a StaticCache's mask spans the whole cache with
     padding past the filled length, which the kernel cannot take without reading that length on the host."""
+    sq, sk = query.shape[2], key.shape[2]
+    if sq >= sk:  # a prefill, the adapter's own path: checked before the import, which costs every call
+        return None
     from .decode import MAX_SEQ_Q, decode_attention
 
-    sq, sk = query.shape[2], key.shape[2]
     if not 1 <= sq <= min(MAX_SEQ_Q, sk - 1) or dropout or any(kwargs.get(name) is not None for name in (
             "softcap", "position_bias", "cache", "s_aux", "sinks")) or kwargs.get("output_attentions"):
         return None
