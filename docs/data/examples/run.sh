@@ -7,9 +7,10 @@
 # Per example: `python3 -m evotune search --family examples/E/E.yaml --trials BUDGET --json` (its wall time, from the
 # command's start: interpreter, worker start, compiles and all), then compare.py: Kernel Tuner 1.5's tune_kernel at
 # max_fevals BUDGET (random_sample), both winners re-timed by evotune's harness, the torch op timed the same way.
-# Kernel Tuner needs, beside optuna's wheels in .whl, these (what `import kernel_tuner` and its CuPy backend import;
-# fetch them with ../shared/device/prepare-wheels.sh kernel_tuner==1.5.0 python-constraint2 xmltodict jsonschema
-# jsonschema-specifications referencing rpds-py attrs scipy): without them its rows say "not installed".
+# Kernel Tuner needs, beside optuna's wheels in .whl, what `import kernel_tuner` imports beyond the image (numpy,
+# torch, cupy): ../shared/device/prepare-wheels.sh kernel_tuner==1.5.0 python-constraint2 xmltodict jsonschema
+# jsonschema-specifications referencing rpds-py attrs packaging (scipy only for strategies not used here; a few MB in
+# all). Without them its rows say "not installed" and the rest runs.
 # Writes $OUT/examples.tar.gz (search summaries and logs, the compare JSONs, the run folders) and $OUT/table.txt;
 # prints the table last.
 set -u
