@@ -491,10 +491,16 @@ class GenericProblem(Problem):
                               int(safe_eval(self.smem, env)))
 
     def signature(self, config=None) -> str:
+        """The entry point's parameters; T is the shape's dtype's C type (a tensor of a fixed dtype names its own)."""
         parts = []
         for kind, what in self.args:
-            parts.append(f"{what}*" if kind == "tensor" else f"{'float' if kind == 'float' else 'int'} {what}")
-        return f"{self.entry_name}({', '.join(parts)})"
+            if kind == "tensor":
+                spec = self.inputs.get(what) or self.outputs[what]
+                ctype = DTYPES[spec.dtype][0] if spec.dtype else "T"
+                parts.append(f"{'const ' if what in self.inputs else ''}{ctype}* {what}")
+            else:
+                parts.append(f"{'float' if kind == 'float' else 'int'} {what}")
+        return f"{self.entry_name}({', '.join(parts)})  // T: {', '.join(DTYPES[d][0] for d in self.dtypes)}"
 
     def tolerance(self, shape) -> tuple[float, float]:
         return self._tolerance[shape.dtype]
