@@ -102,6 +102,7 @@ def test_host_overhead_bad_options_exit_2(argv, fault, capsys):
     (["--e2e", "--prefill", "mistral:1x8"], "bad size 'mistral:1x8'"),
     (["--e2e", "--prefill-modes", "eager,fast"], "--prefill-modes of"),
     (["--e2e", "--tune-only"], "--tune-only needs --tune-trials"),
+    (["--e2e", "--table", "/nonexistent/table.json"], "no tuning table at /nonexistent/table.json"),
 ])
 def test_model_bench_e2e_bad_options_exit_2(argv, fault, capsys):
     """tools/model_bench.py --e2e: a bad option is one line and exit status 2, before any model is built."""

@@ -730,6 +730,9 @@ def run_e2e(args) -> dict:
     if args.tune_only and not args.tune_trials:
         print("model_bench: --tune-only needs --tune-trials N", file=sys.stderr)
         raise SystemExit(2)
+    if args.table and not args.tune_trials and not Path(args.table).is_file():
+        print(f"model_bench: no tuning table at {args.table} (--tune-trials N makes one)", file=sys.stderr)
+        raise SystemExit(2)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("model_bench: no CUDA device visible (use --device cpu --tiny for a smoke run)", file=sys.stderr)
         raise SystemExit(2)
@@ -747,6 +750,9 @@ def run_e2e(args) -> dict:
             result["failed_checks"].append(f"evotune tune exited {result['tune']['rc']}")
         if args.tune_only:
             prefill, generate = [], []
+    if args.table and not Path(args.table).is_file():  # a tune that wrote nothing: said, not a traceback
+        result["failed_checks"].append(f"no tuning table at {args.table}")
+        args.table = None
     if args.table:
         os.environ["EVOTUNE_TABLE"] = str(Path(args.table).resolve())
     import evotune.torch as et
@@ -884,6 +890,10 @@ def e2e_markdown(result) -> str:
              f"evotune git {env.get('git')}", f"Date: {env['date']}", f"Command: `{env['command']}`",
              f"Tuning table: {env['table']} ({env.get('table_entries', env.get('table_error'))} entries)", ""]
     lines += [f"- {fam}: {text}" for fam, text in result["models"].items()]
+    if result.get("tune"):
+        t = result["tune"]
+        lines += ["", f"Tuned first: `{t['command']}` (exit {t['rc']}, {t['seconds']:.0f} s), keys: "
+                      f"{', '.join(t['shapes'])}"]
     lines += ["", f"Prefill, ms (median of {result['rounds']} alternating rounds of {result['reps']} forwards; speed = "
               "sdpa_unpacked / evotune per round, median [min-max]; kernel = attention calls that ran evotune's kernel):",
               "", "| model | BxS | mode | sdpa_unpacked | evotune | speed | logits rel | kernel |", "|---|---|---|---|---|---|---|---|"]
