@@ -156,20 +156,20 @@ def test_knob_prior_favours_what_nearer_priors_chose(attention, attention_small,
     mean = knob_prior(attention, mission, attention_small, path=path)
     assert mean[("block_m", a["block_m"])] < mean[("block_m", b["block_m"])]
     n = len(next(p for p in attention_small.params if p.name == "block_m").values)
-    # near counts 1, far 2^-3: a's value holds 8/9 of the weight
-    assert mean[("block_m", a["block_m"])] == pytest.approx(-TRANSFER_SCALE * (8 / 9 - 1 / n))
-    on_other_gpu = knob_prior(attention, mission, attention_small, path=path, gpu="NVIDIA A100")
-    assert on_other_gpu == mean  # both priors are from the H100: each halved, the shares stay
-    halved = knob_prior(attention, mission, attention_small, path=path, gpu=H100)
-    assert halved == mean
+    # near counts 1, far 2^-3: a's value holds 8/9 of the weight, and the evidence is w / (w + 1), w = 9/8
+    assert mean[("block_m", a["block_m"])] == pytest.approx(-TRANSFER_SCALE * (9 / 17) * (8 / 9 - 1 / n))
+    assert knob_prior(attention, mission, attention_small, path=path, gpu=H100) == mean
+    elsewhere = knob_prior(attention, mission, attention_small, path=path, gpu="NVIDIA A100")
+    assert 0 > elsewhere[("block_m", a["block_m"])] > mean[("block_m", a["block_m"])]  # both halved: less evidence
     assert all(len(p.values) > 1 for p in attention_small.params if (p.name, p.values[0]) in mean)
 
 
-def test_the_surrogate_starts_from_the_priors_knob_values(attention, attention_small, mission, admitted_small,
-                                                          tmp_path):
-    """With the priors' prior mean and no result yet, the surrogate's first proposals (after the prior itself,
-    asked first) are the prior's neighbours: configs that differ from it in one knob; without it they are random.
-    A search's options carry the mean to the sampler."""
+def test_the_surrogate_learns_from_the_priors_knob_values(attention, attention_small, mission, admitted_small,
+                                                           tmp_path):
+    """The surrogate shrinks toward the priors' prior mean: with two results that never tried the prior's block_m,
+    configs with it are predicted faster than without the mean; from the mean alone (no result, min_results 0) its
+    proposals are the prior's neighbours, one knob away. A search's options carry the mean to the sampler."""
+    import numpy as np
     import optuna
 
     from evotune.search import loop as S
@@ -184,25 +184,31 @@ def test_the_surrogate_starts_from_the_priors_knob_values(attention, attention_s
     path = tmp_path / "p.json"
     path.write_text(P.dump_priors(doc))
     mean = knob_prior(attention, mission, attention_small, path=path)
+    dists = S.distributions(attention_small)
 
-    def first_asks(prior_mean, n=6):
-        taken = {Config.from_dict(prior).digest()}
-        sampler = SurrogateSampler(admitted, S.distributions(attention_small), lambda d: d in taken, seed=1,
-                                   prior_mean=prior_mean)
-        study = optuna.create_study(directions=["minimize", "minimize"], sampler=sampler)
-        out = []
-        for _ in range(n):
-            config = attention_small.config(study.ask(S.distributions(attention_small)).params)
-            taken.add(config.digest())
-            out.append(sum(config.as_dict()[k] != v for k, v in prior.items()))
-        return out
+    class Done:
+        def __init__(self, c, t):
+            self.params, self.values = c, [t]
 
-    assert first_asks(mean) == [1] * 6
-    assert first_asks({}) != [1] * 6
+    other = [c.as_dict() for c in admitted if c.as_dict()["block_m"] != prior["block_m"]][:2]
+    done = [Done(other[0], 10.0), Done(other[1], 11.0)]
+    with_it = SurrogateSampler(admitted, dists, lambda d: False, explore=0.0, prior_mean=mean).predict(done)
+    without = SurrogateSampler(admitted, dists, lambda d: False, explore=0.0).predict(done)
+    has = np.array([c.as_dict()["block_m"] == prior["block_m"] for c in admitted])
+    shift = with_it - without  # the mean's pull on each config's predicted log time
+    assert shift[has].mean() < shift[~has].mean() - 0.01
+
+    taken = {Config.from_dict(prior).digest()}
+    sampler = SurrogateSampler(admitted, dists, lambda d: d in taken, seed=1, prior_mean=mean, min_results=0)
+    study = optuna.create_study(directions=["minimize", "minimize"], sampler=sampler)
+    for _ in range(6):
+        config = attention_small.config(study.ask(dists).params)
+        taken.add(config.digest())
+        assert sum(config.as_dict()[k] != v for k, v in prior.items()) == 1
     options = SearchOptions(prior_mean=mean)
     sampler = S.make_sampler("surrogate", 16, 0, space=attention_small, admitted=admitted,
                              prior_mean=options.prior_mean)
-    assert dict(options.prior_mean) == mean and sampler._transfer
+    assert dict(options.prior_mean) == mean and sampler._mean.any()
 
 
 def test_only_admitted_priors_are_proposed(attention, attention_small, mission, admitted_small, tmp_path):
