@@ -26,7 +26,6 @@ struct GemmTraits {
     static_assert(kWarpM % 16 == 0 && kWarpN % 16 == 0, "a warp's tile is whole 16x16 fragments");
     static_assert(BK % 16 == 0, "BK is whole 16-deep MMA steps");
     static_assert(STAGES >= 2, "the pipeline loads one stage ahead at least");
-    static_assert((BM * BK / 8) % kThreads == 0 || BM * BK / 8 >= kThreads, "A's tile spreads over the threads");
 };
 
 template <typename T, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES>
