@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 
 from ..errors import EvotuneError, UsageError
+from ..gpu import packet as _packet  # its launch_packet looked up per call (a test may stand in for it)
 from ..problems import get_problem
 from ..problems.attention import uses_tensor_maps
 from .features import FEATURES, MISSING_FEATURES, supports, unsupported  # noqa: F401 (re-exported: evotune.torch.supports)
@@ -167,8 +168,8 @@ class PreparedLaunch:
             packet = self._local.packet = self._new_packet(q, k, v, out, lse, workspace)
         else:
             self._patch(packet, q, k, v, out, lse, workspace)
-        _launch_packet()(self.function, self.grid, self.block, self.smem, _stream_of(self.device_index), packet,
-                         self.pdl)
+        _packet.launch_packet(self.function, self.grid, self.block, self.smem, current_stream_handle(self.device_index),
+                              packet, self.pdl)
 
     def _new_packet(self, q, k, v, out, lse, workspace):
         from ..gpu.packet import ParamPacket
@@ -225,38 +226,19 @@ class _PreparedCache:
 PREPARED = _PreparedCache()
 
 
-def _launch_packet():
-    """evotune.gpu.packet.launch_packet, imported on first use (it imports CuPy's driver binding)."""
-    global _LAUNCH
-    if _LAUNCH is None:
-        from ..gpu.packet import launch_packet
-
-        _LAUNCH = launch_packet
-    return _LAUNCH
-
-
-_LAUNCH = None
-
-
-def _stream_of(device_index: int) -> int:
-    global _stream_of
-    import torch
-
-    # Resolved once: torch._C's raw current-stream getter where torch has it (a C call), else the slower
-    # current_stream_handle.
-    _stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None) or current_stream_handle
-    return _stream_of(device_index)
-
-
 def current_stream_handle(device_index: int) -> int:
     """torch's current stream on `device_index`, as a raw handle (what torch.cuda.current_stream().cuda_stream
     gives, without making a Stream object: the per-call cost the op keeps small)."""
-    import torch
+    global _raw_stream
+    if _raw_stream is None:  # resolved once: torch._C's raw getter (a C call) where torch has it
+        import torch
 
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+            (lambda index: torch.cuda.current_stream(index).cuda_stream)
+    return _raw_stream(device_index)
+
+
+_raw_stream = None
 
 
 def launch(loaded: LoadedKernel, shape, q, k, v, out, scale: float, lse=None) -> None:
