@@ -10,6 +10,9 @@
 #   bash docs/data/model/e2e.sh generate MODEL   generate(): TTFT and decode tokens/s at 1x2048, 8x2048 and (llama,
 #                                                qwen2) 1x16384: DynamicCache, StaticCache, StaticCache + compile
 #
+# To fit a call, narrow it: PMODES=compile (prefill modes: eager,graph,compile), GMODES=dynamic (generate modes:
+# dynamic,static,compile), ROWS=llama:1x8192 (the rows or contexts of the phase), ROUNDS (default 5).
+#
 # The table: docs/data/model/e2e-table.json where it exists (copy each tune call's $OUT/e2e-table.json there
 # before the next call: tune updates it, the other phases read it). Run from the repository root with .whl
 # carried (optuna, for tune). Writes $OUT/e2e-PHASE-MODEL.tar.gz (JSON, markdown, logs) and $OUT/e2e-table.json
@@ -42,6 +45,8 @@ esac
 # the JSON is rewritten after every row, so a call stopped by the timeout keeps what it finished.
 common=(--e2e --rounds "$ROUNDS" --reps 6 --warmup 2 --new-tokens 32 --budget-s 330)
 { [ -f "$table" ] || [ "$PHASE" = tune ]; } && common+=(--table "$table")
+prefill=${ROWS:-$prefill}; generate=${ROWS:-$generate}
+common+=(--prefill-modes "${PMODES:-eager,graph,compile}" --generate-modes "${GMODES:-dynamic,static,compile}")
 case $PHASE in
   tune) args=(--prefill "$prefill" --generate "$generate" --tune-trials "$TRIALS" --tune-only) ;;
   prefill) args=(--prefill "$prefill" --generate none) ;;
