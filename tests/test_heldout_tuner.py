@@ -108,3 +108,48 @@ def test_report_cli_and_bad_input(tmp_path, capsys):
         assert H.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("heldout_tuner: "), err
+
+
+FAKE_EVOTUNE = r'''
+import json, os, sys
+from evotune.records.best import BESIDE_KIND
+from evotune.records.runs import Run
+args = sys.argv[1:]
+if args[0] == "bench":  # `evotune bench best --run R --out F`: the record's raw head-to-head
+    raw = {"head_to_head": {"timings": {"evotune": {"median_us": 8.0}, "cudnn": {"median_us": 10.0}}}}
+    open(args[args.index("--out") + 1], "w").write(json.dumps({"raw": raw}))
+    sys.exit(0)
+spec = args[args.index("--shape") + 1]
+name = args[args.index("--run") + 1] if "--run" in args else "fake-tune"
+run = Run.create(name, {"family": "attention", "shape_spec": spec, "device": {"name": "stand-in"},
+                        "priors": {"configs": 2, "runs": ["r"]}})
+for number, t in enumerate([9.0, 8.0, 8.1, None]):
+    run.append_trial({"number": number, "config": {"k": number}, "digest": f"d{number}", "counted": True,
+                      "result": {"status": "ok" if t else "wrong", "time_us": t, "max_abs": 1e-3}})
+if "tune" in args:
+    (run.path / "baselines.json").write_text(json.dumps({
+        "kind": BESIDE_KIND, "best": {"label": "f1"}, "finalists": [{"label": "f1"}],
+        "head_to_head": {"timings": {"f1": {"median_us": 8.0}, "cudnn": {"median_us": 9.0}}}}))
+'''
+
+
+def test_the_tune_and_long_phases_read_what_the_command_left(tmp_path, monkeypatch):
+    """A phase runs its command in a fresh runs folder and reads the run it left: the ratio from the closing job's
+    baselines.json (tune), or where the search left none, from `evotune bench best --out` (long)."""
+    script = tmp_path / "fake_evotune.py"
+    script.write_text(FAKE_EVOTUNE)
+    monkeypatch.setattr(H, "evotune_cmd", lambda *a: [H.sys.executable, str(script), *a])
+    args = H.parse_args(["--phase", "tune,long", "--shapes", "latency-b1", "--out", str(tmp_path / "o")])
+    assert H.run_phases(H.resolve_shapes(args.shapes), args.phases, args) == 0
+    tune = json.loads((tmp_path / "o" / "latency-b1.tune.json").read_text())
+    assert tune["speedup"] == 1.125 and tune["ours_us"] == 8.0 and tune["best_trial"] == 1
+    assert tune["trials_asked"] == 60 and tune["trials"] == tune["counted"] == 4 and tune["passed"] == 3
+    assert tune["exit_code"] == 0 and tune["wall_s"] > 0 and not tune["stopped_by_deadline"]
+    assert tune["trials_to_within_3pct"] == 2 and tune["priors"] == {"configs": 2, "runs": ["r"]}
+    assert tune["command"].startswith("tune --shape 1,16,256,64:fp16 --trials 60")
+    long = json.loads((tmp_path / "o" / "latency-b1.long.json").read_text())
+    assert long["best_us"] == 8.0 and long["speedup"] == 1.25 and long["timed_by"].startswith("evotune bench best")
+    assert "error" not in long and long["trials_asked"] == 300
+    row = H.merge([tmp_path / "o"])["latency-b1"]
+    assert H.verdict(row)["within"] == pytest.approx(1.125 / 1.25 - 1)  # 10% behind the long search: not met
+    assert H.verdict(row)["met"] is False

@@ -251,7 +251,7 @@ def phase_tune(name: str, spec: str, args, work: Path) -> dict:
     rc, wall, stopped = run_cmd(cmd, env, args.deadline, work / "tune.log")
     runs = sorted(p.parent for p in (work / "runs").glob("*/meta.json"))
     out = {"command": " ".join(cmd[2:]), "exit_code": rc, "wall_s": wall,
-           "stopped_by_deadline": stopped, "trials": args.tune_trials}
+           "stopped_by_deadline": stopped, "trials_asked": args.tune_trials}
     if len(runs) != 1:
         return {**out, "error": f"expected one run under EVOTUNE_RUNS, found {len(runs)}: "
                             f"{last_line(work / 'tune.log')}"}
