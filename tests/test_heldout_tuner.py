@@ -78,6 +78,7 @@ def test_merge_and_report(tmp_path):
            best_trial=2)
     _phase(b, "bert-base", "long", speedup=1.13, wall_s=200.0, counted=300)
     _phase(a, "latency-b1", "tune", speedup=1.2, wall_s=70.0)
+    _phase(a, "latency-b1", "bare", speedup=1.04, wall_s=30.0)
     _phase(a, "latency-b1", "long", speedup=1.21, stopped_by_deadline=True, counted=120)
     _phase(a, "qwen2-7b-4k", "kt", error="no config passed")
     (a / "other.json").write_text('{"kind": "something else"}')
@@ -90,7 +91,7 @@ def test_merge_and_report(tmp_path):
     text = H.report(rows)
     lines = text.splitlines()
     assert lines[2].startswith("| bert-base |") and "1.110x" in lines[2] and "| yes |" in lines[2]
-    assert "120 (deadline)" in lines[3] and "**no**" in lines[3]
+    assert "120 (deadline)" in lines[3] and "**no**" in lines[3] and "| 1.040x |" in lines[3]
     assert "Targets met on 1 of 2 shapes" in text and "- qwen2-7b-4k kt: no config passed" in text
 
 
@@ -101,6 +102,7 @@ def test_report_cli_and_bad_input(tmp_path, capsys):
     assert H.main(["--report", "--out", str(tmp_path / "r"), "--md", str(md)]) == 0
     assert md.read_text().startswith("# Held-out shapes") and "| bert-base |" in md.read_text()
     capsys.readouterr()
+    assert H.parse_args(["--out", "x"]).phases == ["tune", "long", "kt"]  # all: bare only when named
     for argv in (["--phase", "fast", "--out", str(tmp_path)], ["--report", "--out", str(tmp_path / "none")],
                  ["--gpu", "x", "--out", str(tmp_path)], ["--phase", "tune"], ["--long-trials", "0", "--out", "x"],
                  ["--report", "--out", str(tmp_path / "empty")]):

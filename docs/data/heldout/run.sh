@@ -7,9 +7,9 @@
 #   bash docs/data/heldout/run.sh 0,1,2,3 long 1/3        # then 2/3, 3/3: one or two long searches per GPU per call
 #   bash docs/data/heldout/run.sh 0,1,2,3 kt 1/2          # then 2/2 (needs kernel_tuner and its deps in .whl)
 #
-# GPUS: comma list of GPU indices (each process sees one through CUDA_VISIBLE_DEVICES). PHASE: tune, long, kt or
-# all. K/N: this call takes the K-th of N shards of the shape list (shape i where i % N == K-1). The shard's shapes
-# go round-robin to the GPUs; each GPU's process measures its shapes one after another, each given an equal share
+# GPUS: comma list of GPU indices (each process sees one through CUDA_VISIBLE_DEVICES). PHASE: tune, long, kt,
+# bare (tune --no-priors: before the priors shipped) or all (tune, long and kt). K/N: this call takes the K-th of
+# N shards of the shape list (shape i where i % N == K-1). The shard's shapes go round-robin to the GPUs; each GPU's process measures its shapes one after another, each given an equal share
 # of CALL_S (default 480 s) as its deadline (a long search stopped by it keeps what it measured, and the table says
 # so). Writes $OUT/heldout-PHASE-K-of-N.tar.gz (the phase JSONs, logs and run folders, without compile caches and
 # study databases) and prints the merged table of this call last. Merge calls: untar them into one folder, then
@@ -21,7 +21,7 @@ shard=1/1
 if [ $# -ge 1 ] && [[ $1 =~ ^[0-9]+/[0-9]+$ ]]; then shard=$1; shift; fi
 k=${shard%/*}; n=${shard#*/}
 { [ "$n" -ge 1 ] && [ "$k" -ge 1 ] && [ "$k" -le "$n" ]; } || { echo "run.sh: shard $shard: give K/N with 1 <= K <= N" >&2; exit 2; }
-case $phase in tune|long|kt|all) ;; *) echo "run.sh: phase $phase: give tune, long, kt or all" >&2; exit 2;; esac
+case $phase in tune|long|kt|bare|all) ;; *) echo "run.sh: phase $phase: give tune, long, kt, bare or all" >&2; exit 2;; esac
 OUT=${OUT:-/tmp/heldout-out}
 CALL_S=${CALL_S:-480}
 if ! python3 -c "import optuna" 2>/dev/null; then
