@@ -9,8 +9,9 @@
 #
 # GPUS: comma list of GPU indices (each process sees one through CUDA_VISIBLE_DEVICES). PHASE: tune, long, kt,
 # bare (tune --no-priors: before the priors shipped) or all (tune, long and kt). K/N: this call takes the K-th of
-# N shards of the shape list (shape i where i % N == K-1). The shard's shapes go round-robin to the GPUs; each GPU's process measures its shapes one after another, each given an equal share
-# of CALL_S (default 480 s) as its deadline (a long search stopped by it keeps what it measured, and the table says
+# N shards of the shape list (shape i where i % N == K-1). The shard's shapes go round-robin to the GPUs; each
+# GPU's process measures its shapes one after another, each given an equal share of CALL_S (default 480 s) as its
+# deadline (a long search stopped by it keeps what it measured, and the table says
 # so). Writes $OUT/heldout-PHASE-K-of-N.tar.gz (the phase JSONs, logs and run folders, without compile caches and
 # study databases) and prints the merged table of this call last. Merge calls: untar them into one folder, then
 #   python tools/heldout_tuner.py --report --out FOLDER --md docs/EFFICIENCY-heldout.md
