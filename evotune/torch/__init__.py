@@ -6,7 +6,7 @@
     evotune.torch.warmup()                                     # compile + load before graph capture
 
 The op is `torch.ops.evotune.attention` (defined through torch.library.Library, its Python body registered
-to the CPU and CUDA keys, no mutated arguments, a fake implementation), so torch.compile(fullgraph=True)
+for every device, no mutated arguments, a fake implementation), so torch.compile(fullgraph=True)
 traces it without a graph break and a compiled graph calls the body with no custom_op wrapper layers. It reads the
 tuning table in $EVOTUNE_TABLE, else evotune.records.tuning_table.default_table_path(), or one given to
 use_table(); evotune.records.tuning_table documents the table, its buckets and its selection rules, and

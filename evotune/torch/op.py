@@ -24,8 +24,8 @@ from .kernels import CACHE, PREPARED, launch, load_for
 from .routing import FAST_ROUTES
 
 
-# The op is defined through torch.library.Library with its Python body registered straight to the CPU and
-# CUDA dispatch keys, not through torch.library.custom_op: custom_op wraps the body in its own autograd,
+# The op is defined through torch.library.Library with its Python body registered straight to a backend
+# dispatch key, not through torch.library.custom_op: custom_op wraps the body in its own autograd,
 # redispatch, dynamo-disable and aliasing-check layers, Python functions that a compiled graph paid on every
 # call (on a CPU, torch.ops.evotune.attention cost 54 us against SDPA's 7 us through them, 11 us without:
 # tools/op_host_overhead.py). The op has no autograd formula of its own: attention() sends calls that need
@@ -36,8 +36,8 @@ _LIB.define("attention(Tensor q, Tensor k, Tensor v, bool is_causal=False, float
 
 
 def _op_body(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa"):
-    """The op's kernel on CPU and CUDA tensors. A compiled graph calls it at run time, call after call: the
-    same cached routes as eager code."""
+    """The op's kernel on real tensors. A compiled graph calls it at run time, call after call: the same cached
+    routes as eager code."""
     if not record._ACTIVE:
         fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
                                 is_causal, scale, enable_gqa, fallback))
@@ -46,8 +46,9 @@ def _op_body(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="s
     return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback)
 
 
-for _key in ("CPU", "CUDA"):
-    _LIB.impl("attention", _op_body, _key)
+# CompositeExplicitAutograd: every device's calls (CPU, CUDA, any other) reach the body, as custom_op's did;
+# meta and fake tensors reach the fake implementation, which is registered for them.
+_LIB.impl("attention", _op_body, "CompositeExplicitAutograd")
 attention_op = torch.ops.evotune.attention
 
 
