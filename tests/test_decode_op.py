@@ -98,3 +98,12 @@ def test_fake_implementation_gives_the_query_metadata():
         k = torch.empty(1, 8, 512, 128, dtype=torch.bfloat16)
         out = D.decode_op(q, k, k, False, None)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
+
+
+def test_one_decision_serves_a_cache_length_bucket():
+    """Decode steps that grow the cache within a power-of-two bucket reuse one decision; the next bucket decides anew."""
+    q = torch.randn(1, 8, 1, 64)
+    for sk in (1025, 1500, 2048, 2049):
+        kv = torch.randn(1, 2, sk, 64)
+        D.decode_attention(q, kv, kv)
+    assert len(D._DECISIONS) == 2

@@ -84,3 +84,96 @@ def test_split_launches_repeat_bitwise_and_match_sdpa(decode, dspace):
     assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()
     ref = F.scaled_dot_product_attention(inputs["q"], inputs["k"], inputs["v"], enable_gqa=True)
     assert torch.allclose(outs[0].float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------------ the op (evotune.torch.decode)
+
+
+def _table_for(decode, dspace, shape, overrides) -> dict:
+    """A decode table whose one entry routes `shape`'s key to `overrides` (as if a bench had shown it faster)."""
+    import torch
+
+    from evotune.torch import decode as D
+
+    cfg = dspace.config(overrides)
+    props = torch.cuda.get_device_properties(0)
+    key = D.table_key(props.name, f"{props.major}.{props.minor}", shape)
+    return {"version": 1, "family": "attention-decode", "entries": [
+        {"key": dict(zip(D.KEY_FIELDS, key)), "config": cfg.as_dict(), "route": "evotune", "reason": "test",
+         "source_digest": instantiate(decode, cfg, shape).digest}]}
+
+
+@pytest.fixture
+def op_table(decode, dspace):
+    from evotune.torch import decode as D
+
+    def use(shape_text, overrides):
+        shape = decode.parse_shape(shape_text)
+        D.use_decode_table(_table_for(decode, dspace, shape, overrides))
+        D.clear()
+        return shape
+
+    yield use
+    D.use_decode_table(None)
+    D.clear()
+
+
+@pytest.mark.parametrize("shape_text, overrides", [
+    ("1,32,8,3000,128:bf16", {"splits": 16, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
+    ("2,32,8,4,1500,128:causal", {"splits": 4, "warps": 4, "vec": 4, "unroll": 1, "stages": 2}),
+])
+def test_op_runs_our_kernel_where_the_table_says(decode, op_table, shape_text, overrides):
+    """A tuned key runs our kernel (no fallback told) and matches the fp32 reference; an untuned length runs SDPA,
+    told once."""
+    import warnings
+
+    import torch
+
+    from evotune.torch import decode as D
+    from evotune.torch.routing import EvotuneFallbackWarning
+
+    shape = op_table(shape_text, overrides)
+    inputs = decode.make_inputs(shape, seed=9)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    assert D.decode_route(q, k, v, shape.causal) == "evotune"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EvotuneFallbackWarning)
+        out = D.decode_attention(q, k, v, causal=shape.causal)
+    ref = decode.reference(shape, inputs)
+    atol, rtol = decode.tolerance(shape)
+    assert torch.allclose(out.float(), ref, atol=atol, rtol=rtol) and out.stride() == q.stride()
+    # A shorter cache in the same length bucket: the same decision and kernel, the right answer at its length.
+    cut = shape.seq_k * 3 // 4
+    short = {**inputs, "k": k[:, :, :cut], "v": v[:, :, :cut]}
+    from dataclasses import replace
+
+    out = D.decode_attention(q, short["k"], short["v"], causal=shape.causal)
+    assert torch.allclose(out.float(), decode.reference(replace(shape, seq_k=cut), short), atol=atol, rtol=rtol)
+    longer = torch.cat([k, k], dim=2), torch.cat([v, v], dim=2)  # another K/V-length bucket: not tuned
+    with pytest.warns(EvotuneFallbackWarning, match="untuned decode key"):
+        D.decode_attention(q, *longer, causal=shape.causal)
+
+
+def test_op_is_captured_in_a_cuda_graph(decode, op_table):
+    """After one eager call the op captures into a CUDA graph; replays on new cache contents give the new answer."""
+    import torch
+
+    from evotune.torch import decode as D
+
+    shape = op_table("1,32,8,2048,128:bf16", {"splits": 16, "warps": 4, "vec": 8, "unroll": 2, "stages": 2})
+    inputs = decode.make_inputs(shape, seed=1)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    D.decode_attention(q, k, v)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = D.decode_attention(q, k, v)
+    fresh = decode.make_inputs(shape, seed=2)
+    for name in ("q", "k", "v"):
+        inputs[name].copy_(fresh[name])
+    out.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    atol, rtol = decode.tolerance(shape)
+    assert torch.allclose(out.float(), decode.reference(shape, fresh), atol=atol, rtol=rtol)

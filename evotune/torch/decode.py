@@ -190,7 +190,9 @@ def _device_name(index: int) -> tuple[str, str]:
 
 
 def _decide(q, k, v, causal: bool):
-    """("evotune", DecodeLaunch) or ("sdpa", reason) for this call."""
+    """("evotune", DecodeLaunch) or ("sdpa", reason) for this call and every later one of its key (_call_key: the
+    cache length as its bucket). The config's admission is checked at this call's length: within a bucket the
+    kernel is correct at any length (a split may come out empty; the space's split rule only prunes the search)."""
     why = uncovered_reason(q, k, v, causal)
     if why is not None:
         return "sdpa", why
@@ -248,8 +250,9 @@ def _load(cfg, shape: DecodeShape, device_index: int, digest: str):
 
 
 class DecodeLaunch:
-    """One call key's launch: grid, block, shared memory worked out once; per call the pointers, strides and a
-    workspace (fp32 slices from torch's allocator; the counters, which the kernel leaves zero, kept per stream)."""
+    """One decision's launch: grid, block, shared memory and workspace sizes worked out once (none depends on the
+    cache length, which each call passes); per call the pointers, strides and a workspace (fp32 slices from
+    torch's allocator; the counters, which the kernel leaves zero, kept per stream)."""
 
     def __init__(self, kernel, cfg, shape: DecodeShape):
         self.kernel, self.cfg, self.shape = kernel, cfg, shape
@@ -258,25 +261,41 @@ class DecodeLaunch:
         self.n_o, self.n_ml, self.n_count = PROBLEM.workspace_elems(cfg, shape)
 
     def __call__(self, q, k, v, scale: float):
+        import numpy as np
+
         from ..build.compile import cupy_stream
 
         out = torch.empty_like(q)
-        stream = torch.cuda.current_stream(q.device)
-        workspace = ()
+        index = q.device.index
+        handle = _raw_stream(index)
+        workspace = (0, 0, 0)
+        keep = ()
         if self.n_count:
-            workspace = (torch.empty(self.n_o, dtype=torch.float32, device=q.device),
-                         torch.empty(self.n_ml, dtype=torch.float32, device=q.device),
-                         _counters(q.device, stream, self.n_count))
-        args = PROBLEM.launch_args(self.cfg, self.shape, q, k, v, out, scale, workspace)
-        self.kernel(self.grid, self.block, args, shared_mem=self.smem,
-                    stream=cupy_stream(stream.cuda_stream, q.device.index))
+            keep = (torch.empty(self.n_o, dtype=torch.float32, device=q.device),
+                    torch.empty(self.n_ml, dtype=torch.float32, device=q.device),
+                    _counters(q.device, handle, self.n_count))
+            workspace = tuple(t.data_ptr() for t in keep)
+        strides = [x for t in (q, k, v, out) for x in t.stride()[:3]]
+        args = ((np.uint64(q.data_ptr()), np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), np.uint64(out.data_ptr()))
+                + tuple(np.int64(x) for x in strides) + (np.int32(k.shape[2]), np.float32(scale * _LOG2E))
+                + tuple(np.uint64(p) for p in workspace))
+        self.kernel(self.grid, self.block, args, shared_mem=self.smem, stream=cupy_stream(handle, index))
         return out
 
 
-def _counters(device, stream, n: int):
-    """A zeroed int32 buffer of at least n counters for launches on `stream`: launches on one stream run in order
-    and each leaves its counters zero, so they share it; another stream gets its own."""
-    key = (device.index, stream.cuda_stream)
+_LOG2E = math.log2(math.e)
+
+
+def _raw_stream(index: int) -> int:
+    """The current CUDA stream's handle on device `index` (torch._C's raw getter where torch has it: a C call)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def _counters(device, stream: int, n: int):
+    """A zeroed int32 buffer of at least n counters for launches on stream handle `stream`: launches on one stream
+    run in order and each leaves its counters zero, so they share it; another stream gets its own."""
+    key = (device.index, stream)
     found = _COUNTERS.get(key)
     if found is None or found.numel() < n:
         found = _COUNTERS[key] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
@@ -303,7 +322,22 @@ def _tell(reason: str) -> None:
 
 
 def _call_key(q, k, v, causal, scale):
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, bool(causal), scale)
+    """What a decision depends on: everything but the cache length, which enters as its table bucket (a decode
+    step grows the cache by one key: the bucket's decision, kernel and launch serve the next step too)."""
+    sk = k.shape[-2] if k.dim() == 4 else 0
+    return (q.shape, q.stride(), k.shape[:-2] if k.dim() == 4 else k.shape, k.shape[-1], v.shape[:-2] if v.dim() == 4
+            else v.shape, seq_bucket(sk) if sk else 0, q.dtype, q.device, bool(causal), scale)
+
+
+def _per_call_fault(q, k, v) -> str | None:
+    """What the bucket's decision cannot know of this call (None where nothing): the cache's length against the
+    queries, and its rows' alignment (a cache's strides change with its length; q's are in the decision's key)."""
+    if q.shape[2] > k.shape[2]:
+        return f"{q.shape[2]} queries over {k.shape[2]} keys (a query would see no key)"
+    for t in (k, v):
+        if t.data_ptr() % 16 or t.stride(0) % 8 or t.stride(1) % 8 or t.stride(2) % 8 or t.stride(3) != 1:
+            return f"a K/V cache with strides {tuple(t.stride())} (the kernel needs 16-byte aligned rows)"
+    return None
 
 
 def _decode_body(q, k, v, causal=False, scale=None):
@@ -314,7 +348,10 @@ def _decode_body(q, k, v, causal=False, scale=None):
         decision = _DECISIONS[key] = _decide(q, k, v, causal)
     route, what = decision
     if route == "evotune":
-        return what(q, k, v, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+        why = _per_call_fault(q, k, v)
+        if why is None:
+            return what(q, k, v, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+        what = why
     _tell(what)
     return _sdpa(q, k, v, causal, scale)
 
