@@ -51,7 +51,7 @@ def _bench_record(shape: DecodeShape, ours_us, flash_us, passed=True, cc="9.0") 
             {"name": "flash", "available": True, "time_us": flash_us, "passed": True},
             {"name": "math", "available": True, "time_us": flash_us * 9, "passed": True}]
     return {"family": "attention-decode", "shape_dict": shape.as_dict(), "config": {"splits": 8, "warps": 4},
-            "source_digest": "abc", "rows": rows, "raw": {"device": {"name": "NVIDIA H100 80GB HBM3", "cc": cc}}}
+            "source_digest": "abc", "rows": rows, "raw": {"device": {"name": "NVIDIA H100 80GB HBM3", "sm": cc}}}
 
 
 def test_table_routes_to_evotune_only_where_the_bench_beat_sdpa(tmp_path):

@@ -98,7 +98,7 @@ def build_decode_table(bench_paths) -> dict:
             route, reason = "evotune", f"{ours['time_us']:.2f} us vs {best['name']} {best['time_us']:.2f} us"
         else:
             route, reason = "sdpa", f"slower: {ours['time_us']:.2f} us vs {best['name']} {best['time_us']:.2f} us"
-        key = table_key(device["name"], str(device["cc"]), shape)
+        key = table_key(device["name"], str(device["sm"]), shape)  # evotune.gpu.workers.device_info: "sm" is "9.0"
         entries[key] = {"key": dict(zip(KEY_FIELDS, key)), "config": rec["config"], "shape": shape.as_dict(),
                         "route": route, "reason": reason, "evotune_us": ours.get("time_us"),
                         "sdpa": {"backend": best["name"], "time_us": best["time_us"]} if best else None,
