@@ -13,7 +13,7 @@ import re
 import pytest
 from _paths import load_tool
 from _variant_pairs import (assert_compiles_clean, assert_gate_and_twin, assert_lse_twin, assert_sanitizer_clean,
-                            compile_config)
+                            compile_config, covering_sample)
 
 from evotune.build.compile import compile_source
 from evotune.build.template import instantiate, template_flag_names
@@ -70,14 +70,14 @@ def test_every_cp_async_config_of_the_mission_search_keeps_its_source(attention)
     tma_space, merge = load_builtin("attention-small-tma"), load_builtin("attention-small-merge")
     shape = parse_shape("mission")
     ctx = attention.context(shape)
-    oracle = {c: instantiate(attention, c, shape).digest for c in merge.admitted_configs(ctx)}
+    oracle = set(merge.admitted_configs(ctx))
     admitted = tma_space.admitted_configs(ctx)
     copies = [c for c in admitted if c["kv_load"] == "cp_async"]
     assert len(copies) == len(oracle) == 1512
     assert len(admitted) - len(copies) == 378
-    for c in copies:
+    for c in covering_sample(copies):
         same = merge.config({k: v for k, v in c.as_dict().items() if k != "kv_load"})
-        assert instantiate(attention, c, shape).digest == oracle[same]
+        assert same in oracle and instantiate(attention, c, shape).digest == instantiate(attention, same, shape).digest
 
 
 def test_tma_source_inlines_its_header_and_takes_maps(attention, space):
