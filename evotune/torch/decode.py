@@ -249,37 +249,55 @@ def _load(cfg, shape: DecodeShape, device_index: int, digest: str):
     return kernel
 
 
+# The entry point's parameters in order (DecodeProblem.instantiation), as a ParamPacket reads them.
+ENTRY_PARAMS = ((("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "ptr"))
+                + tuple((f"{t}_s{d}", "i64") for t in "qkvo" for d in "bhs")
+                + (("seq_k", "i32"), ("scale_log2", "f32"), ("ws_o", "ptr"), ("ws_ml", "ptr"), ("ws_count", "ptr")))
+
+
 class DecodeLaunch:
     """One decision's launch: grid, block, shared memory and workspace sizes worked out once (none depends on the
-    cache length, which each call passes); per call the pointers, strides and a workspace (fp32 slices from
-    torch's allocator; the counters, which the kernel leaves zero, kept per stream)."""
+    cache length, which each call passes); per thread a ParamPacket (evotune.gpu.packet: the parameters as C
+    values, rewritten per call and launched through cuLaunchKernel, without CuPy's per-argument conversion); per
+    call the pointers, the cache's strides and length, and a workspace: fp32 slices from torch's allocator and the
+    counters (which the kernel leaves zero) kept per stream, or, inside a CUDA graph capture, the graph's own."""
 
     def __init__(self, kernel, cfg, shape: DecodeShape):
         self.kernel, self.cfg, self.shape = kernel, cfg, shape
         geo = PROBLEM.geometry(cfg, shape)
         self.grid, self.block, self.smem = geo.grid, geo.block, geo.dynamic_smem
         self.n_o, self.n_ml, self.n_count = PROBLEM.workspace_elems(cfg, shape)
+        self.function = kernel.kernel.ptr
+        self._local = threading.local()
+
+    def _packet(self):
+        packet = getattr(self._local, "packet", None)
+        if packet is None:
+            from ..gpu.packet import ParamPacket
+
+            packet = self._local.packet = ParamPacket(ENTRY_PARAMS, {name: 0 for name, _ in ENTRY_PARAMS})
+            packet.slots = [packet.slot(name) for name, _ in ENTRY_PARAMS]
+        return packet
 
     def __call__(self, q, k, v, scale: float):
-        import numpy as np
+        from ..gpu.packet import launch_packet
 
-        from ..build.compile import cupy_stream
-
-        out = torch.empty_like(q)
+        out = torch.empty_like(q)  # allocating on q's device also makes its context current for the launch
         index = q.device.index
         handle = _raw_stream(index)
         workspace = (0, 0, 0)
-        keep = ()
         if self.n_count:
             keep = (torch.empty(self.n_o, dtype=torch.float32, device=q.device),
                     torch.empty(self.n_ml, dtype=torch.float32, device=q.device),
                     _counters(q.device, handle, self.n_count))
             workspace = tuple(t.data_ptr() for t in keep)
-        strides = [x for t in (q, k, v, out) for x in t.stride()[:3]]
-        args = ((np.uint64(q.data_ptr()), np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), np.uint64(out.data_ptr()))
-                + tuple(np.int64(x) for x in strides) + (np.int32(k.shape[2]), np.float32(scale * _LOG2E))
-                + tuple(np.uint64(p) for p in workspace))
-        self.kernel(self.grid, self.block, args, shared_mem=self.smem, stream=cupy_stream(handle, index))
+        values = ((q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+                  + tuple(x for t in (q, k, v, out) for x in t.stride()[:3])
+                  + (k.shape[2], scale * _LOG2E) + workspace)
+        packet = self._packet()
+        for slot, value in zip(packet.slots, values):
+            slot.value = value
+        launch_packet(self.function, self.grid, self.block, self.smem, handle, packet)
         return out
 
 
@@ -294,7 +312,10 @@ def _raw_stream(index: int) -> int:
 
 def _counters(device, stream: int, n: int):
     """A zeroed int32 buffer of at least n counters for launches on stream handle `stream`: launches on one stream
-    run in order and each leaves its counters zero, so they share it; another stream gets its own."""
+    run in order and each leaves its counters zero, so they share it; another stream gets its own. Inside a CUDA
+    graph capture a fresh one (its zeroing captured too): the graph owns it, so two graphs' replays never share."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
     key = (device.index, stream)
     found = _COUNTERS.get(key)
     if found is None or found.numel() < n:
