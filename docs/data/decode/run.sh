@@ -6,6 +6,7 @@
 #      4-query bottom-right-causal preset
 #   4. docs/data/decode/op_check.py: the decode table from those benches, and the op (evotune.torch.decode)
 #      beside SDPA on the same tensors, eager and in a CUDA graph
+#   5. docs/data/decode/generate_check.py: generate() of a 2-layer Llama-like model through the adapter, beside sdpa
 # Run from the repository root with .whl carried (optuna):  bash docs/data/decode/run.sh
 # Writes $OUT/decode.tar.gz (pytest log, run folders without caches, bench JSONs, logs) and prints the table last.
 set -u
@@ -23,24 +24,26 @@ export EVOTUNE_RUNS=$work/runs EVOTUNE_CACHE=$work/cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$work/device.txt"
 start=$(date +%s)
 
-timeout 120 python3 -m pytest -q -m gpu tests/test_gpu_decode.py -p no:cacheprovider > "$work/pytest.log" 2>&1
+timeout 110 python3 -m pytest -q -m gpu tests/test_gpu_decode.py -p no:cacheprovider > "$work/pytest.log" 2>&1
 echo "pytest rc=$? ($(( $(date +%s) - start )) s): $(tail -n 1 "$work/pytest.log")"
 
 for preset in llama8b-decode-2k llama8b-decode-16k; do
-  timeout 100 python3 -m evotune search --family attention-decode --shape "$preset" --trials "$TRIALS" \
+  timeout 90 python3 -m evotune search --family attention-decode --shape "$preset" --trials "$TRIALS" \
     --run "$preset" > "$work/search-$preset.log" 2>&1
   echo "search $preset rc=$? ($(( $(date +%s) - start )) s)"
   timeout 35 python3 -m evotune bench best --run "$preset" --reps 100 --out "$work/bench/$preset.json" \
     > "$work/bench-$preset.log" 2>&1
   echo "bench $preset rc=$? ($(( $(date +%s) - start )) s)"
 done
-timeout 35 python3 -m evotune bench --family attention-decode --shape llama8b-chunk4 \
+timeout 30 python3 -m evotune bench --family attention-decode --shape llama8b-chunk4 \
   --config '{"splits": 8, "warps": 4, "vec": 4, "unroll": 1, "stages": 2}' --reps 100 \
   --out "$work/bench/llama8b-chunk4.json" > "$work/bench-llama8b-chunk4.log" 2>&1
 echo "bench llama8b-chunk4 rc=$? ($(( $(date +%s) - start )) s)"
 
 timeout 45 python3 docs/data/decode/op_check.py "$work/bench" "$work" > "$work/op_check.log" 2>&1
 echo "op_check rc=$? ($(( $(date +%s) - start )) s)"
+timeout 35 python3 docs/data/decode/generate_check.py "$work/decode-table.json" "$work" > "$work/generate_check.log" 2>&1
+echo "generate_check rc=$? ($(( $(date +%s) - start )) s)"
 
 mkdir -p "$OUT"
 tar czf "$OUT/decode.tar.gz" --exclude=cache --exclude=study.db -C "$work" .
@@ -64,3 +67,4 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
           + f"   {ratio:.3f} vs {rec.get('best_baseline')}" if ratio else f"{rec['shape']:<22}{cfg:<44}{t:>9}{gb:>7}  " + "  ".join(cells))
 PY
 tail -n 4 "$work/op_check.log"
+tail -n 1 "$work/generate_check.log"
