@@ -43,14 +43,14 @@ DEFAULT_SHAPES = ["mission", "gpt2", "gpt2-causal", "llama-4k", "llama-4k-causal
 _LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 
 # Run inside a tree (its own evotune package and kernels/): compile each (shape, config) of stdin with `jobs`
-# processes, print {index: {"sass": [instructions], "resources": {...}} or {"error": first line}}.
+# processes (instantiated with stdin's options: write_lse for the training variant), print {index: {"sass": [instructions], "resources": {...}} or {"error": first line}}.
 _DUMP = r"""
 import json, re, sys
 from concurrent.futures import ProcessPoolExecutor
 LINE = re.compile(%r)
 
 def one(item):
-    shape, cfg = item
+    shape, cfg, options = item
     from evotune.build.compile import compile_source
     from evotune.build.sass import disassemble
     from evotune.build.template import instantiate
@@ -58,7 +58,7 @@ def one(item):
     from evotune.problems.shapes import parse_shape
     from evotune.space.searchspace import Config
     try:
-        src = instantiate(PROBLEM, Config.from_dict(cfg), parse_shape(shape))
+        src = instantiate(PROBLEM, Config.from_dict(cfg), parse_shape(shape), **options)
         compiled = compile_source(src.code, src.entry)
     except Exception as e:  # a compile failure is a value: both trees must fail alike
         return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:200]}
@@ -66,14 +66,15 @@ def one(item):
             "resources": compiled.resources.as_dict()}
 
 if __name__ == "__main__":
-    jobs, items = json.loads(sys.stdin.read())
+    jobs, items, options = json.loads(sys.stdin.read())
     with ProcessPoolExecutor(jobs) as pool:
-        print(json.dumps(dict(enumerate(pool.map(one, items, chunksize=1)))))
+        print(json.dumps(dict(enumerate(pool.map(one, [(s, c, options) for s, c in items], chunksize=1)))))
 """ % _LINE.pattern
 
 
-def dump(tree: Path, kernels: Path | None, items: list, jobs: int) -> dict:
-    """Each item's listing and resources as `tree`'s evotune compiles it (from `kernels` if given)."""
+def dump(tree: Path, kernels: Path | None, items: list, jobs: int, options: dict | None = None) -> dict:
+    """Each item's listing and resources as `tree`'s evotune compiles it (from `kernels` if given), instantiated with
+    `options`."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     env.pop("EVOTUNE_KERNELS", None)
     if kernels:
@@ -81,7 +82,7 @@ def dump(tree: Path, kernels: Path | None, items: list, jobs: int) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(_DUMP)
     try:
-        proc = subprocess.run([sys.executable, script.name], input=json.dumps([jobs, items]), capture_output=True,
+        proc = subprocess.run([sys.executable, script.name], input=json.dumps([jobs, items, options or {}]), capture_output=True,
                               text=True, cwd=tree, env=env)
     finally:
         os.unlink(script.name)
@@ -145,13 +146,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quiet", action="store_true", help="print only differing configs and the summary")
+    ap.add_argument("--write-lse", action="store_true",
+                    help="compare the training variant (the entry that also writes the log-sum-exp)")
     args = ap.parse_args()
 
     items = sample(args.space or ["attention"], args.shape or DEFAULT_SHAPES, args.knob, args.n, args.seed)
     items += [(shape, json.loads(text)) for shape, text in args.config]
     with tempfile.TemporaryDirectory() as tmp:
-        before = dump(old_tree(args.old, tmp), args.old_kernels, items, args.jobs)
-    after = dump(args.new.resolve(), args.new_kernels, items, args.jobs)
+        options = {"write_lse": True} if args.write_lse else {}
+        before = dump(old_tree(args.old, tmp), args.old_kernels, items, args.jobs, options)
+    after = dump(args.new.resolve(), args.new_kernels, items, args.jobs, options)
 
     differ = failed = 0
     for i, (shape, cfg) in enumerate(items):
