@@ -43,7 +43,8 @@ DEFAULT_SHAPES = ["mission", "gpt2", "gpt2-causal", "llama-4k", "llama-4k-causal
 _LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 
 # Run inside a tree (its own evotune package and kernels/): compile each (shape, config) of stdin with `jobs`
-# processes (instantiated with stdin's options: write_lse for the training variant), print {index: {"sass": [instructions], "resources": {...}} or {"error": first line}}.
+# processes (instantiated with stdin's options: write_lse for the training variant), print {index: {"sass":
+# [instructions], "resources": {...}} or {"error": first line}}.
 _DUMP = r"""
 import json, re, sys
 from concurrent.futures import ProcessPoolExecutor
@@ -82,8 +83,8 @@ def dump(tree: Path, kernels: Path | None, items: list, jobs: int, options: dict
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(_DUMP)
     try:
-        proc = subprocess.run([sys.executable, script.name], input=json.dumps([jobs, items, options or {}]), capture_output=True,
-                              text=True, cwd=tree, env=env)
+        proc = subprocess.run([sys.executable, script.name], input=json.dumps([jobs, items, options or {}]),
+                              capture_output=True, text=True, cwd=tree, env=env)
     finally:
         os.unlink(script.name)
     if proc.returncode != 0:
