@@ -72,3 +72,14 @@ def test_other_masks_keep_the_adapters_path(case):
     assert "evotune.torch.decode" not in told and hf.fallbacks()
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
     assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5)
+
+
+def test_decode_step_compiles_without_a_graph_break():
+    """torch.compile(fullgraph=True) traces the adapter's decode route as one graph (the op is an opaque node)."""
+    q, k, v = _qkv(1, 40)
+    step = torch.compile(lambda q, k, v: hf.attention_forward(_Module(), q, k, v, None, scaling=0.125)[0],
+                         fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = step(q, k, v)
+    assert torch.allclose(out, reference_decode(q, k, v, 0.125, causal=False).transpose(1, 2), atol=1e-5)

@@ -28,6 +28,7 @@ from collections import Counter
 
 import torch
 
+from .decode import MAX_SEQ_Q, decode_attention
 from .op import attention
 from .routing import EvotuneFallbackWarning
 
