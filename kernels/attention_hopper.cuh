@@ -138,398 +138,14 @@ struct HopperTraits {
     // The per-CTA shared memory and thread limits: asserted by the instantiation (evotune/limits.py).
 };
 
-// ------------------------------------------------------------------ the math
-
-// S = Q K^T for one K tile (64 rows of this warpgroup x BLOCK_N keys), issued and committed.
-template <class T>
-__device__ __forceinline__ void issue_qk(float (&s)[T::kSAcc], const u32 (&qr)[T::kQRegSteps][4], u32 sQ_wg, u32 sK) {
-#pragma unroll
-    for (int kk = 0; kk < T::kQKSteps; ++kk) {
-        // k-step kk: region kk/4 of the tile, 32 bytes (16 columns) per step inside it.
-        const u32 k_off = (kk / 4) * (T::kBlockN * 128) + (kk % 4) * 32;
-        u64 desc_k;
-        if constexpr (T::kLeanAddressing) desc_k = smem_desc16((sK >> 4) + (k_off >> 4), 16, 1024);
-        else desc_k = smem_desc(sK + k_off, 16, 1024);
-        if constexpr (T::kQInRegs) {
-            wgmma_rs<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, qr[T::kQInRegs ? kk : 0], desc_k, kk > 0);
-        } else {
-            const u32 q_off = (kk / 4) * (T::kBlockM * 128) + (kk % 4) * 32;
-            if constexpr (T::kLeanAddressing)
-                wgmma_ss<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, smem_desc16((sQ_wg >> 4) + (q_off >> 4), 16, 1024),
-                            desc_k, kk > 0);
-            else
-                wgmma_ss<0>(Wgmma<T::kBlockN, T::kIsBf16>{}, s, smem_desc(sQ_wg + q_off, 16, 1024), desc_k, kk > 0);
-        }
-    }
-    wgmma_commit();
-}
-
-// O += P V for one V tile; P (this warpgroup's 64 x BLOCK_N probabilities) from registers.
-template <class T>
-__device__ __forceinline__ void issue_pv(float (&o)[T::kOAcc], const u32 (&p)[T::kPVSteps][4], u32 sV) {
-#pragma unroll
-    for (int kk = 0; kk < T::kPVSteps; ++kk) {  // 16 keys (2 swizzle atoms of 8 rows) per step
-        if constexpr (T::kLeanAddressing)
-            wgmma_rs<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, p[kk],
-                        smem_desc16((sV >> 4) + kk * 128, T::kBlockN * 128, 1024), 1);
-        else
-            wgmma_rs<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, p[kk], smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
-    }
-    wgmma_commit();
-}
-
-// p_operand = smem (FlashAttention-3's d64 tile, its MmaPV_is_RS = false): P goes from its packed A fragments to
-// this warpgroup's P tile in shared memory, laid out as Q's (64 rows x BLOCK_N keys as BLOCK_N / 64 regions of 64
-// rows x 128 bytes, 128-byte swizzle), and P V reads it through descriptors as Q K^T reads Q. The BLOCK_N / 4
-// registers a thread held for P from its packing until its P V completed are free (for a 192-key S tile), at the
-// price of the stores and P V's A operand from shared memory. The tile is the traits' kPBytes at the end of the
-// dynamic shared memory (the instantiation adds it to kSmemBytes).
-// P's A fragments (rescale_and_pack's) into the warpgroup's P tile: stmatrix.x4 per 16x16 block, the addresses
-// load_q_regs's ldmatrix reads Q's fragments from. Every P V before it has completed (the wgmma_wait<0> ahead of
-// each packing), so one tile serves every K/V tile. The fence makes the stores visible to wgmma's async proxy;
-// a warp's rows of P are read by its own part of the warpgroup's wgmma, so the warp's own barrier suffices
-// (FlashAttention-3's reasoning; the GPU tests check the output bit for bit against P in registers).
-template <class T>
-__device__ __forceinline__ void store_p(const u32 (&p)[T::kPVSteps][4], u32 sP_wg, int warp_in_wg, int lane) {
-    const int row = 16 * warp_in_wg + (lane & 15);
-#pragma unroll
-    for (int kk = 0; kk < T::kPVSteps; ++kk) {
-        const int chunk = 2 * (kk % 4) + (lane >> 4);  // 16-byte chunk inside the 128-byte row
-        stmatrix_x4(sP_wg + (kk / 4) * (64 * 128) + row * 128 + ((chunk ^ (row & 7)) << 4), p[kk]);
-    }
-    fence_proxy_async_smem();
-    __syncwarp();
-}
-
-// O += P V for one V tile with P from the warpgroup's P tile (store_p's) rather than registers.
-template <class T>
-__device__ __forceinline__ void issue_pv_smem(float (&o)[T::kOAcc], u32 sP_wg, u32 sV) {
-#pragma unroll
-    for (int kk = 0; kk < T::kPVSteps; ++kk) {  // 16 keys per step: P's region kk / 4, 32 bytes a step inside it
-        const u32 p_off = (kk / 4) * (64 * 128) + (kk % 4) * 32;
-        if constexpr (T::kLeanAddressing)
-            wgmma_ss<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, smem_desc16((sP_wg >> 4) + (p_off >> 4), 16, 1024),
-                        smem_desc16((sV >> 4) + kk * 128, T::kBlockN * 128, 1024), 1);
-        else
-            wgmma_ss<1>(Wgmma<T::kHeadDim, T::kIsBf16>{}, o, smem_desc(sP_wg + p_off, 16, 1024),
-                        smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
-    }
-    wgmma_commit();
-}
-
-// Q's A fragments for all k-steps from the swizzled tile (Q_IN_REGS): ldmatrix.x4 per 16x16 block.
-template <class T>
-__device__ __forceinline__ void load_q_regs(u32 (&qr)[T::kQRegSteps][4], u32 sQ_wg, int warp_in_wg, int lane) {
-    const int row = 16 * warp_in_wg + (lane & 15);
-#pragma unroll
-    for (int kk = 0; kk < T::kQKSteps; ++kk) {
-        const int chunk = 2 * (kk % 4) + (lane >> 4);  // 16-byte chunk inside the 128-byte row
-        ldmatrix_x4(qr[kk], sQ_wg + (kk / 4) * (T::kBlockM * 128) + row * 128 + ((chunk ^ (row & 7)) << 4));
-    }
-}
-
-// Accumulator layout (both products): register 4j+e of a thread holds row
-// 16*warp + lane/4 + 8*(e/2), column 8j + 2*(lane%4) + e%2.
-template <class T>
-__device__ __forceinline__ void mask_scores(float (&s)[T::kSAcc], int q_row, int kv0, int seq_k, int lane) {
-#pragma unroll
-    for (int j = 0; j < T::kBlockN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = kv0 + 8 * j + 2 * (lane & 3) + (e & 1);
-            bool masked = key >= seq_k;
-            if constexpr (T::kIsCausal) masked = masked || key > q_row + 8 * (e >> 1);
-            if (masked) s[4 * j + e] = neg_inf();
-        }
-}
-
-// Online softmax, first half: running max m and per-thread partial sums l of the thread's two
-// rows; the scores become exp2(s*scale_log2 - m*scale_log2) in place, and alpha is the factor
-// exp2((m_old - m_new)*scale_log2) that O needs. O is not touched here: the previous tile's
-// P V may still be accumulating into it.
-template <class T>
-__device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[2], float (&l)[2], float (&alpha)[2],
-                                               float scale_log2) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float mx = m[r];
-#pragma unroll
-        for (int j = 0; j < T::kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // Every row sees key 0 in its first tile, so mx is finite from the first tile on.
-        if constexpr (T::kLazyRescale) {
-            // rescale = new_max or lazy (kRescaleSlackLog2 = 0 or 8): the row keeps its max, alpha exactly 1 and O
-            // left as it is, unless the new max exceeds it by more than 2^kRescaleSlackLog2 in exp2 terms. At 0 that
-            // is every new max, and the output is bit for bit rescale = always's (whose alpha is ex2(0) = 1 then).
-            // At 8 (FlashAttention-4's conditional rescaling) P reaches at most 256, far inside fp16's and bf16's
-            // range, with l and O relative to the same stale m. NaN compares false: it keeps the finite max and
-            // flows through its own score. The first tile (m = -inf) always takes the max.
-            const bool grown = (mx - m[r]) * scale_log2 > static_cast<float>(T::kRescaleSlackLog2);
-            alpha[r] = grown ? fast_exp2((m[r] - mx) * scale_log2) : 1.f;
-            if (grown) m[r] = mx;
-            mx = m[r];
-        } else {
-            alpha[r] = fast_exp2((m[r] - mx) * scale_log2);
-            m[r] = mx;
-        }
-        const float shift = mx * scale_log2;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < T::kBlockN / 8; ++j) {
-            s[4 * j + 2 * r] = exp2_mixed<T>(2 * j, fmaf(s[4 * j + 2 * r], scale_log2, -shift));
-            s[4 * j + 2 * r + 1] = exp2_mixed<T>(2 * j + 1, fmaf(s[4 * j + 2 * r + 1], scale_log2, -shift));
-            sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
-        }
-        l[r] = l[r] * alpha[r] + sum;
-    }
-}
-
-// Online softmax, second half (after the previous P V completed): rescale O by alpha and pack
-// P as P V's A operand. A fragment of k-step kk: keys 16kk..16kk+15 = accumulator column
-// blocks 2kk and 2kk+1, the same register order as mma.sync's m16n8k16.
-template <class T>
-__device__ __forceinline__ void rescale_and_pack(float (&o)[T::kOAcc], const float (&s)[T::kSAcc], const float (&alpha)[2],
-                                                 u32 (&p)[T::kPVSteps][4]) {
-    // rescale = new_max or lazy: skipped (a warp-uniform branch) when no row of the warp took a new max: every alpha
-    // is exactly 1 then.
-    if (!T::kLazyRescale || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-        for (int j = 0; j < T::kHeadDim / 8; ++j) {
-            o[4 * j + 0] *= alpha[0];
-            o[4 * j + 1] *= alpha[0];
-            o[4 * j + 2] *= alpha[1];
-            o[4 * j + 3] *= alpha[1];
-        }
-    }
-#pragma unroll
-    for (int kk = 0; kk < T::kPVSteps; ++kk) {
-        p[kk][0] = pack2<T::kIsBf16>(s[8 * kk + 0], s[8 * kk + 1]);
-        p[kk][1] = pack2<T::kIsBf16>(s[8 * kk + 2], s[8 * kk + 3]);
-        p[kk][2] = pack2<T::kIsBf16>(s[8 * kk + 4], s[8 * kk + 5]);
-        p[kk][3] = pack2<T::kIsBf16>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-}
-
-// Mask (where the tile needs it) and run the first half of the softmax on tile kv0's scores.
-// wg_row0: the warpgroup's first query row; q_row: the thread's first row.
-template <class T>
-__device__ __forceinline__ void scores_to_probs(float (&s)[T::kSAcc], float (&m)[2], float (&l)[2], float (&alpha)[2], int kv0,
-                                                int wg_row0, int q_row, int seq_k, int lane, float scale_log2) {
-    bool need_mask = kv0 + T::kBlockN > seq_k;
-    if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kBlockN - 1 > wg_row0;
-    if (need_mask) mask_scores<T>(s, q_row, kv0, seq_k, lane);
-    softmax_scores<T>(s, m, l, alpha, scale_log2);
-}
-
-// O / l to the output rows of this thread (rows at or past seq_q are not written).
-template <class T>
-__device__ __forceinline__ void store_out(const float (&o)[T::kOAcc], const float (&l)[2], unsigned short* gO, long long o_ss,
-                                          int q_row, int seq_q, int lane) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = 1.f / sum;
-        const int row = q_row + 8 * r;
-        if (row >= seq_q) continue;
-        unsigned short* dst = gO + (long long)row * o_ss + 2 * (lane & 3);
-#pragma unroll
-        for (int j = 0; j < T::kHeadDim / 8; ++j)
-            *reinterpret_cast<u32*>(dst + 8 * j) = pack2<T::kIsBf16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-    }
-}
-
-// Training (attention_fwd_wgmma<T, true> only): each row's natural-log log-sum-exp to gL[row]; m is
-// quad-uniform (softmax_scores reduces it), l the thread's partial sum.
-template <class T>
-__device__ __forceinline__ void store_row_lse(const float (&m)[2], const float (&l)[2], float* gL, int q_row, int seq_q,
-                                              float scale_log2, int lane) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int row = q_row + 8 * r;
-        if ((lane & 3) == 0 && row < seq_q) gL[row] = lse_from_log2(m[r] * scale_log2, sum);
-    }
-}
-
-// Shared-memory bookkeeping of one CTA: the barriers every variant has (Barriers adds stripe_order = mirrored's).
-template <class T>
-struct BarriersBase {
-    unsigned long long q_full;
-    unsigned long long k_full[T::kBarrierSlots];
-    unsigned long long v_full[T::kBarrierSlots];
-    unsigned long long k_empty[T::kBarrierSlots];  // every consumer warp is done reading K of the slot
-    unsigned long long v_empty[T::kBarrierSlots];  // ... V of the slot
-    unsigned long long q_empty;     // PERSISTENT: every consumer warp is done reading the Q tile
-};
-// The members of a derived struct follow its base's, so the mirrored barriers come after q_empty and every variant's
-// common barriers keep their addresses.
-template <class T, bool MIRRORED = T::kStripeMirror>
-struct Barriers : BarriersBase<T> {};
-template <class T>
-struct Barriers<T, true> : BarriersBase<T> {
-    // stripe_order = mirrored: Q's two buffers' full and empty barriers (q_full and q_empty stay unused).
-    unsigned long long q_buf_full[2];
-    unsigned long long q_buf_empty[2];
-};
-
-// stripe_order = mirrored (persistent, causal_extent = warpgroup). With causal_extent = warpgroup, the consumer
-// warpgroup that takes the tile's last 64 rows (stripe W - 1 of W) walks W - 1 more K/V tiles than the one that
-// takes its first, so in a fixed assignment the same warpgroup is always the longest and the others wait for it at
-// every query tile (Q's one buffer frees only after the last warpgroup's last Q K^T). Here the assignment is
-// mirrored on every other query tile of the CTA: warpgroup wg takes stripe wg on even tiles and W - 1 - wg on odd
-// ones, so over two tiles every warpgroup walks the same number of K/V tiles, and Q has two buffers (query tile
-// qi in buffer qi & 1, phase (qi >> 1) & 1), so that a warpgroup done with tile qi starts on tile qi + 1 while
-// the longest one finishes qi. What stays per physical warpgroup: its O staging rows and named barrier (the
-// TMA-store epilogue), its P tile (p_operand = smem), its register split.
-template <class T>
-__device__ __forceinline__ int mirrored_stripe(int wg, int qi) {
-    static_assert(T::kStripeMirror, "the stripes are mirrored only with stripe_order = mirrored");
-    return (qi & 1) ? T::kConsumerWGs - 1 - wg : wg;
-}
-// Query tile qi's Q buffer in shared memory: the first at sQ, the second at the traits' kQ1Offset.
-template <class T>
-__device__ __forceinline__ u32 q_buffer(u32 smem_base, int qi) {
-    static_assert(T::kQ1Offset % 1024 == 0, "Q's second buffer keeps the 1024-byte swizzle alignment");
-    return smem_base + ((qi & 1) ? T::kQ1Offset : 0);
-}
-
-// Issue the TMA loads of K (WHICH = 0) or V (1) tile `t` into slot `slot` (one thread).
-template <class T, int WHICH>
-__device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barriers<T>* bars, int slot, int t, int head, int batch) {
-    const u32 bar = smem_addr(WHICH == 0 ? &bars->k_full[slot] : &bars->v_full[slot]);
-    mbar_expect_tx(bar, T::kKVBytes);
-#pragma unroll
-    for (int r = 0; r < T::kRegions; ++r)
-        tma_load_4d(sKV + slot * T::kKVBytes + r * (T::kBlockN * 128), map, bar, 64 * r,
-                    t * T::kBlockN, head, batch);
-}
-
-// Load tile t + STAGES into tile t's slot: K once every consumer warp released tile t's K,
-// V once they released its V. K and V are released at different points of the consumer
-// loop (K after S, V after the next tile's S), so they are refilled separately: waiting
-// for both before loading K would deadlock a one-stage pipeline.
-template <class T>
-__device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorMap* v_map, u32 sK, u32 sV, Barriers<T>* bars,
-                                       int t, int head, int batch) {
-    // lean_addressing: t is never negative; unsigned, % and / by STAGES need no sign fix-up (at 2 and 4: a mask, a
-    // shift).
-    const int slot = static_cast<typename T::SlotUse>(t) % T::kStages;
-    const u32 parity = (static_cast<typename T::SlotUse>(t) / T::kStages) & 1;
-    mbar_wait(smem_addr(&bars->k_empty[slot]), parity);
-    load_kv<T, 0>(k_map, sK, bars, slot, t + T::kStages, head, batch);
-    mbar_wait(smem_addr(&bars->v_empty[slot]), parity);
-    load_kv<T, 1>(v_map, sV, bars, slot, t + T::kStages, head, batch);
-}
-
-// empty_warpgroups = skip: one query tile of a consumer warpgroup whose 64 rows all lie at or past seq_q (the
-// padding of a ragged last query tile; with 192-row tiles, gpt2's 1024 rows leave 128 of the last tile's 192
-// empty). It computes nothing and stores nothing; it only gives the barriers the arrivals the loop would (one per
-// warp): Q's release (persistent), K(t)'s after each S and V(t)'s after each P V (the last V only when the slot
-// is refilled across query tiles, as consume_tile). Each arrival waits for the load it releases to have landed:
-// that load proves the slot's previous phase complete, so the arrival counts towards this tile's phase and never
-// the one before (a warpgroup that ran ahead would otherwise release a slot twice in one phase).
-template <class T>
-__device__ __forceinline__ void drain_tile(Barriers<T>* bars, int n_tiles, int it0, int q_phase, int lane) {
-    if constexpr (T::kStripeMirror) {
-        // q_phase is the query tile's index qi (Q's buffer qi & 1, its phase (qi >> 1) & 1).
-        mbar_wait(smem_addr(&bars->q_buf_full[q_phase & 1]), (q_phase >> 1) & 1);
-        if (lane == 0) mbar_arrive(smem_addr(&bars->q_buf_empty[q_phase & 1]));
-    } else {
-        mbar_wait(smem_addr(&bars->q_full), q_phase);
-        if constexpr (T::kPersistent) {
-            if (lane == 0) mbar_arrive(smem_addr(&bars->q_empty));
-        }
-    }
-    for (int t = 0; t < n_tiles; ++t) {
-        const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence
-        const int slot = use % T::kStages;
-        const u32 parity = (use / T::kStages) & 1;
-        mbar_wait(smem_addr(&bars->k_full[slot]), parity);
-        if (lane == 0) mbar_arrive(smem_addr(&bars->k_empty[slot]));
-        mbar_wait(smem_addr(&bars->v_full[slot]), parity);
-        if (lane == 0 && (T::kPersistent || t + 1 < n_tiles)) mbar_arrive(smem_addr(&bars->v_empty[slot]));
-    }
-}
-
-// causal_extent = warpgroup: a consumer warpgroup stops at its own diagonal, the K/V tile of its last row (row0_wg
-// + 63); the CTA's later tiles, there for the warpgroups below it, lie wholly past its rows (masked). For those
-// it only gives the slots the releases a refill waits for: K(t)'s and V(t)'s where tile t + STAGES comes into
-// t's slot (one tile per CTA: while t + STAGES < cta_tiles; persistent: always, the next query tile's K/V come
-// after). Each release first waits for the load it releases, as drain_tile's do, so it counts towards this
-// use of the slot and never the one before.
-template <class T>
-__device__ __forceinline__ int warpgroup_kv_tiles(int row0_wg, int seq_k) {
-    static_assert(T::kIsCausal, "causal_extent = warpgroup: only a causal tile has K/V tiles past a warpgroup's rows");
-    return (min(seq_k, row0_wg + 64) + T::kBlockN - 1) / T::kBlockN;
-}
-template <class T>
-__device__ __forceinline__ void pass_masked_tiles(Barriers<T>* bars, int from, int cta_tiles, int it0, int lane) {
-    const int released = T::kPersistent ? cta_tiles : cta_tiles - T::kStages;  // tiles whose slot is refilled
-    for (int t = from; t < released; ++t) {
-        const unsigned use = it0 + t;  // K/V tile t's place in the slots' sequence
-        const int slot = use % T::kStages;
-        const u32 parity = (use / T::kStages) & 1;
-        mbar_wait(smem_addr(&bars->k_full[slot]), parity);
-        if (lane == 0) mbar_arrive(smem_addr(&bars->k_empty[slot]));
-        mbar_wait(smem_addr(&bars->v_full[slot]), parity);
-        if (lane == 0) mbar_arrive(smem_addr(&bars->v_empty[slot]));
-    }
-}
-
-// ---- persistent tile order (plain C++: tests/test_persistent.py compiles this stretch with the host compiler)
-// A query tile: its first row, query head and batch index.
-struct QTile {
-    int row0, head, batch;
-};
-
-// Bytes of K and V (of all heads) a persistent grid's concurrent tiles should keep within: FlashAttention-3's
-// causal scheduler sizes its head sections to 32 MB of the H100's 50 MB L2 as well.
-constexpr long long kL2SectionBytes = 32ll << 20;
-
-// (batch, query head) pairs per section of the causal order: as many as keep their K and V within
-// kL2SectionBytes; with grouped-query attention `group` consecutive query heads share one K/V head.
-template <class T>
-__device__ __forceinline__ int l2_section_pairs(int head_batches, int seq_k, int group) {
-    const long long kv_bytes = 4ll * T::kHeadDim * seq_k;  // K and V of one K/V head, 2 bytes an element
-    return static_cast<int>(max(1ll, min(static_cast<long long>(head_batches), kL2SectionBytes * group / kv_bytes)));
-}
-
-// Tile `tile` of the persistent order. Non-causal: the query tiles of one (batch, head) are consecutive, so
-// the ~132 tiles in flight at a time share the K/V of one to a few heads in L2. Causal: (batch, head) pairs
-// in sections whose K/V fit kL2SectionBytes; within a section the heads vary fastest and the tiles go from the
-// last query tile (the most K/V tiles) to the first, so the longest tiles start first and the short ones fill
-// the end of the launch.
-template <class T>
-__device__ __forceinline__ QTile persistent_tile(int tile, int m_blocks, int heads, int head_batches, int section) {
-    int m, hb;
-    if constexpr (T::kIsCausal) {
-        const int sec = tile / (section * m_blocks);
-        const int base = sec * section;
-        const int width = min(section, head_batches - base);  // the last section may hold fewer pairs
-        const int idx = tile - base * m_blocks;
-        m = m_blocks - 1 - idx / width;
-        hb = base + idx % width;
-    } else {
-        m = tile % m_blocks;
-        hb = tile / m_blocks;
-    }
-    return {m * T::kBlockM, hb % heads, hb / heads};
-}
-
-// K/V tiles a query tile starting at row q_row0 reads (causal: up to its last row's diagonal).
-template <class T>
-__device__ __forceinline__ int kv_tile_count(int q_row0, int seq_k) {
-    int kv_end = seq_k;
-    if constexpr (T::kIsCausal) kv_end = min(seq_k, q_row0 + T::kBlockM);
-    return (kv_end + T::kBlockN - 1) / T::kBlockN;
-}
-// ---- end of the persistent tile order
-#include "hopper_tma_store.cuh"
+// The kernel's pieces (kernels/hopper/, the PTX wrappers in ptx.cuh): the consumer warpgroups' tile algebra, the
+// K/V ring, the tile scheduler and the epilogue. attention_fwd_wgmma below composes them: the loader (the producer
+// warpgroup's first thread, or a consumer's) fills the ring in the scheduler's order, consume_tile runs a query
+// tile's consumer loop over it and hands O to the epilogue.
+#include "hopper/consumer.cuh"
+#include "hopper/ring.cuh"
+#include "hopper/scheduler.cuh"
+#include "hopper/epilogue.cuh"
 
 // q_map, k_map, v_map: the CUtensorMaps of Q, K and V, each over the 4-D view (head_dim, seq, head,
 // batch) with boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows. They point at the entry
@@ -567,11 +183,12 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     const u32 sV = sK + T::kStages * T::kKVBytes;
 
     const int tid = threadIdx.x;
-    // Without PERSISTENT, the CTA's one query tile: the grid's (x, y, z) = (query tile, head, batch).
-    const QTile grid_tile{static_cast<int>(blockIdx.x) * T::kBlockM, static_cast<int>(blockIdx.y),
-                          static_cast<int>(blockIdx.z)};
-    const int grid_kv_head = kv_head_of(grid_tile.head, kv_magic);  // the K/V maps' head coordinate
-    const int grid_n_tiles = kv_tile_count<T>(grid_tile.row0, seq_k);
+    // Where each consumer warpgroup's output goes (hopper/epilogue.cuh).
+    const Epilogue<T, WRITE_LSE> epilogue{o, o_sb, o_sh, o_ss, o_map, lse, lse_sb, lse_sh, seq_q, scale_log2};
+    // Without PERSISTENT, the CTA's one query tile.
+    const QTile one_tile = grid_tile<T>();
+    const int grid_kv_head = kv_head_of(one_tile.head, kv_magic);  // the K/V maps' head coordinate
+    const int grid_n_tiles = kv_tile_count<T>(one_tile.row0, seq_k);
     // The thread that issues TMA: the producer warpgroup's first, or the first consumer's.
     // causal_extent = warpgroup, without a producer: the last consumer warpgroup's first thread, since that warpgroup
     // alone walks every K/V tile of the CTA (the others stop at their own diagonals) and so refills every slot.
@@ -706,7 +323,9 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         // between the waits for S and for P V). Here the wait opens the next iteration, across the back edge
         // from the softmax. The instructions run in the same order as without the knob, so is the output.
         // finish_tile(u): tile u's softmax is done; wait for P(u-1) V(u-1), release V(u-1)'s slot (and refill it
-        // without a producer), rescale O and pack P(u).
+        // without a producer), rescale O and pack P(u). The written loop below repeats it inline with its own slot
+        // arithmetic (prev): one helper for both loops, with the slot as a parameter, moved the persistent rotated
+        // kernels' register allocation (9 of 100 sampled configs' SASS), so the two stay apart.
         auto finish_tile = [&](int u) {
             wgmma_wait<0>();
             fence_regs(o_acc);
@@ -801,16 +420,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             if (lane == 0 && n_tiles - 1 + T::kStages < cta_tiles) mbar_arrive(smem_addr(&bars.v_empty[last]));
         }
 
-        if constexpr (T::kTmaStore) {
-            // epilogue = tma (kernels/hopper_tma_store.cuh): O goes out through shared memory and TMA instead.
-            store_out_tma<T>(o_acc, l_run, o_map, o_stage_addr<T>(sQ, sV, wg), wg, q_row0 + 64 * wg, head, batch,
-                             warp_in_wg, lane);
-        } else {
-            unsigned short* gO = o + batch * o_sb + head * o_sh;
-            store_out<T>(o_acc, l_run, gO, o_ss, q_row, seq_q, lane);
-        }
-        if constexpr (WRITE_LSE)
-            store_row_lse<T>(m_run, l_run, lse + batch * lse_sb + head * lse_sh, q_row, seq_q, scale_log2, lane);
+        epilogue.store(o_acc, m_run, l_run, sQ, sV, wg, q_row0 + 64 * wg, q_row, head, batch, warp_in_wg, lane);
         if constexpr (T::kCausalWarpgroup) {
             // Its output is out; now the K/V tiles past its diagonal (their releases only).
             pass_masked_tiles<T>(&bars, n_tiles, cta_tiles, it0, lane);
@@ -818,7 +428,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     };
 
     if constexpr (!T::kPersistent) {
-        const QTile& w = grid_tile;
+        const QTile& w = one_tile;
         const int kv_head = grid_kv_head, n_tiles = grid_n_tiles;
         if (tid == loader) {
             const u32 qb = smem_addr(&bars.q_full);
@@ -843,40 +453,27 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         }
         consume_tile(w, kv_head, n_tiles, 0, 0);
     } else {
-        // Persistent: CTA b takes tile b of persistent_tile's order first, then (non-causal) b + gridDim.x, ...
-        // or (causal) the tiles its producer is handed by tile_counter; the consumers walk the same sequence
-        // (computed, or read with each Q) and count the K/V tiles before each query tile the same way.
+        // Persistent (hopper/scheduler.cuh): CTA b takes tile b of persistent_tile's order first, then (strided)
+        // b + gridDim.x, ... or (kDynamic) the tiles its producer is handed by tile_counter; the consumers walk the
+        // same sequence (computed, or read with each Q) and count the K/V tiles before each query tile the same way.
         const int m_blocks = (seq_q + T::kBlockM - 1) / T::kBlockM;
         const int head_batches = n_heads * n_batch;
         const int n_work = m_blocks * head_batches;
         // Causal only (the non-causal order has no sections). K/V heads: the last query head's, plus one.
         const int section =
             T::kIsCausal ? l2_section_pairs<T>(head_batches, seq_k, n_heads / (kv_head_of(n_heads - 1, kv_magic) + 1)) : 1;
-        // empty_warpgroups = skip: the non-causal tiles are handed out too. A head's last query tile, whose empty
-        // warpgroups skip it, costs less than a full one; with the fixed stride every CTA would take tiles of one
-        // row block only (132 SMs and 6 row blocks on gpt2), so some CTAs would get only the cheap ones and the
-        // launch would last as long as the full ones. Handed out in persistent_tile's order, each head's tiles
-        // stay together (its K/V in L2); an order with every thin tile last measured 2.5-4% slower on gpt2.
-        constexpr bool kDynamic = T::kIsCausal || T::kSkipEmpty;
-        // kDynamic: per q_full phase, its query tile (or -1: none left), query tile qi's entry qi % kHanded.
-        // stripe_order = mirrored: four entries. The producer writes tile qi's at the top of tile qi, before it
-        // awaits anything there. Its last reader was tile qi - 4's: each consumer warp reads before it releases that
-        // tile's Q, and the producer awaited the release (q_buf_empty) at tile qi - 2's Q load. With two entries the
-        // last reader would be tile qi - 2's, whose release is awaited only at tile qi's Q load.
-        constexpr int kHanded = T::kStripeMirror ? 4 : 2;
-        __shared__ int handed_tile[kHanded];
+        constexpr bool kDynamic = TileHandout<T>::kDynamic;
+        __shared__ int handed[TileHandout<T>::kEntries];  // kDynamic: the tiles the producer hands its consumers
         if (tid >= T::kConsumerThreads) {
             if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
             if (tid == loader) {
                 int it = 0;  // K/V tiles loaded so far
                 int qi = 0;  // query tiles so far
                 for (int work = blockIdx.x; work < n_work; ++qi) {
-                    // Causal: the consumers read the tile after q_full's phase qi completes (the Q load's arrival
-                    // releases this store). The entry was last read for tile qi - 2, before its Q was released,
-                    // which the wait for q_empty at tile qi - 1's Q load saw. Both sides use atomics: the mbarriers
-                    // order them, but compute-sanitizer's racecheck does not model mbarrier waits and reports
-                    // plain accesses here as a race (measured); it leaves atomic ones alone.
-                    if constexpr (kDynamic) atomicExch(&handed_tile[qi & (kHanded - 1)], work);  // mirrored is causal
+                    // The consumers read the tile after q_full's phase qi completes (the Q load's arrival releases
+                    // this store). The entry was last read for tile qi - 2, before its Q was released, which the
+                    // wait for q_empty at tile qi - 1's Q load saw.
+                    hand_tile<T>(handed, qi, work);
                     const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
                     const int kv_head = kv_head_of(w.head, kv_magic);
                     const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
@@ -910,16 +507,12 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                         if (use > 0) mbar_wait(smem_addr(&bars.v_empty[slot]), (use - 1) & 1);
                         load_kv<T, 1>(v_map, sV, &bars, slot, t, kv_head, w.batch);
                     }
-                    // Causal: ask for the next tile only now, when this CTA is about to run out of queued work
-                    // (one tile asked for earlier could sit here while another CTA idles at the end of the
-                    // launch). The answer's latency hides under the wait for the next free slot.
-                    if constexpr (kDynamic) work = static_cast<int>(atomicAdd(tile_counter, 1u) + gridDim.x);
-                    else work += gridDim.x;
+                    work = next_tile<T>(tile_counter, work);
                 }
                 if constexpr (kDynamic) {
                     // No tile left: hand the consumers -1 (their signal to stop) with a bare arrival, once
                     // q_full's previous phase is complete (seen through q_empty).
-                    atomicExch(&handed_tile[qi & (kHanded - 1)], -1);
+                    hand_tile<T>(handed, qi, -1);
                     if constexpr (T::kStripeMirror) {
                         if (qi > 1) mbar_wait(smem_addr(&bars.q_buf_empty[qi & 1]), ((qi - 2) >> 1) & 1);
                         mbar_arrive(smem_addr(&bars.q_buf_full[qi & 1]));
@@ -927,13 +520,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                         if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
                         mbar_arrive(smem_addr(&bars.q_full));
                     }
-                    // Every CTA asks until it is refused, then counts itself done: the last one done knows no
-                    // CTA of this launch will ask again and zeroes both counters for the next launch.
-                    __threadfence();
-                    if (atomicAdd(tile_counter + 1, 1u) == gridDim.x - 1) {
-                        atomicExch(tile_counter, 0u);
-                        atomicExch(tile_counter + 1, 0u);
-                    }
+                    retire_tile_counter(tile_counter);
                 }
             }
             return;
@@ -945,10 +532,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 // consume_tile's own wait then passes at once
                 if constexpr (T::kStripeMirror) mbar_wait(smem_addr(&bars.q_buf_full[qi & 1]), (qi >> 1) & 1);
                 else mbar_wait(smem_addr(&bars.q_full), qi & 1);
-                // One read per warp (see the producer's store), broadcast.
-                int handed = 0;
-                if ((tid & 31) == 0) handed = atomicAdd(&handed_tile[qi & (kHanded - 1)], 0);
-                work = __shfl_sync(0xffffffffu, handed, 0);
+                work = handed_tile<T>(handed, qi, tid);
             } else if (qi > 0) {
                 work += gridDim.x;
             }
@@ -959,10 +543,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, it, T::kStripeMirror ? qi : qi & 1);
             it += n_tiles;
         }
-        // The last tile's O store must have read the staging rows before the CTA may leave.
-        if constexpr (T::kTmaStore) {
-            if (tid % 128 == 0) bulk_wait_read<0>();
-        }
+        epilogue.finish(tid);
     }
 }
 

@@ -67,14 +67,14 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def tile_order(tmp_path_factory):
     """Runs the kernel's own persistent_tile / kv_tile_count / l2_section_pairs (the marked stretch of
-    kernels/attention_hopper.cuh, compiled by the host's C++ compiler): (causal, d, heads, batch, seq_q, seq_k)
+    kernels/hopper/scheduler.cuh, compiled by the host's C++ compiler): (causal, d, heads, batch, seq_q, seq_k)
     (, group) -> (section, [(row0, head, batch, kv tiles)] in tile order)."""
     cxx = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
-    text = (REPO_ROOT / "kernels" / "attention_hopper.cuh").read_text()
+    text = (REPO_ROOT / "kernels" / "hopper" / "scheduler.cuh").read_text()
     stretch = re.search(r"// ---- persistent tile order.*?// ---- end of the persistent tile order", text, re.S)
-    assert stretch, "the marked persistent tile order is gone from attention_hopper.cuh"
+    assert stretch, "the marked persistent tile order is gone from kernels/hopper/scheduler.cuh"
     prelude = "#include <algorithm>\nusing std::max; using std::min;\n#define __device__\n#define __forceinline__ inline\n"
     folder = tmp_path_factory.mktemp("order")
     (folder / "order.cpp").write_text(prelude + stretch.group(0) + _ORDER_MAIN)

@@ -1,4 +1,4 @@
-"""The Hopper variant's TMA-store epilogue (knob epilogue = tma, kernels/hopper_tma_store.cuh).
+"""The Hopper variant's TMA-store epilogue (knob epilogue = tma, kernels/hopper/epilogue.cuh).
 
 CPU: the knob's sources, compiles for sm_90a (no spills, wgmma kept asynchronous, TMA stores in the SASS), shared
 memory, entry parameters and O's tensor map, and the knob as a traits parameter. GPU (marked): every
@@ -57,7 +57,7 @@ def test_tma_source_inlines_its_header(attention, space):
     """A tma config's source has the epilogue's header inlined (no include left), O's map as a by-value parameter
     passed on to the kernel, and no flag markers."""
     src = instantiate(attention, space.config(TMA_CONFIGS[1]), parse_shape("gpt2"))
-    assert "// ---- begin hopper_tma_store.cuh" in src.code and '#include "' not in src.code
+    assert "// ---- begin hopper/epilogue.cuh" in src.code and '#include "' not in src.code
     assert "const __grid_constant__ CUtensorMap o_map" in src.code and "tile_counter, &o_map)" in src.code
     assert "/* TMA_STORE = */ true," in src.code
     assert template_flag_names(src.code) == set()

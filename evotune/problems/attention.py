@@ -124,7 +124,7 @@ def is_pdl(config) -> bool:
 
 
 def is_tma_store(config) -> bool:
-    """The Hopper variant's TMA-store epilogue (knob epilogue = tma, kernels/hopper_tma_store.cuh): each consumer
+    """The Hopper variant's TMA-store epilogue (knob epilogue = tma, kernels/hopper/epilogue.cuh): each consumer
     warpgroup stages O in shared memory and one thread stores it with TMA (through a fourth tensor map, o_map)."""
     return is_wgmma(config) and knob(config, "epilogue") == "tma"
 
@@ -852,7 +852,7 @@ def _sync_traits(config, targs: str) -> str:
 def _hopper_smem_members(config, shape: Shape) -> list[str]:
     """The Hopper traits members for the shared memory that some knobs add to the base traits' (Q, the K/V slots and
     the alignment slack): the persistent TMA-store epilogue's staging tile after the K/V slots
-    (kernels/hopper_tma_store.cuh), stripe_order = mirrored's second Q buffer after that, and p_operand = smem's P tiles
+    (kernels/hopper/epilogue.cuh), stripe_order = mirrored's second Q buffer after that, and p_operand = smem's P tiles
     at the end; none otherwise."""
     members, terms = [], []
     if o_stage_bytes(config, shape):

@@ -1,7 +1,8 @@
-// evotune: the Hopper variant's TMA-store epilogue (knob epilogue = tma, search_spaces/attention.yaml).
-//
-// The Hopper traits' kTmaStore (template parameter TMA_STORE) selects it: attention_fwd_wgmma calls store_out_tma under
-// `if constexpr (T::kTmaStore)`, store_out otherwise.
+// evotune: the Hopper kernel's epilogue (a piece of attention_hopper.cuh, included inside namespace evotune::hopper):
+// a consumer warpgroup's O / l to the output, from registers (epilogue = regs: store_out) or through shared memory and
+// TMA (epilogue = tma: store_out_tma), and with WRITE_LSE its rows' log-sum-exp (store_row_lse). Epilogue<T,
+// WRITE_LSE> holds the output's pointers and strides and picks the variant by the traits' kTmaStore (template
+// parameter TMA_STORE).
 //
 // With epilogue = regs each consumer thread writes its O fragments to global memory itself: per row of the tile,
 // HEAD_DIM / 8 four-byte stores, 16 bytes of a row per quad of lanes, and the warpgroup's last instructions before
@@ -75,3 +76,71 @@ __device__ __forceinline__ void store_out_tma(const float (&o)[T::kOAcc], const 
         if constexpr (!T::kPersistent) bulk_wait_read<0>();
     }
 }
+
+// O / l to the output rows of this thread (rows at or past seq_q are not written).
+template <class T>
+__device__ __forceinline__ void store_out(const float (&o)[T::kOAcc], const float (&l)[2], unsigned short* gO, long long o_ss,
+                                          int q_row, int seq_q, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = 1.f / sum;
+        const int row = q_row + 8 * r;
+        if (row >= seq_q) continue;
+        unsigned short* dst = gO + (long long)row * o_ss + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < T::kHeadDim / 8; ++j)
+            *reinterpret_cast<u32*>(dst + 8 * j) = pack2<T::kIsBf16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+}
+
+// Training (attention_fwd_wgmma<T, true> only): each row's natural-log log-sum-exp to gL[row]; m is
+// quad-uniform (softmax_scores reduces it), l the thread's partial sum.
+template <class T>
+__device__ __forceinline__ void store_row_lse(const float (&m)[2], const float (&l)[2], float* gL, int q_row, int seq_q,
+                                              float scale_log2, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int row = q_row + 8 * r;
+        if ((lane & 3) == 0 && row < seq_q) gL[row] = lse_from_log2(m[r] * scale_log2, sum);
+    }
+}
+
+// The output of the kernel: O (fp16/bf16 bit patterns, strides in elements; o_map: its tensor map, epilogue = tma
+// only, else null) and, with WRITE_LSE (training), each row's log-sum-exp at lse[batch * lse_sb + head * lse_sh + row].
+template <class T, bool WRITE_LSE>
+struct Epilogue {
+    unsigned short* o;
+    long long o_sb, o_sh, o_ss;
+    const CUtensorMap* o_map;
+    float* lse;
+    long long lse_sb, lse_sh;
+    int seq_q;
+    float scale_log2;
+
+    // One consumer warpgroup's query tile (every thread of it calls this): row0_wg its first row, q_row the thread's
+    // first; m, l the rows' running max and this thread's partial sums; sQ, sV where the staging rows lie.
+    __device__ __forceinline__ void store(const float (&o_acc)[T::kOAcc], const float (&m)[2], const float (&l)[2],
+                                          u32 sQ, u32 sV, int wg, int row0_wg, int q_row, int head, int batch,
+                                          int warp_in_wg, int lane) const {
+        if constexpr (T::kTmaStore) {
+            store_out_tma<T>(o_acc, l, o_map, o_stage_addr<T>(sQ, sV, wg), wg, row0_wg, head, batch, warp_in_wg, lane);
+        } else {
+            unsigned short* gO = o + batch * o_sb + head * o_sh;
+            store_out<T>(o_acc, l, gO, o_ss, q_row, seq_q, lane);
+        }
+        if constexpr (WRITE_LSE) store_row_lse<T>(m, l, lse + batch * lse_sb + head * lse_sh, q_row, seq_q, scale_log2, lane);
+    }
+    // A persistent CTA, after its last tile: the last O store must have read the staging rows before the CTA may
+    // leave (one tile per CTA: store_out_tma waited already).
+    __device__ __forceinline__ void finish(int tid) const {
+        if constexpr (T::kTmaStore) {
+            if (tid % 128 == 0) bulk_wait_read<0>();
+        }
+    }
+};
