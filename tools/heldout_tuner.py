@@ -502,7 +502,25 @@ def report(rows: dict[str, dict]) -> str:
     errors = [(n, p, rows[n][p]["error"]) for n in rows for p in PHASES if (rows[n].get(p) or {}).get("error")]
     if errors:
         lines += ["", "Errors:", ""] + [f"- {n} {p}: {e}" for n, p, e in errors]
+    lines += ["", "Where and when each phase ran (from its JSONs):", ""] + provenance(rows)
     return "\n".join(lines) + "\n"
+
+
+def provenance(rows: dict[str, dict]) -> list[str]:
+    """One line per phase: the GPUs, the dates, and the deadlines and budgets its JSONs record."""
+    out = []
+    for phase in PHASES:
+        recs = [rows[n][phase] for n in rows if rows[n].get(phase)]
+        if not recs:
+            continue
+        gpus = sorted({g for r in recs for g in (r.get("device") or {}).get("gpus", [])})
+        dates = sorted({str(r.get("started", ""))[:10] for r in recs if r.get("started")})
+        extra = ""
+        limits = sorted({r["time_limit_s"] for r in recs if r.get("time_limit_s") is not None})
+        if limits:
+            extra = f"; Kernel Tuner's time_limit {', '.join(f'{x:g}' for x in limits)} s"
+        out.append(f"- {phase}: {len(recs)} shapes on {'; '.join(gpus) or 'unknown'}, {', '.join(dates) or '?'}{extra}")
+    return out
 
 
 HEADER = """# Held-out shapes: the tuner on shapes it has not seen
@@ -546,6 +564,8 @@ def parse_args(argv):
                     "shape before it is stopped (SIGINT; a long search keeps what it measured)")
     ap.add_argument("--report", action="store_true", help="merge the JSONs under --out into the markdown table")
     ap.add_argument("--md", default=None, help="with --report: write the page here (default: print the table)")
+    ap.add_argument("--note", default=None, help="with --md: a markdown file put verbatim under the page's header "
+                    "(how this measurement was run where it differs from run.sh: the calls, deadlines and what is missing)")
     ap.add_argument("--list", action="store_true", help="print the held-out shapes and exit")
     ap.add_argument("--kt-worker", default=None, help=argparse.SUPPRESS)
     try:
@@ -568,6 +588,10 @@ def parse_args(argv):
         raise Usage("--out DIR is required")
     if args.md and not args.report:
         raise Usage("--md goes with --report")
+    if args.note and not args.md:
+        raise Usage("--note goes with --md")
+    if args.note and not Path(args.note).is_file():
+        raise Usage(f"--note: no file {args.note}")
     return args
 
 
@@ -592,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise Usage(f"--report: no held-out JSON under {', '.join(args.out)}")
             table = report(rows)
             if args.md:
-                Path(args.md).write_text(HEADER + "\n" + table)
+                note = Path(args.note).read_text().strip() + "\n\n" if args.note else ""
+                Path(args.md).write_text(HEADER + "\n" + note + table)
             print(table, end="")
             return 0
         if len(args.out) != 1:
