@@ -40,10 +40,11 @@ class KernelSource:
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
 
 
-def read_template(filename: str, _seen: tuple[str, ...] = ()) -> tuple[Path, str]:
+def read_template(filename: str, _seen: tuple[str, ...] = (), search: tuple[Path, ...] = ()) -> tuple[Path, str]:
     """The template text with its local `#include "..."` headers inlined (recursively), so the
-    source NVRTC compiles, the cache key and an exported .cu are one self-contained text."""
-    path = kernels_dir() / filename
+    source NVRTC compiles, the cache key and an exported .cu are one self-contained text. `search`: folders looked
+    in before the kernels folder (a template of your own finds the headers beside it)."""
+    path = next((d / filename for d in search if (d / filename).is_file()), kernels_dir() / filename)
     if filename in _seen:
         raise UsageError(f"{path}: #include cycle through {' -> '.join(_seen + (filename,))}")
     try:
@@ -52,14 +53,15 @@ def read_template(filename: str, _seen: tuple[str, ...] = ()) -> tuple[Path, str
         where = f" (included from {_seen[-1]})" if _seen else ""
         raise UsageError(f"{path}: kernel template not found{where}") from None
 
-    return path, inline_includes(text, _seen + (filename,))
+    return path, inline_includes(text, _seen + (filename,), search)
 
 
-def inline_includes(text: str, seen: tuple[str, ...] = ()) -> str:
-    """`text` with each local `#include "name"` line replaced by that header (read_template: recursively)."""
+def inline_includes(text: str, seen: tuple[str, ...] = (), search: tuple[Path, ...] = ()) -> str:
+    """`text` with each local `#include "name"` line replaced by that header (read_template: recursively), looked up
+    in the folders of `search` first, then in the kernels folder."""
     def inline(match: re.Match) -> str:
         name = match.group(1)
-        _, body = read_template(name, seen)
+        _, body = read_template(name, seen, search)
         return f"// ---- begin {name}\n{body.rstrip()}\n// ---- end {name}"
 
     return _LOCAL_INCLUDE.sub(inline, text)
@@ -101,13 +103,17 @@ def instantiate(problem, config, shape, **options) -> KernelSource:
     """Append the problem's instantiation block for (config, shape) to its template, keeping the template's flagged
     lines of the config's template_flags. `options` select a family's output variant (e.g. attention's
     write_lse=True); without them, the searched kernel."""
-    path, template = read_template(problem.kernel_file)
+    # A template named by its path (a plugin's, a family file's) finds its local headers beside it first.
+    search = (Path(problem.kernel_file).parent,) if os.path.isabs(problem.kernel_file) else ()
+    path, template = read_template(problem.kernel_file, search=search)
     # A flagged line may name a header (`//[flag] #include "x.cuh"`): code only that flag's configs compile, in a
     # file of its own rather than one comment line each; it is inlined once the line is selected.
-    template = inline_includes(select_flagged_lines(template, problem.template_flags(config)), (path.name,))
+    template = inline_includes(select_flagged_lines(template, problem.template_flags(config)), (path.name,), search)
     block = problem.instantiation(config, shape, **options) if options else problem.instantiation(config, shape)
-    # Only what changes the code goes in: the same kernel for two shapes is one source and one cache entry.
+    # Only what changes the code goes in: the same kernel for two shapes is one source and one cache entry; the
+    # family by its source_name, which names no folder, so two checkouts compile one source.
     variant = "".join(f" {k}={v}" for k, v in sorted(options.items()))
-    banner = f"\n// ---- evotune instantiation: {problem.family} {banner_key(problem, config)}{variant}\n"
+    name = problem.source_name or problem.family
+    banner = f"\n// ---- evotune instantiation: {name} {banner_key(problem, config)}{variant}\n"
     return KernelSource(family=problem.family, entry=problem.entry_name, code=template + banner + block,
                         template_path=str(path))

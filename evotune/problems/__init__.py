@@ -78,6 +78,9 @@ class Problem(ABC):
     # How a one-line config summary spells each knob: a prefix for its value ("" = the value alone), or for
     # a bool knob (text if true, text if false); a knob not named here is spelled by name and value.
     knob_abbrev: Mapping[str, str | tuple[str, str]] = {}
+    # How an instantiation's banner names the family ("" = `family`): a family file's family is its absolute path,
+    # which would make two checkouts of one kernel two sources (two digests, two cache entries).
+    source_name: str = ""
 
     # ------------------------------------------------------------ shapes (CPU)
     @abstractmethod

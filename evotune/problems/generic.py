@@ -207,6 +207,9 @@ class GenericProblem(Problem):
         r = _FamilyReader(path)
         self.family = str(path)
         self.path = path
+        # The banner names the file, not the folder: the same family in two checkouts is one source (one digest,
+        # one cached cubin, records that agree).
+        self.source_name = path.name
         self.name = r.text("name", path.stem)
         self.title = r.text("description", f"{self.name} kernel")
         self.kernel_file = str(r.beside(r.nodes["kernel"], r.text("kernel"), "kernel"))
