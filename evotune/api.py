@@ -22,9 +22,11 @@ timed beside the baselines at the end.
 
 The reference and baselines go to the family's reference module by their source text (inspect.getsource), since
 the GPU worker is another process: each must be a self-contained function (a def or a one-line lambda) that reads
-only its arguments, torch (imported as torch), torch.nn.functional (as F) and math, or a function importable by
-name from a module (torch.matmul, F.rms_norm), called with the inputs by name. A reference returns the outputs:
-one tensor for one output, else a tuple in `outputs` order or a dict.
+only its arguments, torch (imported as torch), torch.nn.functional (as F) and math, or a torch function itself:
+one whose signature Python can read (F.silu, F.softmax) is called by its parameters' names, each one without a
+default being an input, a shape name or a constant (else a one-line error asks for a lambda: F.rms_norm's
+`normalized_shape` is none of them); a builtin without one (torch.matmul) is called with the inputs in order. A
+reference returns the outputs: one tensor for one output, else a tuple in `outputs` order or a dict.
 """
 
 from __future__ import annotations
@@ -102,7 +104,9 @@ def write_family(folder: Path, source: str, entry: str, knobs: Mapping[str, Sequ
                       [(getattr(baseline, "__name__", "baseline"), baseline)] if baseline is not None else []):
         baselines[label] = f"reference.py:baseline_{len(baselines)}"
         functions[f"baseline_{len(baselines) - 1}"] = fn
-    (folder / "reference.py").write_text(_PRELUDE + "\n\n".join(_function_source(n, f, inputs, outputs)
+    # What the family calls a function with by name (not `dtype`, which is text here and a torch.dtype to torch).
+    given = [*inputs, *dims, *(constants or {})]
+    (folder / "reference.py").write_text(_PRELUDE + "\n\n".join(_function_source(n, f, inputs, given)
                                                                  for n, f in functions.items()))
     doc = {
         "name": name, "kernel": f"{name}.cu", "entry": entry, "shape": shape,
@@ -135,14 +139,13 @@ def _constraint(c) -> dict:
     return {"expr": expr, "why": why}
 
 
-def _function_source(name: str, fn: Callable, inputs, outputs) -> str:
-    """`fn` as the source of a module-level function `name`: an importable function by its module and name, a def
-    or a lambda by its source text."""
+def _function_source(name: str, fn: Callable, inputs, given) -> str:
+    """`fn` as the source of a module-level function `name`: a torch function by its module and name, a def or a
+    lambda by its source text."""
     module = getattr(fn, "__module__", None) or ""
     short = getattr(fn, "__name__", "")
-    if module.startswith("torch") and short.isidentifier():  # torch.matmul: called with the inputs in order
-        params = ", ".join(inputs)
-        return f"def {name}({params}):\n    import {module}\n    return {module}.{short}({params})\n"
+    if module.startswith("torch") and short.isidentifier():
+        return _torch_call(name, fn, f"{module}.{short}", module, inputs, given)
     try:
         text = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
@@ -155,6 +158,30 @@ def _function_source(name: str, fn: Callable, inputs, outputs) -> str:
     fdef = next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
     fdef.name, fdef.decorator_list = name, []
     return ast.unparse(fdef) + "\n"
+
+
+def _torch_call(name: str, fn: Callable, spelled: str, module: str, inputs, given) -> str:
+    """A torch function called by its parameters' names where its signature is readable (F.silu(input)): each
+    parameter without a default must be an input, a shape name or a constant, the others are passed where one is.
+    A builtin without a readable signature (torch.matmul) is called with the inputs in order."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        names = ", ".join(inputs)
+        return f"def {name}({names}):\n    import {module}\n    return {spelled}({names})\n"
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise UsageError(f"tune_kernel: {spelled} takes *args: pass a lambda that calls it")
+    missing = [p.name for p in params if p.default is p.empty and p.kind is not p.VAR_KEYWORD and p.name not in given]
+    if missing:
+        # F.rms_norm(input, normalized_shape, weight, eps): normalized_shape is no tensor or number of the family
+        these = "parameter " + repr(missing[0]) + " is" if len(missing) == 1 else \
+            "parameters " + ", ".join(map(repr, missing)) + " are"
+        raise UsageError(f"tune_kernel: {spelled} cannot be called by the family's names: its {these} none of "
+                         f"{', '.join(given)}; pass a lambda that "
+                         f"calls it, e.g. lambda {', '.join(inputs)}: {spelled}(...)")
+    used = [p for p in params if p.name in given and p.kind is not p.VAR_KEYWORD]
+    call = ", ".join(p.name if p.kind is p.POSITIONAL_ONLY else f"{p.name}={p.name}" for p in used)
+    return f"def {name}({', '.join(p.name for p in used)}):\n    import {module}\n    return {spelled}({call})\n"
 
 
 def _lambda_in(text: str) -> str:

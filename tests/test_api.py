@@ -66,3 +66,30 @@ def test_import_evotune_stays_cheap():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert evotune.tune_kernel.__module__ == "evotune.api"
+
+
+def test_a_torch_function_as_baseline_is_called_by_its_parameters_names(tmp_path):
+    """F.silu as `baseline=` (no lambda) is called by its parameter's name, the family's input `input`; F.rms_norm,
+    whose `normalized_shape` is none of the family's names, is a one-line error asking for a lambda."""
+    import pytest
+    import torch.nn.functional as F
+
+    from evotune.api import write_family
+    from evotune.errors import UsageError
+
+    kernel = "template <typename T, int THREADS>\n__device__ void act(const T* x, T* y, int n) {}\n"
+    common = dict(grid=["rows"], block=["threads"], shape="rows=4,cols=32:fp32", template=["ctype", "threads"])
+    path = write_family(tmp_path / "silu", kernel, "act", {"threads": [32]}, inputs={"input": ["rows", "cols"]},
+                        outputs={"y": ["rows", "cols"]}, reference=lambda input: F.silu(input.float()),
+                        baseline=F.silu, **common)
+    allow_plugins([str(path)])
+    problem = testing.on_cpu(get_problem(str(path)))
+    shape = problem.parse_shape(problem.default_shape)
+    inputs = problem.make_inputs(shape, 3, device="cpu")
+    assert problem.baselines() == ["silu"]
+    assert torch.equal(problem.baseline_launcher("silu", shape, inputs, probe=False)(), F.silu(inputs["input"]))
+    with pytest.raises(UsageError, match=r"rms_norm cannot be called by the family's names: its parameters 'input', "
+                                         r"'normalized_shape' are none of x, w, rows, cols, eps; pass a lambda"):
+        write_family(tmp_path / "rms", kernel, "act", {"threads": [32]}, inputs={"x": ["rows", "cols"], "w": ["cols"]},
+                     outputs={"y": ["rows", "cols"]}, reference=lambda x, w: x, baseline=F.rms_norm,
+                     constants={"eps": 1e-6}, **common)

@@ -26,8 +26,8 @@ err_console = Console(stderr=True)
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 INTERRUPTED = "evotune: interrupted"
 FAMILY_HELP = ("Kernel family: attention, softmax, a family file (path/to/family.yaml: docs/PLUGINS.md) or "
-               "package.module:ATTR (a plugin: allow its module with --plugin or EVOTUNE_PLUGINS; default: the one "
-               "the --space file names, else attention).")
+               "package.module:ATTR (a plugin; naming it here allows its module; default: the one the --space file "
+               "names, else attention).")
 SHAPE_HELP = "Preset name (`evotune shapes --family F`) or the family's spelling (default: the family's)."
 
 
@@ -56,7 +56,8 @@ def emit_json(obj) -> None:
 
 
 def named_family(family: str):
-    """The Problem of a family named on the command line: naming a family file there is the consent to load it."""
+    """The Problem of a family named on the command line: naming a family file or a plugin `package.module:ATTR`
+    there is the consent to load it (the family spelled once, no --plugin beside it)."""
     from pathlib import Path
 
     from ..problems import allow_plugins, get_problem
@@ -65,12 +66,19 @@ def named_family(family: str):
     if is_family_file(family):
         allow_plugins([family])
         family = str(Path(family).resolve())
+    elif ":" in family:
+        module, _, attr = family.partition(":")
+        if not all(part.isidentifier() for part in module.split(".")) or not attr.isidentifier():
+            raise UsageError(f"kernel family {family!r}: a family outside evotune is written package.module:ATTR")
+        allow_plugins([module])
     return get_problem(family)
 
 
-def load_problem(shape_text: Optional[str], space_path: Optional[str], family: Optional[str] = None):
-    """(problem, shape, space): the family is --family, else the one the --space file names, else attention;
-    the shape is parsed by that family (its default shape when none is given)."""
+def load_problem(shape_text: Optional[str], space_path: Optional[str], family: Optional[str] = None,
+                 recorded: Optional[str] = None):
+    """(problem, shape, space): the family is --family (loaded with the consent naming it gives), else `recorded`
+    (a resumed run's: loaded only where EVOTUNE_PLUGINS allows it), else the one the --space file names, else
+    attention; the shape is parsed by that family (its default shape when none is given)."""
     from pathlib import Path
 
     from ..problems import get_problem
@@ -85,7 +93,7 @@ def load_problem(shape_text: Optional[str], space_path: Optional[str], family: O
         declared = str((Path(space_path.partition("#")[0]).parent / declared).resolve())
         if Path(declared) == Path(space_path).resolve():  # --space names a family file: the family itself
             family = family or declared
-    problem = named_family(family) if family else get_problem(declared or "attention")
+    problem = named_family(family) if family else get_problem(recorded or declared or "attention")
     if declared is not None and declared != problem.family:
         raise UsageError(f"{space_path}: space is for family {declared!r}, not {problem.family!r}")
     shape = problem.parse_shape(shape_text if shape_text is not None else problem.default_shape)

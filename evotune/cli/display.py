@@ -48,7 +48,7 @@ def cfg_short(cfg: dict, family: Optional[str] = None) -> str:
     return " ".join(parts)
 
 
-def best_table(best: Optional[dict], recent: list[dict]) -> Table:
+def best_table(best: Optional[dict], recent: list[dict], family: Optional[str] = None) -> Table:
     table = Table(title="best so far" if best else "no passing candidate yet", expand=False)
     for col in ("trial", "status", "time us", "max abs err", "regs", "config"):
         table.add_column(col)
@@ -59,26 +59,30 @@ def best_table(best: Optional[dict], recent: list[dict]) -> Table:
         e = f"{res['max_abs']:.2e}" if res.get("max_abs") is not None and res.get("max_abs") != float("inf") else "-"
         regs = str((res.get("resources") or {}).get("registers", "-"))
         status = res["status"] + (" (best)" if i == 0 and best else "") + (" dup" if r.get("duplicate_of") is not None else "")
-        table.add_row(str(r["number"]), status, t, e, regs, cfg_short(r["config"]))
+        table.add_row(str(r["number"]), status, t, e, regs, cfg_short(r["config"], family))
     return table
 
 
-def trial_line(record: dict, agent: str = "") -> str:
-    """One trial as a line (where no live table is drawn)."""
+def trial_line(record: dict, agent: str = "", family: Optional[str] = None) -> str:
+    """One trial as a line (where no live table is drawn), its config in `family`'s spelling."""
     res = record["result"]
     t = f"{res['time_us']:.2f} us" if res.get("time_us") else res["message"][:80]
     who = f" {agent}" if agent else ""
-    return f"trial {record['number']:4d}{who} {res['status']:<13} {t:<14} {cfg_short(record['config'])}"
+    return f"trial {record['number']:4d}{who} {res['status']:<13} {t:<14} {cfg_short(record['config'], family)}"
 
 
 class SearchDisplay:
     """A search's progress on stderr: on a terminal, a live bar with ETA over the best-so-far table;
     elsewhere a line per trial (none with --json). Used as a context manager: the live view is drawn inside.
 
-    `records` are the run's records so far: a resumed run's bar starts at its counted trials."""
+    `records` are the run's records so far: a resumed run's bar starts at its counted trials. `family`: the
+    searched family, whose spelling the configs take (a family of your own's knobs by their names, even where they
+    are all attention's)."""
 
-    def __init__(self, label: str, total: int, records: list[dict], json_out: bool, console: Console):
+    def __init__(self, label: str, total: int, records: list[dict], json_out: bool, console: Console,
+                 family: Optional[str] = None):
         self.console = console
+        self.family = family
         self.json_out = json_out
         self.label = label
         self.said = ""
@@ -120,9 +124,9 @@ class SearchDisplay:
         if record.get("counted"):
             self.progress.advance(self.task)
         if self.live is not None:
-            self.live.update(Group(self.progress, best_table(best, self.recent)))
+            self.live.update(Group(self.progress, best_table(best, self.recent, self.family)))
         elif not self.json_out:
-            self.console.print(trial_line(record, agent), markup=False, highlight=False)
+            self.console.print(trial_line(record, agent, self.family), markup=False, highlight=False)
 
     def follow(self, records: list[dict]) -> None:
         """Show records read from the run's log, as several agents write it: the best so far is kept here."""

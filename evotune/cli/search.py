@@ -71,7 +71,9 @@ def search(
     devices = _parse_gpus(gpus, gpu)
     storage = check_storage_url(storage)
     remote = remote_meta(run, resume, storage)  # a run another host started in --storage: joined below
-    problem, shp, spc = load_problem(shape, space, family or resumed_family(run, resume) or (remote or {}).get("family"))
+    # A family the run records loads only where it is allowed (EVOTUNE_PLUGINS): a run folder never runs code.
+    problem, shp, spc = load_problem(shape, space, family,
+                                     recorded=resumed_family(run, resume) or (remote or {}).get("family"))
     rn = run_to_continue(run, resume, storage, remote, shp.spec)
     told: list[str] = []  # said once the GPU is found: a search without one is one line
     gpu_model, prior_mean = transfer_context(warm_start, priors, problem, shp, spc, devices[0])
@@ -88,16 +90,16 @@ def search(
     new_meta = new_meta_for(problem, shp, spc, options, storage, devices, warm_meta)
 
     def resume_hint(rn) -> str:
-        return resume_command(rn, shape or shp.spec, trials, gpus, storage)
+        return resume_command(rn, shape or shp.spec, trials, gpus, storage, problem.family)
 
     if len(devices) > 1:
         summary = _search_agents(rn, new_meta, run, devices, storage, options, problem, shp, spc, timeout, json_out,
                                  resume_hint)
         rn = summary.pop("_run")
-        return _search_report(summary, rn, json_out)
+        return _search_report(summary, rn, json_out, problem.family)
     summary, rn = search_one(rn, new_meta, run, devices[0], storage, options, problem, shp, spc, timeout, json_out,
                              resume_hint, timeline)
-    _search_report(summary, rn, json_out)
+    _search_report(summary, rn, json_out, problem.family)
 
 
 def _parse_gpus(gpus: Optional[str], gpu: int) -> list[int]:
@@ -113,9 +115,14 @@ def _parse_gpus(gpus: Optional[str], gpu: int) -> list[int]:
     return [int(p) for p in parts]
 
 
-def resume_command(rn, shape_text: str, trials: int, gpus: Optional[str], storage: Optional[str]) -> str:
-    """The command that continues run `rn`, as the line after a Ctrl-C shows it."""
+def resume_command(rn, shape_text: str, trials: int, gpus: Optional[str], storage: Optional[str],
+                   family: Optional[str] = None) -> str:
+    """The command that continues run `rn`, as the line after a Ctrl-C shows it (with --family for a family of your
+    own, the consent to load it again)."""
+    from ..problems import FAMILIES
+
     extra = (f" --gpus {gpus}" if gpus else "") + (" --storage URL" if storage else "")
+    extra += f" --family {family}" if family and family not in FAMILIES else ""
     return (f"`evotune search --shape {shape_text} --run {rn.run_id} --resume --trials {trials}{extra}`")
 
 
@@ -178,7 +185,7 @@ def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, s
 
     timeline = timeline if timeline is not None else Timeline()
     display = SearchDisplay(rn.run_id if rn else (run_name or "new run"), options.trials, rn.trials() if rn else [],
-                            json_out, err_console)
+                            json_out, err_console, problem.family)
     with GPUWorker(device=device, timeout_s=timeout) as worker, ThreadPoolExecutor(1) as background:
         try:
             with display:
@@ -278,7 +285,8 @@ def _search_agents(rn, new_meta, run_name, devices, storage, options, problem, s
         rn = new_run(run_name, new_meta(info), storage)
     started = time.time()
     tail = rn.tail()
-    display = SearchDisplay(f"{rn.run_id} ({len(devices)} agents)", options.trials, tail.read(), json_out, err_console)
+    display = SearchDisplay(f"{rn.run_id} ({len(devices)} agents)", options.trials, tail.read(), json_out, err_console,
+                            problem.family)
     agents = Agents(specs_for(devices, run_path=str(rn.path), storage=storage, problem=problem, shape=shp,
                               space=spc, options=options, timeout_s=timeout))
     try:
@@ -322,7 +330,7 @@ def _stop_agents(agents) -> None:
             agents.kill()
 
 
-def _search_report(summary: dict, rn, json_out: bool) -> None:
+def _search_report(summary: dict, rn, json_out: bool, family: str) -> None:
     if json_out:
         emit_json({**summary, "path": str(rn.path)})
         return
@@ -336,7 +344,7 @@ def _search_report(summary: dict, rn, json_out: bool) -> None:
     if best:
         res = best["result"]
         console.print(f"best: trial {best['number']} {res['time_us']:.2f} us (p10 {res['timing']['p10_us']:.2f}, "
-                      f"p90 {res['timing']['p90_us']:.2f}), max abs err {res['max_abs']:.2e}: {cfg_short(best['config'])}")
+                      f"p90 {res['timing']['p90_us']:.2f}), max abs err {res['max_abs']:.2e}: {cfg_short(best['config'], family)}")
     else:
         raise EvotuneError(f"run {rn.run_id}: no candidate passed the correctness gate")
 
