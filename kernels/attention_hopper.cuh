@@ -139,12 +139,13 @@ struct HopperTraits {
 };
 
 // The kernel's pieces (kernels/hopper/, the PTX wrappers in ptx.cuh): the consumer warpgroups' tile algebra, the
-// K/V ring, the tile scheduler and the epilogue. attention_fwd_wgmma below composes them: the loader (the producer
+// K/V ring, the tile scheduler, the producer and the epilogue. attention_fwd_wgmma below composes them: the loader (the producer
 // warpgroup's first thread, or a consumer's) fills the ring in the scheduler's order, consume_tile runs a query
 // tile's consumer loop over it and hands O to the epilogue.
 #include "hopper/consumer.cuh"
 #include "hopper/ring.cuh"
 #include "hopper/scheduler.cuh"
+#include "hopper/producer.cuh"
 #include "hopper/epilogue.cuh"
 
 // q_map, k_map, v_map: the CUtensorMaps of Q, K and V, each over the 4-D view (head_dim, seq, head,
@@ -430,23 +431,13 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     if constexpr (!T::kPersistent) {
         const QTile& w = one_tile;
         const int kv_head = grid_kv_head, n_tiles = grid_n_tiles;
-        if (tid == loader) {
-            const u32 qb = smem_addr(&bars.q_full);
-            mbar_expect_tx(qb, T::kQBytes);
-#pragma unroll
-            for (int r = 0; r < T::kRegions; ++r) tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
-            for (int t = 0; t < min(n_tiles, T::kStages); ++t) {
-                load_kv<T, 0>(k_map, sK, &bars, t, t, kv_head, w.batch);
-                load_kv<T, 1>(v_map, sV, &bars, t, t, kv_head, w.batch);
-            }
-        }
+        if (tid == loader) load_first_tiles<T>(q_map, k_map, v_map, sQ, sK, sV, &bars, w, kv_head, n_tiles);
         __syncwarp();  // the warp reconverges before the .aligned instructions below
 
         if constexpr (T::kHasProducer) {
             if (tid >= T::kConsumerThreads) {
                 if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
-                if (tid == loader)
-                    for (int t = 0; t + T::kStages < n_tiles; ++t) refill<T>(k_map, v_map, sK, sV, &bars, t, kv_head, w.batch);
+                if (tid == loader) refill_tiles<T>(k_map, v_map, sK, sV, &bars, kv_head, w.batch, n_tiles);
                 return;
             }
             if constexpr (T::kSetMaxNReg) setmaxnreg_inc<T::kConsumerRegs>();
@@ -483,45 +474,13 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                         const int use = it / T::kStages;
                         if (use > 0) mbar_wait(smem_addr(&bars.k_empty[slot]), (use - 1) & 1);
                         load_kv<T, 0>(k_map, sK, &bars, slot, t, kv_head, w.batch);
-                        if (t == 0) {
-                            // Q after the first K: that K's slot was released a few K/V tiles back, Q's buffer only
-                            // after the previous tile's last Q K^T (or once it was in registers).
-                            if constexpr (T::kStripeMirror) {
-                                // Into buffer qi & 1, once every consumer warp released tile qi - 2's Q there.
-                                if (qi > 1) mbar_wait(smem_addr(&bars.q_buf_empty[qi & 1]), ((qi - 2) >> 1) & 1);
-                                const u32 qb = smem_addr(&bars.q_buf_full[qi & 1]);
-                                mbar_expect_tx(qb, T::kQBytes);
-                                const u32 q_dst = q_buffer<T>(smem_base, qi);
-#pragma unroll
-                                for (int r = 0; r < T::kRegions; ++r)
-                                    tma_load_4d(q_dst + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
-                            } else {
-                                if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
-                                const u32 qb = smem_addr(&bars.q_full);
-                                mbar_expect_tx(qb, T::kQBytes);
-#pragma unroll
-                                for (int r = 0; r < T::kRegions; ++r)
-                                    tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
-                            }
-                        }
+                        if (t == 0) load_q<T>(q_map, sQ, smem_base, &bars, qi, w);  // Q after the first K
                         if (use > 0) mbar_wait(smem_addr(&bars.v_empty[slot]), (use - 1) & 1);
                         load_kv<T, 1>(v_map, sV, &bars, slot, t, kv_head, w.batch);
                     }
                     work = next_tile<T>(tile_counter, work);
                 }
-                if constexpr (kDynamic) {
-                    // No tile left: hand the consumers -1 (their signal to stop) with a bare arrival, once
-                    // q_full's previous phase is complete (seen through q_empty).
-                    hand_tile<T>(handed, qi, -1);
-                    if constexpr (T::kStripeMirror) {
-                        if (qi > 1) mbar_wait(smem_addr(&bars.q_buf_empty[qi & 1]), ((qi - 2) >> 1) & 1);
-                        mbar_arrive(smem_addr(&bars.q_buf_full[qi & 1]));
-                    } else {
-                        if (qi > 0) mbar_wait(smem_addr(&bars.q_empty), (qi - 1) & 1);
-                        mbar_arrive(smem_addr(&bars.q_full));
-                    }
-                    retire_tile_counter(tile_counter);
-                }
+                if constexpr (kDynamic) hand_out_end<T>(&bars, handed, qi, tile_counter);
             }
             return;
         }

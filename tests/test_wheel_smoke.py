@@ -19,7 +19,8 @@ WHEEL_SITE = os.environ.get("EVOTUNE_WHEEL_SITE")
 PACKAGE = Path(evotune.__file__).resolve().parent
 # What any install must carry: each family's template, the pieces it includes, and the spaces the docs name.
 TEMPLATES = ("attention.cu", "softmax.cu", "device_common.cuh", "ptx.cuh", "wgmma.cuh", "attention_hopper.cuh",
-             "hopper/consumer.cuh", "hopper/ring.cuh", "hopper/scheduler.cuh", "hopper/epilogue.cuh")
+             "hopper/consumer.cuh", "hopper/ring.cuh", "hopper/scheduler.cuh", "hopper/producer.cuh",
+             "hopper/epilogue.cuh")
 SPACES = ("attention", "attention:small", "attention:hopper3", "softmax")
 
 
