@@ -1,5 +1,5 @@
-"""The 256-row tile: four consumer warpgroups (block_m 256, compute_warps 16; kernels/attention_hopper.cuh's `//[wg4]`
-lines, search_spaces/attention-hopper3-wg4.yaml).
+"""The 256-row tile: four consumer warpgroups (block_m 256, compute_warps 16; the Hopper traits' CONSUMER_WGS = 4,
+profile attention:hopper3-wg4).
 
 With the producer warpgroup a CTA has 640 threads, so the launch allocates 96 registers a thread (65536 / 640, rounded
 down to 8) and setmaxnreg splits them 24 (producer) / 112 (consumers). setmaxnreg.inc only takes what the CTA's own
@@ -7,7 +7,7 @@ setmaxnreg.dec freed: a split above the launch's allocation (the first try, 120 
 the H100. The static gate now refuses such a kernel before it runs (LaunchGeometry.register_split).
 
 CPU: every config of attention-hopper3-wg4 below 256 rows keeps the source attention-hopper3-skip's searches measured;
-the admission (256 rows only as four warpgroups, at most 128 keys, never mma.sync); the `//[wg4]` register split, and
+the admission (256 rows only as four warpgroups, at most 128 keys, never mma.sync); the traits' register split, and
 Python's copy of every split, against the kernel's text; the static gate's split check; clean compiles. GPU (marked):
 the gate passes and the output is bit for bit the 128-row twin's (same knobs, two warpgroups: each row comes out of the
 same instructions) on the head-dim-64 Hopper test shapes and on ragged persistent ones, with a handful of SMs too; the
