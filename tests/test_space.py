@@ -50,7 +50,8 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_attention_loads(space):
     """The shipped attention.yaml loads with its twenty-five parameters (the variant knob mma first), six derived values
-    and thirty-six constraints, each with its reason."""
+    and thirty-seven constraints, each with its reason: thirty-four of validity and three measured priors, each of those
+    naming its evidence."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
@@ -60,8 +61,9 @@ def test_attention_loads(space):
                                    "causal_extent", "stripe_order"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 36
+    assert len(space.constraints) == 37
     assert all(c.why for c in space.constraints)
+    assert sum(c.measured for c in space.constraints) == 3 and all(c.evidence for c in space.constraints if c.measured)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
     block_m = space.params[1]
     assert block_m.values == (16, 32, 64, 128, 192, 256) and block_m.default == 64 and block_m.line == 15

@@ -37,11 +37,18 @@ class Param:
 
 @dataclass(frozen=True)
 class Constraint:
-    """A boolean expression every admitted configuration satisfies, and why it must."""
+    """A boolean expression every admitted configuration satisfies, and why it must. `evidence` is set for a
+    measured prior (a space's `measured:` section): a region pruned because it was measured to lose, not because
+    it is invalid; it names where the measurement is."""
 
     expr: str
     why: str
     line: int
+    evidence: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.evidence)
 
 
 def _same_value(a, b) -> bool:

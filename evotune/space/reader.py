@@ -52,8 +52,11 @@ def family_knob_domains(family: str) -> Mapping[str, tuple | range] | None:
     return _FAMILIES[family]().knob_domains() if family in _FAMILIES else None
 
 
-TOP_KEYS = ("family", "extends", "description", "params", "pin", "omit", "derived", "constraints", "variant",
-            "profiles")
+TOP_KEYS = ("family", "extends", "description", "params", "pin", "omit", "derived", "constraints", "measured",
+            "variant", "profiles")
+# `measured:` holds measured priors, apart from the constraints (validity): each {expr, why, evidence} prunes like a
+# constraint, but says it was measured to lose and names the measurement, so that it can be re-measured and is never
+# mistaken for what the kernel cannot do.
 # A profile of a root space (`profiles:` in the root file) names the knobs it searches (under params, with the
 # values it searches, or {} for all of the root's) and those it pins; every other knob of the root stays at its
 # default, so a knob added to the root reaches no profile that does not name it.
@@ -61,6 +64,7 @@ PROFILE_KEYS = ("description", "params", "pin", "constraints")
 PROFILE_SEP = "#"  # `<root file>#<profile>`: how a profile's path is spelled (a run's meta.json records it)
 PARAM_KEYS = ("values", "default", "doc")
 CONSTRAINT_KEYS = ("expr", "why")
+MEASURED_KEYS = ("expr", "why", "evidence")
 # A space file's size and YAML nesting: the shipped ones are under 6 KB and 4 deep.
 _MAX_FILE_BYTES = 1 << 20
 _MAX_YAML_NESTING = 32
@@ -211,7 +215,8 @@ class _Reader:
         known.update(p.name for p in params)
         derived = self.derived(top.get("derived"), omitted, parent, taken, known)
         constraints = (parent.constraints if parent else ()) + \
-            (() if _is_empty(top.get("constraints")) else tuple(self.constraints(top["constraints"], known)))
+            (() if _is_empty(top.get("constraints")) else tuple(self.constraints(top["constraints"], known))) + \
+            (() if _is_empty(top.get("measured")) else tuple(self.constraints(top["measured"], known, measured=True)))
         variant = self.variant(top.get("variant"), params, parent)
         return SearchSpace(family, self.path, description, tuple(params), tuple(derived), constraints, variant,
                            parent)
@@ -404,18 +409,21 @@ class _Reader:
             values.append(value)
         return tuple(values)
 
-    def constraints(self, node: yaml.Node, known: set[str]) -> list[Constraint]:
+    def constraints(self, node: yaml.Node, known: set[str], measured: bool = False) -> list[Constraint]:
+        keys, what = (MEASURED_KEYS, "measured prior") if measured else (CONSTRAINT_KEYS, "constraint")
         if not isinstance(node, yaml.SequenceNode):
-            self.fail(node, "constraints must be a list of {expr, why} mappings")
+            self.fail(node, f"{'measured' if measured else 'constraints'} must be a list of "
+                            f"{{{', '.join(keys)}}} mappings")
         constraints = []
         for item in node.value:
-            fields = {key: value for key, _, value in self.mapping(item, "a constraint", CONSTRAINT_KEYS)}
-            for required in CONSTRAINT_KEYS:
+            fields = {key: value for key, _, value in self.mapping(item, f"a {what}", keys)}
+            for required in keys:
                 if required not in fields:
-                    self.fail(item, f"constraint has no `{required}`")
-            expr = self.expression(fields["expr"], "constraint", known)
-            why = self.string(fields["why"], "why of a constraint")
-            constraints.append(Constraint(expr, why, fields["expr"].start_mark.line + 1))
+                    self.fail(item, f"{what} has no `{required}`")
+            expr = self.expression(fields["expr"], what, known)
+            why = self.string(fields["why"], f"why of a {what}")
+            evidence = self.string(fields["evidence"], f"evidence of a {what}") if measured else ""
+            constraints.append(Constraint(expr, why, fields["expr"].start_mark.line + 1, evidence))
         return constraints
 
 
