@@ -71,9 +71,7 @@ def search(
     devices = _parse_gpus(gpus, gpu)
     storage = check_storage_url(storage)
     remote = remote_meta(run, resume, storage)  # a run another host started in --storage: joined below
-    # A family the run records loads only where it is allowed (EVOTUNE_PLUGINS): a run folder never runs code.
-    problem, shp, spc = load_problem(shape, space, family,
-                                     recorded=resumed_family(run, resume) or (remote or {}).get("family"))
+    problem, shp, spc = load_problem(shape, space, family, resumed_family(run, resume) or (remote or {}).get("family"))
     rn = run_to_continue(run, resume, storage, remote, shp.spec)
     told: list[str] = []  # said once the GPU is found: a search without one is one line
     gpu_model, prior_mean = transfer_context(warm_start, priors, problem, shp, spc, devices[0])
@@ -344,7 +342,8 @@ def _search_report(summary: dict, rn, json_out: bool, family: str) -> None:
     if best:
         res = best["result"]
         console.print(f"best: trial {best['number']} {res['time_us']:.2f} us (p10 {res['timing']['p10_us']:.2f}, "
-                      f"p90 {res['timing']['p90_us']:.2f}), max abs err {res['max_abs']:.2e}: {cfg_short(best['config'], family)}")
+                      f"p90 {res['timing']['p90_us']:.2f}), max abs err {res['max_abs']:.2e}: "
+                      f"{cfg_short(best['config'], family)}")
     else:
         raise EvotuneError(f"run {rn.run_id}: no candidate passed the correctness gate")
 
