@@ -70,9 +70,9 @@ def tune_kernel(source: str, entry: str, knobs: Mapping[str, Sequence], *, input
                 sampler: str = "surrogate", seed: int = 0, evaluate=None, lookahead: int | None = None) -> TuneResult:
     """Search `knobs` of the kernel `source` (CUDA text, or a path to a .cu file) on `shape` with the gate against
     `reference`; the module docstring has an example. `entry` is the __device__ function template evotune's entry
-    point calls with `args` (default: the inputs, the outputs, then the shape's names) and `template` (default: the
-    knobs in order; "ctype" is the dtype's C type). `inputs` / `outputs`: name -> shape (a list of expressions of the
-    shape's names) or a mapping with shape, dtype, init, scale. `grid`, `block`, `smem`, `flops`, `nbytes` and
+    point calls with `args` (default: the inputs, the outputs, the shape's names, then the constants) and `template`
+    (default: "ctype", the dtype's C type, then the knobs in order). `inputs` / `outputs`: name -> shape (a list of
+    expressions of the shape's names) or a mapping with shape, dtype, init, scale. `grid`, `block`, `smem`, `flops`, `nbytes` and
     `derived` are expressions of the knobs and the shape; `constraints` are expressions or (expr, why) pairs.
     `evaluate` and `lookahead`: as search_family's (an injected evaluator runs the whole search without a GPU)."""
     folder = Path(family_dir) if family_dir else Path(tempfile.mkdtemp(prefix="evotune-family-"))
@@ -113,8 +113,9 @@ def write_family(folder: Path, source: str, entry: str, knobs: Mapping[str, Sequ
         "dtypes": [shape.partition(":")[2] or "fp16"],
         **({"constants": dict(constants)} if constants else {}),
         "inputs": {k: _tensor(v) for k, v in inputs.items()}, "outputs": {k: _tensor(v) for k, v in outputs.items()},
-        "args": list(args) if args is not None else [*inputs, *outputs, *dims],
-        "template": [str(t) for t in (template if template is not None else knobs)],
+        # Left out, the family file's defaults: inputs, outputs, shape names, constants; ctype, then the knobs.
+        **({"args": list(args)} if args is not None else {}),
+        **({"template": [str(t) for t in template]} if template is not None else {}),
         "launch": {"grid": [str(g) for g in grid], "block": [str(b) for b in block], "smem": str(smem)},
         **({"flops": flops} if flops else {}), **({"bytes": nbytes} if nbytes else {}),
         "tolerance": dict(tolerance or {"atol": 1e-2, "rtol": 1e-2}),

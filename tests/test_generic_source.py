@@ -86,3 +86,20 @@ def test_a_local_header_beside_the_kernel(tmp_path):
     bare = _load(_family(tmp_path / "bare", header=None) / "fam.yaml")
     with pytest.raises(UsageError, match=r"twice_op\.cuh: kernel template not found \(included from .*k\.cu\)"):
         _source(bare)
+
+
+def test_defaults_for_args_and_template_and_torch_baselines(tmp_path):
+    """Without `args` and `template` the entry passes the inputs, outputs, shape names and constants and calls
+    entry<ctype, knobs...>; `template: []` calls a plain function; a torch function is a baseline by its dotted name,
+    and one whose parameter is none of the family's names is an error at its line."""
+    folder = _family(tmp_path / "d")
+    text = FAMILY.replace("args: [x, y, N]\n", "").replace("template: [ctype, threads]\n", "")
+    (folder / "fam.yaml").write_text(text.replace("space:", "baselines: {neg: torch.neg}\nspace:"))
+    problem = _load(folder / "fam.yaml")
+    assert "twice<__half, 64>(x, y, N);" in _source(problem).code and problem.baselines() == ["neg"]
+    (folder / "none.yaml").write_text(FAMILY.replace("template: [ctype, threads]", "template: []"))
+    assert "    twice(x, y, N);" in _source(_load(folder / "none.yaml")).code
+    (folder / "bad.yaml").write_text(text.replace("space:", "baselines: {silu: torch.nn.functional.silu}\nspace:"))
+    with pytest.raises(UsageError, match=r"bad\.yaml:\d+: baseline 'silu' torch\.nn\.functional\.silu: its parameter "
+                                         r"'input' is none of N, x"):
+        _load(folder / "bad.yaml")

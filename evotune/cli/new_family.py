@@ -51,8 +51,10 @@ inputs:
   y: {{shape: [N]}}
 outputs:
   z: {{shape: [N]}}                 # dtype: the shape's unless given (fp16, bf16, fp32, int32)
-args: [x, y, z, N, alpha]         # the kernel's parameters in order: tensors, integer expressions, constants
-template: [ctype, threads, items] # its template arguments in order: ctype is the dtype's C type, then knobs
+args: [x, y, z, N, alpha]         # the kernel's parameters in order (optional: by default inputs, outputs, shape
+                                  # names, constants, as here)
+template: [ctype, threads, items] # its template arguments in order (optional: by default ctype, the dtype's C type,
+                                  # then the space's params in order, as here)
 launch:
   grid: ["ceil_div(N, threads * items)"]  # quoted: a comma inside [...] separates items
   block: [threads]

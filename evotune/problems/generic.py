@@ -2,17 +2,19 @@
 
 The family file (docs/PLUGINS.md has the whole format) names, beside itself, the CUDA source and its device
 function template, the shape as named integers and a dtype (`M=4096,N=4096,K=4096:fp16`), the inputs and
-outputs (any number) with shape expressions and distributions, the kernel's parameters in order, the knobs (and
-other names) in template-argument order, the launch geometry and optional FLOPs and bytes, all in the space's
-expression language (evotune/space/expressions.py), the tolerance, the reference (and optional baselines) as
-`file.py:function`, and the space (inline under `space:`, or a file beside it).
+outputs (any number) with shape expressions and distributions, the kernel's parameters in order (default: inputs,
+outputs, shape names, constants), the knobs (and other names) in template-argument order (default: ctype, then the
+space's params), the launch geometry and optional FLOPs and bytes, all in the space's expression language
+(evotune/space/expressions.py), the tolerance, the reference (and optional baselines) as `file.py:function` or a
+torch function by its dotted name (`torch.matmul`), and the space (inline under `space:`, or a file beside it).
 
 evotune writes the one extern "C" entry point: it takes the tensors as pointers (`const T*` for inputs, `T*` for
 outputs, T the tensor's C type) and the integer arguments as int, and calls `entry<template args>(...)` with
 them, so the kernel is a `__device__` function template.
 
 The family's name everywhere (runs, workers, `--family`) is the family file's absolute path: a worker process
-loads the family by it. Loading it imports the reference module, which is code, so it loads only where the
+loads the family by it. The instantiated source names only the file (source_name), so the same family in two
+checkouts is one source. Loading it imports the reference module, which is code, so it loads only where the
 person running evotune allowed it: `--family FILE` on the command line does; a run folder or a space naming the
 file does not (EVOTUNE_PLUGINS may list the file or its folder).
 
@@ -53,7 +55,7 @@ INITS = ("normal", "uniform", "positive", "randint")
 FAMILY_KEYS = ("name", "description", "kernel", "entry", "shape", "dtypes", "presets", "constants", "inputs",
                "outputs", "args", "template", "launch", "flops", "bytes", "tolerance", "reference", "baselines",
                "space", "perturb")
-REQUIRED_KEYS = ("kernel", "entry", "shape", "inputs", "outputs", "args", "launch", "tolerance", "reference", "space")
+REQUIRED_KEYS = ("kernel", "entry", "shape", "inputs", "outputs", "launch", "tolerance", "reference", "space")
 TENSOR_KEYS = ("shape", "dtype", "init", "scale")
 LAUNCH_KEYS = ("grid", "block", "smem")
 SHAPE_SUFFIX = "the family file's `shape:`"
@@ -181,10 +183,24 @@ class _FamilyReader:
             self.fail(node, f"{what} {text!r}: no such file beside the family file ({path})")
         return path
 
-    def function(self, node, what: str) -> tuple[Path, str]:
+    def function(self, node, what: str, given: set[str]) -> tuple[Path | None, str]:
+        """file.py:function beside the family file, or a torch function by its dotted name (torch.matmul,
+        torch.nn.functional.silu: (None, the name)), whose parameters without a default must be names the family
+        gives (inputs, shape names, constants)."""
         spec = self.value(node)
+        if isinstance(spec, str) and ":" not in spec and spec.split(".")[0] == "torch":
+            try:
+                fn = load_function(None, spec)
+            except UsageError as e:
+                self.fail(node, f"{what}: {e}")
+            missing = _unnamed_parameters(fn, given)
+            if missing:
+                names = ", ".join(sorted(given - {"dtype"}))
+                self.fail(node, f"{what} {spec}: its parameter {missing[0]!r} is none of {names}; write a function "
+                                f"in a .py file beside this one that calls it")
+            return None, spec
         if not isinstance(spec, str) or ":" not in spec:
-            self.fail(node, f"{what} must be written file.py:function")
+            self.fail(node, f"{what} must be written file.py:function (or a torch function: torch.matmul)")
         file, _, name = spec.rpartition(":")
         if not name.isidentifier():
             self.fail(node, f"{what} {spec!r}: {name!r} is not a function name")
@@ -299,11 +315,15 @@ class GenericProblem(Problem):
 
     def _read_code(self, r: _FamilyReader) -> None:
         sizes = set(self.dim_names) | set(self.constants) | {"dtype_bytes"}
-        args = r.nodes["args"]
-        if not isinstance(args, yaml.SequenceNode) or not args.value:
+        # Without `args`, the kernel takes what the file declares in its order: inputs, outputs, shape names, constants.
+        args = r.nodes.get("args")
+        items = args.value if args is not None else [
+            yaml.ScalarNode("tag:yaml.org,2002:str", n, r.nodes["inputs"].start_mark)
+            for n in (*self.inputs, *self.outputs, *self.dim_names, *self.constants)]
+        if args is not None and (not isinstance(args, yaml.SequenceNode) or not args.value):
             r.fail(args, "args must list the kernel's parameters in order: tensor names and integer expressions")
         self.args = []
-        for item in args.value:
+        for item in items:
             if item.value in self.inputs or item.value in self.outputs:
                 self.args.append(("tensor", item.value))
             elif isinstance(self.constants.get(item.value), float):
@@ -339,8 +359,9 @@ class GenericProblem(Problem):
                 r.fail(node, f"tolerance: none for dtype {missing[0]}")
         else:
             self._tolerance = {d: pair(tol, "tolerance") for d in self.dtypes}
-        self._reference = r.function(r.nodes["reference"], "reference")
-        self._baselines = {name: r.function(n, f"baseline {name!r}")
+        given = {*self.inputs, *self.dim_names, *self.constants, "dtype"}
+        self._reference = r.function(r.nodes["reference"], "reference", given)
+        self._baselines = {name: r.function(n, f"baseline {name!r}", given)
                            for name, n in (r.entries(r.nodes["baselines"], "baselines") if "baselines" in r.nodes
                                            else {}).items()}
 
@@ -358,7 +379,13 @@ class GenericProblem(Problem):
         knobs = set(self.space.param_names())
         known = set(self.context_names) | knobs | derived
         tnode = self._template_nodes
-        self.template = r.expressions(tnode, "template", known, most=64) if tnode is not None else ()
+        # Without `template`: the dtype's C type, then the knobs in the space's order; `template: []` for none.
+        if tnode is None:
+            self.template = ("ctype", *self.space.param_names())
+        elif isinstance(tnode, yaml.SequenceNode) and not tnode.value:
+            self.template = ()
+        else:
+            self.template = r.expressions(tnode, "template", known, most=64)
         self.grid = r.expressions(self._launch["grid"], "grid", known, most=3)
         self.block = r.expressions(self._launch["block"], "block", known, most=3)
         self.smem = r.expression(self._launch["smem"], "smem", known) if "smem" in self._launch else "0"
@@ -566,12 +593,17 @@ class GenericProblem(Problem):
         """The user's function on the inputs (and the shape's names and constants it asks for), its answer as
         one tensor (one output) or name -> tensor."""
         fn = load_function(*function)
-        given = {**shape.values(), **self.constants, "dtype": shape.dtype,
-                 **{k: v for k, v in inputs.items() if not k.startswith("_")}}
-        params = inspect.signature(fn).parameters
-        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            given = {k: v for k, v in given.items() if k in params}
-        answer = fn(**given)
+        tensors = {k: v for k, v in inputs.items() if not k.startswith("_")}
+        given = {**shape.values(), **self.constants, "dtype": shape.dtype, **tensors}
+        params = _parameters(fn)
+        if params is None:  # a builtin without a readable signature (torch.matmul): the inputs in order
+            answer = fn(*tensors.values())
+        else:
+            if not any(p.kind is p.VAR_KEYWORD for p in params):
+                given = {k: v for k, v in given.items() if k in {p.name for p in params}}
+            if function[0] is None:  # torch's own `dtype` is a torch.dtype, not the shape's text
+                given.pop("dtype", None)
+            answer = fn(**given)
         names = list(self.outputs)
         if isinstance(answer, dict):
             answer = {n: answer[n] for n in names} if set(answer) == set(names) else _wrong(function, names)
@@ -617,8 +649,24 @@ def _rows_moved(before, after):
     return (before != after).any(dim=-1)
 
 
-def _wrong(function: tuple[Path, str], names: list[str]):
-    raise UsageError(f"{function[0].name}:{function[1]} must return the outputs {', '.join(names)}: one tensor for "
+def _parameters(fn):
+    """fn's parameters, or None where Python cannot read its signature (a builtin such as torch.matmul)."""
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def _unnamed_parameters(fn, given: set[str]) -> list[str]:
+    """The parameters of `fn` without a default that no name of `given` fills (none for a builtin, called in order)."""
+    params = _parameters(fn) or []
+    return [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+            and p.name not in given - {"dtype"}]
+
+
+def _wrong(function: tuple[Path | None, str], names: list[str]):
+    where = function[1] if function[0] is None else f"{function[0].name}:{function[1]}"
+    raise UsageError(f"{where} must return the outputs {', '.join(names)}: one tensor for "
                      f"one output, else a tuple in that order or a dict by name")
 
 
@@ -636,9 +684,19 @@ def _cpp(value) -> str:
 _FUNCTIONS: dict = {}
 
 
-def load_function(file: Path, name: str):
-    """Function `name` of the Python file `file`, imported once per process (under a name of its path's hash)."""
+def load_function(file: Path | None, name: str):
+    """Function `name` of the Python file `file`, imported once per process (under a name of its path's hash); with
+    no file, the torch function of that dotted name."""
     key = (str(file), name)
+    if key not in _FUNCTIONS and file is None:
+        module_name, _, attr = name.rpartition(".")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr, None)
+        except ImportError:
+            fn = None
+        if not callable(fn):
+            raise UsageError(f"no torch function {name!r}")
+        _FUNCTIONS[key] = fn
     if key not in _FUNCTIONS:
         module_name = "evotune_family_" + hashlib.sha256(str(file).encode()).hexdigest()[:12]
         module = sys.modules.get(module_name)
