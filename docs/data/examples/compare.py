@@ -2,6 +2,7 @@
 
     python3 docs/data/examples/compare.py EXAMPLE SEARCH_JSON SEARCH_WALL_S SEARCH_RC OUT_JSON [--budget 40]
     python3 docs/data/examples/compare.py --table OUT_JSON...
+    python3 docs/data/examples/compare.py --markdown DIR      # DIR's *-compare.json and device.txt: docs/PLUGINS.md
 
 run.sh first runs `evotune search --family examples/EXAMPLE/EXAMPLE.yaml --trials 40 --json` (its summary and wall
 seconds are the arguments). This then
@@ -15,7 +16,9 @@ seconds are the arguments). This then
      then CUDA-graph timing, 100 replays), one after the other in this process, and the torch op (torch.matmul;
      F.rms_norm alone, and with the rstd the fused kernel also writes) with the same timer (time_gpu) on the same
      inputs;
-  3. writes OUT_JSON. --table prints the table of several OUT_JSONs.
+  3. writes OUT_JSON (with the versions of torch, CUDA and Kernel Tuner). --table prints the table of several
+     OUT_JSONs; --markdown the table docs/PLUGINS.md holds, from a dated folder of them (tests/test_examples_glue.py
+     checks the page against it).
 """
 
 from __future__ import annotations
@@ -198,6 +201,10 @@ def compare(example: str, search_json: str, wall: float, rc: int, out: str, budg
                          "kernel_tuner": retime(problem, shape, record["kernel_tuner"]["best"])
                          if record["kernel_tuner"].get("best") else None}
     record["torch"] = torch_side(example, problem, shape)
+    import torch
+
+    record["versions"] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                          "kernel_tuner": record["kernel_tuner"].get("version")}
     Path(out).write_text(json.dumps(record, indent=2, default=str))
     print(json.dumps(record, default=str)[:2000])
 
@@ -222,8 +229,46 @@ def table(paths: list[str]) -> None:
             print(f"{'':<8} {name:<28} {us(t):>10}  the torch op, timed by the same harness")
 
 
+def markdown(folder: str) -> str:
+    """The measured table in Markdown, with where it came from: the device line run.sh wrote, the versions the JSONs
+    record, the folder's date and the command. "x torch op": a winner's time over the first torch op's."""
+    folder = Path(folder).resolve()
+    records = [json.loads((folder / f"{e}-compare.json").read_text()) for e in ("gemm", "rmsnorm")]
+
+    def us(x):
+        return f"{x:.2f}" if isinstance(x, (int, float)) else "-"
+
+    def row(what, tuner, wall, evaluated, passed, retimed, op):
+        t = (retimed or {}).get("time_us")
+        ratio = f"{t / op:.2f}" if isinstance(t, (int, float)) and op else "-"
+        cfg = ", ".join(f"{k}={v}" for k, v in ((retimed or {}).get("config") or {}).items())
+        return f"| {what} | {tuner} | {us(wall)} | {evaluated} | {passed} | {us(t)} | {ratio} | {cfg} |"
+
+    lines = ["| kernel, shape | tuner | wall s | evaluated | passed the gate | winner us | x torch op | winner |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ev, kt, rt = r["evotune"], r["kernel_tuner"], r["retimed"]
+        op = next(iter(r["torch"].values()), None)
+        lines.append(row(f"{r['example']}, `{r['shape']}`", "evotune", ev["wall_s"], ev["evaluated"],
+                         (ev.get("statuses") or {}).get("ok", "-"), rt["evotune"], op))
+        lines.append(row("", f"Kernel Tuner {kt.get('version', '')}", kt.get("wall_s"), kt.get("evaluated", "-"),
+                         kt.get("passed", "-"), rt["kernel_tuner"], op))
+        for name, t in r["torch"].items():
+            lines.append(f"| | {name} | | | | {us(t)} | {us(t / op) if op else '-'} | the torch op |")
+    device = (folder / "device.txt").read_text().strip()
+    versions = {k: v for r in records for k, v in (r.get("versions") or {"kernel_tuner": r["kernel_tuner"].get(
+        "version")}).items() if v}
+    lines.append("")
+    lines.append(f"Measured {folder.name} on one {device} (device.txt), "
+                 f"{', '.join(f'{k} {v}' for k, v in sorted(versions.items()))} (the versions its JSONs record); "
+                 f"`bash docs/data/examples/run.sh {records[0]['budget']}`; records in {folder.relative_to(ROOT)}/.")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--table":
+    if sys.argv[1] == "--markdown":
+        print(markdown(sys.argv[2]))
+    elif sys.argv[1] == "--table":
         table(sys.argv[2:])
     else:
         budget = int(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 40
