@@ -50,9 +50,11 @@ def test_admitted_sources_are_unchanged_by_the_trace_lines(attention, space, tmp
     stripped_dir.mkdir()
     from evotune.build.template import kernels_dir
 
-    for path in kernels_dir().iterdir():
+    for path in kernels_dir().rglob("*"):  # the pieces' subfolders (kernels/hopper/) too
         if path.is_file():
-            (stripped_dir / path.name).write_text(without_trace_lines(path.read_text()))
+            copy = stripped_dir / path.relative_to(kernels_dir())
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_text(without_trace_lines(path.read_text()))
     flag_sets, sample = set(), []
     for shape_text in SHAPES:
         shape = parse_shape(shape_text)
