@@ -36,8 +36,8 @@ class KernelSource:
         return hashlib.sha256(self.code.encode()).hexdigest()[:16]
 
 
-# A local header: `#include "name"` on a line of its own, resolved in the kernels folder (a path under it too:
-# `#include "hopper/ring.cuh"`, whatever folder the including file is in).
+# A local header: `#include "name"` on a line of its own, resolved in the search folders, then the kernels folder;
+# a name may be a path under one (`#include "hopper/ring.cuh"`), relative to it, not to the including file's folder.
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
 
 
