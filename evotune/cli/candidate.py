@@ -214,7 +214,7 @@ def _print_bench(rec: dict) -> None:
                   f"mem {clocks.get('mem', '?')}  driver {dev.get('driver')}  torch {dev.get('torch')} "
                   f"(CUDA {dev.get('torch_cuda')}, cuDNN {dev.get('cudnn')})  cupy {dev.get('cupy')}  "
                   f"evotune {rec.get('git_sha') or '?'}")
-    console.print(f"config: {cfg_short(rec['config'])}")
+    console.print(f"config: {cfg_short(rec['config'], rec.get('family'))}")
     table = Table(title=f"{rec['shape']}  ({'interleaved' if rec.get('interleaved') else 'solo'} timing)",
                   caption=timing_note(rec, rec["reps"]))
     for col in ("kernel", "median us", "p10-p90 us", "TFLOP/s", "GB/s", "gate ratio", "ours faster by"):
@@ -267,7 +267,7 @@ def verify_cmd(
     if json_out:
         emit_json({"shape": shp.spec, "config": cfg.as_dict(), "passed": ok, **rep})
     else:
-        console.print(f"{shp.spec}  {cfg_short(cfg.as_dict())}")
+        console.print(f"{shp.spec}  {cfg_short(cfg.as_dict(), problem.family)}")
         console.print(f"  gate         {'pass' if ver['passed'] else 'FAIL'}: ratio {ver['gate_ratio']:.3g} (worst: "
                       f"{ver['worst_case']}), max abs {ver['max_abs']:.3g}, non-finite {ver['nonfinite']}, "
                       f"patterns {', '.join(ver['patterns'])}")
@@ -281,7 +281,7 @@ def verify_cmd(
         elif not ver["passed"] and rep.get("message"):
             console.print(f"  failed: {rep['message']}")
     if not ok:
-        raise EvotuneError(f"{cfg_short(cfg.as_dict())} failed the deep check on {shp.spec}")
+        raise EvotuneError(f"{cfg_short(cfg.as_dict(), problem.family)} failed the deep check on {shp.spec}")
 
 
 @app.command()
@@ -320,14 +320,15 @@ def sanitize(
     if json_out:
         emit_json({"shape": shp.spec, "config": cfg.as_dict(), "reports": reports})
     else:
-        console.print(f"{shp.spec}  {cfg_short(cfg.as_dict())}")
+        console.print(f"{shp.spec}  {cfg_short(cfg.as_dict(), problem.family)}")
         for r in reports:
             console.print(f"  {r['tool']:<10} {r['summary']}")
             if not r["clean"]:
                 console.print(r["output_tail"], markup=False, highlight=False)
     bad = [r["tool"] for r in reports if not r["clean"]]
     if bad:
-        raise EvotuneError(f"compute-sanitizer reported findings ({', '.join(bad)}) for {cfg_short(cfg.as_dict())} on {shp.spec}")
+        raise EvotuneError(f"compute-sanitizer reported findings ({', '.join(bad)}) for "
+                           f"{cfg_short(cfg.as_dict(), problem.family)} on {shp.spec}")
 
 
 @app.command()
@@ -359,7 +360,8 @@ def sass(
     if json_out:
         emit_json(info)
         return
-    console.print(f"{shp.spec}  {cfg_short(cfg.as_dict())}  ({compiled.arch}, {info['instructions']} instructions)")
+    console.print(f"{shp.spec}  {cfg_short(cfg.as_dict(), problem.family)}  ({compiled.arch}, "
+                  f"{info['instructions']} instructions)")
     for op, what in CLASSES.items():
         console.print(f"  {op:<8} {info['classes'][op]:>5}  {what}")
     console.print(f"tensor cores: {info['tensor_core']}; local memory instructions: {info['local_memory']}; "
