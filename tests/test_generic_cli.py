@@ -53,3 +53,21 @@ def test_search_display_and_resume_hint_speak_the_family():
     assert "M128 st3" in lines["attention"]
     assert resume_command(_Run(), "M=64", 8, None, None, "/x/mine.yaml").endswith("--family /x/mine.yaml`")
     assert "--family" not in resume_command(_Run(), "M=64", 8, None, None, "attention")
+
+
+def test_a_resumed_runs_family_file_loads_only_where_allowed(tmp_path, monkeypatch):
+    """The family a run records (what `search --run R --resume` reads) is not allowed by being recorded: loading it
+    runs its reference module, so it needs --family FILE or EVOTUNE_PLUGINS; named with --family it loads."""
+    import pytest
+
+    from evotune.cli.common import load_problem
+    from evotune.errors import UsageError
+
+    from _paths import REPO_ROOT
+
+    family = str(REPO_ROOT / "examples" / "rmsnorm" / "rmsnorm.yaml")
+    monkeypatch.delenv(PLUGINS_ENV, raising=False)
+    with pytest.raises(UsageError, match="is a family file: loading it runs its reference module"):
+        load_problem(None, None, None, family)
+    problem, _, _ = load_problem("M=8,N=64", None, family, family)
+    assert problem.family == family
