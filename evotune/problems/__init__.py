@@ -144,15 +144,17 @@ class Problem(ABC):
         return all(a.get(k) == b.get(k) for k in keys)
 
     # ------------------------------------------------------------ code (CPU)
-    # Knobs added after runs were recorded, each with the value at which it leaves the instantiated source exactly
-    # as it was before the knob existed (its template lines are flagged, see template_flags). The instantiation's
-    # banner leaves a knob at that value out, so a config that states it and one recorded without it are one
-    # source: one digest (the tuning table's check), one cached cubin.
+    # Knobs added after runs were recorded, each with the value a config recorded without it means. The
+    # instantiation's banner leaves a knob at that value out, so a config that states it and one recorded without
+    # it are one source: one digest (the tuning table's check), one cached cubin. (Records keep their own sources,
+    # runs/<run>/sources, so a knob no longer has to leave old text unchanged: knobs are traits parameters.)
     late_knobs: Mapping[str, object] = {}
 
     def template_flags(self, config) -> frozenset[str]:
         """The flags whose `//[flag]` template lines this config keeps (build.template.select_flagged_lines); the
-        lines of every other flag are dropped. None by default."""
+        lines of every other flag are dropped. None by default. Only instrumentation uses them (tools/phase_trace.py's
+        `//[trace]` lines, which must not perturb the measured source, and tools/time_configs.py's unsearched
+        `//[no_wg_overlap]` baseline); a searched knob is a traits template parameter, never a flag."""
         return frozenset()
 
     @abstractmethod
