@@ -313,17 +313,20 @@ def test_variant_knob_is_drawn_first(attention):
         t = (6.0 if c["mma"] == "wgmma" else 9.0) + 0.1 * c["stages"] + (0.5 if c["block_n"] == 32 else 0.0)
         return Result(status=R.OK, time_us=t, max_abs=1e-3)
 
-    counts = {}
+    # The blind search gets 16 trials, not 48: nearly all its proposals are refused (below), each refusal a rejection
+    # draw of its own, so its 48 took ~70% of this test's time on CI's 2 cores; shares of the trials are compared.
+    counts, trials = {}, {"variant": 48, "blind": 16}
     for name, space in (("variant", full), ("blind", replace(full, variant=None))):
-        run, summary = model_search(attention, space, llama, f"variant-{name}", 48, seed=1, population=16,
+        run, summary = model_search(attention, space, llama, f"variant-{name}", trials[name], seed=1, population=16,
                                     evaluate=evaluate)
         pruned = summary["statuses"].get("pruned", 0)
         if name == "variant":
             assert summary["evaluated"] == 48 and pruned == 0
         else:
             # Blind, most draws fall on configs the constraints refuse: every wgmma-only knob (rescale, softmax_overlap,
-            # lean_addressing) rejects the mma.sync draws that take its other values. Since lean_addressing it
-            # evaluates 11 of 48 before its proposal budget (30 a trial) runs out, 1429 proposals refused.
+            # lean_addressing, ...) rejects the mma.sync draws that take its other values. Since lean_addressing it
+            # evaluated 11 of 48 before its proposal budget (30 a trial) ran out, 1429 proposals refused; of 16, none
+            # (480 refused).
             assert pruned > summary["evaluated"]
         counts[name] = sum(1 for r in run.trials() if r["counted"] and r["config"]["mma"] == "wgmma")
         if name == "variant":
@@ -331,9 +334,9 @@ def test_variant_knob_is_drawn_first(attention):
             assert 4 <= first.count("wgmma") <= 12, first
             assert summary["best"]["config"]["mma"] == "wgmma"
     # Blind, 20 of 48 since the rescale knob (wgmma only: its constraint rejects two thirds of the mma.sync draws),
-    # 3 or fewer before it, and at most the 11 it evaluates since lean_addressing; the variant draw proposes the
-    # Hopper variant about twice as often or more.
-    assert counts["variant"] >= 16 and counts["variant"] >= 1.5 * counts["blind"], counts
+    # 3 or fewer before it, and at most the 11 it evaluated since lean_addressing (none of 16 since); the variant draw
+    # proposes the Hopper variant at least 1.5 times as often a trial.
+    assert counts["variant"] >= 16 and counts["variant"] / 48 >= 1.5 * counts["blind"] / 16, counts
 
 
 def test_variant_draws_come_from_the_admitted_configs():
