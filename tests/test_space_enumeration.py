@@ -20,7 +20,7 @@ import yaml
 
 from evotune.errors import UsageError
 from evotune.problems import get_problem
-from evotune.space import enumeration, searchspace
+from evotune.space import enumeration
 from evotune.space.searchspace import (
     _BINOPS,
     _COMPARE,
