@@ -51,6 +51,13 @@ def test_templates_are_shipped():
     assert all((kernels_dir() / name).is_file() for name in TEMPLATES), sorted(os.listdir(kernels_dir()))
 
 
+def test_launcher_source_is_shipped():
+    """The compiled launcher's C++ source is in the package evotune builds it from."""
+    from evotune.torch import launcher
+
+    assert launcher.SOURCE.parent == PACKAGE / "torch" / "launcher" and launcher.SOURCE.is_file()
+
+
 def test_builtin_spaces_are_listed_and_named():
     """builtin_names lists the shipped spaces and their profiles (`root:profile`), each root a file of the packaged
     folder."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from ..problems.shapes import Shape
-from . import record, routing
+from . import launcher, record, routing
 from .call import DTYPES, Call, check_args, misaligned, new_output, output_layout
 from .autograd import lse_backend
 from .kernels import CACHE, PREPARED, launch, load_for
@@ -46,9 +46,27 @@ def _op_body(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="s
     return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback)
 
 
+def _body_from_launcher(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa"):
+    """evotune::_attention_body: what the compiled launcher (evotune.torch.launcher) hands back, a call it has no
+    route for. The op's body, but a kernel route runs its Python launch: its compiled one would hand the call back
+    again (a view off a 16-byte boundary, another current device)."""
+    if not record._ACTIVE:
+        fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+                                is_causal, scale, enable_gqa, fallback))
+        if fast is not None:
+            return getattr(fast, "python", fast)(q, k, v)
+    return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback)
+
+
 # CompositeExplicitAutograd: every device's calls (CPU, CUDA, any other) reach the body, as custom_op's did;
-# meta and fake tensors reach the fake implementation, which is registered for them.
+# meta and fake tensors reach the fake implementation, which is registered for them. With the compiled launcher
+# loaded, CUDA calls reach its C++ kernel first, which hands what it has no route for to _attention_body.
 _LIB.impl("attention", _op_body, "CompositeExplicitAutograd")
+_LIB.define("_attention_body(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, "
+            "bool enable_gqa=False, str fallback='sdpa') -> Tensor")
+_LIB.impl("_attention_body", _body_from_launcher, "CompositeExplicitAutograd")
+routing.ON_FORGET.append(launcher.clear)
+record.ON_START.append(launcher.clear)
 attention_op = torch.ops.evotune.attention
 
 
@@ -114,7 +132,8 @@ def _check_options(q, k, v, is_causal, scale, enable_gqa) -> None:
 
 
 def _needs_grad(q, k, v) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # The tensors' flags first (an attribute each); the grad mode (a function call) only where one is set.
+    return (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
 
 
 def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
@@ -132,7 +151,10 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, e
                                     q.device, is_causal, scale, enable_gqa, fallback))
         except (AttributeError, TypeError):  # not tensors, or unhashable options: the full path says what is wrong
             fast = None
-        if fast is not None and _plain(q, k, v) and not _needs_grad(q, k, v):
+        # A route exists only for plain tensors of these facts; what a call may change is a mode or grads.
+        if (fast is not None and not (q.requires_grad or k.requires_grad or v.requires_grad)
+                and type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR
+                and not _torch_function_mode() and not _dispatch_stack()):
             return fast(q, k, v)
     _check_options(q, k, v, is_causal, scale, enable_gqa)
     scale = None if scale is None else float(scale)
@@ -144,6 +166,20 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, e
     if torch.compiler.is_compiling() and _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback):
         return _run_sdpa(q, k, v, is_causal, scale, enable_gqa)
     return torch.ops.evotune.attention(q, k, v, is_causal, scale, enable_gqa, fallback)
+
+
+def eager_attention(q, k, v, is_causal: bool, scale, enable_gqa: bool):
+    """attention(q, k, v, is_causal=, scale=, enable_gqa=) for a caller that has checked it is not compiling (the
+    transformers adapter, per layer call): the cached route without attention()'s keyword parsing and compile check;
+    a call without one goes to attention(). The same conditions as attention()'s fast path."""
+    if FAST_ROUTES and not record._ACTIVE:
+        fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+                                is_causal, scale, enable_gqa, "sdpa"))
+        if (fast is not None and not (q.requires_grad or k.requires_grad or v.requires_grad)
+                and type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR
+                and not _torch_function_mode() and not _dispatch_stack()):
+            return fast(q, k, v)
+    return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 # --------------------------------------------------------------------------- SDPA routes decided while tracing
@@ -208,6 +244,11 @@ def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback):
 # compare), a kernel route an alignment and device check, the output's allocation and a packet launch.
 
 
+_TENSOR = torch.Tensor
+_torch_function_mode = torch._C._is_torch_function_mode_enabled
+_dispatch_stack = torch._C._len_torch_dispatch_stack
+
+
 def _plain(q, k, v) -> bool:
     """Plain tensors with no torch-function or dispatch mode active (compiling is checked before)."""
     return (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
@@ -268,7 +309,8 @@ def _sdpa_route(q, v, is_causal, scale, enable_gqa):
 def _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback):
     index = decision.call.device_index
     size, stride = output_layout(q, v)
-    prepared = PREPARED.get(load_for(decision), decision.shape, q, k, v, new_output(q, v),
+    out = new_output(q, v)
+    prepared = PREPARED.get(load_for(decision), decision.shape, q, k, v, out,
                             scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
     current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
@@ -279,6 +321,17 @@ def _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback):
         prepared(q, k, v, out)
         return out
 
+    # With the compiled launcher (opt-in: evotune.torch.launcher), the route is registered with it and a call goes
+    # straight to its C++ kernel, which checks the alignment and device itself; what it hands back runs `run`.
+    if not record._ACTIVE and launcher.load() and launcher.register(prepared, q, k, v, out, is_causal, scale,
+                                                                   enable_gqa, fallback):
+        dispatch = torch.ops.evotune.attention.default
+
+        def compiled(q, k, v):
+            return dispatch(q, k, v, is_causal, scale, enable_gqa, fallback)
+
+        compiled.python = run
+        return compiled
     return run
 
 

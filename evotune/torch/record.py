@@ -22,6 +22,7 @@ SHAPES_VERSION = 1
 SHAPES_KIND = "evotune-attention-shapes"
 
 _ACTIVE: list["ShapeRecorder"] = []
+ON_START: list = []  # called as a recorder starts (the op registers the compiled launcher's clear)
 _LOCK = threading.Lock()
 
 
@@ -79,6 +80,8 @@ def record_shapes():
     recorder = ShapeRecorder()
     with _LOCK:
         _ACTIVE.append(recorder)
+    for hook in ON_START:  # the compiled launcher forgets its routes: each call must reach the op's body
+        hook()
     try:
         yield recorder
     finally:

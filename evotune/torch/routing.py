@@ -128,7 +128,18 @@ _DECISIONS: dict[tuple, Decision] = {}
 # The op's eager fast path (op._fast_route): call facts -> a callable, valid while the table is; emptied with
 # _DECISIONS by use_table().
 FAST_ROUTES: dict[tuple, object] = {}
-kernels.ON_CLEAR.append(FAST_ROUTES.clear)  # their closures hold loaded kernels: clearing the cache drops them
+# What else keeps routes and forgets them with FAST_ROUTES (the op registers the compiled launcher's clear): a
+# callback, as kernels.ON_CLEAR, so routing imports nothing above it.
+ON_FORGET: list = []
+
+
+def forget_fast_routes() -> None:
+    FAST_ROUTES.clear()
+    for forget in ON_FORGET:
+        forget()
+
+
+kernels.ON_CLEAR.append(forget_fast_routes)  # their closures hold loaded kernels: clearing the cache drops them
 _WARNED: set = set()
 _WARN_LOCK = threading.Lock()
 
@@ -141,7 +152,7 @@ def use_table(source=None) -> Table | None:
     with _STATE.lock:
         _STATE.reset(source)
     _DECISIONS.clear()
-    FAST_ROUTES.clear()
+    forget_fast_routes()
     with _WARN_LOCK:
         _WARNED.clear()
     clear_caches()

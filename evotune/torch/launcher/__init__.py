@@ -1,0 +1,198 @@
+"""evotune's compiled launcher: evotune::attention's CUDA kernel in C++ (launcher.cpp), built on first use with the
+host's C++ compiler against the installed torch and cached, as Triton builds its launchers.
+
+Opt-in while it awaits its GPU verification: with EVOTUNE_CPP_LAUNCHER=1 the op's first kernel route builds (once per
+torch version and source: evotune's cache folder, launcher/<torch>-<digest>/) and loads the library, which registers
+the CUDA kernel of evotune::attention; each kernel route the op works out is then registered with it too (the loaded
+CUfunction, grid, block, shared memory, the packed parameters and the slots a call rewrites), so a repeated call,
+eager or from a compiled graph, allocates its output, patches the addresses (re-encoding a TMA map whose address
+changed) and calls cuLaunchKernel without running Python. Calls the library has no route for run the op's Python
+body (evotune::_attention_body), as without it.
+
+Where no compiler is found ($CXX, else c++) or the build fails, the op launches from Python, told once
+(EvotuneLauncherWarning, naming the compiler's log). A pdl config (cuLaunchKernelEx) and the training variant keep the
+Python launch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+ENV = "EVOTUNE_CPP_LAUNCHER"
+SOURCE = Path(__file__).with_name("launcher.cpp")
+LIBRARY = "evotune_launcher.so"
+_SLOTS = ("q", "k", "v", "o", "tile_counter", "ws_o", "ws_lse", "ws_count")  # launcher.cpp's address order
+_SIZES = {"ptr": 8, "i64": 8, "i32": 4, "f32": 4, "u32": 4, "map": 128}
+_ALIGN = {"map": 64}
+
+
+class EvotuneLauncherWarning(UserWarning):
+    """The compiled launcher was asked for and cannot be used: the op launches from Python."""
+
+
+class LauncherBuildError(Exception):
+    """No compiler, or the compiler refused the source (the message names its log)."""
+
+
+_LOCK = threading.Lock()
+_STATE = {"loaded": None, "why": None}  # loaded: None = not tried, True / False after the first try
+
+
+def requested() -> bool:
+    """Whether EVOTUNE_CPP_LAUNCHER=1 asks for the compiled launcher."""
+    return os.environ.get(ENV, "") == "1"
+
+
+def compiler() -> str | None:
+    """The host C++ compiler: $CXX, else c++ on PATH (None where neither is found)."""
+    return shutil.which(os.environ.get("CXX") or "c++")
+
+
+def _flags(torch) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    lib = library_paths()[0]
+    return (["-O2", "-std=c++20", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+            + [f"-I{p}" for p in include_paths()] + [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu",
+                                                     "-ltorch", "-ldl"])
+
+
+def build_dir(cache=None) -> Path:
+    """Where this torch's build of this source lives: <cache>/launcher/torch-<version>-<digest of source, flags and
+    compiler>."""
+    import torch
+
+    from ...paths import cache_root
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + repr((_flags(torch), compiler(), sys.version_info[:2])).encode())
+    version = torch.__version__.replace("+", "_")
+    return Path(cache or cache_root()) / "launcher" / f"torch-{version}-{digest.hexdigest()[:16]}"
+
+
+def build(cache=None) -> Path:
+    """The library's path, compiling it first where this torch has no build of this source (a temporary file,
+    then a rename: two processes building at once leave one whole library). LauncherBuildError where it cannot."""
+    import torch
+
+    cxx = compiler()
+    if cxx is None:
+        raise LauncherBuildError(f"no C++ compiler found ({os.environ.get('CXX') or 'c++'}; set $CXX)")
+    folder = build_dir(cache)
+    target = folder / LIBRARY
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    log = folder / "build.log"
+    cmd = [cxx, str(SOURCE), "-o", tmp] + _flags(torch)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        os.unlink(tmp)
+        raise LauncherBuildError(f"{cxx} did not run: {e}") from None
+    log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        first = next((line for line in done.stderr.splitlines() if "error" in line), "exit %d" % done.returncode)
+        raise LauncherBuildError(f"{cxx} failed: {first.strip()[:200]} (log: {log})")
+    os.replace(tmp, target)
+    return target
+
+
+def load(cache=None) -> bool:
+    """Whether the compiled launcher is in use: False unless requested(); built and loaded on the first call that
+    asks; a failure is told once and the op launches from Python."""
+    if _STATE["loaded"] is not None:
+        return _STATE["loaded"]
+    if not requested():
+        return False
+    with _LOCK:
+        if _STATE["loaded"] is None:
+            try:
+                import torch
+
+                torch.ops.load_library(str(build(cache)))
+                _STATE["loaded"] = True
+            except (LauncherBuildError, OSError, RuntimeError) as e:
+                _STATE["loaded"], _STATE["why"] = False, str(e)
+                warnings.warn(f"evotune.torch: {ENV}=1 but the compiled launcher cannot be used ({e}): the op "
+                              f"launches from Python", EvotuneLauncherWarning, stacklevel=3)
+    return _STATE["loaded"]
+
+
+def why_not() -> str | None:
+    """Why load() gave False after trying (None where it was not tried or it loaded)."""
+    return _STATE["why"]
+
+
+def layout(params) -> tuple[list[int], int]:
+    """(offset per parameter, total bytes) of the packed parameters: each at its own alignment (8 bytes, a tensor
+    map 64)."""
+    offsets, end = [], 0
+    for _, kind in params:
+        align = _ALIGN.get(kind, 8)
+        end = (end + align - 1) // align * align
+        offsets.append(end)
+        end += _SIZES[kind]
+    return offsets, end
+
+
+def register(prepared, q, k, v, out, is_causal, scale, enable_gqa, fallback) -> bool:
+    """Register `prepared` (a kernels.PreparedLaunch, forward variant) for the facts of this call with the library;
+    False where it keeps the Python launch (a pdl config, the training variant, the library not loaded)."""
+    if not _STATE["loaded"] or prepared.pdl or prepared.loaded.write_lse:
+        return False
+    import torch
+
+    from ...build.tma import DATA_TYPE
+    from ..kernels import PROBLEM
+
+    workspace = PROBLEM.new_workspace(prepared.loaded.config, prepared.shape, out.device) if prepared.needs_workspace \
+        else ()
+    packet = prepared._new_packet(q, k, v, out, None, workspace)
+    params = prepared.params
+    offsets, total = layout(params)
+    init = bytearray(total)
+    for (name, _), offset in zip(params, offsets):
+        raw = packet.as_bytes(name)
+        init[offset:offset + len(raw)] = raw
+    index = {name: i for i, (name, _) in enumerate(params)}
+    slots = [index.get(name, -1) for name in _SLOTS]  # -1: not a parameter of this entry (wgmma: q, k, v are maps)
+    maps = []
+    for name, tensor, args in prepared.maps:
+        maps += [index[name], tensor, DATA_TYPE[args.dtype], *args.dims, *args.strides, *args.box]
+    n_o, n_lse, n_count = PROBLEM.launch_plan(prepared.loaded.config, prepared.shape).workspace
+    key = torch.ops.evotune_launcher.key_of(q, k, v, bool(is_causal), scale, bool(enable_gqa), fallback)
+    torch.ops.evotune_launcher.add_route(key, int(prepared.function), list(prepared.grid), list(prepared.block),
+                                         int(prepared.smem), int(prepared.device_index), list(init), offsets, slots,
+                                         maps, list(out.shape), list(out.stride()),
+                                         [n_o, n_lse, n_count] if prepared.needs_workspace else [0, 0, 0])
+    return True
+
+
+def clear() -> None:
+    """Forget every registered route (the op's table or kernel cache changed, or a recorder must see each call)."""
+    if _STATE["loaded"]:
+        import torch
+
+        torch.ops.evotune_launcher.clear_routes()
+
+
+def counts() -> dict:
+    """{"routes", "launches", "misses"} of the library (all 0 where it is not loaded): launches it made, and calls it
+    handed to the Python body."""
+    if not _STATE["loaded"]:
+        return {"routes": 0, "launches": 0, "misses": 0}
+    import torch
+
+    routes, launches, misses = torch.ops.evotune_launcher.counts()
+    return {"routes": routes, "launches": launches, "misses": misses}

@@ -1,0 +1,124 @@
+"""The compiled launcher (evotune.torch.launcher, EVOTUNE_CPP_LAUNCHER=1) on the GPU: its launches write the same bytes
+as the Python route's on every variant (pointers, TMA maps re-encoded for new addresses, the persistent grid's
+counters, split-KV workspace), CUDA-graph capture and torch.compile run through it, and what it has no route for
+(a view off a 16-byte boundary) comes back to Python."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import evotune.torch as et  # noqa: E402
+from evotune.problems.shapes import Shape  # noqa: E402
+from evotune.torch import launcher  # noqa: E402
+from evotune.torch.routing import FAST_ROUTES  # noqa: E402
+
+from test_torch_gpu import assert_close, make_qkv, use_variant  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cpp():
+    """The launcher built and loaded; afterwards no new route registers with it (later tests' calls that reach its
+    CUDA kernel miss and run the Python body, as without it)."""
+    name = torch.cuda.get_device_name(0)
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) != (9, 0):
+        pytest.skip(f"the kernels are compiled for sm_90a; this GPU is {name} ({major}.{minor})")
+    mp = pytest.MonkeyPatch()
+    mp.setenv(launcher.ENV, "1")
+    if not launcher.load():
+        pytest.fail(f"the compiled launcher did not load: {launcher.why_not()}")
+    yield name, f"{major}.{minor}"
+    launcher.clear()
+    launcher._STATE["loaded"] = False
+    mp.undo()
+    et.use_table(None)
+
+
+def python_route(q, k, v, causal):
+    """The cached route's Python launch for these facts (what the launcher's route must match byte for byte)."""
+    fast = FAST_ROUTES[(q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, causal,
+                        None, False, "sdpa")]
+    assert hasattr(fast, "python"), "the route did not register with the compiled launcher"
+    return fast.python(q, k, v)
+
+
+SHAPE = Shape(2, 8, 384, 384, 64, "fp16", True, "bshd")
+
+
+@pytest.mark.parametrize("variant", ["sync", "split", "wgmma", "persistent"])
+def test_launches_match_the_python_route_bitwise(cpp, variant):
+    """Each variant's launch through the launcher writes what the Python route writes, on the first inputs and on
+    fresh buffers (new addresses: the TMA maps re-encoded), and passes the gate."""
+    shape = SHAPE if variant != "persistent" else Shape(2, 16, 1024, 1024, 64, "bf16", True)
+    use_variant(cpp, variant, [shape])
+    q, k, v = make_qkv(shape, seed=1)
+    first = et.attention(q, k, v, is_causal=True, fallback="sdpa")  # decides, registers the route
+    before = launcher.counts()
+    assert before["routes"] == 1
+    for seed in (1, 2):
+        q, k, v = make_qkv(shape, seed=seed)
+        ours = et.attention(q, k, v, is_causal=True)
+        theirs = python_route(q, k, v, True)
+        torch.cuda.synchronize()
+        assert torch.equal(ours, theirs) and ours.stride() == theirs.stride()
+        assert_close(ours, q, k, v, shape)
+    assert torch.equal(first, et.attention(*make_qkv(shape, seed=1), is_causal=True))
+    assert launcher.counts()["launches"] == before["launches"] + 3
+
+
+def test_dispatcher_and_compile_reach_the_launcher(cpp):
+    """torch.ops.evotune.attention and a torch.compile(fullgraph=True) graph launch through the C++ kernel."""
+    use_variant(cpp, "wgmma", [SHAPE])
+    q, k, v = make_qkv(SHAPE, seed=3)
+    eager = et.attention(q, k, v, is_causal=True)
+    start = launcher.counts()["launches"]
+    direct = torch.ops.evotune.attention.default(q, k, v, True, None, False, "sdpa")
+    compiled = torch.compile(lambda q, k, v: et.attention(q, k, v, is_causal=True) * 1, fullgraph=True)
+    out = compiled(q, k, v)
+    out = compiled(q, k, v)
+    torch.cuda.synchronize()
+    assert torch.equal(direct, eager) and torch.equal(out, eager)
+    assert launcher.counts()["launches"] >= start + 3
+
+
+def test_graph_capture_through_the_launcher(cpp):
+    """A CUDA graph captured through the launcher replays the kernel on new inputs copied into its buffers."""
+    use_variant(cpp, "wgmma", [SHAPE])
+    q, k, v = make_qkv(SHAPE, seed=5)
+    et.attention(q, k, v, is_causal=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        et.attention(q, k, v, is_causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    start = launcher.counts()["launches"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = et.attention(q, k, v, is_causal=True)
+    assert launcher.counts()["launches"] == start + 1
+    for seed in (6, 7):
+        for dst, src in zip((q, k, v), make_qkv(SHAPE, seed=seed)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, python_route(q, k, v, True))
+
+
+def test_misaligned_view_comes_back_to_python(cpp):
+    """A view 8 bytes past a 16-byte boundary (same sizes and strides) is handed back, not launched, and computed."""
+    use_variant(cpp, "sync", [Shape(1, 2, 64, 64, 64, "fp16", False, "bhsd")])
+    q, k, v = (t.contiguous() for t in make_qkv(Shape(1, 2, 64, 64, 64, "fp16", False, "bhsd"), seed=8))
+    et.attention(q, k, v)
+    base = torch.empty(q.numel() + 4, dtype=q.dtype, device=q.device)
+    odd = base[4:].view_as(q)
+    odd.copy_(q)
+    assert odd.data_ptr() % 16 == 8 and odd.stride() == q.stride()
+    counts = launcher.counts()
+    out = et.attention(odd, k, v)
+    after = launcher.counts()
+    assert after["misses"] == counts["misses"] + 1 and after["launches"] == counts["launches"]
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v), atol=2e-3, rtol=2e-3)
