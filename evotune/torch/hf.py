@@ -29,14 +29,15 @@ from collections import Counter
 import torch
 
 from .decode import MAX_SEQ_Q, decode_attention
-from .op import attention
+from .op import attention, eager_attention
 from .routing import EvotuneFallbackWarning
 
 NAME = "evotune"
 
 _LOCK = threading.Lock()
 _WARNED: set[str] = set()
-_STATS: Counter = Counter()        # "evotune" / "sdpa": adapter calls per path (eager code only)
+_STATS: Counter = Counter()        # "sdpa": adapter calls sent to transformers' sdpa (eager code only)
+_CALLS = [0]                       # adapter calls that reached evotune.torch.attention (eager code only)
 _FALLBACKS: Counter = Counter()    # reason -> calls sent to transformers' sdpa (eager code only)
 _TRACED_FALLBACKS: dict = {}       # reason -> True, noted while torch.compile traced a fallback
 
@@ -79,7 +80,9 @@ def unpacked_causal_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=
 def stats() -> dict:
     """Adapter calls made in eager code so far: {"evotune": n, "sdpa": n} (the op's own routing, kernel or
     SDPA, is told by the op: evotune.torch.record_shapes / explain)."""
-    return dict(_STATS)
+    out = {"evotune": _CALLS[0]} if _CALLS[0] else {}
+    out.update(_STATS)
+    return out
 
 
 def fallbacks() -> dict:
@@ -94,6 +97,7 @@ def reset_stats() -> None:
     """Forget the counts and the reasons already told."""
     with _LOCK:
         _STATS.clear()
+        _CALLS[0] = 0
         _FALLBACKS.clear()
         _TRACED_FALLBACKS.clear()
         _WARNED.clear()
@@ -127,29 +131,38 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query (B, H, Sq, D), key/value (B, Hk, Sk, D); returns
     ((B, Sq, H, D) contiguous, None), like sdpa_attention_forward."""
-    decoded = decode_call(query, key, value, attention_mask, dropout, scaling, kwargs)
-    if decoded is not None:
-        return decoded
+    # Every layer of every forward comes here: each size read once, the covered case checked in one expression
+    # before the reasons are spelled (uncovered_reason, only for a call that is not).
+    _, heads, sq, _ = query.shape
+    _, kv_heads, sk, _ = key.shape
+    if sq < sk:  # a decode step or a cached chunk (decode_call), else a prefill into an empty StaticCache
+        decoded = decode_call(query, key, value, attention_mask, dropout, scaling, kwargs)
+        if decoded is not None:
+            return decoded
     # The causal flag as sdpa_attention_forward derives it (a single query attends to every key).
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
-    if causal and key.shape[2] > query.shape[2]:
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = bool(sq > 1) and attention_mask is None and bool(is_causal)
+    if causal and sk > sq:
         # A prefill into an empty StaticCache (no mask, the whole cache as keys): with the top-left causal mask
         # SDPA and the op share, no query sees a key past the queries, so the keys are cropped to them, as
         # sdpa_attention_forward crops them (views of the cache: nothing copied).
-        key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
-    why = uncovered_reason(module, query, key, value, attention_mask, dropout, causal, kwargs)
-    if why is not None:
+        key, value, sk = key[:, :, :sq], value[:, :, :sq], sq
+    get = kwargs.get
+    if (attention_mask is not None or dropout or (causal and sq != sk)
+            or (kwargs and (get("softcap") is not None or get("position_bias") is not None or get("cache") is not None
+                            or get("s_aux") is not None or get("sinks") is not None or get("output_attentions")))):
+        why = uncovered_reason(module, query, key, value, attention_mask, dropout, causal, kwargs)
         _fallback(why)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if not torch.compiler.is_compiling():
-        with _LOCK:
-            _STATS["evotune"] += 1
-    gqa = query.shape[1] != key.shape[1]
-    out = attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=gqa)
+    if torch.compiler.is_compiling():
+        out = attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=heads != kv_heads)
+    else:
+        _CALLS[0] += 1  # a plain count (no lock: a diagnostic that two threads at once may undercount)
+        out = eager_attention(query, key, value, causal, scaling, heads != kv_heads)
     # The op returns the query's layout: a projection's (B, S, H, D) memory seen as (B, H, S, D), so this
     # transpose is already contiguous and .contiguous() copies nothing.
     return out.transpose(1, 2).contiguous(), None
@@ -181,8 +194,7 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
     elif sq > 1:
         return None  # no mask with several queries: sdpa's is_causal would be top-left; the adapter's path keeps it
     if not torch.compiler.is_compiling():
-        with _LOCK:
-            _STATS["evotune"] += 1
+        _CALLS[0] += 1
     out = decode_attention(query, key, value, causal=sq > 1, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
