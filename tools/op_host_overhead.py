@@ -24,6 +24,12 @@ graph of --graph-n captured calls (CUDA events around replays).
 
     python tools/op_host_overhead.py --shape 1,8,512,64 --graph --out op_host_overhead.json --md op_host_overhead.md
     python tools/op_host_overhead.py --device cpu --shape 1,1,1,64     # host cost on a CPU: no kernel rows
+    python tools/op_host_overhead.py --launcher cpp ...                # the tuned rows through the compiled launcher
+
+--launcher cpp sets EVOTUNE_CPP_LAUNCHER=1 for this process (evotune.torch.launcher: evotune::attention's CUDA kernel
+in C++, built on first use): the tuned rows (op-tuned, op-dispatch, hf-tuned, compile-tuned) then launch from C++ and
+their route reads "tuned-cpp"; the report says whether it loaded and how many launches it made. Run the tool once per
+launcher and compare each run's ratios to its own SDPA rows (the library, once loaded, serves the whole process).
 
 Writes JSON to --out and the docs' markdown table to --md, prints a table last. Exit status 2 for bad options.
 """
@@ -56,6 +62,8 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each row once a round)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     ap.add_argument("--space", default="attention-hopper", help="space whose default config the tuned rows run")
+    ap.add_argument("--launcher", default="python", choices=["python", "cpp"],
+                    help="the tuned rows' launch: the op's Python route, or the compiled launcher (EVOTUNE_CPP_LAUNCHER=1)")
     ap.add_argument("--graph", action="store_true", help="also time each eager row inside a CUDA graph")
     ap.add_argument("--graph-n", type=int, default=100, help="calls captured per CUDA graph")
     ap.add_argument("--out", default=None, help="JSON results")
@@ -206,7 +214,7 @@ def spread(xs) -> dict:
 
 def markdown(report) -> str:
     """The docs' table of one report."""
-    lines = [f"{report['device']}, torch {report['torch']}"
+    lines = [f"{report['device']}, torch {report['torch']}, launcher {report.get('launcher', 'python')}"
              + (f", transformers {report['transformers']}" if report.get("transformers") else "")
              + f"; shape {report['shape']} ({report['layout']} inputs); host us per call: median [min - max] of "
              f"{report['rounds']} interleaved rounds of {report['n']} calls; speed: SDPA's time in the same round "
@@ -223,6 +231,10 @@ def markdown(report) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import os
+
+    if args.launcher == "cpp":
+        os.environ["EVOTUNE_CPP_LAUNCHER"] = "1"  # read when the op works out its first kernel route
     import torch
 
     import evotune.torch as et
@@ -253,6 +265,14 @@ def main(argv=None) -> int:
             fn()
         sync()
         routes[name] = "tuned" if table is not None else ("sdpa" if name.endswith(("sdpa",)) else "fallback")
+    from evotune.torch import launcher
+
+    cpp = launcher.load() if args.launcher == "cpp" else False
+    if cpp:
+        routes = {name: "tuned-cpp" if route == "tuned" else route for name, route in routes.items()}
+    elif args.launcher == "cpp":
+        print(f"op_host_overhead: the compiled launcher did not load ({launcher.why_not()}): tuned rows are Python",
+              file=sys.stderr)
     samples = {name: [] for name in rows}
     order = list(rows)
     for r in range(args.rounds):
@@ -281,7 +301,8 @@ def main(argv=None) -> int:
                             "speed_vs_" + base: spread(ratio) if ratio else None, "graph_us": graph.get(name)})
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (no kernel rows)"
     report = {"shape": shape.spec, "layout": args.layout, "device": gpu, "torch": torch.__version__, "n": args.n, "rounds": args.rounds,
-              "space": args.space, "rows": report_rows,
+              "space": args.space, "rows": report_rows, "launcher": "cpp" if cpp else "python",
+              "launcher_counts": launcher.counts(),
               "how": "perf_counter around n back-to-back calls, no sync inside; rounds interleaved, order rotated"}
     try:
         import transformers
@@ -293,7 +314,8 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.md:
         Path(args.md).write_text(markdown(report))
-    print(f"{shape.spec} {args.layout} on {gpu}, torch {torch.__version__}: host us per call, median [min-max] of {args.rounds} "
+    print(f"{shape.spec} {args.layout} on {gpu}, torch {torch.__version__}, launcher {report['launcher']} "
+          f"{report['launcher_counts']}: host us per call, median [min-max] of {args.rounds} "
           f"rounds x {args.n} calls; speed = sdpa's time / the row's, same round")
     print(f"{'row':<17} {'route':<9} {'host us':>9} {'[min - max]':>17} {'speed vs sdpa':>22} {'graph us':>9}")
     for r in report_rows:
