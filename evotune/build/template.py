@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import UsageError
@@ -23,17 +23,61 @@ def kernels_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class LaunchGeometry:
+    """How one instantiation is launched: grid, block, dynamic shared memory, the setmaxnreg split, and for a
+    persistent grid the rule that sizes it for the device (grid_for)."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    dynamic_smem: int
+    # Registers the CTA's warpgroups hold after setmaxnreg, summed over its threads (0: the kernel does not resize
+    # them). setmaxnreg.inc only takes what the CTA's own setmaxnreg.dec freed, so the static gate refuses a kernel
+    # whose launch allocates fewer (ptxas's count x threads): its consumers would wait forever.
+    register_split: int = 0
+    # A persistent grid's work items (0: the grid is fixed). Its x is then min(tiles, the device's SMs), so the grid
+    # is a function of the device; `grid` holds it for the SM count the family was asked about.
+    tiles: int = 0
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
+
+    def grid_for(self, multiprocessors: int) -> tuple[int, int, int]:
+        """The grid on a device with `multiprocessors` SMs: `grid` itself unless persistent."""
+        if not self.tiles:
+            return tuple(self.grid)
+        return (min(self.tiles, multiprocessors), self.grid[1], self.grid[2])
+
+    def on(self, multiprocessors: int) -> "LaunchGeometry":
+        """This geometry with its grid sized for `multiprocessors` SMs."""
+        return replace(self, grid=self.grid_for(multiprocessors))
+
+    def as_dict(self) -> dict:
+        return {"grid": list(self.grid), "block": list(self.block), "dynamic_smem": self.dynamic_smem}
+
+
+@dataclass(frozen=True)
 class KernelSource:
-    """Complete CUDA source of one candidate and the name of its extern "C" entry point."""
+    """Complete CUDA source of one candidate, the name of its extern "C" entry point, and its launch geometry as the
+    family gave it at instantiation (None for code read back from a run's archive: records keep the code, and its
+    launch comes from today's family, geometry_of)."""
 
     family: str
     entry: str
     code: str
     template_path: str
+    # Not part of the identity: two sources are the same kernel when their code is (the digest, the cache key).
+    geometry: LaunchGeometry | None = field(default=None, compare=False)
 
     @property
     def digest(self) -> str:
         return hashlib.sha256(self.code.encode()).hexdigest()[:16]
+
+
+def geometry_of(source: KernelSource, problem, config, shape) -> LaunchGeometry:
+    """The launch geometry of `source`: the one its instantiation carries; for a source that carries none (a run's
+    archived code, records/sources.py) the family's for (config, shape), as an archived source's launch always is."""
+    return source.geometry if source.geometry is not None else problem.geometry(config, shape)
 
 
 # A local header: `#include "name"` on a line of its own, resolved in the search folders, then the kernels folder;
@@ -103,7 +147,8 @@ def banner_key(problem, config) -> str:
 def instantiate(problem, config, shape, **options) -> KernelSource:
     """Append the problem's instantiation block for (config, shape) to its template, keeping the template's flagged
     lines of the config's template_flags. `options` select a family's output variant (e.g. attention's
-    write_lse=True); without them, the searched kernel."""
+    write_lse=True); without them, the searched kernel. The source carries the family's launch geometry for (config,
+    shape) (Problem.geometry, asked once here): every consumer reads it from the source."""
     # A template named by its path (a plugin's, a family file's) finds its local headers beside it first.
     search = (Path(problem.kernel_file).parent,) if os.path.isabs(problem.kernel_file) else ()
     path, template = read_template(problem.kernel_file, search=search)
@@ -117,4 +162,4 @@ def instantiate(problem, config, shape, **options) -> KernelSource:
     name = problem.source_name or problem.family
     banner = f"\n// ---- evotune instantiation: {name} {banner_key(problem, config)}{variant}\n"
     return KernelSource(family=problem.family, entry=problem.entry_name, code=template + banner + block,
-                        template_path=str(path))
+                        template_path=str(path), geometry=problem.geometry(config, shape))

@@ -17,32 +17,14 @@ import importlib
 from abc import ABC, abstractmethod
 import os
 import sys
-from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from ..build.template import LaunchGeometry  # noqa: F401  (the families' return type, kept importable here)
 from ..errors import UsageError
 from ..space.searchspace import register_family
 
 # The environment variable that lists the modules plugin families may be loaded from.
 PLUGINS_ENV = "EVOTUNE_PLUGINS"
-
-
-@dataclass(frozen=True)
-class LaunchGeometry:
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    dynamic_smem: int
-    # Registers the CTA's warpgroups hold after setmaxnreg, summed over its threads (0: the kernel does not resize
-    # them). setmaxnreg.inc only takes what the CTA's own setmaxnreg.dec freed, so the static gate refuses a kernel
-    # whose launch allocates fewer (ptxas's count x threads): its consumers would wait forever.
-    register_split: int = 0
-
-    @property
-    def threads(self) -> int:
-        return self.block[0] * self.block[1] * self.block[2]
-
-    def as_dict(self) -> dict:
-        return {"grid": list(self.grid), "block": list(self.block), "dynamic_smem": self.dynamic_smem}
 
 
 class Problem(ABC):
@@ -164,7 +146,9 @@ class Problem(ABC):
 
     @abstractmethod
     def geometry(self, config, shape) -> LaunchGeometry:
-        """Grid, block and dynamic shared memory of `config` on `shape`."""
+        """Grid, block and dynamic shared memory of `config` on `shape` (a persistent grid: its `tiles`, and the grid
+        for the H100's SMs). Asked once per instantiation (build.template.instantiate): consumers read the
+        KernelSource's `geometry`, and size a persistent grid for their device with its grid_for."""
 
     @abstractmethod
     def signature(self, config=None) -> str:

@@ -514,18 +514,20 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
 
     def geometry(self, config, shape: Shape, multiprocessors: int = MULTIPROCESSORS) -> LaunchGeometry:
         """The launch; the instantiation asserts that the traits derive the same threads and shared memory. A
-        persistent grid has min(query tiles, `multiprocessors`) CTAs (the H100's SMs unless told; launch_plan
-        tells the device's)."""
+        persistent grid has min(query tiles, `multiprocessors`) CTAs (the H100's SMs unless told) and carries its
+        tiles, so a launch sizes it for its device (LaunchGeometry.grid_for; launch_plan does)."""
         block_m, block_n = rows_per_cta(config), int(knob(config, "block_n"))
         if is_wgmma(config):
             # HopperTraits: Q + STAGES (K, V) tiles + 1024 B to align them; consumer and producer warps.
             smem = 2 * shape.head_dim * (block_m + 2 * int(knob(config, "stages")) * block_n) + 1024
             smem += o_stage_bytes(config, shape) + q_buffer_bytes(config, shape) + p_tile_bytes(config, shape)
             threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
-            grid = ((min(query_tiles(config, shape), multiprocessors), 1, 1) if is_persistent(config)
-                    else (math.ceil(shape.seq_q / block_m), shape.heads, shape.batch))
-            return LaunchGeometry(grid=grid, block=(threads, 1, 1), dynamic_smem=smem,
-                                  register_split=setmaxnreg_registers(config))
+            if is_persistent(config):
+                tiles = query_tiles(config, shape)
+                return LaunchGeometry(grid=(min(tiles, multiprocessors), 1, 1), block=(threads, 1, 1),
+                                      dynamic_smem=smem, register_split=setmaxnreg_registers(config), tiles=tiles)
+            return LaunchGeometry(grid=(math.ceil(shape.seq_q / block_m), shape.heads, shape.batch),
+                                  block=(threads, 1, 1), dynamic_smem=smem, register_split=setmaxnreg_registers(config))
         threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
         pitch = shape.head_dim + (8 if knob(config, "smem_layout") == "pad" else 0)
         smem = 2 * pitch * (block_m + 2 * int(knob(config, "stages")) * block_n)
@@ -940,8 +942,8 @@ class LaunchPlan:
 def _launch_plan(problem, config, shape: Shape, multiprocessors: int) -> LaunchPlan:
     import numpy as np
 
-    geo = problem.geometry(config, shape, multiprocessors)
-    return LaunchPlan(is_wgmma(config), tuple(geo.grid), tuple(geo.block), int(geo.dynamic_smem),
+    geo = problem.geometry(config, shape)
+    return LaunchPlan(is_wgmma(config), geo.grid_for(multiprocessors), tuple(geo.block), int(geo.dynamic_smem),
                       np.int32(shape.seq_q), np.int32(shape.seq_k), problem.workspace_elems(config, shape),
                       np.uint32(kv_head_magic(shape.kv_group)), is_pdl(config))
 
