@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .compile import DEFAULT_ARCH, nvrtc_options
 from ..outputs import write_output
-from .template import instantiate
+from .template import geometry_of, instantiate
 
 
 def build_command(arch: str = DEFAULT_ARCH) -> str:
@@ -27,7 +27,7 @@ def export_source(problem, shape, config, record: dict | None = None, meta: dict
     KernelSource to write (a run's archived source of the trial, records/sources.py); default today's
     instantiation. Where the code written is not the code the record measured, the header says so."""
     src = source if source is not None else instantiate(problem, config, shape)
-    geo = problem.geometry(config, shape)
+    geo = geometry_of(src, problem, config, shape)
     record, meta = record or {}, meta or {}
     result = record.get("result") or {}
     timing = result.get("timing") or {}

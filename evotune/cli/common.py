@@ -114,12 +114,13 @@ def _check_knobs_read(problem, shape, space) -> None:
     line of the parameter nearest the name read."""
     import difflib
 
+    from ..build.template import instantiate
+
     if problem.knob_domains() is not None:
         return
     config = space.default_config()
     try:
-        problem.geometry(config, shape)
-        problem.instantiation(config, shape)
+        instantiate(problem, config, shape)  # the family's code and launch geometry: both read the knobs
     except KeyError as e:
         name = str(e.args[0]) if e.args else "?"
         near = difflib.get_close_matches(name, space.param_names(), n=1)

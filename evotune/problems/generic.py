@@ -30,7 +30,6 @@ import difflib
 import hashlib
 import importlib.util
 import inspect
-import math
 import os
 import re
 import sys
@@ -507,7 +506,7 @@ class GenericProblem(Problem):
                 name = what if what.isidentifier() else f"arg{i}"
                 params.append(f"{'float' if kind == 'float' else 'int'} {name}")
                 names.append(name)
-        threads = math.prod(self._ints(self.block, env))
+        threads = self.geometry(config, shape).threads  # the launch bound is the launch's block
         return (f'extern "C" __global__ void __launch_bounds__({threads})\n'
                 f"{self.entry_name}({', '.join(params)}) {{\n    {call}({', '.join(names)});\n}}\n")
 

@@ -37,7 +37,7 @@ from ..records.runs import Run, best_record
 from ..records.sources import archive_source
 from .shared import SharedStudy
 from ..space.searchspace import Config
-from ..build.template import KernelSource, instantiate
+from ..build.template import KernelSource, geometry_of, instantiate
 from ..timeline import Timeline
 
 SAMPLERS = ("surrogate", "nsga2", "tpe", "random", "exhaustive")
@@ -683,8 +683,9 @@ def _compile_and_judge(problem, shape, item: _Pending, compiler, timeline: Timel
             compiled = _compiled(item, compiler)
     except CompileError as e:
         return Result(status=R.COMPILE_ERROR, message=str(e))
-    geo = problem.geometry(config, shape)
-    compiled = judged(compiled, geo)  # the worker reads this verdict, not again
+    # Judged by the geometry the instantiation carries (a source made otherwise: the family's); the worker reads
+    # this verdict, not again.
+    compiled = judged(compiled, geometry_of(item.source, problem, config, shape))
     static = list(compiled.static_verdict)
     if static:
         return Result(status=R.PRUNED, message="static: " + "; ".join(static),

@@ -46,8 +46,8 @@ def check_one(args: tuple) -> dict:
     shape = problem.shape_from_dict(shape_dict)
     space = load_space(space_path, tuple(problem.context(shape)), problem.knob_domains())
     cfg = space.config(cfg_dict)
-    geo = problem.geometry(cfg, shape)
     src = instantiate(problem, cfg, shape)
+    geo = src.geometry
     try:
         c = compile_source(src.code, src.entry)
     except CompileError as e:
