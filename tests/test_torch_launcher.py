@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def fresh(monkeypatch, tmp_path):
     """The launcher as in a new process (not tried yet), its builds under tmp_path."""
     monkeypatch.setattr(launcher, "_STATE", {"loaded": None, "why": None})
+    monkeypatch.setattr(launcher, "ACTIVE", [False])
     monkeypatch.setenv("EVOTUNE_CACHE", str(tmp_path))
     return tmp_path
 
@@ -34,7 +35,7 @@ def test_off_unless_asked(fresh, monkeypatch):
     assert launcher.requested() is False and launcher.load() is False
     monkeypatch.setenv(launcher.ENV, "0")
     assert launcher.load() is False and launcher._STATE["loaded"] is None
-    assert launcher.counts() == {"routes": 0, "launches": 0, "misses": 0}
+    assert launcher.counts() == {"routes": 0, "launches": 0, "misses": 0, "sdpa": 0} and launcher.ACTIVE == [False]
 
 
 def test_no_compiler_is_told_once(fresh, monkeypatch):
@@ -98,6 +99,7 @@ _BUILD_AND_REGISTER = textwrap.dedent("""
     from evotune.space.searchspace import load_builtin
 
     assert launcher.load(), launcher.why_not()
+    assert launcher.ACTIVE == [True]
     q = torch.zeros(1, 64, 2, 64, dtype=torch.float16).transpose(1, 2)     # bshd
     key = torch.ops.evotune_launcher.key_of(q, q, q, True, 0.125, False, "error")
     sizes, strides = [1, 2, 64, 64] * 3, [8192, 64, 128, 1] * 3
@@ -111,7 +113,9 @@ _BUILD_AND_REGISTER = textwrap.dedent("""
     out = q.new_empty_strided((1, 2, 64, 64), (8192, 64, 128, 1))
     prepared = kernels.PreparedLaunch(fake, shape, (q.stride(),) * 3, 0.125, out.stride())
     assert launcher.register(prepared, q, q, q, out, True, 0.125, False, "error")
-    assert launcher.counts() == {"routes": 1, "launches": 0, "misses": 0}
+    assert launcher.counts() == {"routes": 1, "launches": 0, "misses": 0, "sdpa": 0}
+    assert launcher.register_sdpa(q, q, q, False, None, False, "sdpa", (1, 2, 64, 64), (8192, 64, 128, 1))
+    assert launcher.counts()["routes"] == 2
     launcher.clear()
     assert launcher.counts()["routes"] == 0
     print("ok")

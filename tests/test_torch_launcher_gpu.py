@@ -1,9 +1,11 @@
 """The compiled launcher (evotune.torch.launcher, EVOTUNE_CPP_LAUNCHER=1) on the GPU: its launches write the same bytes
 as the Python route's on every variant (pointers, TMA maps re-encoded for new addresses, the persistent grid's
 counters, split-KV workspace), CUDA-graph capture and torch.compile run through it, and what it has no route for
-(a view off a 16-byte boundary) comes back to Python."""
+(a view off a 16-byte boundary) comes back to Python; an SDPA route runs SDPA from C++."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 
@@ -33,7 +35,7 @@ def cpp():
         pytest.fail(f"the compiled launcher did not load: {launcher.why_not()}")
     yield name, f"{major}.{minor}"
     launcher.clear()
-    launcher._STATE["loaded"] = False
+    launcher._STATE["loaded"] = launcher.ACTIVE[0] = False
     mp.undo()
     et.use_table(None)
 
@@ -122,3 +124,23 @@ def test_misaligned_view_comes_back_to_python(cpp):
     after = launcher.counts()
     assert after["misses"] == counts["misses"] + 1 and after["launches"] == counts["launches"]
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_sdpa_route_runs_from_cpp(cpp, layout):
+    """A key the table lacks: the launcher's SDPA route returns SDPA's values in the op's layout (the query's), eager
+    and through the dispatcher, without handing the call back."""
+    et.use_table(None)
+    shape = Shape(1, 4, 128, 128, 64, "fp16", True, layout)
+    q, k, v = make_qkv(shape, seed=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", et.EvotuneFallbackWarning)  # the missing key, told once
+        et.attention(q, k, v, is_causal=True)
+    counts = launcher.counts()
+    out = et.attention(q, k, v, is_causal=True)
+    direct = torch.ops.evotune.attention.default(q, k, v, True, None, False, "sdpa")
+    after = launcher.counts()
+    assert after["sdpa"] == counts["sdpa"] + 2 and after["misses"] == counts["misses"]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(out, ref) and torch.equal(direct, ref)
+    assert (out.stride(1) < out.stride(2)) == (layout == "bshd")

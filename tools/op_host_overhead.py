@@ -28,7 +28,9 @@ graph of --graph-n captured calls (CUDA events around replays).
 
 --launcher cpp sets EVOTUNE_CPP_LAUNCHER=1 for this process (evotune.torch.launcher: evotune::attention's CUDA kernel
 in C++, built on first use): the tuned rows (op-tuned, op-dispatch, hf-tuned, compile-tuned) then launch from C++ and
-their route reads "tuned-cpp"; the report says whether it loaded and how many launches it made. Run the tool once per
+their route reads "tuned-cpp", and the eager fallback rows run SDPA from C++ (op-fallback, op-dispatch and
+hf-fallback on the missing key; compile-fallback traces SDPA itself either way); the report says whether it loaded
+and what it ran (launcher_counts). Run the tool once per
 launcher and compare each run's ratios to its own SDPA rows (the library, once loaded, serves the whole process).
 
 Writes JSON to --out and the docs' markdown table to --md, prints a table last. Exit status 2 for bad options.
@@ -269,7 +271,8 @@ def main(argv=None) -> int:
 
     cpp = launcher.load() if args.launcher == "cpp" else False
     if cpp:
-        routes = {name: "tuned-cpp" if route == "tuned" else route for name, route in routes.items()}
+        routes = {name: route + "-cpp" if route in ("tuned", "fallback") and name != "compile-fallback" else route
+                  for name, route in routes.items()}
     elif args.launcher == "cpp":
         print(f"op_host_overhead: the compiled launcher did not load ({launcher.why_not()}): tuned rows are Python",
               file=sys.stderr)

@@ -6,8 +6,10 @@ torch version and source: evotune's cache folder, launcher/<torch>-<digest>/) an
 the CUDA kernel of evotune::attention; each kernel route the op works out is then registered with it too (the loaded
 CUfunction, grid, block, shared memory, the packed parameters and the slots a call rewrites), so a repeated call,
 eager or from a compiled graph, allocates its output, patches the addresses (re-encoding a TMA map whose address
-changed) and calls cuLaunchKernel without running Python. Calls the library has no route for run the op's Python
-body (evotune::_attention_body), as without it.
+changed) and calls cuLaunchKernel without running Python; an SDPA route (a key the table lacks or routes to SDPA)
+registers too and runs at::scaled_dot_product_attention from C++. With it loaded, the op's eager entry sends a plain
+CUDA call straight to the op (ACTIVE): no Python key, no Python route. Calls the library has no route for run the
+op's Python body (evotune::_attention_body), as without it.
 
 Where no compiler is found ($CXX, else c++) or the build fails, the op launches from Python, told once
 (EvotuneLauncherWarning, naming the compiler's log). A pdl config (cuLaunchKernelEx) and the training variant keep the
@@ -44,6 +46,7 @@ class LauncherBuildError(Exception):
 
 _LOCK = threading.Lock()
 _STATE = {"loaded": None, "why": None}  # loaded: None = not tried, True / False after the first try
+ACTIVE = [False]  # whether the library is loaded and takes routes: read by the op's eager entry on every call
 
 
 def requested() -> bool:
@@ -121,7 +124,7 @@ def load(cache=None) -> bool:
                 import torch
 
                 torch.ops.load_library(str(build(cache)))
-                _STATE["loaded"] = True
+                _STATE["loaded"] = ACTIVE[0] = True
             except (LauncherBuildError, OSError, RuntimeError) as e:
                 _STATE["loaded"], _STATE["why"] = False, str(e)
                 warnings.warn(f"evotune.torch: {ENV}=1 but the compiled launcher cannot be used ({e}): the op "
@@ -179,6 +182,19 @@ def register(prepared, q, k, v, out, is_causal, scale, enable_gqa, fallback) -> 
     return True
 
 
+def register_sdpa(q, k, v, is_causal, scale, enable_gqa, fallback, out_size, out_stride) -> bool:
+    """Register an SDPA route for the facts of this call (CUDA tensors): the library runs SDPA and returns its result
+    in the op's layout (out_size, out_stride), copying only where SDPA's backend chose another. False where the
+    library is not loaded."""
+    if not _STATE["loaded"]:
+        return False
+    import torch
+
+    key = torch.ops.evotune_launcher.key_of(q, k, v, bool(is_causal), scale, bool(enable_gqa), fallback)
+    torch.ops.evotune_launcher.add_sdpa_route(key, list(out_size), list(out_stride))
+    return True
+
+
 def clear() -> None:
     """Forget every registered route (the op's table or kernel cache changed, or a recorder must see each call)."""
     if _STATE["loaded"]:
@@ -188,11 +204,11 @@ def clear() -> None:
 
 
 def counts() -> dict:
-    """{"routes", "launches", "misses"} of the library (all 0 where it is not loaded): launches it made, and calls it
-    handed to the Python body."""
+    """{"routes", "launches", "misses", "sdpa"} of the library (all 0 where it is not loaded): kernel launches it made,
+    calls it handed to the Python body, and SDPA routes it ran."""
     if not _STATE["loaded"]:
-        return {"routes": 0, "launches": 0, "misses": 0}
+        return {"routes": 0, "launches": 0, "misses": 0, "sdpa": 0}
     import torch
 
-    routes, launches, misses = torch.ops.evotune_launcher.counts()
-    return {"routes": routes, "launches": launches, "misses": misses}
+    routes, launches, misses, sdpa = torch.ops.evotune_launcher.counts()
+    return {"routes": routes, "launches": launches, "misses": misses, "sdpa": sdpa}

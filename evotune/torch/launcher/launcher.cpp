@@ -4,8 +4,9 @@
 // loaded, grid, block, dynamic shared memory, the entry's parameters as bytes with the slots a call rewrites (the
 // buffer addresses, the workspace, the TMA maps' addresses), and the output's size and strides. A call whose facts
 // hold a route allocates its output, writes the addresses into a copy of the packed parameters and calls
-// cuLaunchKernel on torch's current stream: no Python. Any other call (first of its facts, an SDPA route, a view
-// off a 16-byte boundary, another current device) goes to evotune::_attention_body, the op's Python body.
+// cuLaunchKernel on torch's current stream: no Python. An SDPA route (a key the table lacks or routes to SDPA) is
+// registered too: at::scaled_dot_product_attention, its result in the op's layout. Any other call (first of its
+// facts, a view off a 16-byte boundary, another current device) goes to evotune::_attention_body, the Python body.
 //
 // The driver is reached through dlopen("libcuda.so.1"), so the library links against nothing CUDA at build time
 // (it builds on a machine with torch's CPU wheel and no CUDA toolkit), and the current stream through c10's device
@@ -14,6 +15,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
@@ -80,6 +82,7 @@ struct MapMemo {
 };
 
 struct Route {
+  bool sdpa = false;                    // an SDPA route: only out_size and out_stride are read
   void* function = nullptr;
   std::array<unsigned, 3> grid{}, block{};
   unsigned smem = 0;
@@ -105,7 +108,7 @@ struct KeyHash {
 
 std::shared_mutex routes_lock;
 std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Route>, KeyHash> routes;
-std::atomic<int64_t> launches{0}, misses{0};
+std::atomic<int64_t> launches{0}, misses{0}, sdpa_calls{0};
 
 int64_t fallback_code(c10::string_view fallback) {
   if (fallback == "sdpa") return 0;
@@ -216,6 +219,17 @@ at::Tensor launch(const Route& route, const at::Tensor& q, const at::Tensor& k, 
   return out;
 }
 
+// SDPA itself, its result copied into the op's layout only where its backend chose another (op._sdpa_route's rule).
+at::Tensor run_sdpa(const Route& route, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
+                    std::optional<double> scale, bool enable_gqa) {
+  at::Tensor o = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, is_causal, scale, enable_gqa);
+  sdpa_calls.fetch_add(1, std::memory_order_relaxed);
+  if (o.strides() == c10::IntArrayRef(route.out_stride)) return o;
+  at::Tensor out = at::empty_strided(route.out_size, route.out_stride, q.options());
+  out.copy_(o);
+  return out;
+}
+
 // evotune::attention's CUDA kernel: the registered route where the call's facts have one, else the Python body.
 at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                           std::optional<double> scale, bool enable_gqa, c10::string_view fallback) {
@@ -226,6 +240,7 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
       const uint64_t misaligned = (reinterpret_cast<uint64_t>(q.data_ptr()) | reinterpret_cast<uint64_t>(k.data_ptr()) |
                                    reinterpret_cast<uint64_t>(v.data_ptr())) & 15;
       const auto current = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
+      if (route->sdpa) return run_sdpa(*route, q, k, v, is_causal, scale, enable_gqa);
       if (!misaligned && current == route->device) return launch(*route, q, k, v);
     }
   }
@@ -285,6 +300,15 @@ void add_route(c10::IntArrayRef key, int64_t function, c10::IntArrayRef grid, c1
   routes[std::vector<int64_t>(key.begin(), key.end())] = std::move(route);
 }
 
+void add_sdpa_route(c10::IntArrayRef key, c10::IntArrayRef out_size, c10::IntArrayRef out_stride) {
+  auto route = std::make_shared<Route>();
+  route->sdpa = true;
+  route->out_size = fixed<4, int64_t>(out_size, "out_size");
+  route->out_stride = fixed<4, int64_t>(out_stride, "out_stride");
+  std::unique_lock<std::shared_mutex> lock(routes_lock);
+  routes[std::vector<int64_t>(key.begin(), key.end())] = std::move(route);
+}
+
 void clear_routes() {
   std::unique_lock<std::shared_mutex> lock(routes_lock);
   routes.clear();
@@ -292,7 +316,7 @@ void clear_routes() {
 
 std::vector<int64_t> counts() {
   std::shared_lock<std::shared_mutex> lock(routes_lock);
-  return {static_cast<int64_t>(routes.size()), launches.load(), misses.load()};
+  return {static_cast<int64_t>(routes.size()), launches.load(), misses.load(), sdpa_calls.load()};
 }
 
 // The key this library builds for a call (any device's tensors): tests compare it with Python's.
@@ -307,6 +331,7 @@ TORCH_LIBRARY(evotune_launcher, m) {
   m.def("add_route(int[] key, int function, int[] grid, int[] block, int smem, int device, int[] init, "
         "int[] offsets, int[] slots, int[] maps, int[] out_size, int[] out_stride, int[] workspace) -> ()",
         &add_route);
+  m.def("add_sdpa_route(int[] key, int[] out_size, int[] out_stride) -> ()", &add_sdpa_route);
   m.def("clear_routes() -> ()", &clear_routes);
   m.def("counts() -> int[]", &counts);
   m.def("key_of(Tensor q, Tensor k, Tensor v, bool is_causal, float? scale, bool enable_gqa, str fallback) -> int[]",
