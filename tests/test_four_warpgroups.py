@@ -79,20 +79,52 @@ def test_admission(attention, space, wg4_space):
     assert not space.violations(space.config(WG4_CONFIGS[0]), ctx)
 
 
-def _ternary(text: str, wgs: int) -> int:
-    """A traits expression `kConsumerWGs == n ? a : (...)`, down to a plain number, evaluated at `wgs`."""
-    while not text.isdigit():
-        n, a, rest = re.fullmatch(r"kConsumerWGs == (\d+) \? (\d+) : (.+)", text).groups()
-        text = a if int(n) == wgs else rest
-    return int(text)
+def _c_value(text: str, names: dict) -> int:
+    """A traits expression over the traits' own parameters (`kConsumerWGs == 3 || (kStripeMirror && ...) ? 32 : 24`),
+    evaluated: C's right-associative `c ? a : b`, `||`, `&&` and `==` over the parameters' values in `names`."""
+    text = text.strip()
+    if text.startswith("(") and _closing(text) == len(text) - 1:
+        return _c_value(text[1:-1], names)
+    depth = 0
+    for i, ch in enumerate(text):  # the first top-level `?` splits the condition from its branches
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "?" and depth == 0:
+            cond, rest = text[:i], text[i + 1:]
+            parens = pending = 0
+            for j, c2 in enumerate(rest):  # its `:` is the first top-level one not owed to a nested `?`
+                parens += (c2 == "(") - (c2 == ")")
+                if parens == 0 and c2 == "?":
+                    pending += 1
+                elif parens == 0 and c2 == ":":
+                    if pending == 0:
+                        a, b = rest[:j], rest[j + 1:]
+                        break
+                    pending -= 1
+            else:
+                raise ValueError(f"no ':' for the '?' in {text!r}")
+            return _c_value(a, names) if _c_value(cond, names) else _c_value(b, names)
+    python = text.replace("||", " or ").replace("&&", " and ").replace("true", "True").replace("false", "False")
+    return int(eval(python, {"__builtins__": {}}, names))  # noqa: S307 (the kernel's own traits text, in a test)
+
+
+def _closing(text: str) -> int:
+    """The index of the parenthesis that closes text[0]'s."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            return i
+    return -1
 
 
 def _live_split(code: str) -> tuple[int, int]:
-    """The (producer, consumer) setmaxnreg registers a HopperTraits instantiation declares, for its consumer count."""
-    wgs = int(re.search(r"/\* CONSUMER_WGS = \*/ (\d+)", code).group(1))
+    """The (producer, consumer) setmaxnreg registers a HopperTraits instantiation declares, for its parameters."""
+    names = {"kConsumerWGs": int(re.search(r"/\* CONSUMER_WGS = \*/ (\d+)", code).group(1)),
+             "kStripeMirror": re.search(r"/\* STRIPE_MIRROR = \*/ (\w+)", code).group(1) == "true"}
     producer = re.search(r"static constexpr int kProducerRegs = (.+);", code).group(1)
     consumer = re.search(r"static constexpr int kConsumerRegs = (.+);", code).group(1)
-    return _ternary(producer, wgs), _ternary(consumer, wgs)
+    return _c_value(producer, names), _c_value(consumer, names)
 
 
 @pytest.mark.parametrize("wgs", [2, 3, 4])
