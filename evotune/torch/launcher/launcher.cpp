@@ -236,11 +236,11 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
   int64_t code = fallback_code(fallback);
   if (code >= 0) {
     auto route = find_route(call_key(q, k, v, is_causal, scale, enable_gqa, code));
-    if (route) {
+    if (route && route->sdpa) return run_sdpa(*route, q, k, v, is_causal, scale, enable_gqa);
+    if (route) {  // the kernel reads 16-byte rows, and its module is loaded in one device's context
       const uint64_t misaligned = (reinterpret_cast<uint64_t>(q.data_ptr()) | reinterpret_cast<uint64_t>(k.data_ptr()) |
                                    reinterpret_cast<uint64_t>(v.data_ptr())) & 15;
       const auto current = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
-      if (route->sdpa) return run_sdpa(*route, q, k, v, is_causal, scale, enable_gqa);
       if (!misaligned && current == route->device) return launch(*route, q, k, v);
     }
   }
@@ -255,7 +255,7 @@ std::array<T, N> fixed(c10::IntArrayRef xs, const char* what) {
   return out;
 }
 
-// Python's registration of one route (evotune/torch/launcher/__init__.py: register_route spells the arguments).
+// Python's registration of one kernel route (evotune/torch/launcher/__init__.py: register spells the arguments).
 void add_route(c10::IntArrayRef key, int64_t function, c10::IntArrayRef grid, c10::IntArrayRef block, int64_t smem,
                int64_t device, c10::IntArrayRef init, c10::IntArrayRef offsets, c10::IntArrayRef slots,
                c10::IntArrayRef maps, c10::IntArrayRef out_size, c10::IntArrayRef out_stride,
