@@ -10,7 +10,7 @@
 //
 // The driver is reached through dlopen("libcuda.so.1"), so the library links against nothing CUDA at build time
 // (it builds on a machine with torch's CPU wheel and no CUDA toolkit), and the current stream through c10's device
-// guard interface (c10::Stream::native_handle), which libtorch_cuda implements once loaded.
+// guard interface (getStream, getStreamNativeHandle), which libtorch_cuda implements once loaded.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
@@ -211,7 +211,8 @@ at::Tensor launch(const Route& route, const at::Tensor& q, const at::Tensor& k, 
   TORCH_CHECK(n <= 512, "evotune launcher: over 512 parameters");
   for (size_t i = 0; i < n; ++i) params[i] = buffer + route.offsets[i];
   const c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(route.device));
-  void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle();
+  const auto* cuda = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  void* stream = cuda->getStreamNativeHandle(cuda->getStream(device));  // torch's current stream, a cudaStream_t
   CUresult rc = d.launch(route.function, route.grid[0], route.grid[1], route.grid[2], route.block[0], route.block[1],
                          route.block[2], route.smem, stream, params, nullptr);
   TORCH_CHECK(rc == 0, "evotune launcher: cuLaunchKernel failed with CUresult ", rc);
