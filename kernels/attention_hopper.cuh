@@ -41,7 +41,8 @@ template <class A, class C> struct PickType<false, A, C> { using type = C; };
 
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
           bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, bool SOFTMAX_OVERLAP_,
-          bool LEAN_ADDRESSING_, bool CAUSAL_WG_, bool SKIP_EMPTY_, bool P_SMEM_, bool STRIPE_MIRROR_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_>
+          bool LEAN_ADDRESSING_, bool CAUSAL_WG_, bool SKIP_EMPTY_, bool P_SMEM_, bool STRIPE_MIRROR_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_,
+          bool SOFTCAP_ = false, bool LOCAL_ = false>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -73,6 +74,11 @@ struct HopperTraits {
     static constexpr int kHeadDim = HEAD_DIM_;
     static constexpr bool kIsBf16 = IS_BF16_;
     static constexpr bool kIsCausal = IS_CAUSAL_;
+    // The shape's score modifiers (not searched knobs: the problem's semantics, as IS_CAUSAL). kSoftcap: each score s
+    // becomes C tanh(s scale / C), the cap C a runtime argument (ScoreArgs); kLocal: a sliding window (ScoreArgs'
+    // window_left / right), whose query tiles walk only the K/V tiles some row of theirs sees (kv_tile_range).
+    static constexpr bool kSoftcap = SOFTCAP_;
+    static constexpr bool kLocal = LOCAL_;
 
     static constexpr int kBlockM = 64 * kConsumerWGs;  // wgmma's M is 64 per warpgroup
     static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -129,6 +135,9 @@ struct HopperTraits {
     static_assert(!kSkipEmpty || !kPingPong, "empty_warpgroups = skip: an empty warpgroup does not take ping-pong's turns");
     static_assert(!kSkipEmpty || !kCausalWarpgroup || kHasProducer,
                   "causal_extent = warpgroup with skip: an empty last warpgroup would not refill");
+    // A window's tiles start past key 0 (KvRange::first); causal_extent = warpgroup's per-warpgroup diagonal (and so
+    // stripe_order = mirrored) counts its tiles from key 0.
+    static_assert(!kLocal || !kCausalWarpgroup, "a sliding window with causal_extent = tile");
     static_assert(kStages >= 1 && kStages <= 8, "1 to 8 pipeline stages (5 to 8: the deep ring's barriers)");
     // The K/V ring's barriers (Barriers): four slots, or eight for the deep ring (stages 5 to 8).
     static constexpr int kBarrierSlots = kStages > 4 ? 8 : 4;
@@ -136,6 +145,17 @@ struct HopperTraits {
                   "without a producer the loader refills a slot mid-tile: one stage would wait on itself");
     static_assert(kKVBytes % 1024 == 0, "K/V tiles must keep the 1024-byte swizzle alignment");
     // The per-CTA shared memory and thread limits: asserted by the instantiation (evotune/limits.py).
+};
+
+// A sliding window (kLocal): query row r sees keys r + diag - left .. r + diag + right, diag = seq_k - seq_q (bottom-right
+// aligned, flash-attention's window_size). left and right come clamped to [0, seq_k] and [0, seq_q] (ScoreArgs).
+struct KvWindow {
+    int diag, left, right;
+};
+
+// The K/V tiles a query tile walks: key tiles first .. first + count - 1.
+struct KvRange {
+    int first, count;
 };
 
 // The kernel's pieces (kernels/hopper/, the PTX wrappers in ptx.cuh): the consumer warpgroups' tile algebra, the
@@ -165,6 +185,15 @@ struct HopperTraits {
 // unsigned counters that are zero when the launch starts (the tiles handed out past the first gridDim.x, and
 // the CTAs done); the last CTA to finish zeroes them again, so one zeroed pair serves launch after launch on
 // one stream (two launches running at once need a pair each).
+// The score modifiers' runtime values (read only where the traits have kSoftcap / kLocal). softcap_scale: scale / C
+// (the scores go through tanh(s * softcap_scale), and scale_log2 is then C log2(e): FlashAttention-3's folding, one
+// multiply before the tanh and the usual FMA after). window_left / right: the window, clamped by the host to
+// [0, seq_k] and [0, seq_q] (unbounded sides too), so every row bound below stays inside int.
+struct ScoreArgs {
+    float softcap_scale;
+    int window_left, window_right;
+};
+
 template <class T, bool WRITE_LSE = false>
 __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                     const CUtensorMap* v_map, unsigned short* __restrict__ o,
@@ -173,7 +202,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                                                     unsigned* __restrict__ tile_counter,
                                                     const CUtensorMap* o_map,  // epilogue = tma only (else null)
                                                     float* __restrict__ lse = nullptr, long long lse_sb = 0,
-                                                    long long lse_sh = 0) {
+                                                    long long lse_sh = 0, ScoreArgs score_args = {0.f, 0, 0}) {
     // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
     // shared memory to 1024 bytes as well.
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -189,7 +218,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     // Without PERSISTENT, the CTA's one query tile.
     const QTile one_tile = grid_tile<T>();
     const int grid_kv_head = kv_head_of(one_tile.head, kv_magic);  // the K/V maps' head coordinate
-    const int grid_n_tiles = kv_tile_count<T>(one_tile.row0, seq_k);
+    const KvWindow window{seq_k - seq_q, score_args.window_left, score_args.window_right};
+    const KvRange grid_range = kv_tile_range<T>(one_tile.row0, seq_k, window);
     // The thread that issues TMA: the producer warpgroup's first, or the first consumer's.
     // causal_extent = warpgroup, without a producer: the last consumer warpgroup's first thread, since that warpgroup
     // alone walks every K/V tile of the CTA (the others stop at their own diagonals) and so refills every slot.
@@ -231,7 +261,9 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     // One query tile of the consumer warpgroups: `it0` K/V tiles went through the slots before it (the
     // slot of its K/V tile t is (it0 + t) % STAGES), and its Q arrives in phase `q_phase` of q_full. stripe_order =
     // mirrored: q_phase is qi, the CTA's query tiles before this one, which picks Q's buffer, its phase and the stripes.
-    auto consume_tile = [&](const QTile& w, int kv_head, int cta_tiles, int it0, int q_phase) {
+    // kv_first: the query tile's first K/V tile (KvRange::first: 0 but with a window); K/V tile t of the walk is key
+    // tile kv_first + t.
+    auto consume_tile = [&](const QTile& w, int kv_head, int cta_tiles, int kv_first, int it0, int q_phase) {
         // The CTA's K/V tiles, then (causal_extent = warpgroup, below the empty test) this warpgroup's.
         int n_tiles = cta_tiles;
         const int wg = tid / 128;
@@ -313,7 +345,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         if constexpr (T::kPersistent && !T::kQInRegs && !T::kStripeMirror) {
             if (lane == 0 && n_tiles == 1) mbar_arrive(smem_addr(&bars.q_empty));
         }
-        scores_to_probs<T>(s_acc, m_run, l_run, alpha, 0, q_row0 + 64 * wg, q_row, seq_k, lane, scale_log2);
+        scores_to_probs<T>(s_acc, m_run, l_run, alpha, kv_first * T::kBlockN, q_row0 + 64 * wg, q_row, seq_k, lane,
+                           scale_log2, score_args.softcap_scale, window);
         if constexpr (!T::kSoftmaxOverlap) {
             rescale_and_pack<T>(o_acc, s_acc, alpha, p);
             if constexpr (T::kPSmem) store_p<T>(p, sP_wg, warp_in_wg, lane);
@@ -335,7 +368,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[(it0 + u - 1) % T::kStages]));
                 if constexpr (!T::kHasProducer) {
                     if (tid == loader && u - 1 + T::kStages < n_tiles)
-                        refill<T>(k_map, v_map, sK, sV, &bars, u - 1, kv_head, batch);
+                        refill<T>(k_map, v_map, sK, sV, &bars, u - 1, kv_head, batch, kv_first);
                     __syncwarp();
                 }
             }
@@ -378,8 +411,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             if constexpr (T::kPersistent && !T::kQInRegs && !T::kStripeMirror) {
                 if (lane == 0 && t == n_tiles - 1) mbar_arrive(smem_addr(&bars.q_empty));
             }
-            scores_to_probs<T>(s_acc, m_run, l_run, alpha, t * T::kBlockN, q_row0 + 64 * wg, q_row, seq_k, lane,
-                               scale_log2);
+            scores_to_probs<T>(s_acc, m_run, l_run, alpha, (kv_first + t) * T::kBlockN, q_row0 + 64 * wg, q_row,
+                               seq_k, lane, scale_log2, score_args.softcap_scale, window);
             if constexpr (!T::kSoftmaxOverlap) {
                 wgmma_wait<0>();
                 fence_regs(o_acc);
@@ -387,7 +420,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[prev]));
                 if constexpr (!T::kHasProducer) {
                     if (tid == loader && t - 1 + T::kStages < n_tiles)
-                        refill<T>(k_map, v_map, sK, sV, &bars, t - 1, kv_head, batch);
+                        refill<T>(k_map, v_map, sK, sV, &bars, t - 1, kv_head, batch, kv_first);
                     __syncwarp();
                 }
                 rescale_and_pack<T>(o_acc, s_acc, alpha, p);
@@ -430,19 +463,21 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
 
     if constexpr (!T::kPersistent) {
         const QTile& w = one_tile;
-        const int kv_head = grid_kv_head, n_tiles = grid_n_tiles;
-        if (tid == loader) load_first_tiles<T>(q_map, k_map, v_map, sQ, sK, sV, &bars, w, kv_head, n_tiles);
+        const int kv_head = grid_kv_head, n_tiles = grid_range.count;
+        if (tid == loader)
+            load_first_tiles<T>(q_map, k_map, v_map, sQ, sK, sV, &bars, w, kv_head, n_tiles, grid_range.first);
         __syncwarp();  // the warp reconverges before the .aligned instructions below
 
         if constexpr (T::kHasProducer) {
             if (tid >= T::kConsumerThreads) {
                 if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
-                if (tid == loader) refill_tiles<T>(k_map, v_map, sK, sV, &bars, kv_head, w.batch, n_tiles);
+                if (tid == loader)
+                    refill_tiles<T>(k_map, v_map, sK, sV, &bars, kv_head, w.batch, n_tiles, grid_range.first);
                 return;
             }
             if constexpr (T::kSetMaxNReg) setmaxnreg_inc<T::kConsumerRegs>();
         }
-        consume_tile(w, kv_head, n_tiles, 0, 0);
+        consume_tile(w, kv_head, n_tiles, grid_range.first, 0, 0);
     } else {
         // Persistent (hopper/scheduler.cuh): CTA b takes tile b of persistent_tile's order first, then (strided)
         // b + gridDim.x, ... or (kDynamic) the tiles its producer is handed by tile_counter; the consumers walk the
@@ -467,16 +502,17 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                     hand_tile<T>(handed, qi, work);
                     const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
                     const int kv_head = kv_head_of(w.head, kv_magic);
-                    const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
+                    const KvRange range = kv_tile_range<T>(w.row0, seq_k, window);
+                    const int n_tiles = range.count;
                     for (int t = 0; t < n_tiles; ++t, ++it) {
                         // The slot's previous use (it - STAGES) must be released: its K after S, its V after P V.
                         const int slot = it % T::kStages;
                         const int use = it / T::kStages;
                         if (use > 0) mbar_wait(smem_addr(&bars.k_empty[slot]), (use - 1) & 1);
-                        load_kv<T, 0>(k_map, sK, &bars, slot, t, kv_head, w.batch);
+                        load_kv<T, 0>(k_map, sK, &bars, slot, range.first + t, kv_head, w.batch);
                         if (t == 0) load_q<T>(q_map, sQ, smem_base, &bars, qi, w);  // Q after the first K
                         if (use > 0) mbar_wait(smem_addr(&bars.v_empty[slot]), (use - 1) & 1);
-                        load_kv<T, 1>(v_map, sV, &bars, slot, t, kv_head, w.batch);
+                        load_kv<T, 1>(v_map, sV, &bars, slot, range.first + t, kv_head, w.batch);
                     }
                     work = next_tile<T>(tile_counter, work);
                 }
@@ -497,9 +533,10 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             }
             if (kDynamic ? work < 0 : work >= n_work) break;
             const QTile w = persistent_tile<T>(work, m_blocks, n_heads, head_batches, section);
-            const int n_tiles = kv_tile_count<T>(w.row0, seq_k);
+            const KvRange range = kv_tile_range<T>(w.row0, seq_k, window);
+            const int n_tiles = range.count;
             // Q's phase in q_full, or (stripe_order = mirrored) the tile's index, which picks Q's buffer and phase.
-            consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, it, T::kStripeMirror ? qi : qi & 1);
+            consume_tile(w, kv_head_of(w.head, kv_magic), n_tiles, range.first, it, T::kStripeMirror ? qi : qi & 1);
             it += n_tiles;
         }
         epilogue.finish(tid);

@@ -96,7 +96,8 @@ __device__ __forceinline__ void load_q_regs(u32 (&qr)[T::kQRegSteps][4], u32 sQ_
 // Accumulator layout (both products): register 4j+e of a thread holds row
 // 16*warp + lane/4 + 8*(e/2), column 8j + 2*(lane%4) + e%2.
 template <class T>
-__device__ __forceinline__ void mask_scores(float (&s)[T::kSAcc], int q_row, int kv0, int seq_k, int lane) {
+__device__ __forceinline__ void mask_scores(float (&s)[T::kSAcc], int q_row, int kv0, int seq_k, int lane,
+                                            const KvWindow& win) {
 #pragma unroll
     for (int j = 0; j < T::kBlockN / 8; ++j)
 #pragma unroll
@@ -104,8 +105,21 @@ __device__ __forceinline__ void mask_scores(float (&s)[T::kSAcc], int q_row, int
             const int key = kv0 + 8 * j + 2 * (lane & 3) + (e & 1);
             bool masked = key >= seq_k;
             if constexpr (T::kIsCausal) masked = masked || key > q_row + 8 * (e >> 1);
+            if constexpr (T::kLocal) {
+                const int diag_key = q_row + 8 * (e >> 1) + win.diag;  // the key on this row's diagonal
+                masked = masked || key < diag_key - win.left || key > diag_key + win.right;
+            }
             if (masked) s[4 * j + e] = neg_inf();
         }
+}
+
+// Logit soft-capping (kSoftcap): s becomes tanh(s * softcap_scale), softcap_scale = scale / C; scale_log2 = C log2(e)
+// then turns it into C tanh(s scale / C) in log2 units inside softmax_scores' FMA. Before the mask, so that a masked
+// score stays -inf (tanh would make it -1).
+template <class T>
+__device__ __forceinline__ void softcap_scores(float (&s)[T::kSAcc], float softcap_scale) {
+#pragma unroll
+    for (int i = 0; i < T::kSAcc; ++i) s[i] = tanh_approx(s[i] * softcap_scale);
 }
 
 // Online softmax, first half: running max m and per-thread partial sums l of the thread's two
@@ -122,7 +136,9 @@ __device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[
         for (int j = 0; j < T::kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // Every row sees key 0 in its first tile, so mx is finite from the first tile on.
+        // Every row sees key 0 in its first tile, so mx is finite from the first tile on; but with a window (kLocal) a
+        // row may have seen no key yet, or none at all: its max is -inf, and the shift and alpha below take 0 and 1
+        // (FlashAttention's Check_inf) rather than NaN from -inf - -inf.
         if constexpr (T::kLazyRescale) {
             // rescale = new_max or lazy (kRescaleSlackLog2 = 0 or 8): the row keeps its max, alpha exactly 1 and O
             // left as it is, unless the new max exceeds it by more than 2^kRescaleSlackLog2 in exp2 terms. At 0 that
@@ -136,9 +152,11 @@ __device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[
             mx = m[r];
         } else {
             alpha[r] = fast_exp2((m[r] - mx) * scale_log2);
+            if constexpr (T::kLocal) alpha[r] = mx == neg_inf() ? 1.f : alpha[r];
             m[r] = mx;
         }
-        const float shift = mx * scale_log2;
+        float shift = mx * scale_log2;
+        if constexpr (T::kLocal) shift = mx == neg_inf() ? 0.f : shift;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < T::kBlockN / 8; ++j) {
@@ -178,11 +196,19 @@ __device__ __forceinline__ void rescale_and_pack(float (&o)[T::kOAcc], const flo
 
 // Mask (where the tile needs it) and run the first half of the softmax on tile kv0's scores.
 // wg_row0: the warpgroup's first query row; q_row: the thread's first row.
+// softcap_scale, win: kSoftcap's and kLocal's runtime values (else unread).
 template <class T>
 __device__ __forceinline__ void scores_to_probs(float (&s)[T::kSAcc], float (&m)[2], float (&l)[2], float (&alpha)[2], int kv0,
-                                                int wg_row0, int q_row, int seq_k, int lane, float scale_log2) {
+                                                int wg_row0, int q_row, int seq_k, int lane, float scale_log2,
+                                                float softcap_scale, const KvWindow& win) {
+    if constexpr (T::kSoftcap) softcap_scores<T>(s, softcap_scale);
     bool need_mask = kv0 + T::kBlockN > seq_k;
     if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kBlockN - 1 > wg_row0;
-    if (need_mask) mask_scores<T>(s, q_row, kv0, seq_k, lane);
+    if constexpr (T::kLocal) {
+        // The tile is whole inside every row's window only if its first key is at or past the last row's left edge
+        // and its last key at or before the first row's right edge (rows wg_row0 .. wg_row0 + 63).
+        need_mask = need_mask || kv0 < wg_row0 + 63 + win.diag - win.left || kv0 + T::kBlockN - 1 > wg_row0 + win.diag + win.right;
+    }
+    if (need_mask) mask_scores<T>(s, q_row, kv0, seq_k, lane, win);
     softmax_scores<T>(s, m, l, alpha, scale_log2);
 }

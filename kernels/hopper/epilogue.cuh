@@ -52,7 +52,8 @@ __device__ __forceinline__ void store_out_tma(const float (&o)[T::kOAcc], const 
         float sum = l[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = 1.f / sum;
+        float inv = 1.f / sum;
+        if constexpr (T::kLocal) inv = sum == 0.f ? 0.f : inv;  // a row whose window holds no key: O = 0, as flash-attention's
         const int row = 16 * warp_in_wg + (lane >> 2) + 8 * r;  // of the warpgroup's 64
         const u32 row_addr = stage + row * 128 + 4 * (lane & 3);
 #pragma unroll
@@ -86,7 +87,8 @@ __device__ __forceinline__ void store_out(const float (&o)[T::kOAcc], const floa
         float sum = l[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = 1.f / sum;
+        float inv = 1.f / sum;
+        if constexpr (T::kLocal) inv = sum == 0.f ? 0.f : inv;  // a row whose window holds no key: O = 0, as flash-attention's
         const int row = q_row + 8 * r;
         if (row >= seq_q) continue;
         unsigned short* dst = gO + (long long)row * o_ss + 2 * (lane & 3);

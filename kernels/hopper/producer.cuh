@@ -5,27 +5,28 @@
 // scheduler's query tiles (produce_tiles), each tile's K/V into the ring's slots as they free, its Q after its first
 // K (load_q), and with tiles handed out the consumers' stop signal after the last (hand_out_end).
 
-// One tile per CTA, the loader: Q of tile w on q_full, K/V tiles 0 .. min(n_tiles, STAGES) - 1 into their slots.
+// One tile per CTA, the loader: Q of tile w on q_full, K/V tiles 0 .. min(n_tiles, STAGES) - 1 of its walk (key tiles
+// kv_first + t) into their slots.
 template <class T>
 __device__ __forceinline__ void load_first_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                  const CUtensorMap* v_map, u32 sQ, u32 sK, u32 sV, Barriers<T>* bars,
-                                                 const QTile& w, int kv_head, int n_tiles) {
+                                                 const QTile& w, int kv_head, int n_tiles, int kv_first) {
     const u32 qb = smem_addr(&bars->q_full);
     mbar_expect_tx(qb, T::kQBytes);
 #pragma unroll
     for (int r = 0; r < T::kRegions; ++r)
         tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
     for (int t = 0; t < min(n_tiles, T::kStages); ++t) {
-        load_kv<T, 0>(k_map, sK, bars, t, t, kv_head, w.batch);
-        load_kv<T, 1>(v_map, sV, bars, t, t, kv_head, w.batch);
+        load_kv<T, 0>(k_map, sK, bars, t, kv_first + t, kv_head, w.batch);
+        load_kv<T, 1>(v_map, sV, bars, t, kv_first + t, kv_head, w.batch);
     }
 }
 
 // One tile per CTA with a producer warpgroup, the loader: every later K/V tile into the slot released before it.
 template <class T>
 __device__ __forceinline__ void refill_tiles(const CUtensorMap* k_map, const CUtensorMap* v_map, u32 sK, u32 sV,
-                                             Barriers<T>* bars, int kv_head, int batch, int n_tiles) {
-    for (int t = 0; t + T::kStages < n_tiles; ++t) refill<T>(k_map, v_map, sK, sV, bars, t, kv_head, batch);
+                                             Barriers<T>* bars, int kv_head, int batch, int n_tiles, int kv_first) {
+    for (int t = 0; t + T::kStages < n_tiles; ++t) refill<T>(k_map, v_map, sK, sV, bars, t, kv_head, batch, kv_first);
 }
 
 // Persistent: query tile qi's Q (tile w). Q comes after the tile's first K: that K's slot was released a few K/V

@@ -44,21 +44,24 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barrier
                     t * T::kBlockN, head, batch);
 }
 
-// Load tile t + STAGES into tile t's slot: K once every consumer warp released tile t's K,
+// Load tile t + STAGES of the walk (key tile kv_first + t + STAGES: a window's walk starts at kv_first) into tile t's slot: K once every consumer warp released tile t's K,
 // V once they released its V. K and V are released at different points of the consumer
 // loop (K after S, V after the next tile's S), so they are refilled separately: waiting
 // for both before loading K would deadlock a one-stage pipeline.
 template <class T>
 __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorMap* v_map, u32 sK, u32 sV, Barriers<T>* bars,
-                                       int t, int head, int batch) {
+                                       int t, int head, int batch, int kv_first = 0) {
     // lean_addressing: t is never negative; unsigned, % and / by STAGES need no sign fix-up (at 2 and 4: a mask, a
     // shift).
     const int slot = static_cast<typename T::SlotUse>(t) % T::kStages;
     const u32 parity = (static_cast<typename T::SlotUse>(t) / T::kStages) & 1;
+    // Without a window the tile is t + STAGES, written where it was before kLocal existed: a zero kv_first added, or
+    // the sum taken above the waits, moved ptxas's choice of uniform registers for the no-producer refill (11 of 63
+    // sampled configs' SASS differed).
     mbar_wait(smem_addr(&bars->k_empty[slot]), parity);
-    load_kv<T, 0>(k_map, sK, bars, slot, t + T::kStages, head, batch);
+    load_kv<T, 0>(k_map, sK, bars, slot, T::kLocal ? kv_first + t + T::kStages : t + T::kStages, head, batch);
     mbar_wait(smem_addr(&bars->v_empty[slot]), parity);
-    load_kv<T, 1>(v_map, sV, bars, slot, t + T::kStages, head, batch);
+    load_kv<T, 1>(v_map, sV, bars, slot, T::kLocal ? kv_first + t + T::kStages : t + T::kStages, head, batch);
 }
 
 // empty_warpgroups = skip: one query tile of a consumer warpgroup whose 64 rows all lie at or past seq_q (the

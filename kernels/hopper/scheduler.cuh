@@ -59,6 +59,29 @@ __device__ __forceinline__ int kv_tile_count(int q_row0, int seq_k) {
 }
 // ---- end of the persistent tile order
 
+// A query tile's K/V tiles (FlashAttention-3's n_block_min / n_block_max). Without a window: 0 to kv_tile_count. With one:
+// only those some row of the tile sees, so the tiles wholly outside the window are never loaded nor computed (masking
+// them instead only adds work: no knob). A tile none of whose rows sees a key (a window ending before key 0, or rows
+// past the keys) still walks one tile, masked whole, so the producer/consumer protocol keeps its one-tile minimum and
+// the rows come out 0 (their sum is 0: the epilogue writes 0, as flash-attention does).
+template <class T>
+__device__ __forceinline__ KvRange kv_tile_range(int q_row0, int seq_k, const KvWindow& win) {
+    if constexpr (!T::kLocal) {
+        return {0, kv_tile_count<T>(q_row0, seq_k)};
+    } else {
+        const int lo = max(0, q_row0 + win.diag - win.left);  // the first row's first key
+        // Past the last row's last key; the last row is the tile's last below seq_q (= seq_k - diag): a ragged last
+        // tile's padding rows would only widen the range.
+        const int rows_end = min(q_row0 + T::kBlockM, seq_k - win.diag);
+        int end = min(seq_k, rows_end + win.diag + win.right);
+        if constexpr (T::kIsCausal) end = min(end, q_row0 + T::kBlockM);
+        const int first = lo / T::kBlockN;
+        const int last = (end + T::kBlockN - 1) / T::kBlockN;  // one past
+        if (last > first) return {first, last - first};
+        return {min(first, max(0, (seq_k - 1) / T::kBlockN)), 1};
+    }
+}
+
 // One tile per CTA: the grid's (x, y, z) = (query tile, head, batch).
 template <class T>
 __device__ __forceinline__ QTile grid_tile() {
