@@ -22,7 +22,7 @@ SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
 
 # Names the search space's expressions may read: the shape, then the device limits.
 CONTEXT_NAMES = ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "dtype", "dtype_bytes",
-                 "causal") + DEVICE_CONTEXT_NAMES
+                 "causal", "softcap", "window") + DEVICE_CONTEXT_NAMES
 
 
 def shape_context(shape: Shape) -> dict:
@@ -30,7 +30,7 @@ def shape_context(shape: Shape) -> dict:
     return {
         "batch": shape.batch, "heads": shape.heads, "kv_heads": shape.kv_heads, "seq_q": shape.seq_q, "seq_k": shape.seq_k,
         "head_dim": shape.head_dim, "dtype": shape.dtype, "dtype_bytes": shape.dtype_bytes,
-        "causal": shape.causal, **device_context(),
+        "causal": shape.causal, "softcap": shape.has_softcap, "window": shape.has_window, **device_context(),
     }
 
 # The value a knob takes when a (reduced) search space does not list it.
@@ -376,7 +376,9 @@ class AttentionProblem(Problem):
 
     def describe_shape(self, shape: Shape) -> str:
         kv = f" KV={shape.kv_heads}" if shape.kv_heads != shape.heads else ""
-        return f"B={shape.batch} H={shape.heads}{kv} Sq={shape.seq_q} Sk={shape.seq_k} D={shape.head_dim}"
+        mods = f" softcap={shape.softcap:g}" if shape.has_softcap else ""
+        mods += f" window=({shape.window_left},{shape.window_right})" if shape.has_window else ""
+        return f"B={shape.batch} H={shape.heads}{kv} Sq={shape.seq_q} Sk={shape.seq_k} D={shape.head_dim}{mods}"
 
     def sanitize_shape(self, shape: Shape) -> Shape:
         """A small ragged shape of the same class (head dim, dtype, mask, layout, K/V group size:
@@ -432,7 +434,10 @@ class AttentionProblem(Problem):
                 ("SKIP_EMPTY", "true" if is_skip_empty(config) else "false"),
                 ("P_SMEM", "true" if is_p_smem(config) else "false"),
                 ("STRIPE_MIRROR", "true" if is_stripe_mirror(config) else "false"),
-            ] + problem_args
+            ] + problem_args + score_mod_args(shape)
+        if shape.has_softcap or shape.has_window:
+            raise UsageError(f"attention: {shape.spec}: softcap and window are in the Hopper kernel only (mma = wgmma); "
+                             f"the mma.sync kernel does not compute them")
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
             ("BLOCK_N", int(knob(config, "block_n"))),
@@ -457,6 +462,11 @@ class AttentionProblem(Problem):
         targs = ",\n    ".join(f"/* {name} = */ {value}" for name, value in args)
         lse_params = ",\n                  float* __restrict__ lse, long long lse_sb, long long lse_sh" if write_lse else ""
         lse_args, lse_targ = (", lse, lse_sb, lse_sh", ", true") if write_lse else ("", "")
+        # softcap / window shapes (Hopper only): their runtime values last (ScoreArgs), after lse's (defaults without it).
+        mod_params, mod_args = "", ""
+        if shape.has_softcap or shape.has_window:
+            mod_params = ",\n                  float softcap_scale, int window_left, int window_right"
+            mod_args = ("" if write_lse else ", nullptr, 0, 0") + ", {softcap_scale, window_left, window_right}"
         geo = self.geometry(config, shape)
         asserts = launch_asserts(geo.threads, geo.dynamic_smem, ("kBlockM", rows_per_cta(config)))
         if is_wgmma(config):
@@ -484,9 +494,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads, 1)
 {self.entry_name}(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                   const __grid_constant__ CUtensorMap v_map, unsigned short* __restrict__ o,
                   long long o_sb, long long o_sh, long long o_ss, int seq_q, int seq_k, float scale_log2,
-                  unsigned kv_magic, int n_heads, int n_batch, unsigned* tile_counter{o_map_param}{lse_params}) {{
+                  unsigned kv_magic, int n_heads, int n_batch, unsigned* tile_counter{o_map_param}{lse_params}{mod_params}) {{
     evotune::hopper::attention_fwd_wgmma<EvotuneTraits{lse_targ}>(&q_map, &k_map, &v_map, o, o_sb, o_sh, o_ss, seq_q, seq_k,
-                                                        scale_log2, kv_magic, n_heads, n_batch, tile_counter{o_map_arg}{lse_args});
+                                                        scale_log2, kv_magic, n_heads, n_batch, tile_counter{o_map_arg}{lse_args}{mod_args});
 }}
 """
         traits = _sync_traits(config, targs)
@@ -557,7 +567,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
                     "tile_counter: persistent causal (or empty_warpgroups = skip) only, 2 zeroed uint32 the kernel leaves zero "
                     "(else null)"
                     + (", const __grid_constant__ CUtensorMap o_map  /* epilogue = tma: O's map by value */"
-                       if is_tma_store(config) else ""))
+                       if is_tma_store(config) else "")
+                    + "  // softcap or window shapes add float softcap_scale (scale / C; scale_log2 is then C log2 e), "
+                    "int window_left, int window_right (clamped to seq_k, seq_q) last")
         return ("evotune_attention(const unsigned short* q, k, v, unsigned short* o  /* fp16 or bf16 bit patterns */, "
                 "int64 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, "
                 "int seq_q, int seq_k, float scale_log2, float* ws_o, float* ws_lse, int* ws_count, uint32 kv_magic"
@@ -672,18 +684,25 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         the middle key of the last batch and K/V head."""
         import torch
 
-        # A key some query can see: with top-left causal and Sq < Sk, keys past Sq-1 are seen by none.
-        visible = min(shape.seq_q, shape.seq_k) if shape.causal else shape.seq_k
+        # A key some query can see: with top-left causal and Sq < Sk, keys past Sq-1 are seen by none; with a
+        # window, the keys between the first row's left edge and the last row's right edge.
+        lo, hi = 0, (min(shape.seq_q, shape.seq_k) if shape.causal else shape.seq_k) - 1
+        if shape.has_window:
+            lo, hi = shape.key_range(0)[0], shape.key_range(shape.seq_q - 1)[1]
+            if hi < lo:
+                raise UsageError(f"attention: {shape.spec}: no query sees any key; nothing to perturb")
         if rng is None:
-            b, kvh, j = shape.batch - 1, shape.kv_heads - 1, visible // 2
+            b, kvh, j = shape.batch - 1, shape.kv_heads - 1, (lo + hi + 1) // 2
         else:
-            b, kvh, j = rng.randrange(shape.batch), rng.randrange(shape.kv_heads), rng.randrange(visible)
+            b, kvh, j = rng.randrange(shape.batch), rng.randrange(shape.kv_heads), rng.randint(lo, hi)
         k, v = inputs["k"].clone(), inputs["v"].clone()
         k[b, kvh, j, :] += 1.0
         v[b, kvh, j, :] += 8.0
         must_change = torch.zeros(shape.batch, shape.heads, shape.seq_q, dtype=torch.bool, device=k.device)
         group = slice(kvh * shape.kv_group, (kvh + 1) * shape.kv_group)  # the query heads that read K/V head kvh
-        if shape.causal:
+        if shape.has_window:
+            must_change[b, group, :] = visibility_mask(shape, k.device)[:, j]  # the rows whose window holds key j
+        elif shape.causal:
             must_change[b, group, j:] = True  # top-left causal: query i sees key j iff j <= i
         else:
             must_change[b, group, :] = True
@@ -701,11 +720,15 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         call after call, and each call then only packs pointers and strides."""
         return _launch_plan(self, config, shape, current_multiprocessors() if is_persistent(config) else MULTIPROCESSORS)
 
-    def entry_params(self, config, write_lse: bool = False) -> tuple:
+    def entry_params(self, config, write_lse: bool = False, shape: Shape | None = None) -> tuple:
         """The entry point's parameters in order, (name, kind), kind one of "ptr" (u64), "i64", "i32",
         "f32", "u32" and "map" (a 128-byte CUtensorMap by value): the one list both launch paths (CuPy's
-        call here, the PyTorch op's reusable parameter packet) read, matching `instantiation`."""
-        return _entry_params(is_wgmma(config), write_lse, is_tma_store(config), is_tma_load(config))
+        call here, the PyTorch op's reusable parameter packet) read, matching `instantiation`. A softcap or
+        window `shape` adds their runtime values last (SCORE_MOD_PARAMS)."""
+        params = _entry_params(is_wgmma(config), write_lse, is_tma_store(config), is_tma_load(config))
+        if shape is not None and (shape.has_softcap or shape.has_window):
+            params += SCORE_MOD_PARAMS
+        return params
 
     def launch_values(self, config, shape: Shape, q, k, v, out, scale: float, lse=None, workspace=()) -> dict:
         """name -> value of every entry parameter for these tensors (ints, floats, map records).
@@ -717,8 +740,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         if k.shape[1] != shape.kv_heads or v.shape[1] != shape.kv_heads or q.shape[1] != shape.heads:
             raise UsageError(f"attention: q, k, v have {q.shape[1]}, {k.shape[1]}, {v.shape[1]} heads; the shape "
                              f"{shape.spec} has {shape.heads} query and {shape.kv_heads} K/V heads")
+        # softcap: the cap C folds into scale_log2 (C log2 e) and softcap_scale (scale / C) (score_mod_values).
         values = {"o": out.data_ptr(), "o_sb": out.stride(0), "o_sh": out.stride(1), "o_ss": out.stride(2),
-                  "seq_q": shape.seq_q, "seq_k": shape.seq_k, "scale_log2": scale * math.log2(math.e),
+                  "seq_q": shape.seq_q, "seq_k": shape.seq_k,
+                  "scale_log2": (shape.softcap if shape.has_softcap else scale) * math.log2(math.e),
                   "kv_magic": int(plan.kv_magic), "n_heads": shape.heads, "n_batch": shape.batch}
         if plan.workspace[2] and len(workspace) != 3:
             raise UsageError(f"attention: this launch needs its workspace (new_workspace), got {len(workspace)} tensors")
@@ -733,6 +758,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
             values.update(zip(("ws_o", "ws_lse", "ws_count"), [t.data_ptr() for t in workspace] or (0, 0, 0)))
         if lse is not None:
             values.update(lse=lse.data_ptr(), lse_sb=lse.stride(0), lse_sh=lse.stride(1))
+        if shape.has_softcap or shape.has_window:
+            values.update(score_mod_values(shape, scale))
         return values
 
     def new_workspace(self, config, shape: Shape, device) -> tuple:
@@ -757,7 +784,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
         workspace = self.new_workspace(config, shape, out.device)
         values = self.launch_values(config, shape, q, k, v, out, inputs["scale"], lse, workspace)
-        args = tuple(as_kernel_arg(kind, values[name]) for name, kind in self.entry_params(config, lse is not None))
+        args = tuple(as_kernel_arg(kind, values[name]) for name, kind in self.entry_params(config, lse is not None, shape))
         # The workspace is kept alive by the launcher (its first default argument).
         return torch_stream_launcher(kernel, plan.grid, plan.block, args, plan.dynamic_smem, keep=workspace,
                                      pdl=plan.pdl)
@@ -779,7 +806,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         return tuple(map_param(inputs[n].data_ptr(), a) for n, a in args.items())
 
     def reference(self, shape: Shape, inputs: dict):
-        """softmax(scale·QKᵀ + mask)·V in fp32 (no TF32), one (batch, head-chunk) at a time to bound memory.
+        """softmax(cap(scale·QKᵀ) + mask)·V in fp32 (no TF32), one (batch, head-chunk) at a time to bound memory;
+        cap(s) = C tanh(s / C) with a softcap, the mask visibility_mask's (causal, window), a row that sees no key 0.
         Grouped K/V heads are expanded per query head here only, one chunk at a time."""
         import torch
 
@@ -789,19 +817,21 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         torch.backends.cuda.matmul.allow_tf32 = False
         try:
             heads_per_chunk = max(1, (1 << 27) // (shape.seq_q * shape.seq_k))
-            mask = None
-            if shape.causal:
-                # Top-left aligned, as SDPA's is_causal: query i sees keys 0..i.
-                mask = torch.ones(shape.seq_q, shape.seq_k, dtype=torch.bool, device=q.device).tril()
+            mask = visibility_mask(shape, q.device)
             for b in range(shape.batch):
                 for h0 in range(0, shape.heads, heads_per_chunk):
                     sl = (b, slice(h0, h0 + heads_per_chunk))
                     kv_sl = (b, torch.arange(h0, min(h0 + heads_per_chunk, shape.heads), device=q.device)
                              // shape.kv_group) if shape.kv_group > 1 else sl
                     s = torch.matmul(q[sl], k[kv_sl].transpose(-1, -2)) * inputs["scale"]
+                    if shape.has_softcap:
+                        s = shape.softcap * torch.tanh(s / shape.softcap)
                     if mask is not None:
                         s = s.masked_fill(~mask, float("-inf"))
-                    out[sl] = torch.matmul(torch.softmax(s, dim=-1), v[kv_sl])
+                    p = torch.softmax(s, dim=-1)
+                    if mask is not None and shape.has_window:
+                        p = torch.nan_to_num(p, nan=0.0)  # a row whose window holds no key: O = 0 (flash-attention's)
+                    out[sl] = torch.matmul(p, v[kv_sl])
         finally:
             torch.backends.cuda.matmul.allow_tf32 = prev
         return out
@@ -810,6 +840,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         return ["flash", "cudnn", "efficient", "math"]
 
     def baseline_skip_reason(self, name: str, shape: Shape) -> str | None:
+        if shape.has_softcap or shape.has_window:
+            # FlexAttention (compiled) is the anchor for these semantics (issue 42); not a baseline here yet.
+            return "skipped: SDPA has no softcap or sliding window"
         if name == "math" and shape.seq_q * shape.seq_k * shape.batch * shape.heads > (1 << 28):
             return "skipped: the math backend's S matrix is too large"
         if shape.kv_heads != shape.heads and not sdpa_has_gqa():
@@ -985,6 +1018,48 @@ def _entry_params(wgmma: bool, write_lse: bool, tma_store: bool = False, tma_loa
     return ((("q", "ptr"), ("k", "ptr"), ("v", "ptr"), ("o", "ptr")) + strides + tail
             + (("ws_o", "ptr"), ("ws_lse", "ptr"), ("ws_count", "ptr"), ("kv_magic", "u32"))
             + ((("q_map", "map"), ("k_map", "map"), ("v_map", "map")) if tma_load else ()) + lse)
+
+
+# The Hopper entry's runtime values of a softcap or window shape (ScoreArgs in kernels/attention_hopper.cuh), last.
+SCORE_MOD_PARAMS = (("softcap_scale", "f32"), ("window_left", "i32"), ("window_right", "i32"))
+
+
+def score_mod_args(shape: Shape) -> list[tuple[str, object]]:
+    """HopperTraits' SOFTCAP and LOCAL template arguments, only where the shape has them: a shape without them
+    instantiates the same source as before they existed (the defaults, false), so its records stay current."""
+    if not (shape.has_softcap or shape.has_window):
+        return []
+    return [("SOFTCAP", "true" if shape.has_softcap else "false"), ("LOCAL", "true" if shape.has_window else "false")]
+
+
+def score_mod_values(shape: Shape, scale: float) -> dict:
+    """softcap_scale, window_left, window_right for the entry: scale / C (0 without a cap: unread), and the window's
+    sides clamped to [0, seq_k] and [0, seq_q], an unbounded side (-1) to the bound, which changes no row's keys
+    (row i + Sk - Sq - Sk < 0 and i + Sk - Sq + Sq >= Sk - 1) and keeps the kernel's row arithmetic inside int."""
+    left = shape.seq_k if shape.window_left < 0 else min(shape.window_left, shape.seq_k)
+    right = shape.seq_q if shape.window_right < 0 else min(shape.window_right, shape.seq_q)
+    return {"softcap_scale": scale / shape.softcap if shape.has_softcap else 0.0,
+            "window_left": left, "window_right": right}
+
+
+def visibility_mask(shape: Shape, device=None):
+    """The (Sq, Sk) boolean mask of the keys each query sees (causal top-left, window bottom-right: Shape.key_range),
+    or None when every query sees every key."""
+    if not (shape.causal or shape.has_window):
+        return None
+    import torch
+
+    i = torch.arange(shape.seq_q, device=device)[:, None]
+    j = torch.arange(shape.seq_k, device=device)[None, :]
+    seen = torch.ones(shape.seq_q, shape.seq_k, dtype=torch.bool, device=device)
+    if shape.causal:
+        seen &= j <= i  # top-left aligned, as SDPA's is_causal
+    diag = shape.seq_k - shape.seq_q
+    if shape.window_left >= 0:
+        seen &= j >= i + diag - shape.window_left
+    if shape.window_right >= 0:
+        seen &= j <= i + diag + shape.window_right
+    return seen
 
 
 def as_kernel_arg(kind: str, value):

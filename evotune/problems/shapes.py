@@ -2,8 +2,14 @@
 
 A shape is written either as a preset name (`mission`) or as
 `B,H,S,D` / `B,H,Sq,Sk,D`; either may be followed by `:`-separated flags
-(`fp16`, `bf16`, `causal`, `bshd`, `bhsd`, `kvN`), e.g. `4,32,4096,128:bf16:causal`
-or `mission:bf16`. Each kind of flag (dtype, mask, layout, K/V heads) may be given once.
+(`fp16`, `bf16`, `causal`, `bshd`, `bhsd`, `kvN`, `softcap=C`, `window=L,R`), e.g. `4,32,4096,128:bf16:causal`
+or `mission:bf16`. Each kind of flag (dtype, mask, layout, K/V heads, softcap, window) may be given once.
+
+`softcap=C` is logit soft-capping (Gemma-2's, flash-attention's `softcap`): each scaled score s becomes
+C * tanh(s / C) before the softmax. `window=L,R` is sliding-window (local) attention with flash-attention's
+`window_size=(left, right)`: query i sees key j iff i + d - L <= j <= i + d + R, d = Sk - Sq (bottom-right
+aligned, as flash-attention aligns it); -1 is unbounded on that side. `window=L,0` is Mistral's causal sliding
+window. Beside `causal` (top-left, SDPA's) it needs Sq == Sk, where the two alignments agree.
 
 `kvN` is grouped-query attention (SDPA's enable_gqa): N K/V heads shared by the H query heads in
 groups of H/N (query head h reads K/V head h // (H/N)); N must divide H. `4,32,4096,128:kv8` is
@@ -13,6 +19,7 @@ and the spelling (`spec`) and `as_dict` leave it out, so older specs and records
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -46,6 +53,9 @@ class Shape:
     causal: bool = False
     layout: str = "bhsd"
     kv_heads: int = 0     # K/V heads (grouped-query attention); 0 means `heads` (and becomes it)
+    softcap: float = 0.0  # logit soft-capping's cap C (0: none)
+    window_left: int = -1   # sliding window, flash-attention's window_size[0] (-1: unbounded)
+    window_right: int = -1  # window_size[1] (-1: unbounded); both -1: no window
 
     def __post_init__(self) -> None:
         for name, limit in MAX_DIMS.items():
@@ -66,6 +76,56 @@ class Shape:
         elif kv > self.heads or self.heads % kv:
             raise UsageError(f"shape: {kv} K/V heads for {self.heads} query heads: the K/V heads must divide "
                              f"the query heads (1 <= kv <= heads)")
+        cap = self.softcap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
+            raise UsageError(f"shape: softcap must be a finite number >= 0 (0: none), got {cap!r}")
+        object.__setattr__(self, "softcap", float(cap))
+        for side in ("window_left", "window_right"):
+            w = getattr(self, side)
+            if not isinstance(w, int) or isinstance(w, bool) or not -1 <= w <= MAX_DIMS["seq_k"]:
+                raise UsageError(f"shape: {side} must be an integer from -1 (unbounded) to {MAX_DIMS['seq_k']}, "
+                                 f"got {w!r}")
+        if self.has_window and self.causal and self.seq_q != self.seq_k:
+            raise UsageError(f"shape: causal with a window needs Sq == Sk (got {self.seq_q} and {self.seq_k}): causal is "
+                             f"top-left (SDPA's) and the window bottom-right (flash-attention's); write "
+                             f"window={self.window_left},0 without causal for flash-attention's causal window")
+
+    @property
+    def has_window(self) -> bool:
+        """Whether a sliding window limits the keys (either side bounded)."""
+        return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def has_softcap(self) -> bool:
+        return self.softcap > 0
+
+    def key_range(self, i: int) -> tuple[int, int]:
+        """[lo, hi] of the keys query row i sees (hi < lo: none), under the window and the causal mask."""
+        d = self.seq_k - self.seq_q
+        lo = 0 if self.window_left < 0 else max(0, i + d - self.window_left)
+        hi = self.seq_k - 1 if self.window_right < 0 else min(self.seq_k - 1, i + d + self.window_right)
+        if self.causal:
+            hi = min(hi, i)
+        return lo, hi
+
+    def visible_pairs(self) -> int:
+        """(query, key) pairs the masks leave, per (batch, head): exact, in O(1) for the dense and causal
+        cases and by rows (numpy) with a window."""
+        sq, sk = self.seq_q, self.seq_k
+        if not self.has_window:
+            if not self.causal:
+                return sq * sk
+            n = min(sq, sk)  # top-left: row i sees min(i + 1, sk) keys
+            return n * (n + 1) // 2 + (sq - n) * sk
+        import numpy as np
+
+        i = np.arange(sq, dtype=np.int64)
+        d = sk - sq
+        lo = np.zeros_like(i) if self.window_left < 0 else np.maximum(0, i + d - self.window_left)
+        hi = np.full_like(i, sk - 1) if self.window_right < 0 else np.minimum(sk - 1, i + d + self.window_right)
+        if self.causal:
+            hi = np.minimum(hi, i)
+        return int(np.maximum(0, hi - lo + 1).sum())
 
     @property
     def kv_group(self) -> int:
@@ -78,6 +138,8 @@ class Shape:
         dims = [self.batch, self.heads, self.seq_q] + ([self.seq_k] if self.seq_k != self.seq_q else []) + [self.head_dim]
         flags = [self.dtype] + (["causal"] if self.causal else []) + (["bshd"] if self.layout == "bshd" else [])
         flags += [f"kv{self.kv_heads}"] if self.kv_heads != self.heads else []
+        flags += [f"softcap={self.softcap:g}"] if self.has_softcap else []
+        flags += [f"window={self.window_left},{self.window_right}"] if self.has_window else []
         return ",".join(map(str, dims)) + ":" + ":".join(flags)
 
     @property
@@ -85,15 +147,22 @@ class Shape:
         return 2
 
     def flops(self) -> float:
-        """Matmul FLOPs of the forward pass (4·B·H·Sq·Sk·D), halved for causal as FlashAttention counts them."""
+        """Matmul FLOPs of the forward pass (4·B·H·Sq·Sk·D), halved for causal as FlashAttention counts them;
+        with a window, 4·B·H·D per (query, key) pair the masks leave (visible_pairs), as FlashAttention's
+        benchmark counts local attention."""
         f = 4.0 * self.batch * self.heads * self.seq_q * self.seq_k * self.head_dim
+        if self.has_window:
+            return 4.0 * self.batch * self.heads * self.head_dim * self.visible_pairs()
         return f / 2 if self.causal else f
 
     def min_bytes(self) -> int:
         """Fewest bytes moved through device memory: Q, K, V read once and O written once (K and V
         once per K/V head: a group's query heads share them)."""
         q_and_o = 2 * self.batch * self.heads * self.seq_q * self.head_dim
-        k_and_v = 2 * self.batch * self.kv_heads * self.seq_k * self.head_dim
+        keys = self.seq_k
+        if self.has_window:  # the keys some query sees: one contiguous range (first row's lo to last row's hi)
+            keys = max(0, self.key_range(self.seq_q - 1)[1] - self.key_range(0)[0] + 1)
+        k_and_v = 2 * self.batch * self.kv_heads * keys * self.head_dim
         return (q_and_o + k_and_v) * self.dtype_bytes
 
     def as_dict(self) -> dict:
@@ -104,12 +173,18 @@ class Shape:
         }
         if self.kv_heads != self.heads:
             d["kv_heads"] = self.kv_heads
+        if self.has_softcap:
+            d["softcap"] = self.softcap
+        if self.has_window:
+            d["window"] = [self.window_left, self.window_right]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Shape":
         fields = {k: d[k] for k in ("batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "causal", "layout")}
-        return cls(**fields, kv_heads=d.get("kv_heads") or 0)
+        window = d.get("window") or (-1, -1)
+        return cls(**fields, kv_heads=d.get("kv_heads") or 0, softcap=d.get("softcap") or 0.0,
+                   window_left=int(window[0]), window_right=int(window[1]))
 
 
 PRESETS: dict[str, tuple[Shape, str]] = {
@@ -125,6 +200,9 @@ PRESETS: dict[str, tuple[Shape, str]] = {
 _DIMS = re.compile(r"^\s*[0-9]+(\s*,\s*[0-9]+){3,4}\s*$")
 _FLAG_KINDS = {**{d: "dtype" for d in DTYPES}, "causal": "causal", **{lay: "layout" for lay in LAYOUTS}}
 _KV_FLAG = re.compile(r"^kv([0-9]+)$")  # kvN: N K/V heads (grouped-query attention)
+_SOFTCAP_FLAG = re.compile(r"^softcap=")  # softcap=C; the value is read (and refused) by _parse_flags
+_WINDOW_FLAG = re.compile(r"^window=")    # window=L,R
+_WINDOW_VALUE = re.compile(r"^\s*(-1|[0-9]+)\s*,\s*(-1|[0-9]+)\s*$")
 _MAX_DIGITS = 12  # far above any bound in MAX_DIMS; stops int() on thousands of digits
 
 
@@ -141,13 +219,14 @@ def parse_shape(text: str) -> Shape:
     if name in PRESETS:  # a preset with flags, e.g. mission:bf16: the flags override its own
         p = PRESETS[name][0]
         return Shape(p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim,
-                     **{"dtype": p.dtype, "causal": p.causal, "layout": p.layout, "kv_heads": p.kv_heads, **fields})
+                     **{"dtype": p.dtype, "causal": p.causal, "layout": p.layout, "kv_heads": p.kv_heads,
+                        "softcap": p.softcap, "window_left": p.window_left, "window_right": p.window_right, **fields})
     if not _DIMS.match(dims_part):
         if re.match(r"^[A-Za-z][\w-]*$", name):
             raise UsageError(f"shape: unknown preset {_shown(name)}; presets: {', '.join(PRESETS)}")
         raise UsageError(
             f"shape: cannot read {_shown(text)}; write B,H,S,D or B,H,Sq,Sk,D with optional "
-            f":fp16|:bf16|:causal|:bshd|:kvN"
+            f":fp16|:bf16|:causal|:bshd|:kvN|:softcap=C|:window=L,R"
         )
     dims = _parse_dims(dims_part.split(","))
     b, h, sq, sk, d = (dims[0], dims[1], dims[2], dims[2], dims[3]) if len(dims) == 4 else dims
@@ -197,8 +276,27 @@ def parse_flags(flag_texts: list[str], kinds: dict[str, str], text: str,
 
 def _parse_flags(flag_texts: list[str], text: str) -> dict:
     """Shape fields from the `:`-separated flags (each kind is the Shape field it sets)."""
-    given = parse_flags(flag_texts, _FLAG_KINDS, text, ((_KV_FLAG, "kv_heads", "kvN"),))
+    given = parse_flags(flag_texts, _FLAG_KINDS, text, ((_KV_FLAG, "kv_heads", "kvN"),
+                                                        (_SOFTCAP_FLAG, "softcap", "softcap=C"),
+                                                        (_WINDOW_FLAG, "window", "window=L,R")))
     fields: dict = {kind: True if kind == "causal" else flag for kind, flag in given.items()}
+    if "softcap" in fields:
+        value = fields["softcap"].split("=", 1)[1].strip()
+        try:
+            cap = float(value) if len(value) <= 32 else math.nan
+        except ValueError:
+            cap = math.nan
+        if not math.isfinite(cap) or cap <= 0:
+            raise UsageError(f"shape: {_shown(fields['softcap'], 40)} in {_shown(text)}: softcap=C needs a finite C > 0 "
+                             f"(e.g. softcap=30.0, Gemma-2's)")
+        fields["softcap"] = cap
+    if "window" in fields:
+        m = _WINDOW_VALUE.match(fields["window"].split("=", 1)[1])
+        if not m or len(m.group(1)) > _MAX_DIGITS or len(m.group(2)) > _MAX_DIGITS:
+            raise UsageError(f"shape: {_shown(fields['window'], 40)} in {_shown(text)}: write window=L,R with L, R "
+                             f"keys to the left and right (integers >= 0, or -1: unbounded), e.g. window=4096,0")
+        del fields["window"]
+        fields["window_left"], fields["window_right"] = int(m.group(1)), int(m.group(2))
     if "kv_heads" in fields:
         digits = _KV_FLAG.match(fields["kv_heads"]).group(1)
         kv = parse_dim(digits, "kv_heads", MAX_DIMS["heads"], _WHY_MAX["heads"])
