@@ -161,13 +161,15 @@ class PreparedLaunch:
         self._local = threading.local()
         self.function, self.device_index = loaded.function, loaded.device_index
 
-    def __call__(self, q, k, v, out, lse=None) -> None:
+    def __call__(self, q, k, v, out, lse=None, addresses=None) -> None:
+        """Launch on q, k, v into out (and lse); `addresses`: q, k, v's data pointers where the caller has read them
+        already (the op's route, for its alignment check: each read is a call into torch)."""
         workspace = PROBLEM.new_workspace(self.loaded.config, self.shape, out.device) if self.needs_workspace else ()
         packet = getattr(self._local, "packet", None)
         if packet is None:
             packet = self._local.packet = self._new_packet(q, k, v, out, lse, workspace)
         else:
-            self._patch(packet, q, k, v, out, lse, workspace)
+            self._patch(packet, q, k, v, out, lse, workspace, addresses)
         _packet.launch_packet(self.function, self.grid, self.block, self.smem, current_stream_handle(self.device_index),
                               packet, self.pdl)
 
@@ -182,16 +184,17 @@ class PreparedLaunch:
         packet.qkv = () if self.wgmma else (packet.slot("q"), packet.slot("k"), packet.slot("v"))
         return packet
 
-    def _patch(self, packet, q, k, v, out, lse, workspace) -> None:
-        packet.o.value = out.data_ptr()
+    def _patch(self, packet, q, k, v, out, lse, workspace, addresses=None) -> None:
+        # Each address read once (q, k, v's by the caller where it passes them), for the slots and the maps alike.
+        pointers = (addresses or (q.data_ptr(), k.data_ptr(), v.data_ptr())) + (out.data_ptr(),)
+        packet.o.value = pointers[3]
         if lse is not None:
             packet.slot("lse").value = lse.data_ptr()
         if self.maps:
             from ..build.tma import map_param
 
-            tensors = (q, k, v, out)
             for name, index, args in self.maps:
-                address = tensors[index].data_ptr()
+                address = pointers[index]
                 if packet.addresses.get(name) != address:
                     packet.set_map(name, map_param(address, args))
                     packet.addresses[name] = address
@@ -200,7 +203,7 @@ class PreparedLaunch:
                 packet.slot("tile_counter").value = workspace[2].data_ptr()
             return
         sq, sk, sv = packet.qkv
-        sq.value, sk.value, sv.value = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        sq.value, sk.value, sv.value = pointers[0], pointers[1], pointers[2]
         for name, t in zip(("ws_o", "ws_lse", "ws_count"), workspace):
             packet.slot(name).value = t.data_ptr()
 

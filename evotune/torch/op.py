@@ -335,10 +335,11 @@ def _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback):
     current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
     def run(q, k, v):
-        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 or current_device() != index:
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr())  # read once: the check here, the packet's slots
+        if (addresses[0] | addresses[1] | addresses[2]) & 15 or current_device() != index:
             return _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback)
         out = q.new_empty_strided(size, stride)
-        prepared(q, k, v, out)
+        prepared(q, k, v, out, None, addresses)
         return out
 
     # With the compiled launcher (opt-in: evotune.torch.launcher), the route is registered with it and a call goes
