@@ -65,7 +65,7 @@ def parse_args(argv=None):
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     ap.add_argument("--space", default="attention-hopper", help="space whose default config the tuned rows run")
     ap.add_argument("--launcher", default="python", choices=["python", "cpp"],
-                    help="the tuned rows' launch: the op's Python route, or the compiled launcher (EVOTUNE_CPP_LAUNCHER=1)")
+                    help="the op's launch: its Python routes, or the compiled launcher (EVOTUNE_CPP_LAUNCHER=1)")
     ap.add_argument("--graph", action="store_true", help="also time each eager row inside a CUDA graph")
     ap.add_argument("--graph-n", type=int, default=100, help="calls captured per CUDA graph")
     ap.add_argument("--out", default=None, help="JSON results")

@@ -46,5 +46,7 @@ timeout 90 python3 tools/op_host_overhead.py --shape 1,12,512,64:causal --n 1000
 echo "op_host_overhead cpp rc=$? ($(( $(date +%s) - start )) s)"
 
 tar -czf "$OUT/host2.tar.gz" -C "$work" --exclude cache .
-for f in "$work"/pytest-op.log "$work"/pytest-launcher.log; do grep -E "^FAILED|^ERROR|passed|failed" "$f" | tail -n 6; done
+for f in "$work"/pytest-op.log "$work"/pytest-launcher.log; do
+  grep -E "^FAILED|^ERROR|passed|failed" "$f" | tail -n 6
+done
 for f in "$work"/host-gpt2-python.txt "$work"/host-gpt2-cpp.txt; do echo; tail -n 13 "$f"; done

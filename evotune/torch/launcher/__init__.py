@@ -63,7 +63,8 @@ def _flags(torch) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     lib = library_paths()[0]
-    return (["-O2", "-std=c++20", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return (["-O2", "-std=c++20", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
             + [f"-I{p}" for p in include_paths()] + [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu",
                                                      "-ltorch", "-ldl"])
 

@@ -89,7 +89,8 @@ struct Route {
   int64_t device = 0;
   std::vector<unsigned char> init;      // every parameter's bytes, each at its offset
   std::vector<int64_t> offsets;         // parameter i's offset in `init`
-  // parameter index per rewritten address, -1 where the entry has none: q, k, v, o, tile_counter, ws_o, ws_lse, ws_count
+  // parameter index per rewritten address, -1 where the entry has none:
+  // q, k, v, o, tile_counter, ws_o, ws_lse, ws_count
   std::array<int64_t, 8> slots{};
   std::vector<MapSpec> maps;
   std::array<int64_t, 4> out_size{}, out_stride{};
@@ -292,7 +293,8 @@ void add_route(c10::IntArrayRef key, int64_t function, c10::IntArrayRef grid, c1
     for (int j = 0; j < 3; ++j) spec.strides[j] = static_cast<uint64_t>(maps[i + 7 + j]);
     for (int j = 0; j < 4; ++j) spec.box[j] = static_cast<uint32_t>(maps[i + 10 + j]);
     TORCH_CHECK(spec.tensor >= 0 && spec.tensor < 4, "evotune launcher: map tensor ", spec.tensor);
-    TORCH_CHECK(route->offsets[spec.param] + static_cast<int64_t>(kMapBytes) <= static_cast<int64_t>(route->init.size()),
+    TORCH_CHECK(spec.param >= 0 && spec.param < static_cast<int64_t>(route->offsets.size()) &&
+                    route->offsets[spec.param] + static_cast<int64_t>(kMapBytes) <= bytes,
                 "evotune launcher: map parameter outside the parameters");
     route->maps.push_back(spec);
   }
