@@ -100,6 +100,9 @@ def build(cache=None) -> Path:
     cmd = [cxx, str(SOURCE), "-o", tmp] + _flags(torch)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0 and "-std=c++20" in done.stderr:  # a compiler before C++20's name: torch needs 17
+            cmd = [a if a != "-std=c++20" else "-std=c++17" for a in cmd]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as e:
         os.unlink(tmp)
         raise LauncherBuildError(f"{cxx} did not run: {e}") from None
