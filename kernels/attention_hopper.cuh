@@ -147,6 +147,7 @@ struct HopperTraits {
     // The per-CTA shared memory and thread limits: asserted by the instantiation (evotune/limits.py).
 };
 
+// ---- window geometry (plain C++: tests/test_softcap_window.py compiles this stretch with the host compiler)
 // A sliding window (kLocal): query row r sees keys r + diag - left .. r + diag + right, diag = seq_k - seq_q (bottom-right
 // aligned, flash-attention's window_size). left and right come clamped to [0, seq_k] and [0, seq_q] (ScoreArgs).
 struct KvWindow {
@@ -157,6 +158,15 @@ struct KvWindow {
 struct KvRange {
     int first, count;
 };
+
+// Whether K/V tile kv0 lies whole inside the window of each of the 64 rows from row0 (a warpgroup's): its first key at
+// or past the last row's left edge and its last key at or before the first row's right edge. Where not, the tile is
+// masked element by element (mask_scores).
+template <class T>
+__device__ __forceinline__ bool window_holds_tile(int kv0, int row0, const KvWindow& win) {
+    return kv0 >= row0 + 63 + win.diag - win.left && kv0 + T::kBlockN - 1 <= row0 + win.diag + win.right;
+}
+// ---- end of the window geometry
 
 // The kernel's pieces (kernels/hopper/, the PTX wrappers in ptx.cuh): the consumer warpgroups' tile algebra, the
 // K/V ring, the tile scheduler, the producer and the epilogue. attention_fwd_wgmma below composes them: the loader (the producer

@@ -5,12 +5,16 @@
 
 // ---------------------------------------------------------------- MUFU
 
-// tanh on the SFU (MUFU.TANH, sm_75 on): logit soft-capping's tanh, one instruction where tanhf is a dozen
-// (FlashAttention-3 uses the same; its absolute error is about 2^-11, under fp16's rounding of P).
-__device__ __forceinline__ float tanh_approx(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
+// tanh for logit soft-capping, as 1 - 2 / (2^(2 log2(e) x) + 1) on the SFU's ex2 and rcp (two MUFU operations and
+// three on the FMA pipe; +-inf and large |x| give +-1 exactly, no NaN). Not tanh.approx.f32 (one MUFU.TANH,
+// FlashAttention-3's choice): its error bound of about 2^-11 becomes C * 2^-11 in the logits, 0.015 at C = 30, and the
+// gate's fp32 reference then sees O off by up to 20x its fp16 tolerance on the `large` input pattern (simulated with
+// the bound on the CPU, docs/COVERAGE.md); this form errs by a few 1e-7 in tanh.
+__device__ __forceinline__ float tanh_ex2(float x) {
+    const float e = fast_exp2(x * 2.8853900817779268f);  // e^(2x)
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(e + 1.f));
+    return fmaf(-2.f, r, 1.f);
 }
 
 // ---------------------------------------------------------------- cp.async and ldmatrix / stmatrix

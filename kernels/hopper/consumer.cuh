@@ -119,7 +119,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[T::kSAcc], int q_row, int
 template <class T>
 __device__ __forceinline__ void softcap_scores(float (&s)[T::kSAcc], float softcap_scale) {
 #pragma unroll
-    for (int i = 0; i < T::kSAcc; ++i) s[i] = tanh_approx(s[i] * softcap_scale);
+    for (int i = 0; i < T::kSAcc; ++i) s[i] = tanh_ex2(s[i] * softcap_scale);
 }
 
 // Online softmax, first half: running max m and per-thread partial sums l of the thread's two
@@ -204,11 +204,7 @@ __device__ __forceinline__ void scores_to_probs(float (&s)[T::kSAcc], float (&m)
     if constexpr (T::kSoftcap) softcap_scores<T>(s, softcap_scale);
     bool need_mask = kv0 + T::kBlockN > seq_k;
     if constexpr (T::kIsCausal) need_mask = need_mask || kv0 + T::kBlockN - 1 > wg_row0;
-    if constexpr (T::kLocal) {
-        // The tile is whole inside every row's window only if its first key is at or past the last row's left edge
-        // and its last key at or before the first row's right edge (rows wg_row0 .. wg_row0 + 63).
-        need_mask = need_mask || kv0 < wg_row0 + 63 + win.diag - win.left || kv0 + T::kBlockN - 1 > wg_row0 + win.diag + win.right;
-    }
+    if constexpr (T::kLocal) need_mask = need_mask || !window_holds_tile<T>(kv0, wg_row0, win);
     if (need_mask) mask_scores<T>(s, q_row, kv0, seq_k, lane, win);
     softmax_scores<T>(s, m, l, alpha, scale_log2);
 }

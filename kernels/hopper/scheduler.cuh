@@ -59,6 +59,7 @@ __device__ __forceinline__ int kv_tile_count(int q_row0, int seq_k) {
 }
 // ---- end of the persistent tile order
 
+// ---- window tile range (plain C++: tests/test_softcap_window.py compiles it with the host compiler)
 // A query tile's K/V tiles (FlashAttention-3's n_block_min / n_block_max). Without a window: 0 to kv_tile_count. With one:
 // only those some row of the tile sees, so the tiles wholly outside the window are never loaded nor computed (masking
 // them instead only adds work: no knob). A tile none of whose rows sees a key (a window ending before key 0, or rows
@@ -70,10 +71,9 @@ __device__ __forceinline__ KvRange kv_tile_range(int q_row0, int seq_k, const Kv
         return {0, kv_tile_count<T>(q_row0, seq_k)};
     } else {
         const int lo = max(0, q_row0 + win.diag - win.left);  // the first row's first key
-        // Past the last row's last key; the last row is the tile's last below seq_q (= seq_k - diag): a ragged last
-        // tile's padding rows would only widen the range.
-        const int rows_end = min(q_row0 + T::kBlockM, seq_k - win.diag);
-        int end = min(seq_k, rows_end + win.diag + win.right);
+        // Past the last row's last key. A ragged last tile's padding rows widen nothing: bottom-right aligned, the
+        // last real row's window already reaches key seq_k - 1.
+        int end = min(seq_k, q_row0 + T::kBlockM + win.diag + win.right);
         if constexpr (T::kIsCausal) end = min(end, q_row0 + T::kBlockM);
         const int first = lo / T::kBlockN;
         const int last = (end + T::kBlockN - 1) / T::kBlockN;  // one past
@@ -81,6 +81,7 @@ __device__ __forceinline__ KvRange kv_tile_range(int q_row0, int seq_k, const Kv
         return {min(first, max(0, (seq_k - 1) / T::kBlockN)), 1};
     }
 }
+// ---- end of the window tile range
 
 // One tile per CTA: the grid's (x, y, z) = (query tile, head, batch).
 template <class T>
