@@ -174,6 +174,127 @@ def test_table_key_fields():
     assert window_bucket(parse_shape("gpt2:window=-1,0")) == 1024
 
 
+# ------------------------------------------------------------------ the kernel's window geometry (host C++)
+
+_GEOMETRY_MAIN = r"""
+#include <cstdio>
+template <bool C, int M, int N> struct Traits {
+    static constexpr bool kIsCausal = C, kLocal = true;
+    static constexpr int kBlockM = M, kBlockN = N;
+};
+template <class T> void run(int seq_q, int seq_k, int left, int right) {
+    const KvWindow win{seq_k - seq_q, left, right};
+    for (int row0 = 0; row0 < seq_q; row0 += T::kBlockM) {
+        const KvRange r = kv_tile_range<T>(row0, seq_k, win);
+        std::printf("%d %d %d ", row0, r.first, r.count);
+        for (int t = 0; t < r.count; ++t)
+            for (int wg = 0; wg < T::kBlockM / 64; ++wg)
+                std::putchar(window_holds_tile<T>((r.first + t) * T::kBlockN, row0 + 64 * wg, win) ? '1' : '0');
+        std::printf("\n");
+    }
+    std::printf("end\n");
+}
+template <bool C, int M> void by_n(int n, int sq, int sk, int l, int r) {
+    if (n == 64) run<Traits<C, M, 64>>(sq, sk, l, r);
+    else if (n == 128) run<Traits<C, M, 128>>(sq, sk, l, r);
+    else run<Traits<C, M, 176>>(sq, sk, l, r);
+}
+template <bool C> void by_m(int m, int n, int sq, int sk, int l, int r) {
+    if (m == 64) by_n<C, 64>(n, sq, sk, l, r);
+    else if (m == 128) by_n<C, 128>(n, sq, sk, l, r);
+    else by_n<C, 192>(n, sq, sk, l, r);
+}
+int main() {
+    int c, m, n, sq, sk, l, r;
+    while (std::scanf("%d %d %d %d %d %d %d", &c, &m, &n, &sq, &sk, &l, &r) == 7) {
+        if (c) by_m<true>(m, n, sq, sk, l, r);
+        else by_m<false>(m, n, sq, sk, l, r);
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def window_geometry(tmp_path_factory):
+    """The kernel's own KvWindow / KvRange / window_holds_tile (attention_hopper.cuh) and kv_tile_count /
+    kv_tile_range (hopper/scheduler.cuh), their marked stretches compiled by the host's C++ compiler: a function of
+    [(causal, block_m, block_n, shape)] -> per case, [(row0, first, count, holds flags per walked tile and stripe)]."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    kernels = Path(__file__).resolve().parent.parent / "kernels"
+    stretches = []
+    for file, mark in (("attention_hopper.cuh", "window geometry"), ("hopper/scheduler.cuh", "persistent tile order"),
+                       ("hopper/scheduler.cuh", "window tile range")):
+        found = re.search(rf"// ---- {mark}.*?// ---- end of the {mark}", (kernels / file).read_text(), re.S)
+        assert found, f"the marked {mark} is gone from kernels/{file}"
+        stretches.append(found.group(0))
+    prelude = "#include <algorithm>\nusing std::max; using std::min;\n#define __device__\n#define __forceinline__ inline\n"
+    folder = tmp_path_factory.mktemp("window")
+    (folder / "geometry.cpp").write_text(prelude + "\n".join(stretches) + _GEOMETRY_MAIN)
+    subprocess.run([cxx, "-std=c++17", "-O1", "geometry.cpp", "-o", "geometry"], cwd=folder, check=True)
+
+    def run(cases):
+        lines = []
+        for causal, m, n, shape in cases:
+            v = score_mod_values(shape, 1.0)
+            lines.append(f"{int(causal)} {m} {n} {shape.seq_q} {shape.seq_k} {v['window_left']} {v['window_right']}")
+        out = subprocess.run([str(folder / "geometry")], input="\n".join(lines) + "\n", capture_output=True, text=True,
+                             check=True).stdout
+        blocks = out.split("end\n")[:-1]
+        return [[(int(a), int(b), int(c), f[0] if f else "") for a, b, c, *f in (ln.split() for ln in blk.splitlines())]
+                for blk in blocks]
+
+    return run
+
+
+def _window_cases():
+    rng = random.Random(42)
+    cases = []
+    for _ in range(60):
+        sq, sk = rng.randint(1, 600), rng.randint(1, 600)
+        left, right = (rng.choice([-1, 0, 1, rng.randint(0, 300), 5000]) for _ in range(2))
+        if left == right == -1:
+            left = 0
+        causal = rng.random() < 0.3
+        if causal:
+            sk = sq
+        shape = parse_shape(f"1,1,{sq},{sk},64:window={left},{right}" + (":causal" if causal else ""))
+        cases.append((causal, rng.choice([64, 128, 192]), rng.choice([64, 128, 176]), shape))
+    return cases
+
+
+def test_kernel_tile_range_and_masking_match_the_reference_mask(window_geometry):
+    """For 60 random windows (edges 0, 1, wide, unbounded; Sq < Sk and Sq > Sk; causal; tiles 64 to 192 x 64 to 176),
+    the kernel's K/V tile range per query tile holds every key a real row sees, walks no tile none sees (but one
+    masked tile where no row sees any key), and a tile it leaves unmasked is visible to every row of the stripe."""
+    cases = _window_cases()
+    for (causal, m, n, shape), tiles in zip(cases, window_geometry(cases)):
+        seen = visibility_mask(shape).numpy()
+        assert len(tiles) == -(-shape.seq_q // m)
+        for row0, first, count, holds in tiles:
+            rows = seen[row0:row0 + m]
+            keys = np.flatnonzero(rows.any(axis=0))
+            where = (causal, m, n, shape.spec, row0)
+            if keys.size == 0:
+                assert count == 1 and 0 <= first * n < max(shape.seq_k, 1), where
+                continue
+            assert first * n <= keys[0] and keys[-1] < (first + count) * n, where
+            assert keys[0] < (first + 1) * n and keys[-1] >= (first + count - 1) * n, where  # no idle tile at either end
+            for t in range(count):
+                kv0 = (first + t) * n
+                for wg in range(m // 64):
+                    stripe = seen[row0 + 64 * wg:row0 + 64 * (wg + 1), kv0:kv0 + n]
+                    in_range = kv0 + n <= shape.seq_k and not (causal and kv0 + n - 1 > row0 + 64 * wg)
+                    if holds[t * (m // 64) + wg] == "1" and in_range and stripe.size:
+                        assert stripe.all(), where + (t, wg)
+
+
 # ------------------------------------------------------------------ the kernel (NVRTC for sm_90a)
 
 HOPPER = {"mma": "wgmma", "block_m": 128, "compute_warps": 8, "producer_warps": 4, "block_n": 128, "stages": 2,

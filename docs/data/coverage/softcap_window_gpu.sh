@@ -8,9 +8,9 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD && export PYTHONUNBUFFERED=1 || exit
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 270 python3 -m pytest -q -m gpu tests/test_softcap_window.py -p no:cacheprovider > "$OUT/pytest.log" 2>&1
+timeout 240 python3 -m pytest -q -m gpu tests/test_softcap_window.py -p no:cacheprovider > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? (tail):"; tail -n 15 "$OUT/pytest.log"
-timeout 240 python3 - "$OUT" <<'EOF'
+timeout 200 python3 - "$OUT" <<'EOF'
 import json, math, sys, time
 import torch
 from evotune.build.compile import compile_source, load_kernel
