@@ -11,12 +11,14 @@
 // The driver is reached through dlopen("libcuda.so.1"), so the library links against nothing CUDA at build time
 // (it builds on a machine with torch's CPU wheel and no CUDA toolkit), and the current stream through c10's device
 // guard interface (getStream, getStreamNativeHandle), which libtorch_cuda implements once loaded.
+// The operators through their at::_ops entries (the *_ops.h headers, which Tensor.h's methods use already), not
+// ATen/ops/<name>.h and the context headers those bring.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_strided.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty_ops.h>
+#include <ATen/ops/empty_strided_ops.h>
+#include <ATen/ops/scaled_dot_product_attention_ops.h>
+#include <ATen/ops/zeros_ops.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
@@ -181,15 +183,22 @@ void encode_map(const Route& route, size_t i, uint64_t address, unsigned char* d
   std::memcpy(dst, memo.bytes.data(), kMapBytes);
 }
 
+at::Tensor new_tensor(c10::IntArrayRef size, c10::IntArrayRef stride, const at::Tensor& like, at::ScalarType dtype) {
+  return at::_ops::empty_strided::call(c10::fromIntArrayRefUnchecked(size), c10::fromIntArrayRefUnchecked(stride), dtype,
+                                       like.layout(), like.device(), std::nullopt);
+}
+
 at::Tensor launch(const Route& route, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const Driver& d = driver();
   TORCH_CHECK(d.launch, "evotune launcher: ", d.error);
-  at::Tensor out = at::empty_strided(route.out_size, route.out_stride, q.options());
+  at::Tensor out = new_tensor(route.out_size, route.out_stride, q, q.scalar_type());
   at::Tensor ws_o, ws_lse, ws_count;
   if (route.workspace[2]) {  // fresh per call: calls on two streams may run the same route at once
-    ws_o = at::empty({route.workspace[0]}, q.options().dtype(at::kFloat));
-    ws_lse = at::empty({route.workspace[1]}, q.options().dtype(at::kFloat));
-    ws_count = at::zeros({route.workspace[2]}, q.options().dtype(at::kInt));
+    const int64_t one = 1;
+    ws_o = new_tensor(c10::IntArrayRef(&route.workspace[0], 1), c10::IntArrayRef(&one, 1), q, at::kFloat);
+    ws_lse = new_tensor(c10::IntArrayRef(&route.workspace[1], 1), c10::IntArrayRef(&one, 1), q, at::kFloat);
+    ws_count = at::_ops::zeros::call(c10::fromIntArrayRefUnchecked(c10::IntArrayRef(&route.workspace[2], 1)), at::kInt,
+                                     q.layout(), q.device(), std::nullopt);
   }
   alignas(128) unsigned char buffer[4096];
   TORCH_CHECK(route.init.size() <= sizeof buffer, "evotune launcher: parameters over 4 KiB");
@@ -224,10 +233,10 @@ at::Tensor launch(const Route& route, const at::Tensor& q, const at::Tensor& k, 
 // SDPA itself, its result copied into the op's layout only where its backend chose another (op._sdpa_route's rule).
 at::Tensor run_sdpa(const Route& route, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                     std::optional<double> scale, bool enable_gqa) {
-  at::Tensor o = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, is_causal, scale, enable_gqa);
+  at::Tensor o = at::_ops::scaled_dot_product_attention::call(q, k, v, std::nullopt, 0.0, is_causal, scale, enable_gqa);
   sdpa_calls.fetch_add(1, std::memory_order_relaxed);
   if (o.strides() == c10::IntArrayRef(route.out_stride)) return o;
-  at::Tensor out = at::empty_strided(route.out_size, route.out_stride, q.options());
+  at::Tensor out = new_tensor(route.out_size, route.out_stride, q, q.scalar_type());
   out.copy_(o);
   return out;
 }
