@@ -50,7 +50,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_attention_loads(space):
     """The shipped attention.yaml loads with its twenty-five parameters (the variant knob mma first), six derived values
-    and thirty-seven constraints, each with its reason: thirty-four of validity and three measured priors, each of those
+    and thirty-nine constraints, each with its reason: thirty-six of validity and three measured priors, each of those
     naming its evidence."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
@@ -61,7 +61,7 @@ def test_attention_loads(space):
                                    "causal_extent", "stripe_order"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
                                                      "acc_regs"]
-    assert len(space.constraints) == 37
+    assert len(space.constraints) == 39
     assert all(c.why for c in space.constraints)
     assert sum(c.measured for c in space.constraints) == 3 and all(c.evidence for c in space.constraints if c.measured)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
