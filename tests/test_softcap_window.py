@@ -340,14 +340,15 @@ def test_traits_appear_only_on_their_shapes(attention, space):
 
 # ------------------------------------------------------------------ GPU (the gate: NaN poison, perturbations, tolerance)
 
+# Enough query tiles (batch x heads x tiles above the H100's 132 SMs) that the space admits the persistent grid too.
 GPU_CASES = [
-    "2,4,197,300,64:window=0,0",            # window 0: each row sees one key
-    "2,4,300,197,64:window=1,1",            # Sq > Sk: leading rows see no key (output 0)
-    "1,8,1000,64:bf16:causal:window=4096,0:kv2",  # large window: the causal kernel's keys
-    "2,4,513,64:window=128,0:kv4",          # Mistral's causal window, ragged, GQA
-    "2,4,333,64:softcap=30",
-    "1,4,777,1000,128:bf16:softcap=50",
-    "1,4,1000,128:bf16:causal:window=100,0:softcap=30:bshd",  # Gemma-2's local layer
+    "4,20,197,300,64:window=0,0",            # window 0: each row sees one key
+    "4,20,300,197,64:window=1,1",            # Sq > Sk: leading rows see no key (output 0)
+    "2,40,1000,64:bf16:causal:window=4096,0:kv8",  # large window: the causal kernel's keys (handed-out persistent)
+    "2,16,513,64:window=128,0:kv4",          # Mistral's causal window, ragged, GQA
+    "2,24,333,64:softcap=30",
+    "1,20,777,1000,128:bf16:softcap=50",
+    "1,24,1000,128:bf16:causal:window=100,0:softcap=30:bshd",  # Gemma-2's local layer
 ]
 GPU_CONFIGS = [{}, {"persistent": True}, {"producer_warps": 0, "stages": 3}, {"pingpong": True}]
 
