@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import UsageError
 from ..limits import launch_asserts
-from .shapes import parse_dim, parse_flags
+from .shapes import check_fields, parse_dim, parse_flags
 from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
 from . import LaunchGeometry, Problem
 
@@ -69,16 +69,7 @@ class DecodeShape:
     causal: bool = False
 
     def __post_init__(self) -> None:
-        for name, limit in MAX_DIMS.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UsageError(f"shape: {name} must be a positive integer, got {value!r}")
-            if value > limit:
-                raise UsageError(f"shape: {name} {value} is too large for the decode kernel: at most {limit}")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"shape: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.layout not in LAYOUTS:
-            raise UsageError(f"shape: layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        check_fields(self, MAX_DIMS, lambda name, limit: f"at most {limit} for the decode kernel")
         if self.heads % self.kv_heads:
             raise UsageError(f"shape: {self.kv_heads} K/V heads for {self.heads} query heads: the K/V heads must "
                              f"divide the query heads")

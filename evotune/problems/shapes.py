@@ -40,6 +40,22 @@ _WHY_MAX = {"batch": "CUDA's grid z limit", "heads": "CUDA's grid y limit",
             "head_dim": "the kernel indexes columns with 32-bit int"}
 
 
+def check_fields(shape, max_dims: dict, too_large) -> None:
+    """A shape dataclass's sizes are positive integers within `max_dims` (`too_large(name, limit)` says the limit and
+    why) and its dtype and layout are known ones; one UsageError line otherwise. Attention's and the decode
+    family's shapes share it."""
+    for name, limit in max_dims.items():
+        value = getattr(shape, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UsageError(f"shape: {name} must be a positive integer, got {value!r}")
+        if value > limit:
+            raise UsageError(f"shape: {name} {value} is too large: {too_large(name, limit)}")
+    if shape.dtype not in DTYPES:
+        raise UsageError(f"shape: dtype must be one of {', '.join(DTYPES)}, got {shape.dtype!r}")
+    if shape.layout not in LAYOUTS:
+        raise UsageError(f"shape: layout must be one of {', '.join(LAYOUTS)}, got {shape.layout!r}")
+
+
 @dataclass(frozen=True)
 class Shape:
     """One attention problem size: (batch, heads, seq_q, seq_k, head_dim) plus dtype, mask, layout."""
@@ -58,16 +74,7 @@ class Shape:
     window_right: int = -1  # window_size[1] (-1: unbounded); both -1: no window
 
     def __post_init__(self) -> None:
-        for name, limit in MAX_DIMS.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UsageError(f"shape: {name} must be a positive integer, got {value!r}")
-            if value > limit:
-                raise UsageError(f"shape: {name} {value} is too large: at most {limit} ({_WHY_MAX[name]})")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"shape: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.layout not in LAYOUTS:
-            raise UsageError(f"shape: layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        check_fields(self, MAX_DIMS, lambda name, limit: f"at most {limit} ({_WHY_MAX[name]})")
         kv = self.kv_heads
         if not isinstance(kv, int) or isinstance(kv, bool) or kv < 0:
             raise UsageError(f"shape: kv_heads must be a positive integer, got {kv!r}")
