@@ -276,6 +276,7 @@ _REFILL_MAIN = """
 template <int STAGES>
 struct Traits {
     static constexpr int kStages = STAGES;
+    static constexpr bool kLocal = false;  // no sliding window: the refill's tile is t + STAGES, as before kLocal
     using SlotUse = std::conditional_t<LEAN, unsigned, int>;
 };
 template <class T>
