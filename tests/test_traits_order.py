@@ -24,8 +24,16 @@ def declared_parameters(filename: str, struct: str) -> list[tuple[str, str]]:
     _, text = read_template(filename)
     match = re.search(r"template\s*<([^>]*)>\s*struct\s+" + struct + r"\b", text)
     assert match, f"{struct} not declared in {filename}"
-    params = [p.split() for p in match.group(1).replace("\n", " ").split(",")]
+    params = [p.split("=")[0].split() for p in match.group(1).replace("\n", " ").split(",")]
     return [(kind, name.rstrip("_")) for kind, name in params]
+
+
+def defaulted_parameters(filename: str, struct: str) -> set[str]:
+    """The NAMEs of `struct`'s template parameters that have a default (a trailing feature that only some shapes
+    pass: attention's SOFTCAP and LOCAL, so that every other shape's source stays what it was)."""
+    _, text = read_template(filename)
+    match = re.search(r"template\s*<([^>]*)>\s*struct\s+" + struct + r"\b", text)
+    return {p.split("=")[0].split()[1].rstrip("_") for p in match.group(1).replace("\n", " ").split(",") if "=" in p}
 
 
 @pytest.mark.parametrize("space, struct", [("attention", "AttnTraits"), ("attention-hopper", "HopperTraits")])
@@ -33,7 +41,18 @@ def declared_parameters(filename: str, struct: str) -> list[tuple[str, str]]:
 def test_template_args_follow_the_declared_order(space, struct, spec):
     declared = declared_parameters("attention.cu", struct)
     passed = ATTENTION.template_args(load_builtin(space).default_config(), parse_shape(spec))
-    assert [name for _, name in declared] == [name for name, _ in passed]
+    # Every parameter passed, in the declared order; the ones left out are trailing ones with a default.
+    assert [name for _, name in declared][:len(passed)] == [name for name, _ in passed]
+    assert {name for _, name in declared[len(passed):]} <= defaulted_parameters("attention.cu", struct)
     for (kind, name), (_, value) in zip(declared, passed):
         is_bool = value in ("true", "false")
         assert (kind == "bool") == is_bool, f"{struct}::{name} is {kind}, passed {value!r}"
+
+
+def test_softcap_and_window_shapes_pass_every_hopper_parameter_in_order():
+    """A soft-capped, windowed shape passes the trailing defaulted parameters too, in their declared places."""
+    declared = declared_parameters("attention.cu", "HopperTraits")
+    passed = ATTENTION.template_args(load_builtin("attention-hopper").default_config(),
+                                     parse_shape("2,4,300,128:bf16:softcap=30:window=64,0"))
+    assert [name for _, name in declared] == [name for name, _ in passed]
+    assert dict(passed)["SOFTCAP"] == "true" and dict(passed)["LOCAL"] == "true"
