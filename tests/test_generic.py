@@ -15,6 +15,7 @@ from evotune.gpu import evaluate as E
 from evotune.problems import PLUGINS_ENV, allow_plugins, get_problem
 from evotune.records import result as R
 from _paths import REPO_ROOT
+from _generic_family import FAMILY as GENERIC_FAMILY
 
 RMSNORM = REPO_ROOT / "examples" / "rmsnorm" / "rmsnorm.yaml"
 GEMM = REPO_ROOT / "examples" / "gemm" / "gemm.yaml"
@@ -116,22 +117,7 @@ def test_timed_checks_and_audit_on_two_outputs(rmsnorm, rms_shape):
     E.forget_timing_inputs()
 
 
-FAMILY = """\
-name: twice
-kernel: k.cu
-entry: twice
-shape: N=64:fp16
-inputs: {x: {shape: [N]}}
-outputs: {y: {shape: [N]}}
-args: [x, y, N]
-template: [ctype, threads]
-launch: {grid: ["ceil_div(N, threads)"], block: [threads]}
-tolerance: {atol: 0.001, rtol: 0.001}
-reference: ref.py:ref
-space:
-  params:
-    threads: {values: [32, 64]}
-"""
+FAMILY = "name: twice\n" + GENERIC_FAMILY
 
 
 def _family(tmp_path: Path, text: str) -> Path:

@@ -12,22 +12,9 @@ from evotune.build.template import instantiate
 from evotune.errors import UsageError
 from evotune.problems import allow_plugins, get_problem
 from _paths import REPO_ROOT
+from _generic_family import FAMILY as GENERIC_FAMILY
 
-FAMILY = """\
-kernel: k.cu
-entry: twice
-shape: N=64:fp16
-inputs: {x: {shape: [N]}}
-outputs: {y: {shape: [N]}}
-args: [x, y, N]
-template: [ctype, threads]
-launch: {grid: ["ceil_div(N, threads)"], block: [threads]}
-tolerance: {atol: 0.001, rtol: 0.001}
-reference: ref.py:ref
-space:
-  params:
-    threads: {values: [32, 64]}
-"""
+FAMILY = GENERIC_FAMILY
 KERNEL = """\
 #include <cuda_fp16.h>
 #include "twice_op.cuh"
