@@ -41,6 +41,7 @@ JSON (--out) and markdown (--md), prints a short table last; exit status 1 where
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -288,6 +289,22 @@ def measure(model, ids, impl, mode, args, torch, timer, ref_logits):
             traceback.print_exc()
         return {"error": short(e), "graph_break": "graph break" in str(e).lower() or "Unsupported" in type(e).__name__}
     finally:
+        free(torch)
+
+
+@contextlib.contextmanager
+def _one_mode(row: dict, mode: str, args, torch):
+    """One mode's measurement of a row: a failure becomes the row's value for that mode (never the end of the run),
+    and after it, whatever happened, compiled graphs are dropped and the memory freed."""
+    try:
+        yield
+    except Exception as e:
+        if args.debug_traceback:
+            traceback.print_exc()
+        row["modes"][mode] = {"error": short(e)}
+    finally:
+        if mode == "compile":
+            torch._dynamo.reset()
         free(torch)
 
 
@@ -801,19 +818,10 @@ def run_e2e(args) -> dict:
                 if over_budget():
                     row["modes"][mode] = {"skipped": f"--budget-s {args.budget_s:g} spent"}
                     continue
-                try:
-                    with torch.no_grad():
-                        fns, alive = _prefill_fns(models, ids, mode, torch, args)
-                        row["modes"][mode] = _paired(fns, args.rounds, args.reps, args.warmup, timer)
+                with _one_mode(row, mode, args, torch), torch.no_grad():
+                    fns, alive = _prefill_fns(models, ids, mode, torch, args)
+                    row["modes"][mode] = _paired(fns, args.rounds, args.reps, args.warmup, timer)
                     del fns, alive
-                except Exception as e:
-                    if args.debug_traceback:
-                        traceback.print_exc()
-                    row["modes"][mode] = {"error": short(e)}
-                finally:
-                    if mode == "compile":
-                        torch._dynamo.reset()
-                    free(torch)
             result["prefill"].append(row)
             _save_partial(args, result)
             print(f"[{time.monotonic() - t0:6.0f}s] prefill {family} {b}x{s} done", flush=True)
@@ -827,7 +835,7 @@ def run_e2e(args) -> dict:
                 if over_budget():
                     row["modes"][mode] = {"skipped": f"--budget-s {args.budget_s:g} spent"}
                     continue
-                try:
+                with _one_mode(row, mode, args, torch):
                     with torch.no_grad():
                         tokens = {i: _generate_fn(m, ids, mode, args.new_tokens)()[:, s:] for i, m in models.items()}
                         first = {i: _generate_fn(m, ids, mode, 1) for i, m in models.items()}
@@ -848,14 +856,6 @@ def run_e2e(args) -> dict:
                     ratios = [a / e for a, e in zip(decode_ms["sdpa_unpacked"], decode_ms["evotune"])]
                     row["modes"][mode].update(decode_tokens_per_s=tps, decode_ratio=statistics.median(ratios),
                                               decode_ratio_range=[min(ratios), max(ratios)])
-                except Exception as e:
-                    if args.debug_traceback:
-                        traceback.print_exc()
-                    row["modes"][mode] = {"error": short(e)}
-                finally:
-                    if mode == "compile":
-                        torch._dynamo.reset()
-                    free(torch)
             result["generate"].append(row)
             _save_partial(args, result)
             print(f"[{time.monotonic() - t0:6.0f}s] generate {family} {b}x{s} done", flush=True)
