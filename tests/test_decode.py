@@ -209,3 +209,41 @@ def test_reference_is_bottom_right_causal():
     out = reference_decode(q, k, v, 1.0, causal=True)[0, 0, :, 0]
     # Equal scores: each query averages the values of the keys it sees (0..2, 0..3, 0..4).
     assert torch.allclose(out, torch.tensor([1.0, 1.5, 2.0]))
+
+
+@pytest.mark.parametrize("text", ["1,32,8,16383,128:bf16", "1,8,8,16384,64", "2,32,8,4,2049,128:bf16:causal",
+                                  "3,8,1,777,64", "1,12,12,1025,64:bf16", "2,32,8,4,33,128:causal"])
+def test_dependency_perturbation_clearly_moves_a_row_at_any_cache_length(decode, text):
+    """The gate's dependency check needs a row the fp32 reference moves beyond the tolerance; a key nudged by +1
+    moves none at Sk 16383 (its weight is ~1/Sk, the gate's run of that shape on the H100 said "test is too weak").
+    Over many drawn positions, the perturbation always moves one, and only rows of the mask move."""
+    import torch
+
+    from evotune.gpu.evaluate import _error_scale
+
+    shape = decode.parse_shape(text)
+    inputs = decode.make_inputs(shape, seed=11, device="cpu")
+    ref1 = decode.reference(shape, inputs)
+    atol, rtol = decode.tolerance(shape)
+    atol *= _error_scale(decode, inputs)
+    rng = random.Random(5)
+    for _ in range(6):
+        changed, must = decode.perturb(shape, inputs, rng=rng)
+        ref2 = decode.reference(shape, changed)
+        moved = (ref2 - ref1).abs().amax(dim=-1)
+        assert bool(((moved > atol + rtol * ref1.abs().amax(dim=-1)) & must).any())
+        assert float(moved[~must].max()) == 0.0 if (~must).any() else True
+        assert torch.equal(changed["q"], inputs["q"]) and changed["k"].stride() == inputs["k"].stride()
+
+
+def test_gpu_cases_are_admitted(decode, dspace):
+    """The GPU suite's decode cases are configs the space admits on their shapes: checked here, where no GPU is
+    needed (a case with 16 splits of 1025 keys once reached the H100 only to fail its admission there)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_gpu_decode import CASES
+
+    for text, overrides in CASES:
+        shape = decode.parse_shape(text)
+        assert dspace.admitted(dspace.config(overrides), decode.context(shape)), (text, overrides)

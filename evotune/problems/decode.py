@@ -349,19 +349,27 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def perturb(self, shape: DecodeShape, inputs: dict, rng=None) -> tuple[dict, object]:
         """Inputs with one K/V row changed, and the (B, Hq, Sq) mask of the output rows that must change: the
-        group's query heads, those queries that see the key (bottom-right causal: query i sees keys <= Sk-Sq+i)."""
+        group's query heads, those queries that see the key (bottom-right causal: query i sees keys <= Sk-Sq+i).
+
+        A decode row averages over the whole cache, so a key nudged as the prefill family nudges it (K +1, V +8)
+        moves no row beyond the tolerance once Sk is in the thousands (its weight is ~1/Sk). The key is instead
+        pointed at one query that sees it (its score becomes 6, e^6 times an average key's weight) and its value
+        raised in proportion to Sk, so at least that row moves clearly at any cache length."""
         import torch
 
         if rng is None:
             b, kvh, j = shape.batch - 1, shape.kv_heads - 1, shape.seq_k // 2
         else:
             b, kvh, j = rng.randrange(shape.batch), rng.randrange(shape.kv_heads), rng.randrange(shape.seq_k)
+        first = max(0, j - (shape.seq_k - shape.seq_q)) if shape.causal else 0
+        head = kvh * shape.group + (rng.randrange(shape.group) if rng is not None else 0)
+        row = rng.randrange(first, shape.seq_q) if rng is not None else shape.seq_q - 1
+        target = inputs["q"][b, head, row, :].float()
         k, v = inputs["k"].clone(), inputs["v"].clone()
-        k[b, kvh, j, :] += 1.0
-        v[b, kvh, j, :] += 8.0
+        k[b, kvh, j, :] = (6.0 * target / (inputs["scale"] * target.pow(2).sum().clamp_min(1e-6))).to(k.dtype)
+        v[b, kvh, j, :] += 8.0 * max(1, shape.seq_k // 512)
         must = torch.zeros(shape.batch, shape.heads, shape.seq_q, dtype=torch.bool, device=k.device)
         heads = slice(kvh * shape.group, (kvh + 1) * shape.group)
-        first = max(0, j - (shape.seq_k - shape.seq_q)) if shape.causal else 0
         must[b, heads, first:] = True
         return {**inputs, "k": k, "v": v}, must
 
