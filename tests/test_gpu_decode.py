@@ -41,7 +41,7 @@ CASES = [
     ("2,8,1,777,128:bf16:bshd", {"splits": 1, "warps": 8, "vec": 8, "unroll": 1, "stages": 1}),
     ("1,32,8,4,2049,128:bf16:causal", {"splits": 4, "warps": 4, "vec": 4, "unroll": 1, "stages": 2}),
     ("2,32,8,4,33,128:causal", {"splits": 2, "warps": 1, "vec": 4, "unroll": 1, "stages": 4}),
-    ("1,12,12,1025,64:bf16", {"splits": 16, "warps": 2, "vec": 4, "unroll": 2, "stages": 2}),
+    ("1,12,12,1025,64:bf16", {"splits": 8, "warps": 2, "vec": 4, "unroll": 2, "stages": 2}),
 ]
 
 

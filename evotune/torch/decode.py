@@ -53,6 +53,7 @@ _LOCK = threading.Lock()
 _WARNED: set[str] = set()
 _TABLE: dict | None = None          # key tuple -> entry dict, loaded once
 _TABLE_PATH: Path | None = None
+_TABLE_GIVEN: dict | None = None    # a table handed to use_decode_table as a dict, parsed: clear() keeps it
 _KERNELS: dict = {}                 # (config items, code key, device) -> (kernel, digest)
 _DECISIONS: dict = {}               # call key -> ("evotune", launch) | ("sdpa", reason)
 _COUNTERS: dict = {}                # (device, stream) -> zeroed int32 tensor the kernel leaves zero
@@ -131,12 +132,13 @@ def _space():
 
 def use_decode_table(table=None) -> None:
     """Use this decode table (a path, a table dict, or None: the default path again) from the next call on."""
-    global _TABLE, _TABLE_PATH
+    global _TABLE, _TABLE_PATH, _TABLE_GIVEN
     with _LOCK:
         if table is None or isinstance(table, (str, os.PathLike)):
-            _TABLE, _TABLE_PATH = None, Path(table) if table is not None else None
+            _TABLE, _TABLE_PATH, _TABLE_GIVEN = None, Path(table) if table is not None else None, None
         else:
-            _TABLE, _TABLE_PATH = _parse_table(table, "(given)"), None
+            _TABLE = _TABLE_GIVEN = _parse_table(table, "(given)")
+            _TABLE_PATH = None
         _DECISIONS.clear()
         _WARNED.clear()
 
@@ -410,7 +412,8 @@ def decode_attention(q, k, v, *, causal: bool = False, scale: float | None = Non
 
 
 def clear() -> None:
-    """Forget decisions, loaded kernels, counters, masks and the reasons already told (the table is reloaded)."""
+    """Forget decisions, loaded kernels, counters, masks and the reasons already told (a table file is reloaded; a
+    table given as a dict stays in use)."""
     global _TABLE
     with _LOCK:
         _DECISIONS.clear()
@@ -418,4 +421,4 @@ def clear() -> None:
         _COUNTERS.clear()
         _MASKS.clear()
         _WARNED.clear()
-        _TABLE = None
+        _TABLE = _TABLE_GIVEN
