@@ -122,6 +122,36 @@ def test_output_matches_sdpa_and_takes_the_query_layout():
         assert out.stride() == new_output(q, v).stride()
 
 
+def test_sdpa_gets_aligned_copies_of_views_off_a_16_byte_boundary(monkeypatch):
+    """SDPA does not check alignment, and on the H200 (torch 2.11) its cuDNN backend returned wrong values for a
+    query view 8 bytes past a boundary: the fallback hands SDPA an aligned copy of such a view, first call and
+    cached route alike, and only of that tensor; the answer and the output layout are those of the aligned call."""
+    from evotune.torch.call import aligned_for_sdpa
+
+    q, k, v = qkv(h=2, layout="bshd", sq=16, sk=16)
+    base = torch.empty(q.numel() + 4, dtype=q.dtype)
+    odd = base[4:].view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)  # bshd memory, 8 bytes off
+    odd.copy_(q)
+    assert odd.data_ptr() % 16 == 8 and odd.stride() == q.stride()
+    fixed = aligned_for_sdpa(odd, k, v)
+    assert fixed[0].data_ptr() % 16 == 0 and fixed[0].stride() == q.stride() and torch.equal(fixed[0], q)
+    assert fixed[1] is k and fixed[2] is v and aligned_for_sdpa(q, k, v)[0] is q
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append(q.data_ptr() % 16)
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    want = real(q, k, v, is_causal=True)
+    for _ in range(3):  # the first call decides; later ones take the cached route
+        out = quiet(et.attention, odd, k, v, is_causal=True)
+        torch.testing.assert_close(out, want)
+        assert out.stride() == new_output(q, v).stride()
+    assert seen == [0, 0, 0]
+
+
 # --------------------------------------------------------------------------- argument errors and coverage
 
 

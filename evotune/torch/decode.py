@@ -41,6 +41,7 @@ from ..errors import EvotuneError, UsageError
 from ..problems import get_problem
 from ..problems.decode import HEAD_DIMS, MAX_ROWS, MAX_SEQ_Q, DecodeShape, bottom_right_mask
 from ..records.tuning_table import seq_bucket
+from .call import aligned_for_sdpa
 from .routing import EvotuneFallbackWarning
 
 PROBLEM = get_problem("attention-decode")
@@ -326,6 +327,7 @@ def _counters(device, stream: int, n: int):
 
 
 def _sdpa(q, k, v, causal: bool, scale):
+    q, k, v = aligned_for_sdpa(q, k, v)  # SDPA does not check alignment (call.aligned_for_sdpa)
     gqa = {"enable_gqa": True} if q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1] else {}
     mask = None
     if causal and q.shape[-2] > 1:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..errors import UsageError
 from ..problems.shapes import Shape
 from . import launcher, record, routing
-from .call import DTYPES, Call, check_args, misaligned, new_output, output_layout
+from .call import DTYPES, Call, aligned_for_sdpa, check_args, misaligned, new_output, output_layout
 from .autograd import lse_backend
 from .kernels import CACHE, PREPARED, launch, load_for
 from .routing import FAST_ROUTES
@@ -107,6 +107,7 @@ def _launch_here(decision, q, k, v, scale):
 
 def _run_sdpa(q, k, v, is_causal, scale, enable_gqa):
     gqa = {"enable_gqa": True} if enable_gqa else {}  # the keyword exists from torch 2.5
+    q, k, v = aligned_for_sdpa(q, k, v)
     return _in_query_layout(F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa), q, v)
 
 
@@ -315,12 +316,17 @@ def _sdpa_route(q, v, is_causal, scale, enable_gqa):
         out.copy_(o)
         return out
 
+    # The facts of a call do not include its addresses: each call checks them (aligned_for_sdpa's reason).
     if enable_gqa:
         def run(q, k, v):
+            if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+                q, k, v = aligned_for_sdpa(q, k, v)
             o = sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
             return o if o.stride() == want else relayout(o, q)
     else:
         def run(q, k, v):
+            if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+                q, k, v = aligned_for_sdpa(q, k, v)
             o = sdpa(q, k, v, is_causal=is_causal, scale=scale)
             return o if o.stride() == want else relayout(o, q)
     return run

@@ -247,10 +247,12 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
   int64_t code = fallback_code(fallback);
   if (code >= 0) {
     auto route = find_route(call_key(q, k, v, is_causal, scale, enable_gqa, code));
-    if (route && route->sdpa) return run_sdpa(*route, q, k, v, is_causal, scale, enable_gqa);
-    if (route) {  // the kernel reads 16-byte rows, and its module is loaded in one device's context
-      const uint64_t misaligned = (reinterpret_cast<uint64_t>(q.data_ptr()) | reinterpret_cast<uint64_t>(k.data_ptr()) |
-                                   reinterpret_cast<uint64_t>(v.data_ptr())) & 15;
+    // Our kernel reads 16-byte rows; SDPA does not check alignment and its cuDNN backend gets such views wrong
+    // (call.aligned_for_sdpa): a view off a boundary goes back to Python on either route.
+    const uint64_t misaligned = (reinterpret_cast<uint64_t>(q.data_ptr()) | reinterpret_cast<uint64_t>(k.data_ptr()) |
+                                 reinterpret_cast<uint64_t>(v.data_ptr())) & 15;
+    if (route && route->sdpa && !misaligned) return run_sdpa(*route, q, k, v, is_causal, scale, enable_gqa);
+    if (route && !route->sdpa) {  // its module is loaded in one device's context
       const auto current = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
       if (!misaligned && current == route->device) return launch(*route, q, k, v);
     }
