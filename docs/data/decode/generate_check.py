@@ -43,15 +43,17 @@ def main(table_path: str, out_dir: str) -> int:
                 start = time.perf_counter()
                 with torch.no_grad():
                     outs[impl] = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                                output_scores=True, return_dict_in_generate=True)
+                                                output_logits=True, return_dict_in_generate=True)
                 torch.cuda.synchronize()
                 runs[impl].append(time.perf_counter() - start)
     q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     cache = torch.randn(1, 8, 2010, 128, device="cuda", dtype=torch.bfloat16)
     route = D.decode_route(q, cache, cache, False)
     same_tokens = (outs["evotune"].sequences == outs["sdpa"].sequences).float().mean().item()
-    first_err = (outs["evotune"].scores[1].float() - outs["sdpa"].scores[1].float()).abs().max().item()
-    scale = outs["sdpa"].scores[1].float().abs().max().item()
+    # The raw logits (output_logits), not the processed scores: min_new_tokens sets EOS's score to -inf in both, and
+    # inf - inf would make the difference NaN.
+    first_err = (outs["evotune"].logits[1].float() - outs["sdpa"].logits[1].float()).abs().max().item()
+    scale = outs["sdpa"].logits[1].float().abs().max().item()
     row = {"route_at_2010_keys": route, "token_agreement": same_tokens, "step2_logits_max_abs_diff": first_err,
            "step2_logits_max_abs": scale, "generate_s": {k: statistics.median(v) for k, v in runs.items()},
            "rounds_s": runs, "adapter_stats": hf.stats(), "told": sorted({str(w.message)[:200] for w in told})}

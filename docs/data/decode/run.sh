@@ -8,6 +8,7 @@
 #      beside SDPA on the same tensors, eager and in a CUDA graph
 #   5. docs/data/decode/generate_check.py: generate() of a 2-layer Llama-like model through the adapter, beside sdpa
 # Run from the repository root with .whl carried (optuna):  bash docs/data/decode/run.sh
+# (SHAPES="NAME=SHAPE ..." searches those shapes instead of the two presets; TRIALS, default 24, trials each.)
 # Writes $OUT/decode.tar.gz (pytest log, run folders without caches, bench JSONs, logs) and prints the table last.
 set -u
 OUT=${OUT:-/tmp/decode-out}
@@ -18,7 +19,7 @@ if ! python3 -c "import optuna" 2>/dev/null; then
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 export PYTHONUNBUFFERED=1
-work=/tmp/decode-work
+work=${TMPDIR:-/tmp}/decode-work
 rm -rf "$work"; mkdir -p "$work/runs" "$work/bench"
 export EVOTUNE_RUNS=$work/runs EVOTUNE_CACHE=$work/cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$work/device.txt"
@@ -27,8 +28,12 @@ start=$(date +%s)
 timeout 110 python3 -m pytest -q -m gpu tests/test_gpu_decode.py -p no:cacheprovider > "$work/pytest.log" 2>&1
 echo "pytest rc=$? ($(( $(date +%s) - start )) s): $(tail -n 1 "$work/pytest.log")"
 
-for preset in llama8b-decode-2k llama8b-decode-16k; do
-  timeout 90 python3 -m evotune search --family attention-decode --shape "$preset" --trials "$TRIALS" \
+# SHAPES: what to search and bench, each a preset or NAME=SHAPE (e.g. the keys a model's generate() calls:
+# llama-e2e-4k=1,32,8,2080,128:fp16 for 32 steps after a 2048-token prompt, whose cache lengths fall in the
+# 4096 bucket).
+for item in ${SHAPES:-llama8b-decode-2k llama8b-decode-16k}; do
+  preset=${item%%=*}; shape=${item#*=}
+  timeout 90 python3 -m evotune search --family attention-decode --shape "$shape" --trials "$TRIALS" \
     --run "$preset" > "$work/search-$preset.log" 2>&1
   echo "search $preset rc=$? ($(( $(date +%s) - start )) s)"
   timeout 35 python3 -m evotune bench best --run "$preset" --reps 100 --out "$work/bench/$preset.json" \
@@ -46,6 +51,7 @@ timeout 35 python3 docs/data/decode/generate_check.py "$work/decode-table.json" 
 echo "generate_check rc=$? ($(( $(date +%s) - start )) s)"
 
 mkdir -p "$OUT"
+cp "$work/decode-table.json" "$OUT/" 2>/dev/null
 tar czf "$OUT/decode.tar.gz" --exclude=cache --exclude=study.db -C "$work" .
 grep -E "passed|failed|error" "$work/pytest.log" | tail -n 5
 python3 - "$work/bench" <<'PY'

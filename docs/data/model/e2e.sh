@@ -29,7 +29,7 @@ if ! python3 -c "import optuna" 2>/dev/null; then
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 export PYTHONUNBUFFERED=1
-work=/tmp/e2e-work
+work=${TMPDIR:-/tmp}/e2e-work
 rm -rf "$work"; mkdir -p "$work/runs" "$OUT"
 export EVOTUNE_RUNS=$work/runs EVOTUNE_CACHE=$work/cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$work/device.txt"

@@ -21,7 +21,7 @@ if ! python3 -c "import optuna" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; th
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 export PYTHONUNBUFFERED=1
-work=/tmp/host2-work
+work=${TMPDIR:-/tmp}/host2-work
 rm -rf "$work"; mkdir -p "$work" "$OUT"
 export EVOTUNE_CACHE=$work/cache
 unset EVOTUNE_CPP_LAUNCHER
