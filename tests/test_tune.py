@@ -73,6 +73,8 @@ def test_bad_shapes_file_is_exit_2_naming_it(fake_search, main_in_process, tmp_p
     (("--shapes", "missing.json"), "missing.json: no such shapes file"),
     (("--shape", "mission", "--table", "/nonexistent-dir/t.json"), "folder /nonexistent-dir does not exist"),
     (("--shape", "mission", "--trials", "0"), "--trials"),
+    (("--shape", "mission", "--time-budget", "0"), "--time-budget"),
+    (("--shape", "mission", "--time-budget", "nan"), "--time-budget"),
 ])
 def test_bad_arguments_are_exit_2(fake_search, main_in_process, args, says):
     calls, _ = fake_search
@@ -146,3 +148,27 @@ def test_tune_plan_tunes_each_batch_heads_bucket():
 
     plan, notes = tune_plan(["1,12,512,64", "16,12,512,64", "16,16,512,64"])
     assert [s.spec for s in plan] == ["1,12,512,64:fp16", "16,12,512,64:fp16"] and len(notes) == 1
+
+
+def test_time_budget_is_shared_among_the_keys_left(fake_search, main_in_process, runs_root, tmp_path, monkeypatch):
+    """--time-budget S: each key's search may ask candidates until its share of what is left (S / keys not yet
+    searched) has passed, a key that ends early leaving the rest to the next; without it no search has a stop."""
+    clock = [1000.0]
+    stops, made = [], iter(range(1, 100))
+
+    def search_key(shape, trials, timeout, gpu, json_out, stop_at=None, **options):
+        stops.append(None if stop_at is None else round(stop_at - clock[0], 6))
+        clock[0] += 10.0  # each search takes 10 s, finalists included
+        name = f"b{next(made)}"
+        make_run(runs_root, name, shape, time_us=10.0, baselines={"cudnn": base(12.0)})
+        return name
+
+    monkeypatch.setattr(cli_table, "_search_key", search_key)
+    monkeypatch.setattr(cli_table.time, "monotonic", lambda: clock[0])
+    shapes = ("--shape", "mission", "--shape", "1,8,2048,64:causal", "--shape", "2,16,4096,128:bf16")
+    proc = main_in_process("tune", *shapes, "--time-budget", "90", "--table", str(tmp_path / "t.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert stops == [30.0, 40.0, 70.0]  # 90/3; then (90-10)/2; then 90-10-10
+    stops.clear()
+    proc = main_in_process("tune", *shapes, "--table", str(tmp_path / "u.json"))
+    assert proc.returncode == 0 and stops == [None, None, None], proc.stderr

@@ -168,9 +168,12 @@ def _beside(rn, problem, shp, call, json_out: bool) -> tuple[dict, dict | None]:
 
 
 def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, spc, timeout, json_out,
-               resume_hint, timeline=None):
+               resume_hint, timeline=None, should_stop=None):
     """`search` on one GPU in this process: (summary, run). The summary's "timeline" says where the wall time
     went (also appended to the run's timeline.jsonl).
+
+    `should_stop` (default: never) is asked before each round of proposals; once it says stop, the search
+    ends as after its last trial: the finalists are still timed beside the baselines.
 
     A new run on the local study file does not wait for the GPU worker: the worker starts (torch, CuPy, the CUDA
     context: ~10 s on the H100) while this process creates the run, enumerates the space, opens the study and
@@ -198,7 +201,8 @@ def search_one(rn, new_meta, run_name, device, storage, options, problem, shp, s
                 evaluate = _AfterWorker(starting, rn if early else None, worker_evaluator(worker, problem, shp),
                                         timeline)
                 summary = SearchLoop(problem, spc, shp, rn, evaluate, options, on_trial=display.show,
-                                     should_stop=lambda: False, agent=agent_label(device), timeline=timeline,
+                                     should_stop=should_stop or (lambda: False), agent=agent_label(device),
+                                     timeline=timeline,
                                      on_status=display.status).run()
                 evaluate.ready()  # a search that measured nothing still records its device
         except KeyboardInterrupt:

@@ -7,6 +7,7 @@ Registered on the app when the evotune.cli package is imported.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -144,10 +145,11 @@ def _print_rows(title: str, headers: list[str], rows: list[list[str]]) -> None:
 
 # ---------------------------------------------------------------- tune
 def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool, seeds: tuple = (),
-                priors: bool = True) -> str:
+                priors: bool = True, stop_at: float | None = None) -> str:
     """One key's search: `evotune search --shape SPEC --trials N --warm-start auto` on GPU `gpu`, the best then
     timed beside SDPA; returns the run id (EvotuneError where no candidate passed the gate). `seeds`: configs asked
-    first (a stale entry's: re-verified and re-timed on today's source before anything else)."""
+    first (a stale entry's: re-verified and re-timed on today's source before anything else). `stop_at`: a
+    time.monotonic() after which no new candidate is asked (the finalists are still timed beside SDPA)."""
     from ..search.loop import SearchOptions
     from ..search.warmstart import admitted, with_new_knobs
 
@@ -164,7 +166,8 @@ def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool, se
     options = SearchOptions(trials=trials, warm_start=warm, prior_mean=prior_mean)
     new_meta = new_meta_for(problem, shp, spc, options, None, [gpu], warm_meta)
     summary, rn = search_one(None, new_meta, None, gpu, None, options, problem, shp, spc, timeout, json_out,
-                             lambda rn: resume_command(rn, shp.spec, trials, None, None))
+                             lambda rn: resume_command(rn, shp.spec, trials, None, None),
+                             should_stop=None if stop_at is None else lambda: time.monotonic() >= stop_at)
     best = summary["best"]
     if best is None:
         raise EvotuneError(f"run {rn.run_id}: no candidate passed the correctness gate")
@@ -216,6 +219,11 @@ def tune(
                                "source is not today's): its shape is searched with its config asked first."),
     priors: bool = typer.Option(True, "--priors/--no-priors", help="Ask the shipped priors first (nearest shape "
                                 "class first), before earlier runs' configs."),
+    time_budget: Optional[float] = typer.Option(None, "--time-budget", callback=timeout_seconds, help="Seconds "
+                                                "of searching for all keys together, shared evenly among the keys "
+                                                "not yet searched (what one leaves goes to the next); past its "
+                                                "share a key's search asks no more candidates and still times its "
+                                                "finalists beside SDPA. Default: --trials alone bounds it."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Search each distinct table key of the shapes (warm-started from earlier runs), then update the table."""
@@ -255,10 +263,20 @@ def tune(
         if not json_out:
             err_console.print(f"key {i}/{n}: {shp.spec} ...", highlight=False, soft_wrap=True)
 
+    budget_left, keys_left = [time_budget], [len(plan)]
+
     def search(shp):
         first = tuple(key_seeds.get(shp.spec, ()))
-        return _search_key(shp, trials, timeout, gpu, json_out, seeds=first, priors=priors) if first else \
-            _search_key(shp, trials, timeout, gpu, json_out, priors=priors)
+        kw = {"seeds": first} if first else {}
+        if time_budget is not None:
+            started = time.monotonic()
+            kw["stop_at"] = started + max(0.0, budget_left[0]) / keys_left[0]
+        try:
+            return _search_key(shp, trials, timeout, gpu, json_out, priors=priors, **kw)
+        finally:
+            if time_budget is not None:  # the finalists' timing is not counted against the budget
+                budget_left[0] -= min(time.monotonic(), kw["stop_at"]) - started
+            keys_left[0] -= 1
 
     outcomes = tune_keys(plan, search, progress)
     for o in outcomes:
