@@ -152,7 +152,7 @@ def aligned_for_sdpa(q, k, v) -> tuple:
     """q, k, v, each copied to fresh storage where it starts off a 16-byte boundary, for SDPA, which
     does not check this: on torch 2.11 its cuDNN backend returned wrong values (max error 1.17 on N(0,1) inputs)
     for a query view 8 bytes past a boundary, and its flash backend raised an illegal-address error that left the
-    CUDA context unusable (H200, docs/data/model/2026-11-28/sdpa_misaligned.txt). A copy only on such calls."""
+    CUDA context unusable (H200, docs/data/2026-11-28-h200/host/sdpa_misaligned.txt). A copy only on such calls."""
     if not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         return q, k, v
     # clone() keeps a dense tensor's strides (the op's output layout follows q's) in fresh, aligned storage.
