@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -177,6 +178,27 @@ def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool, se
     return rn.run_id
 
 
+class _KeyBudget:
+    """tune --time-budget: each key's search may ask candidates until its share of what is left (the budget over the
+    keys not yet searched) has passed; a key that ends early leaves the rest to the next. Without a budget, no stop."""
+
+    def __init__(self, seconds: float | None, keys: int):
+        self.left, self.keys = seconds, keys
+
+    @contextmanager
+    def key(self):
+        if self.left is None:
+            yield None
+            return
+        started = time.monotonic()
+        stop_at = started + max(0.0, self.left) / max(1, self.keys)
+        try:
+            yield stop_at
+        finally:  # what the finalists' timing takes past stop_at is not counted against the budget
+            self.left -= min(time.monotonic(), stop_at) - started
+            self.keys -= 1
+
+
 def _tune_specs(shape: Optional[list[str]], shapes: Optional[str], stale: bool = False) -> list[str]:
     from ..records.tuning_table import read_shapes_file
 
@@ -263,20 +285,13 @@ def tune(
         if not json_out:
             err_console.print(f"key {i}/{n}: {shp.spec} ...", highlight=False, soft_wrap=True)
 
-    budget_left, keys_left = [time_budget], [len(plan)]
+    budget = _KeyBudget(time_budget, len(plan))
 
     def search(shp):
         first = tuple(key_seeds.get(shp.spec, ()))
         kw = {"seeds": first} if first else {}
-        if time_budget is not None:
-            started = time.monotonic()
-            kw["stop_at"] = started + max(0.0, budget_left[0]) / keys_left[0]
-        try:
-            return _search_key(shp, trials, timeout, gpu, json_out, priors=priors, **kw)
-        finally:
-            if time_budget is not None:  # the finalists' timing is not counted against the budget
-                budget_left[0] -= min(time.monotonic(), kw["stop_at"]) - started
-            keys_left[0] -= 1
+        with budget.key() as stop_at:
+            return _search_key(shp, trials, timeout, gpu, json_out, priors=priors, stop_at=stop_at, **kw)
 
     outcomes = tune_keys(plan, search, progress)
     for o in outcomes:

@@ -153,8 +153,8 @@ def aligned_for_sdpa(q, k, v) -> tuple:
     does not check this: on torch 2.11 its cuDNN backend returned wrong values (max error 1.17 on N(0,1) inputs)
     for a query view 8 bytes past a boundary, and its flash backend raised an illegal-address error that left the
     CUDA context unusable (H200, docs/data/2026-11-28-h200/host/sdpa_misaligned.txt). A copy only on such calls."""
-    if not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        return q, k, v
+    if torch.compiler.is_compiling() or not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        return q, k, v  # traced by torch.compile: no addresses exist yet (the graph's SDPA gets what it gets)
     # clone() keeps a dense tensor's strides (the op's output layout follows q's) in fresh, aligned storage.
     return tuple(t.clone() if t.data_ptr() & 15 else t for t in (q, k, v))
 
