@@ -77,36 +77,7 @@ struct DecodeTraits {
     static_assert(kSplits >= 1 && kSplits <= 256, "SPLITS is 1 to 256 CTAs along the keys");
 };
 
-// -inf without <math.h>'s INFINITY, which NVRTC does not provide.
-__device__ __forceinline__ float decode_neg_inf() { return __int_as_float(0xff800000); }
-
-__device__ __forceinline__ float decode_exp2(float x) {  // ex2.approx(-inf) = +0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-template <bool IS_BF16>
-__device__ __forceinline__ float decode_to_float(unsigned short bits) {
-    if constexpr (IS_BF16) {
-        return __uint_as_float(static_cast<unsigned int>(bits) << 16);
-    } else {
-        float f;
-        asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(bits));
-        return f;
-    }
-}
-
-template <bool IS_BF16>
-__device__ __forceinline__ unsigned short decode_from_float(float f) {
-    unsigned short bits;
-    if constexpr (IS_BF16) {
-        asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(bits) : "f"(f));
-    } else {
-        asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(bits) : "f"(f));
-    }
-    return bits;
-}
+#include "elementwise.cuh"
 
 // ---------------------------------------------------------------- cp.async (a lane's own bytes)
 
@@ -132,8 +103,8 @@ __device__ __forceinline__ void smem_vec(const unsigned short* p, float (&x)[T::
     const unsigned int* words = reinterpret_cast<const unsigned int*>(&w);
 #pragma unroll
     for (int i = 0; i < T::kVec / 2; ++i) {
-        x[2 * i] = decode_to_float<T::kIsBf16>(static_cast<unsigned short>(words[i] & 0xffffu));
-        x[2 * i + 1] = decode_to_float<T::kIsBf16>(static_cast<unsigned short>(words[i] >> 16));
+        x[2 * i] = to_float<T::kIsBf16>(static_cast<unsigned short>(words[i] & 0xffffu));
+        x[2 * i + 1] = to_float<T::kIsBf16>(static_cast<unsigned short>(words[i] >> 16));
     }
 }
 
@@ -147,7 +118,7 @@ __device__ __forceinline__ void load_q(const unsigned short* q, long long q_sh, 
     for (int r = 0; r < T::kRows; ++r) {
         const unsigned short* p = q + (r / T::kSeqQ) * q_sh + (r % T::kSeqQ) * q_ss;
 #pragma unroll
-        for (int i = 0; i < T::kVec; ++i) qf[r][i] = decode_to_float<T::kIsBf16>(p[i]) * scale_log2;
+        for (int i = 0; i < T::kVec; ++i) qf[r][i] = to_float<T::kIsBf16>(p[i]) * scale_log2;
     }
 }
 
@@ -201,7 +172,7 @@ __device__ __forceinline__ void consume_tile(const unsigned short* tile, int til
         for (int r = 0; r < T::kRows; ++r) {
             bool visible = key < key_end;
             if constexpr (T::kCausal) visible = visible && key <= causal_edge + r % T::kSeqQ;
-            if (!visible) s[r][u] = decode_neg_inf();
+            if (!visible) s[r][u] = neg_inf();
         }
     }
 #pragma unroll
@@ -210,12 +181,12 @@ __device__ __forceinline__ void consume_tile(const unsigned short* tile, int til
 #pragma unroll
         for (int u = 0; u < T::kUnroll; ++u) mx = fmaxf(mx, s[r][u]);
         // Nothing visible yet to this row: keep its state (and avoid exp2(-inf - -inf)).
-        const float base = mx == decode_neg_inf() ? 0.f : mx;
-        const float rescale = decode_exp2(m[r] - base);
+        const float base = mx == neg_inf() ? 0.f : mx;
+        const float rescale = fast_exp2(m[r] - base);
         float sum = l[r] * rescale;
 #pragma unroll
         for (int u = 0; u < T::kUnroll; ++u) {
-            s[r][u] = decode_exp2(s[r][u] - base);
+            s[r][u] = fast_exp2(s[r][u] - base);
             sum += s[r][u];
         }
         l[r] = sum;
@@ -237,7 +208,7 @@ __device__ __forceinline__ void consume_tile(const unsigned short* tile, int til
 // O's element (row r, column d) as the output dtype, where that row's query head and query live.
 template <class T>
 __device__ __forceinline__ void store_o(unsigned short* o, long long o_sh, long long o_ss, int r, int d, float x) {
-    o[(r / T::kSeqQ) * o_sh + (r % T::kSeqQ) * o_ss + d] = decode_from_float<T::kIsBf16>(x);
+    o[(r / T::kSeqQ) * o_sh + (r % T::kSeqQ) * o_ss + d] = from_float<T::kIsBf16>(x);
 }
 
 // ---------------------------------------------------------------- the kernel body
@@ -269,7 +240,7 @@ __device__ __forceinline__ void decode_attention(
     float m[T::kRows], l[T::kRows], acc[T::kRows][T::kVec];
 #pragma unroll
     for (int r = 0; r < T::kRows; ++r) {
-        m[r] = decode_neg_inf();
+        m[r] = neg_inf();
         l[r] = 0.f;
 #pragma unroll
         for (int i = 0; i < T::kVec; ++i) acc[r][i] = 0.f;
@@ -316,12 +287,12 @@ __device__ __forceinline__ void decode_attention(
     const long long slice = (static_cast<long long>(b) * gridDim.y + kvh) * T::kSplits + split;
     for (int idx = threadIdx.x; idx < T::kRows * T::kHeadDim; idx += T::kThreads) {
         const int r = idx / T::kHeadDim, d = idx % T::kHeadDim;
-        float mx = decode_neg_inf();
+        float mx = neg_inf();
         for (int g = 0; g < T::kGroups; ++g) mx = fmaxf(mx, red_m[g * T::kRows + r]);
-        const float base = mx == decode_neg_inf() ? 0.f : mx;
+        const float base = mx == neg_inf() ? 0.f : mx;
         float sum = 0.f, x = 0.f;
         for (int g = 0; g < T::kGroups; ++g) {
-            const float w = decode_exp2(red_m[g * T::kRows + r] - base);
+            const float w = fast_exp2(red_m[g * T::kRows + r] - base);
             sum += red_l[g * T::kRows + r] * w;
             x += red_o[(g * T::kRows + r) * T::kHeadDim + d] * w;
         }
@@ -348,12 +319,12 @@ __device__ __forceinline__ void decode_attention(
         const long long first = (static_cast<long long>(b) * gridDim.y + kvh) * T::kSplits;
         for (int idx = threadIdx.x; idx < T::kRows * T::kHeadDim; idx += T::kThreads) {
             const int r = idx / T::kHeadDim, d = idx % T::kHeadDim;
-            float mx = decode_neg_inf();
+            float mx = neg_inf();
             for (int s = 0; s < T::kSplits; ++s) mx = fmaxf(mx, __ldcg(ws_ml + ((first + s) * T::kRows + r) * 2));
             float sum = 0.f, x = 0.f;
             for (int s = 0; s < T::kSplits; ++s) {
                 // An empty split (max -inf, sum 0) weighs 0; every row sees at least one key, so mx is finite.
-                const float w = decode_exp2(__ldcg(ws_ml + ((first + s) * T::kRows + r) * 2) - mx);
+                const float w = fast_exp2(__ldcg(ws_ml + ((first + s) * T::kRows + r) * 2) - mx);
                 sum += __ldcg(ws_ml + ((first + s) * T::kRows + r) * 2 + 1) * w;
                 x += __ldcg(ws_o + (first + s) * T::kRows * T::kHeadDim + idx) * w;
             }

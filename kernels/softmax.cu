@@ -65,40 +65,9 @@ struct SoftmaxTraits {
     static_assert(kCacheVecs >= 1 && kCacheVecs * kVec <= 128, "a cached row holds 1 to 128 fp32 values a thread");
 };
 
-// -inf without <math.h>'s INFINITY, which NVRTC does not provide.
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
+#include "elementwise.cuh"
 
 constexpr float kLog2e = 1.4426950408889634f;
-
-// ---------------------------------------------------------------- element conversion
-
-template <bool IS_BF16>
-__device__ __forceinline__ float to_float(unsigned short bits) {
-    if constexpr (IS_BF16) {
-        return __uint_as_float(static_cast<unsigned int>(bits) << 16);
-    } else {
-        float f;
-        asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(bits));
-        return f;
-    }
-}
-
-template <bool IS_BF16>
-__device__ __forceinline__ unsigned short from_float(float f) {
-    unsigned short bits;
-    if constexpr (IS_BF16) {
-        asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(bits) : "f"(f));
-    } else {
-        asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(bits) : "f"(f));
-    }
-    return bits;
-}
 
 // A vector access as 32-bit words, two elements each (low half first).
 __device__ __forceinline__ void to_words(unsigned int v, unsigned int (&w)[1]) { w[0] = v; }

@@ -18,9 +18,9 @@ from evotune.space.searchspace import builtin_names, load_builtin, spaces_dir
 WHEEL_SITE = os.environ.get("EVOTUNE_WHEEL_SITE")
 PACKAGE = Path(evotune.__file__).resolve().parent
 # What any install must carry: each family's template, the pieces it includes, and the spaces the docs name.
-TEMPLATES = ("attention.cu", "softmax.cu", "device_common.cuh", "ptx.cuh", "wgmma.cuh", "attention_hopper.cuh",
-             "hopper/consumer.cuh", "hopper/ring.cuh", "hopper/scheduler.cuh", "hopper/producer.cuh",
-             "hopper/epilogue.cuh")
+TEMPLATES = ("attention.cu", "softmax.cu", "attention_decode.cu", "elementwise.cuh", "device_common.cuh", "ptx.cuh",
+             "wgmma.cuh", "attention_hopper.cuh", "hopper/consumer.cuh", "hopper/ring.cuh", "hopper/scheduler.cuh",
+             "hopper/producer.cuh", "hopper/epilogue.cuh")
 SPACES = ("attention", "attention:small", "attention:hopper3", "softmax")
 
 
