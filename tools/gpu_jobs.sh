@@ -13,12 +13,7 @@ TAIL=${TAIL:-25}
 [ $# -ge 1 ] || { echo "usage: gpu_jobs.sh CMD [CMD ...]" >&2; exit 2; }
 ngpu=$(nvidia-smi -L | wc -l)
 [ $# -le "$ngpu" ] || { echo "gpu_jobs.sh: $# jobs but $ngpu GPUs" >&2; exit 2; }
-if ! python3 -c "import optuna" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
+. tools/device_env.sh || exit 1
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 i=0; pids=()
 for cmd in "$@"; do
@@ -32,6 +27,6 @@ wait "${pids[@]}"
 for ((j = 0; j < i; j++)); do
   d=$OUT/job$j
   tar -czf "$OUT/job$j.tar.gz" -C "$d" . && rm -rf "$d"
-  echo; echo "=== job$j: $(cat /dev/null)"; tar -xzOf "$OUT/job$j.tar.gz" ./cmd.txt
+  echo; echo "=== job$j: $(tar -xzOf "$OUT/job$j.tar.gz" ./cmd.txt)"
   tar -xzOf "$OUT/job$j.tar.gz" ./log.txt | tail -n "$TAIL"
 done

@@ -6,11 +6,7 @@
 # Run from the repository root with .whl carried (docs: /work/shared/device/README.md). At most about 7.5 minutes
 # (pytest capped at 200 s, the timings at 240 s; FlexAttention compiles once per case).
 # Writes $OUT/pytest.log, $OUT/coverage.json; prints a table last.
-if ! python3 -c "import optuna" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
+. tools/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 timeout 200 python3 -m pytest -q -m gpu tests/test_softcap_window.py -p no:cacheprovider > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? (tail):"; tail -n 15 "$OUT/pytest.log"

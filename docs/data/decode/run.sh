@@ -13,12 +13,7 @@
 set -u
 OUT=${OUT:-/tmp/decode-out}
 TRIALS=${TRIALS:-24}
-if ! python3 -c "import optuna" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-export PYTHONUNBUFFERED=1
+. tools/device_env.sh || exit 1
 work=${TMPDIR:-/tmp}/decode-work
 rm -rf "$work"; mkdir -p "$work/runs" "$work/bench"
 export EVOTUNE_RUNS=$work/runs EVOTUNE_CACHE=$work/cache

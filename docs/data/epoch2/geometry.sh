@@ -7,11 +7,7 @@
 # From the repo root on the device machine, with .whl carried: bash docs/data/epoch2/geometry.sh
 # Writes $OUT/geometry.log (pytest -rA) and $OUT/device.txt; prints the failures and the summary last.
 # Expected: ~4-6 min on an H100 (NVRTC compiles into a fresh cache, then the launches); each step has its timeout.
-if ! python3 -c "import optuna" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
+. tools/device_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
 # Attention: the persistent grid on every SM and on few, its tile counters, and some fixed grids (102 tests).
 pick="persistent_on_every_sm or tile_counters or (persistent_matches_reference and (mission or kv4 or 1000))"

@@ -7,8 +7,7 @@
 # From the repo root on the device machine, with .whl carried: bash docs/data/epoch2/pieces.sh
 # Writes $OUT/pieces.log (pytest -rA) and $OUT/device.txt; prints the failures and the summary last.
 # Expected: ~5-7 min on an H100 (NVRTC compiles into a fresh cache, then the launches); each step has its timeout.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+. tools/device_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
 timeout 280 python3 -m pytest -q -rA -m "gpu and not slow" -p no:cacheprovider tests/test_knob_twins_gpu.py \
     > "$OUT/pieces.log" 2>&1

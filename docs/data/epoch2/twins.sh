@@ -5,8 +5,7 @@
 # Writes $OUT/twins.log (pytest -rA: every item's outcome, skip reasons and failures) and $OUT/device.txt; prints the
 # summary last. Expected: ~3-6 min on an H100 (about 150 NVRTC compiles in a 16-process pool into a fresh
 # cache, then ~96 pairs of launches).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+. tools/device_env.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
 timeout 450 python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_knob_twins_gpu.py > "$OUT/twins.log" 2>&1
 rc=$?

@@ -17,11 +17,7 @@ set -u
 budget=${1:-40}
 OUT=${OUT:-/tmp/examples-out}
 mkdir -p "$OUT"
-if ! python3 -c "import optuna" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
+. tools/device_env.sh || exit 1
 work=/tmp/examples-work
 rm -rf "$work"; mkdir -p "$work"
 export EVOTUNE_RUNS=$work/runs

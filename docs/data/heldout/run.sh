@@ -25,12 +25,7 @@ k=${shard%/*}; n=${shard#*/}
 case $phase in tune|long|kt|bare|all) ;; *) echo "run.sh: phase $phase: give tune, long, kt, bare or all" >&2; exit 2;; esac
 OUT=${OUT:-/tmp/heldout-out}
 CALL_S=${CALL_S:-480}
-if ! python3 -c "import optuna" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-export PYTHONUNBUFFERED=1
+. tools/device_env.sh || exit 1
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 
 mapfile -t all < <(python3 tools/heldout_tuner.py --list | awk '{print $1}')

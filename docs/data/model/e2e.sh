@@ -23,12 +23,7 @@ MODEL=${2:?usage: e2e.sh tune|prefill|generate gpt2|llama|qwen2}
 OUT=${OUT:-/tmp/e2e-out}
 TRIALS=${TRIALS:-10}
 ROUNDS=${ROUNDS:-5}
-if ! python3 -c "import optuna" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-export PYTHONUNBUFFERED=1
+. tools/device_env.sh || exit 1
 work=${TMPDIR:-/tmp}/e2e-work
 rm -rf "$work"; mkdir -p "$work/runs" "$OUT"
 export EVOTUNE_RUNS=$work/runs EVOTUNE_CACHE=$work/cache

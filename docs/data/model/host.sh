@@ -9,12 +9,7 @@
 # Writes $OUT/host.tar.gz (pytest log, the tool's JSON and stdout per shape) and prints the tables last.
 set -u
 OUT=${OUT:-/tmp/host-out}
-if ! python3 -c "import optuna" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-export PYTHONUNBUFFERED=1
+. tools/device_env.sh || exit 1
 work=/tmp/host-work
 rm -rf "$work"; mkdir -p "$work" "$OUT"
 export EVOTUNE_CACHE=$work/cache
