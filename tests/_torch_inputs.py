@@ -1,12 +1,23 @@
-"""Inputs and quiet calls shared by the CPU tests of the torch op (test_torch_op.py, test_torch_autograd.py)."""
+"""Inputs and quiet calls shared by the CPU tests of the torch op (test_torch_op.py, test_torch_autograd.py, test_op_host_path.py)."""
 
 from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 
 import evotune.torch as et
+
+
+@pytest.fixture(autouse=True)
+def fresh_routing(monkeypatch):
+    """Each test starts with no table, no cached decisions and no notices given (autouse where a test module
+    imports it)."""
+    monkeypatch.delenv("EVOTUNE_TABLE", raising=False)
+    et.use_table(None)
+    yield
+    et.use_table(None)
 
 
 def qkv(b=2, h=4, sq=16, sk=24, d=64, dtype=torch.bfloat16, layout="bhsd", device="cpu", kv_heads=None,

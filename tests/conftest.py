@@ -90,6 +90,16 @@ def mission():
     return parse_shape("mission")
 
 
+@pytest.fixture(scope="session")
+def decode():
+    return get_problem("attention-decode")
+
+
+@pytest.fixture(scope="session")
+def dspace():
+    return load_builtin("attention-decode")
+
+
 def require_or_skip(why, env: str) -> None:
     """Skip the test for the reason `why` (None: nothing missing), unless `env`=1 (CI), where that fails."""
     import os

@@ -11,19 +11,8 @@ import pytest
 from evotune.build.compile import compile_source, static_violations
 from evotune.build.template import instantiate
 from evotune.errors import UsageError
-from evotune.problems import FAMILIES, get_problem
+from evotune.problems import FAMILIES
 from evotune.problems.decode import PRESETS, DecodeShape, parse_shape, reference_decode
-from evotune.space.searchspace import load_builtin
-
-
-@pytest.fixture(scope="module")
-def decode():
-    return get_problem("attention-decode")
-
-
-@pytest.fixture(scope="module")
-def dspace():
-    return load_builtin("attention-decode")
 
 
 # ------------------------------------------------------------------ shapes

@@ -9,21 +9,9 @@ import pytest
 
 from evotune.build.compile import compile_source
 from evotune.build.template import instantiate
-from evotune.problems import get_problem
 from evotune.records import result as R
-from evotune.space.searchspace import load_builtin
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def decode():
-    return get_problem("attention-decode")
-
-
-@pytest.fixture(scope="module")
-def dspace():
-    return load_builtin("attention-decode")
 
 
 def _evaluate(problem, shape, cfg, **kw):

@@ -16,18 +16,10 @@ import evotune.torch as et  # noqa: E402
 from evotune.torch import routing  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-from _torch_inputs import qkv  # noqa: E402
+from _torch_inputs import fresh_routing, qkv  # noqa: E402,F401 (fresh_routing: autouse)
 
 F = torch.nn.functional
 sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-
-@pytest.fixture(autouse=True)
-def fresh_routing(monkeypatch):
-    monkeypatch.delenv("EVOTUNE_TABLE", raising=False)
-    et.use_table(None)
-    yield
-    et.use_table(None)
 
 
 @pytest.fixture

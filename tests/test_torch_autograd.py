@@ -17,19 +17,12 @@ from evotune.space.searchspace import Config, load_builtin  # noqa: E402
 from evotune.torch import autograd  # noqa: E402
 
 import _torch_inputs as _inputs  # noqa: E402
+from _torch_inputs import fresh_routing  # noqa: E402,F401 (autouse)
 
 F = torch.nn.functional
 TRAIN_OP = torch.ops.evotune.attention_lse.default
 quiet = _inputs.quiet
 ATTENTION = get_problem("attention")
-
-
-@pytest.fixture(autouse=True)
-def fresh_routing(monkeypatch):
-    monkeypatch.delenv("EVOTUNE_TABLE", raising=False)
-    et.use_table(None)
-    yield
-    et.use_table(None)
 
 
 def qkv(**kwargs):

@@ -22,19 +22,10 @@ from evotune.torch.call import Call, coverage, new_output  # noqa: E402
 from evotune.records.tuning_table import save_table  # noqa: E402
 
 from _tables import H100, entry, table  # noqa: E402
-from _torch_inputs import qkv, quiet  # noqa: E402
+from _torch_inputs import fresh_routing, qkv, quiet  # noqa: E402,F401 (fresh_routing: autouse)
 
 F = torch.nn.functional
 OP = torch.ops.evotune.attention.default
-
-
-@pytest.fixture(autouse=True)
-def fresh_routing(monkeypatch):
-    """Each test starts with no table, no cached decisions and no notices given."""
-    monkeypatch.delenv("EVOTUNE_TABLE", raising=False)
-    et.use_table(None)
-    yield
-    et.use_table(None)
 
 
 # --------------------------------------------------------------------------- registration
