@@ -27,6 +27,16 @@ from ..space.searchspace import register_family
 PLUGINS_ENV = "EVOTUNE_PLUGINS"
 
 
+def knob_reader(defaults: Mapping):
+    """A family's knob(config, name): the config's value of `name`, else the family's default from `defaults` (a
+    config recorded before a knob existed leaves it out)."""
+    def knob(config, name: str):
+        value = config.get(name)
+        return defaults[name] if value is None else value
+
+    return knob
+
+
 class Problem(ABC):
     """One kernel family as the generic code sees it: the whole contract. A family sets the class
     attributes and implements every abstract method; the other methods are documented defaults it may

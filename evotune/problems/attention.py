@@ -16,7 +16,7 @@ from ..errors import UsageError
 from ..limits import MULTIPROCESSORS, THREADS_PER_BLOCK, launch_asserts
 from .shapes import PRESETS, Shape, parse_shape
 from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
-from . import LaunchGeometry, Problem
+from . import LaunchGeometry, Problem, knob_reader
 
 SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
 
@@ -79,9 +79,7 @@ KNOB_DOMAINS = {
 }
 
 
-def knob(config, name: str):
-    value = config.get(name)
-    return KNOB_DEFAULTS[name] if value is None else value
+knob = knob_reader(KNOB_DEFAULTS)
 
 
 def is_wgmma(config) -> bool:

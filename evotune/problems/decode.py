@@ -20,7 +20,7 @@ from ..errors import UsageError
 from ..limits import launch_asserts
 from .shapes import check_fields, parse_dim, parse_flags
 from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
-from . import LaunchGeometry, Problem
+from . import LaunchGeometry, Problem, knob_reader
 
 DTYPES = ("fp16", "bf16")
 LAYOUTS = ("bhsd", "bshd")
@@ -49,9 +49,7 @@ CONTEXT_NAMES = ("batch", "heads", "kv_heads", "group", "seq_q", "seq_k", "head_
 TOLERANCE = {"fp16": (1e-3, 4e-3), "bf16": (8e-3, 3e-2)}  # (atol, rtol)
 
 
-def knob(config, name: str):
-    value = config.get(name)
-    return KNOB_DEFAULTS[name] if value is None else value
+knob = knob_reader(KNOB_DEFAULTS)
 
 
 @dataclass(frozen=True)

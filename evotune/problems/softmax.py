@@ -18,7 +18,7 @@ from ..errors import UsageError
 from ..limits import THREADS_PER_BLOCK, launch_asserts
 from .shapes import parse_dim, parse_flags
 from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
-from . import LaunchGeometry, Problem
+from . import LaunchGeometry, Problem, knob_reader
 
 DTYPES = ("fp16", "bf16")
 STRATEGIES = {"cached": 0, "online": 1, "three_pass": 2}
@@ -45,9 +45,7 @@ CONTEXT_NAMES = ("rows", "cols", "dtype", "dtype_bytes") + DEVICE_CONTEXT_NAMES
 TOLERANCE = {"fp16": (1e-6, 1e-3), "bf16": (1e-6, 8e-3)}  # (atol, rtol)
 
 
-def knob(config, name: str):
-    value = config.get(name)
-    return KNOB_DEFAULTS[name] if value is None else value
+knob = knob_reader(KNOB_DEFAULTS)
 
 
 @dataclass(frozen=True)
