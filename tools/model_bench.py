@@ -531,14 +531,16 @@ def markdown(result) -> str:
                 for impl, modes in r["timings"].items() for mode, m in modes.items() if m and "error" in m]
     skipped = [f"{r['model']} {r['size']} {impl} {mode}: {m['skipped']}" for r in result["rows"]
                for impl, modes in r["timings"].items() for mode, m in modes.items() if m and "skipped" in m]
-    if failures:
-        lines += ["", "Failures:", ""] + [f"- {f}" for f in failures]
-    if skipped:
-        lines += ["", "Skipped:", ""] + [f"- {s}" for s in skipped]
+    lines += _list_section("Failures", failures)
+    lines += _list_section("Skipped", skipped)
     notices = sorted({n for r in result["rows"] for n in r["check"].get("notices", [])})
-    if notices:
-        lines += ["", "Notices from the op and the adapter:", ""] + [f"- {n}" for n in notices]
+    lines += _list_section("Notices from the op and the adapter", notices)
     return "\n".join(lines) + "\n"
+
+
+def _list_section(title: str, items) -> list[str]:
+    """Markdown lines of a titled bullet list, none where there are no items."""
+    return ["", f"{title}:", ""] + [f"- {x}" for x in items] if items else []
 
 
 def short_table(result) -> str:
@@ -770,16 +772,7 @@ def run_e2e(args) -> dict:
     if args.table and not Path(args.table).is_file():  # a tune that wrote nothing: said, not a traceback
         result["failed_checks"].append(f"no tuning table at {args.table}")
         args.table = None
-    if args.table:
-        os.environ["EVOTUNE_TABLE"] = str(Path(args.table).resolve())
-    import evotune.torch as et
-    from evotune.torch import hf
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if args.table:
-        et.use_table(str(Path(args.table).resolve()))
-    hf.register("evotune", assume_unpacked=True)
-    hf.register("sdpa_unpacked", assume_unpacked=True, attention_function=sdpa_attention_forward)
+    et = use_table_and_register(args.table)
     result["env"] = environment(args, torch)
     if args.device == "cuda" and result["env"].get("table_entries"):
         try:
@@ -926,11 +919,9 @@ def e2e_markdown(result) -> str:
                          f"{share} |")
     fails = [f"{r['model']} {r.get('size', r.get('context'))} {mode}: {m['error']}"
              for r in result["prefill"] + result["generate"] for mode, m in r["modes"].items() if "error" in m]
-    if fails:
-        lines += ["", "Failures:", ""] + [f"- {f}" for f in fails]
+    lines += _list_section("Failures", fails)
     notices = sorted({n for r in result["prefill"] + result["generate"] for n in r["kernel"]["notices"]})
-    if notices:
-        lines += ["", "Notices:", ""] + [f"- {n}" for n in notices]
+    lines += _list_section("Notices", notices)
     return "\n".join(lines) + "\n"
 
 
@@ -962,25 +953,31 @@ def e2e_short_table(result) -> str:
 # --------------------------------------------------------------------------- main
 
 
+def use_table_and_register(table):
+    """The tuning table `table` (if any) in use, through EVOTUNE_TABLE too (spawned processes), and the two attention
+    implementations registered with the same mask policy (no mask for an unpadded prefill, even while compiling or
+    capturing): transformers' stock "sdpa" materialises the causal mask there (see hf.register). Returns
+    evotune.torch."""
+    if table:
+        os.environ["EVOTUNE_TABLE"] = str(Path(table).resolve())
+    import evotune.torch as et
+    from evotune.torch import hf
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if table:
+        et.use_table(str(Path(table).resolve()))
+    hf.register("evotune", assume_unpacked=True)
+    hf.register("sdpa_unpacked", assume_unpacked=True, attention_function=sdpa_attention_forward)
+    return et
+
+
 def run(args) -> dict:
     import torch
 
     args.debug_traceback = bool(os.environ.get("MODEL_BENCH_TRACEBACK"))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("model_bench: no CUDA device visible (use --device cpu --tiny for a smoke run)")
-    if args.table:
-        os.environ["EVOTUNE_TABLE"] = str(Path(args.table).resolve())
-    import evotune.torch as et
-    from evotune.torch import hf
-
-    if args.table:
-        et.use_table(str(Path(args.table).resolve()))
-    # Both registered with the same mask policy (no mask for an unpadded prefill, even while compiling or
-    # capturing): transformers' stock "sdpa" materialises the causal mask there (see hf.register).
-    hf.register("evotune", assume_unpacked=True)
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    hf.register("sdpa_unpacked", assume_unpacked=True, attention_function=sdpa_attention_forward)
+    et = use_table_and_register(args.table)
     fp16 = args.device == "cuda"
     dtype = torch.float16 if fp16 else torch.float32
     args.tol = args.tol if args.tol is not None else (2e-2 if fp16 else 1e-4)
