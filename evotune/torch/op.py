@@ -319,12 +319,14 @@ def _sdpa_route(q, v, is_causal, scale, enable_gqa):
     # The facts of a call do not include its addresses: each call checks them (aligned_for_sdpa's reason).
     if enable_gqa:
         def run(q, k, v):
-            q, k, v = aligned_for_sdpa(q, k, v)
+            if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:  # inline: this route runs eager calls only
+                q, k, v = aligned_for_sdpa(q, k, v)
             o = sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
             return o if o.stride() == want else relayout(o, q)
     else:
         def run(q, k, v):
-            q, k, v = aligned_for_sdpa(q, k, v)
+            if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:  # inline: this route runs eager calls only
+                q, k, v = aligned_for_sdpa(q, k, v)
             o = sdpa(q, k, v, is_causal=is_causal, scale=scale)
             return o if o.stride() == want else relayout(o, q)
     return run
