@@ -288,10 +288,9 @@ def tune(
     budget = _KeyBudget(time_budget, len(plan))
 
     def search(shp):
-        first = tuple(key_seeds.get(shp.spec, ()))
-        kw = {"seeds": first} if first else {}
         with budget.key() as stop_at:
-            return _search_key(shp, trials, timeout, gpu, json_out, priors=priors, stop_at=stop_at, **kw)
+            return _search_key(shp, trials, timeout, gpu, json_out, seeds=tuple(key_seeds.get(shp.spec, ())),
+                               priors=priors, stop_at=stop_at)
 
     outcomes = tune_keys(plan, search, progress)
     for o in outcomes:
