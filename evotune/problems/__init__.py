@@ -37,6 +37,21 @@ def knob_reader(defaults: Mapping):
     return knob
 
 
+def aim_key(inputs: dict, b: int, kvh: int, j: int, head: int, row: int) -> tuple:
+    """The attention families' dependency-check perturbation: (k, v), clones of the inputs' K and V (strides kept)
+    whose key j of batch b and K/V head kvh points at query `row` of query head `head` (that query's score for it
+    becomes 6: e^6 times an average key's weight) and whose value is raised by 8 per 512 keys, at least 8.
+
+    A key nudged by a constant (K +1, V +8) has a weight of ~1/Sk in a row that sees all Sk keys: with one or a few
+    query rows (decode, Sq = 1 prefill) and Sk in the thousands it moved no row beyond the gate's tolerance, and the
+    check called every kernel "too weak". Aimed and raised, it moves the chosen row clearly at any cache length."""
+    target = inputs["q"][b, head, row, :].float()
+    k, v = inputs["k"].clone(), inputs["v"].clone()
+    k[b, kvh, j, :] = (6.0 * target / (inputs["scale"] * target.pow(2).sum().clamp_min(1e-6))).to(k.dtype)
+    v[b, kvh, j, :] += 8.0 * max(1, k.shape[2] // 512)
+    return k, v
+
+
 class Problem(ABC):
     """One kernel family as the generic code sees it: the whole contract. A family sets the class
     attributes and implements every abstract method; the other methods are documented defaults it may

@@ -20,7 +20,7 @@ from ..errors import UsageError
 from ..limits import launch_asserts
 from .shapes import check_fields, parse_dim, parse_flags
 from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
-from . import LaunchGeometry, Problem, knob_reader
+from . import LaunchGeometry, Problem, aim_key, knob_reader
 
 DTYPES = ("fp16", "bf16")
 LAYOUTS = ("bhsd", "bshd")
@@ -347,12 +347,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
 
     def perturb(self, shape: DecodeShape, inputs: dict, rng=None) -> tuple[dict, object]:
         """Inputs with one K/V row changed, and the (B, Hq, Sq) mask of the output rows that must change: the
-        group's query heads, those queries that see the key (bottom-right causal: query i sees keys <= Sk-Sq+i).
-
-        A decode row averages over the whole cache, so a key nudged as the prefill family nudges it (K +1, V +8)
-        moves no row beyond the tolerance once Sk is in the thousands (its weight is ~1/Sk). The key is instead
-        pointed at one query that sees it (its score becomes 6, e^6 times an average key's weight) and its value
-        raised in proportion to Sk, so at least that row moves clearly at any cache length."""
+        group's query heads, those queries that see the key (bottom-right causal: query i sees keys <= Sk-Sq+i). The
+        key is aimed at one of those queries (problems.aim_key)."""
         import torch
 
         if rng is None:
@@ -362,10 +358,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         first = max(0, j - (shape.seq_k - shape.seq_q)) if shape.causal else 0
         head = kvh * shape.group + (rng.randrange(shape.group) if rng is not None else 0)
         row = rng.randrange(first, shape.seq_q) if rng is not None else shape.seq_q - 1
-        target = inputs["q"][b, head, row, :].float()
-        k, v = inputs["k"].clone(), inputs["v"].clone()
-        k[b, kvh, j, :] = (6.0 * target / (inputs["scale"] * target.pow(2).sum().clamp_min(1e-6))).to(k.dtype)
-        v[b, kvh, j, :] += 8.0 * max(1, shape.seq_k // 512)
+        k, v = aim_key(inputs, b, kvh, j, head, row)
         must = torch.zeros(shape.batch, shape.heads, shape.seq_q, dtype=torch.bool, device=k.device)
         heads = slice(kvh * shape.group, (kvh + 1) * shape.group)
         must[b, heads, first:] = True
