@@ -284,3 +284,26 @@ def test_version_1_tables_without_kv_group_load(tmp_path):
         with pytest.raises(UsageError, match=fault):
             parse_table(obj)
 
+
+
+@pytest.mark.parametrize("text", ["1,8,1,8192,128:bf16", "1,8,4,4096,64:kv2", "1,8,512,64:causal", "1,4,64,2048,64:kv1"])
+def test_dependency_perturbation_clearly_moves_a_row_with_few_queries(text):
+    """The dependency check needs a row the fp32 reference moves beyond the tolerance: with one query over 8192 keys a
+    key nudged by a constant moved none (the check then calls every kernel too weak); the aimed key always does."""
+    import random
+
+    torch = pytest.importorskip("torch")
+    from evotune.gpu.evaluate import _error_scale
+
+    shape = parse_shape(text)
+    inputs = ATTENTION.make_inputs(shape, 11, device="cpu")
+    before = ATTENTION.reference(shape, inputs)
+    atol, rtol = ATTENTION.tolerance(shape)
+    atol *= _error_scale(ATTENTION, inputs)
+    rng = random.Random(5)
+    for _ in range(5):
+        changed, must = ATTENTION.perturb(shape, inputs, rng)
+        after = ATTENTION.reference(shape, changed)
+        clearly = ((after - before).abs() > atol + rtol * before.abs()).any(dim=-1)
+        assert bool((clearly & must).any()) and not bool(((after != before).any(dim=-1) & ~must).any())
+        assert torch.equal(changed["q"], inputs["q"])

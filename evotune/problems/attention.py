@@ -16,7 +16,7 @@ from ..errors import UsageError
 from ..limits import MULTIPROCESSORS, THREADS_PER_BLOCK, launch_asserts
 from .shapes import PRESETS, Shape, parse_shape
 from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
-from . import LaunchGeometry, Problem, knob_reader
+from . import LaunchGeometry, Problem, aim_key, knob_reader
 
 SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
 
@@ -693,17 +693,20 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
             b, kvh, j = shape.batch - 1, shape.kv_heads - 1, (lo + hi + 1) // 2
         else:
             b, kvh, j = rng.randrange(shape.batch), rng.randrange(shape.kv_heads), rng.randint(lo, hi)
-        k, v = inputs["k"].clone(), inputs["v"].clone()
-        k[b, kvh, j, :] += 1.0
-        v[b, kvh, j, :] += 8.0
-        must_change = torch.zeros(shape.batch, shape.heads, shape.seq_q, dtype=torch.bool, device=k.device)
+        device = inputs["k"].device
+        must_change = torch.zeros(shape.batch, shape.heads, shape.seq_q, dtype=torch.bool, device=device)
         group = slice(kvh * shape.kv_group, (kvh + 1) * shape.kv_group)  # the query heads that read K/V head kvh
         if shape.has_window:
-            must_change[b, group, :] = visibility_mask(shape, k.device)[:, j]  # the rows whose window holds key j
+            must_change[b, group, :] = visibility_mask(shape, device)[:, j]  # the rows whose window holds key j
         elif shape.causal:
             must_change[b, group, j:] = True  # top-left causal: query i sees key j iff j <= i
         else:
             must_change[b, group, :] = True
+        # The key is aimed at one query that sees it (problems.aim_key): with Sq = 1 and Sk in the thousands a key
+        # nudged by a constant moved no row beyond the tolerance.
+        seen = must_change[b].nonzero().tolist()  # (head, row) pairs; j lies in [lo, hi], so some row sees it
+        head, row = seen[rng.randrange(len(seen))] if rng is not None else seen[-1]
+        k, v = aim_key(inputs, b, kvh, j, head, row)
         return {**inputs, "k": k, "v": v}, must_change
 
     def new_output(self, inputs: dict):
