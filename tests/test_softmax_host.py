@@ -14,6 +14,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from evotune.build.template import read_template
 from evotune.problems import get_problem
 from evotune.space.searchspace import load_builtin
 from _paths import REPO_ROOT
@@ -132,7 +133,8 @@ def host_source():
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
-    text = (REPO_ROOT / "kernels" / "softmax.cu").read_text()
+    # With its local headers inlined (kernels/elementwise.cuh holds exp2 and the conversions), as NVRTC gets it.
+    _, text = read_template("softmax.cu", search=(REPO_ROOT / "kernels",))
     for pattern, replacement in HOST_HELPERS.items():
         text, count = re.subn(pattern, lambda _: replacement, text, flags=re.S)
         assert count == 1, f"kernel helper not found for its host twin: {pattern[:60]}"
