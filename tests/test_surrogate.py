@@ -115,7 +115,9 @@ def test_surrogate_random_draws_pick_the_variant_first(attention):
     shape = parse_shape("mission")
     # Every 8th admitted config: the variants' shares as in all 114,080, at an eighth of the 40 samplers' setup cost
     # (each takes the digest and columns of every config it is given; 97 s in all on CI's 2 cores, issue 38).
-    admitted = space.admitted_configs(attention.context(shape))[::8]
+    # The 1-4 stage configs only: the deep ring (stages 5-8, wgmma's alone) would bring the slices closer than this
+    # test's premise, one variant with at most half the configs of the other.
+    admitted = [c for c in space.admitted_configs(attention.context(shape)) if c["stages"] <= 4][::8]
     counts = {}
     for c in admitted:
         counts[c[space.variant]] = counts.get(c[space.variant], 0) + 1
