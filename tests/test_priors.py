@@ -211,8 +211,13 @@ def test_the_surrogate_learns_from_the_priors_knob_values(attention, attention_s
     assert dict(options.prior_mean) == mean and sampler._mean.any()
 
 
-def test_only_admitted_priors_are_proposed(attention, attention_small, mission, admitted_small, tmp_path):
-    """A prior the space does not admit on the search's shape is skipped; at most `limit` come."""
+def test_a_prior_not_admitted_is_adapted_to_its_nearest_admitted_neighbour(attention, attention_small, mission,
+                                                                          admitted_small, tmp_path):
+    """A prior the space does not admit on the search's shape is proposed as the admitted config with the fewest
+    knobs changed (each move the shortest along its knob's values), with what changed in its origin; at most
+    `limit` come."""
+    from evotune.search.warmstart import nearest_admitted
+
     context = attention.context(mission)
     violating = next(c for c in attention_small.all_configs() if not attention_small.admitted(c, context)).as_dict()
     c = admitted_small
@@ -221,7 +226,26 @@ def test_only_admitted_priors_are_proposed(attention, attention_small, mission, 
     path = tmp_path / "p.json"
     path.write_text(P.dump_priors(doc))
     got, origin = prior_configs(attention, mission, attention_small, context, limit=2, path=path)
-    assert got == [c[0], c[1]] and [o["run"] for o in origin] == ["r", "r"]
+    [near], changed = nearest_admitted(attention_small, context, violating)
+    assert attention_small.admitted(near, context) and 1 <= len(changed) <= 2
+    assert all(violating[k] == old and near.as_dict()[k] == new for k, (old, new) in changed.items())
+    assert sum(violating[k] != v for k, v in near.as_dict().items()) == len(changed)
+    assert got == [near.as_dict(), c[0]] and origin[0]["adapted"] == changed and "adapted" not in origin[1]
+
+
+def test_nearest_admitted_moves_the_least(attention, mission):
+    """Among neighbours with as many changed knobs, the one that moves least along the knob's values: a deep-ring
+    prior (stages 8) on a space listing 1-4 is proposed at 4 stages, not 1; a prior no two changes can admit is
+    skipped."""
+    from evotune.search.warmstart import nearest_admitted
+    from evotune.space.searchspace import load_builtin
+
+    space = load_builtin("attention-small")
+    context = attention.context(mission)
+    base = next(c for c in space.admitted_configs(context) if c.as_dict()["stages"] == 4).as_dict()
+    [near], changed = nearest_admitted(space, context, dict(base, stages=8))
+    assert changed == {"stages": [8, 4]} and near.as_dict() == base
+    assert nearest_admitted(space, context, dict(base, block_m=8, block_n=8, compute_warps=64), most=2) == ([], {})
 
 
 def test_search_asks_the_priors_first(attention, attention_small, mission, admitted_small, tmp_path, monkeypatch):

@@ -181,14 +181,66 @@ def prior_configs(problem, shape, space, context, limit: int = PRIORS, path=None
         if len(keep) == limit:
             break
         configs, _ = admitted(space, context, [winner["config"]])
+        changed = {}
+        if not configs:
+            configs, changed = nearest_admitted(space, context, winner["config"])
         if not configs:
             continue
         d = configs[0].as_dict()
         if d in keep:
             continue
         keep.append(d)
-        origin.append({"run": entry["run"], "distance": distance, "ratio_to_sdpa": winner.get("ratio_to_sdpa")})
+        origin.append({"run": entry["run"], "distance": distance, "ratio_to_sdpa": winner.get("ratio_to_sdpa"),
+                       **({"adapted": changed} if changed else {})})
     return keep, origin
+
+
+REPAIR_KNOBS = 2  # a prior the shape does not admit is adapted by changing at most this many knobs
+
+
+def nearest_admitted(space, context, d: dict, most: int = REPAIR_KNOBS) -> tuple[list, dict]:
+    """([the admitted config nearest `d`], {knob: [its value in `d`, the value taken]}), or ([], {}) where no config
+    within `most` changed knobs is admitted. A prior is knowledge of where to look: a winner of a larger grid
+    (persistent, a mirrored stripe order) or of a profile with values the space lacks (stages 5-8 before the root
+    listed them) still points at the tile and warp split that won; its nearest admitted neighbour keeps them.
+    Nearest: fewest changed knobs, then the smallest moves along each knob's list of values (a value the space
+    lacks counts as beyond the nearest end), then the space's knob order."""
+    base = {p.name: d.get(p.name, p.default) for p in space.params}
+    candidates = [(p, [v for v in p.values if v != base[p.name]]) for p in space.params]
+    off_list = {p.name for p in space.params if base[p.name] not in p.values}  # each must move onto the list
+    for count in range(max(1, len(off_list)), most + 1):
+        found = []
+        for knobs in _combinations(candidates, count):
+            if not off_list <= {p.name for p, _ in knobs}:
+                continue
+            for values in product(*(vs for _, vs in knobs)):
+                moved = {p.name: v for (p, _), v in zip(knobs, values)}
+                config = space.config({**base, **moved})
+                if space.admitted(config, context):
+                    found.append((sum(_move(p, base[p.name], moved[p.name]) for p, _ in knobs), config, moved))
+        if found:
+            _, config, moved = min(found, key=lambda t: t[0])
+            return [config], {k: [base[k], v] for k, v in moved.items()}
+    return [], {}
+
+
+def _combinations(candidates, count):
+    from itertools import combinations
+
+    return combinations([c for c in candidates if c[1]], count)
+
+
+def _move(param, old, new) -> int:
+    """How far `new` is from `old` along `param`'s values (a value off the list: one past the nearest end, or past
+    the end nearest it in number)."""
+    values = list(param.values)
+    if old in values:
+        return abs(values.index(new) - values.index(old))
+    if isinstance(old, (int, float)) and not isinstance(old, bool) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        ends = sorted(values, key=lambda v: abs(v - old))
+        return 1 + abs(values.index(new) - values.index(ends[0]))
+    return 1 + len(values)
 
 
 # log-time: a knob value every nearby winner chose starts about 10% faster than its knob's average. Chosen, not
