@@ -260,7 +260,7 @@ def test_search_asks_the_priors_first(attention, attention_small, mission, admit
     fake_run("mine", mission, [(c[9], 6.0)])
     warm, meta = warm_start_configs("auto", False, "new", attention, mission, attention_small, 16, True, priors=True)
     assert list(warm) == [c[40], c[7], c[300], c[9]]
-    assert meta["priors"] == {"configs": 3, "runs": ["shipped"]} and meta["warm_start"]["runs"] == ["mine"]
+    assert meta["priors"] == {"configs": 3, "runs": ["shipped"], "adapted": 0} and meta["warm_start"]["runs"] == ["mine"]
     warm, _ = warm_start_configs(None, False, "new", attention, mission, attention_small, 16, True, priors=True)
     assert list(warm) == [c[40], c[7], c[300]]
     assert warm_start_configs(None, False, "new", attention, mission, attention_small, 16, True, priors=False) == ((), {})

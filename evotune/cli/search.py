@@ -393,9 +393,13 @@ def warm_start_configs(spec: Optional[str], resume: bool, run: Optional[str], pr
     firsts, origin = prior_configs(problem, shp, spc, context, gpu=gpu) if priors else ([], [])
     if priors and not json_out:
         runs = sorted({o["run"] for o in origin})
-        say(f"priors: {len(firsts)} configs asked first, from {len(runs)} runs (nearest: {origin[0]['run']})"
+        adapted = [o for o in origin if o.get("adapted")]
+        knobs = sorted({k for o in adapted for k in o["adapted"]})
+        say((f"priors: {len(firsts)} configs asked first, from {len(runs)} runs (nearest: {origin[0]['run']})"
+             + (f"; {len(adapted)} adapted to this shape ({', '.join(knobs)} changed)" if adapted else ""))
             if origin else f"priors: none for {problem.family} on a shape class like {shp.spec}")
-    meta = {"priors": {"configs": len(firsts), "runs": sorted({o["run"] for o in origin})}} if priors else {}
+    meta = {"priors": {"configs": len(firsts), "runs": sorted({o["run"] for o in origin}),
+                       "adapted": sum(1 for o in origin if o.get("adapted"))}} if priors else {}
     if not spec:
         return tuple(firsts), meta
     shipped = set()
