@@ -407,7 +407,7 @@ def test_record_shapes_on_a_cpu_model(tmp_path):
                for r in rows)
     path = rec.save(tmp_path / "shapes.json")
     saved = json.loads(path.read_text())
-    assert saved["version"] == 1 and saved["kind"] == "evotune-attention-shapes" and saved["shapes"] == rows
+    assert saved["version"] == 2 and saved["kind"] == "evotune-attention-shapes" and saved["shapes"] == rows
 
 
 def test_record_shapes_spells_tunable_shapes():

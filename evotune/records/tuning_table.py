@@ -845,7 +845,8 @@ def _matching_bench(run_id: str, meta: dict, best: dict, benches: list[dict], di
 # --------------------------------------------------------------------------- the CLI's workflow (table build, tune)
 
 SHAPES_KIND = "evotune-attention-shapes"  # what evotune.torch.record_shapes() saves
-SHAPES_VERSION = 1
+SHAPES_VERSIONS = (1, 2)  # 2: a row may name its family ("attention-decode"); rows without one are attention's
+DECODE_FAMILY = "attention-decode"
 
 
 def family_runs(root: Path | None = None) -> list[Path]:
@@ -884,29 +885,41 @@ def note_line(note: BuildNote, table: Table) -> str:
 
 
 def read_shapes_file(path) -> list[str]:
-    """The `--shape` spellings a `record_shapes()` file holds (rows the kernel has no shape for are left out);
-    UsageError naming the file where it is not such a file or holds none."""
+    """The attention `--shape` spellings a `record_shapes()` file holds (rows the kernel has no shape for are left
+    out); UsageError naming the file where it is not such a file or holds none of any family."""
+    specs = read_recorded_shapes(path)
+    return specs[FAMILY]
+
+
+def read_recorded_shapes(path) -> dict[str, list[str]]:
+    """{family: its distinct `--shape` spellings, in the order recorded} of a `record_shapes()` file, for the
+    attention family and the decode family (DECODE_FAMILY); UsageError naming the file where it is not such a file,
+    a row names another family, or it holds no spelling at all."""
     obj = _read_json(path, "shapes")
     if obj.get("kind") != SHAPES_KIND:
         raise UsageError(f"{path}: not a shapes record (kind {json.dumps(obj.get('kind'))}, expected "
                          f"{SHAPES_KIND!r}, as evotune.torch.record_shapes() saves)")
-    if obj.get("version") != SHAPES_VERSION:
+    if obj.get("version") not in SHAPES_VERSIONS:
         raise UsageError(f"{path}: shapes record version {json.dumps(obj.get('version'))} is not supported "
-                         f"(this evotune reads version {SHAPES_VERSION})")
+                         f"(this evotune reads versions {', '.join(map(str, SHAPES_VERSIONS))})")
     rows = obj.get("shapes")
     if not isinstance(rows, list):
         raise UsageError(f"{path}: shapes: expected a list, got {_kind(rows)}")
-    specs = []
+    specs: dict[str, list[str]] = {FAMILY: [], DECODE_FAMILY: []}
     for i, row in enumerate(rows):
         spec = row.get("shape") if isinstance(row, dict) else None
         if not isinstance(row, dict) or not (spec is None or isinstance(spec, str)):
             raise UsageError(f"{path}: shapes[{i}]: expected an object whose shape is a string or null")
+        family = row.get("family", FAMILY)
+        if family not in specs:
+            raise UsageError(f"{path}: shapes[{i}]: family {json.dumps(family)} is not one tune takes "
+                             f"({FAMILY} or {DECODE_FAMILY})")
         if spec:
-            specs.append(spec)
-    if not specs:
-        raise UsageError(f"{path}: records no shape evotune's kernel can run ({len(rows)} calls recorded, "
+            specs[family].append(spec)
+    if not any(specs.values()):
+        raise UsageError(f"{path}: records no shape evotune's kernels can run ({len(rows)} calls recorded, "
                          f"none with a --shape spelling): nothing to tune")
-    return list(dict.fromkeys(specs))
+    return {family: list(dict.fromkeys(found)) for family, found in specs.items()}
 
 
 def tune_plan(specs) -> tuple[list, list[str]]:
@@ -951,4 +964,4 @@ __all__ = ["TABLE_VERSION", "MAX_BUCKET_DISTANCE", "NEAREST_ENV", "TableKey", "E
            "BuildNote", "seq_bucket", "bh_bucket", "nearest_allowed", "default_table_path", "parse_table", "load_table",
            "save_table", "select", "candidates",
            "unusable_reason", "stale_reason", "stale_entries", "build_table", "clear_caches", "family_runs", "update_table", "note_line",
-           "read_shapes_file", "tune_plan", "tune_keys"]
+           "read_shapes_file", "read_recorded_shapes", "tune_plan", "tune_keys"]

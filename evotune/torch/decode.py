@@ -40,14 +40,14 @@ import torch.nn.functional as F
 from ..errors import EvotuneError, UsageError
 from ..problems import get_problem
 from ..problems.decode import HEAD_DIMS, MAX_ROWS, MAX_SEQ_Q, DecodeShape, bottom_right_mask
+from ..records.decode_table import (KEY_FIELDS, TABLE_ENV, TABLE_VERSION, build_decode_table,  # noqa: F401 (API)
+                                    default_decode_table_path, table_key)
 from ..records.tuning_table import seq_bucket
+from . import record
 from .call import aligned_for_sdpa
 from .routing import EvotuneFallbackWarning
 
 PROBLEM = get_problem("attention-decode")
-TABLE_ENV = "EVOTUNE_DECODE_TABLE"
-TABLE_VERSION = 1
-KEY_FIELDS = ("gpu", "cc", "dtype", "head_dim", "group", "seq_q", "causal", "seq_k_bucket", "bkv_bucket")
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 _LOCK = threading.Lock()
@@ -62,50 +62,6 @@ _MASKS: dict = {}                   # (Sq, Sk, device) -> bottom-right boolean m
 
 
 # --------------------------------------------------------------------------- the table
-
-
-def default_decode_table_path() -> Path:
-    """$EVOTUNE_DECODE_TABLE, else decode-table.json in evotune's cache root ($EVOTUNE_CACHE or ~/.cache/evotune)."""
-    if os.environ.get(TABLE_ENV):
-        return Path(os.environ[TABLE_ENV])
-    root = os.environ.get("EVOTUNE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "evotune")
-    return Path(root) / "decode-table.json"
-
-
-def table_key(gpu: str, cc: str, shape: DecodeShape) -> tuple:
-    """The table key of a call's shape on a GPU (KEY_FIELDS, in order)."""
-    return (gpu, cc, shape.dtype, shape.head_dim, shape.group, shape.seq_q, bool(shape.causal and shape.seq_q > 1),
-            seq_bucket(shape.seq_k), seq_bucket(shape.batch * shape.kv_heads))
-
-
-def build_decode_table(bench_paths) -> dict:
-    """The decode table from `evotune bench --out` records of the attention-decode family (a later record of the
-    same key replaces an earlier one). Route "evotune" only where our kernel passed the gate and its median beat
-    the fastest SDPA backend measured beside it; "sdpa" otherwise, with the reason."""
-    entries: dict[tuple, dict] = {}
-    for path in bench_paths:
-        rec = json.loads(Path(path).read_text())
-        if rec.get("family") != PROBLEM.family:
-            raise UsageError(f"{path}: a bench record of family {rec.get('family')!r}, not {PROBLEM.family}")
-        shape = PROBLEM.shape_from_dict(rec["shape_dict"])
-        device = rec["raw"]["device"]
-        ours = rec["rows"][0]
-        base = [r for r in rec["rows"][1:] if r.get("time_us") and r.get("passed") is not False]
-        best = min(base, key=lambda r: r["time_us"]) if base else None
-        if not ours.get("available") or not ours.get("time_us"):
-            route, reason = "sdpa", f"evotune's kernel did not pass: {ours.get('reason', '')}"
-        elif best is None:
-            route, reason = "sdpa", "unverified: no SDPA backend was measured beside the kernel"
-        elif ours["time_us"] < best["time_us"]:
-            route, reason = "evotune", f"{ours['time_us']:.2f} us vs {best['name']} {best['time_us']:.2f} us"
-        else:
-            route, reason = "sdpa", f"slower: {ours['time_us']:.2f} us vs {best['name']} {best['time_us']:.2f} us"
-        key = table_key(device["name"], str(device["sm"]), shape)  # evotune.gpu.workers.device_info: "sm" is "9.0"
-        entries[key] = {"key": dict(zip(KEY_FIELDS, key)), "config": rec["config"], "shape": shape.as_dict(),
-                        "route": route, "reason": reason, "evotune_us": ours.get("time_us"),
-                        "sdpa": {"backend": best["name"], "time_us": best["time_us"]} if best else None,
-                        "source_digest": rec["source_digest"], "bench": str(path)}
-    return {"version": TABLE_VERSION, "family": PROBLEM.family, "entries": list(entries.values())}
 
 
 def _parse_table(obj, where: str) -> dict:
@@ -205,9 +161,9 @@ def _decide(q, k, v, causal: bool):
     key = table_key(gpu, cc, shape)
     entry = _table().get(key)
     if entry is None:
-        return "sdpa", (f"untuned decode key {dict(zip(KEY_FIELDS, key))}: tune it with `evotune search --family "
-                        f"attention-decode --shape {shape.spec}`, bench the best with --out and add it to the "
-                        f"decode table (build_decode_table)")
+        return "sdpa", (f"untuned decode key {dict(zip(KEY_FIELDS, key))}: record the calls "
+                        f"(evotune.torch.record_shapes) and tune them with `evotune tune --shapes FILE`, or "
+                        f"`evotune search --family attention-decode --shape {shape.spec}` and build_decode_table")
     if entry["route"] != "evotune":
         return "sdpa", f"the decode table routes {shape.spec} to SDPA: {entry.get('reason', '')}"
     cfg = entry["config_obj"]
@@ -371,6 +327,8 @@ def _decode_body(q, k, v, causal=False, scale=None):
     decision = _DECISIONS.get(key)
     if decision is None:
         decision = _DECISIONS[key] = _decide(q, k, v, causal)
+    if record._ACTIVE:
+        _observe(q, k, v, causal, decision)
     route, what = decision
     if route == "evotune":
         why = _per_call_fault(q, k, v)
@@ -379,6 +337,40 @@ def _decode_body(q, k, v, causal=False, scale=None):
         what = why
     _tell(what)
     return _sdpa(q, k, v, causal, scale)
+
+
+def _observe(q, k, v, causal: bool, decision) -> None:
+    """Tell the active shape recorders (evotune.torch.record_shapes) of this call: one row per shape, cache length
+    included, with the decode family's `--shape` spelling (None where the kernel has no such shape), its table
+    key (None off a GPU) and the route its bucket's decision took."""
+    ident = ("attention-decode", tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, bool(causal))
+
+    def row() -> dict:
+        shape = _shape_of(q, k, v, causal)
+        key = None
+        if shape is not None and q.is_cuda:
+            key = dict(zip(KEY_FIELDS, table_key(*_device_name(q.device.index), shape)))
+        route, what = decision
+        return {"family": PROBLEM.family, "shape": shape.spec if shape is not None else None, "key": key,
+                "q": list(q.shape), "k": list(k.shape), "dtype": str(q.dtype).replace("torch.", ""),
+                "causal": bool(causal), "device": str(q.device), "route": route,
+                "reason": None if route == "evotune" else what}
+
+    for recorder in list(record._ACTIVE):
+        recorder.add_row(ident, row)
+
+
+def _shape_of(q, k, v, causal: bool) -> DecodeShape | None:
+    """The call's DecodeShape where the kernel has one for its sizes and dtype (its device aside), else None."""
+    if q.dim() != 4 or k.dim() != 4 or q.dtype not in _DTYPES or tuple(k.shape) != tuple(v.shape):
+        return None
+    b, hq, sq, d = q.shape
+    try:
+        shape = DecodeShape(b, hq, k.shape[1], sq, k.shape[2], d, _DTYPES[q.dtype], causal=bool(causal and sq > 1))
+        PROBLEM.check_shape(shape)
+    except (UsageError, ValueError, ZeroDivisionError):
+        return None
+    return shape
 
 
 def decode_route(q, k, v, causal: bool = False) -> str:

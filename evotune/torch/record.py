@@ -7,7 +7,10 @@
 Each distinct call (sizes, K/V heads, dtype, mask, layout, device) is one row with its `--shape`
 spelling (None where the kernel has no such shape, e.g. fp32), its table key, the route it took
 and why, and how many times it was called. Calls inside torch.compile'd code are seen too: the op
-runs at run time, not only while tracing.
+runs at run time, not only while tracing. Decode calls (evotune.torch.decode: a few queries over a
+KV cache, e.g. generate()'s steps through the transformers adapter) are rows of family
+"attention-decode" with that family's spelling, one per cache length; `evotune tune --shapes`
+tunes them per decode-table key.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import threading
 from pathlib import Path
 
 
-SHAPES_VERSION = 1
+SHAPES_VERSION = 2  # 2: rows may name their family (attention-decode); version 1 files (attention only) read as before
+READ_VERSIONS = (1, 2)
 SHAPES_KIND = "evotune-attention-shapes"
 
 _ACTIVE: list["ShapeRecorder"] = []
@@ -33,13 +37,16 @@ class ShapeRecorder:
 
     def add(self, decision) -> None:
         call = decision.call.as_dict()
-        ident = tuple(call.items())
+        self.add_row(tuple(call.items()), lambda: {**call, "key": decision.key.as_dict() if decision.key else None,
+                                                   "route": decision.route, "kind": decision.kind,
+                                                   "reason": decision.reason})
+
+    def add_row(self, ident: tuple, make_row) -> None:
+        """Count one call of identity `ident`; its row is `make_row()` the first time (a dict with a "shape")."""
         with self._lock:
             row = self._rows.get(ident)
             if row is None:
-                row = self._rows[ident] = {**call, "key": decision.key.as_dict() if decision.key else None,
-                                           "route": decision.route, "kind": decision.kind,
-                                           "reason": decision.reason, "calls": 0}
+                row = self._rows[ident] = {**make_row(), "calls": 0}
             row["calls"] += 1
 
     @property
@@ -48,9 +55,10 @@ class ShapeRecorder:
         with self._lock:
             return [dict(row) for row in self._rows.values()]
 
-    def specs(self) -> list[str]:
-        """The distinct `--shape` spellings the kernel could be tuned for."""
-        return list(dict.fromkeys(row["shape"] for row in self.shapes if row["shape"]))
+    def specs(self, family: str = "attention") -> list[str]:
+        """The distinct `--shape` spellings of `family` the kernels could be tuned for."""
+        return list(dict.fromkeys(row["shape"] for row in self.shapes
+                                  if row["shape"] and row.get("family", "attention") == family))
 
     def to_json(self) -> dict:
         return {"version": SHAPES_VERSION, "kind": SHAPES_KIND, "shapes": self.shapes}
