@@ -169,9 +169,6 @@ def bench(
 ):
     """The tuned kernel beside its family's baselines (attention: every SDPA backend) on one shape: same inputs, same
     gate, same timing."""
-    from ..gpu.bench import flops_and_bytes, header, summarize
-    from ..gpu.workers import BenchJob, GPUWorker
-
     problem, shp, cfg, origin = _resolve_candidate(which, run, config, shape, space, family, "bench", json_out)
     names = [n.strip() for n in baselines.split(",") if n.strip()] if baselines else None
     if names:
@@ -181,20 +178,8 @@ def bench(
     if out is not None:
         check_output_path(out, "--out")
     require_gpu("bench")
-    src, compiled = _compile_candidate(problem, shp, cfg, origin)
-    with GPUWorker(timeout_s=900) as worker:
-        raw = worker.call(BenchJob(family=problem.family, shape=shp.as_dict(), config=cfg, compiled=compiled,
-                                   reps=reps, seeds=REPLAY_SEEDS, names=names))
-    flops, nbytes = flops_and_bytes(shp, problem)
-    summary = summarize(raw, flops, nbytes)
-    from ..records.runs import base_meta
-
-    meta = base_meta()
-    record = {**header(raw["device"], meta["command_line"], meta.get("git_sha")), "versions": meta["versions"],
-              "family": problem.family, "shape": shp.spec, "shape_dict": shp.as_dict(), "config": cfg.as_dict(),
-              "source_digest": src.digest, "source_origin": origin.origin if origin else "config", "flops": flops, "min_bytes": nbytes, "reps": reps,
-              "source": {"run": run, "trial": which} if config is None else {"config": config},
-              **summary, "raw": raw}
+    record = bench_record(problem, shp, cfg, origin, reps, names,
+                          {"run": run, "trial": which} if config is None else {"config": config})
     if out is not None:
         write_output(out, json.dumps(record, indent=1, default=str), "--out")
     if json_out:
@@ -203,6 +188,26 @@ def bench(
         _print_bench(record)
     if record["rows"][0]["time_us"] is None:
         raise EvotuneError(f"the kernel did not pass on {shp.spec}: {record['rows'][0]['reason']}")
+
+
+def bench_record(problem, shp, cfg, origin, reps: int, names, source: dict) -> dict:
+    """The `evotune bench --out` record of `cfg` (its source from `origin`, a run's archived trial, or the template)
+    on `shp` beside the family's baselines `names` (None: all), measured in one GPU worker."""
+    from ..gpu.bench import flops_and_bytes, header, summarize
+    from ..gpu.workers import BenchJob, GPUWorker
+    from ..records.runs import base_meta
+
+    src, compiled = _compile_candidate(problem, shp, cfg, origin)
+    with GPUWorker(timeout_s=900) as worker:
+        raw = worker.call(BenchJob(family=problem.family, shape=shp.as_dict(), config=cfg, compiled=compiled,
+                                   reps=reps, seeds=REPLAY_SEEDS, names=names))
+    flops, nbytes = flops_and_bytes(shp, problem)
+    summary = summarize(raw, flops, nbytes)
+    meta = base_meta()
+    return {**header(raw["device"], meta["command_line"], meta.get("git_sha")), "versions": meta["versions"],
+            "family": problem.family, "shape": shp.spec, "shape_dict": shp.as_dict(), "config": cfg.as_dict(),
+            "source_digest": src.digest, "source_origin": origin.origin if origin else "config", "flops": flops,
+            "min_bytes": nbytes, "reps": reps, "source": source, **summary, "raw": raw}
 
 
 def _print_bench(rec: dict) -> None:

@@ -146,7 +146,7 @@ def _print_rows(title: str, headers: list[str], rows: list[list[str]]) -> None:
 
 # ---------------------------------------------------------------- tune
 def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool, seeds: tuple = (),
-                priors: bool = True, stop_at: float | None = None) -> str:
+                priors: bool = True, stop_at: float | None = None, family: str = "attention") -> str:
     """One key's search: `evotune search --shape SPEC --trials N --warm-start auto` on GPU `gpu`, the best then
     timed beside SDPA; returns the run id (EvotuneError where no candidate passed the gate). `seeds`: configs asked
     first (a stale entry's: re-verified and re-timed on today's source before anything else). `stop_at`: a
@@ -154,7 +154,7 @@ def _search_key(shape, trials: int, timeout: float, gpu: int, json_out: bool, se
     from ..search.loop import SearchOptions
     from ..search.warmstart import admitted, with_new_knobs
 
-    problem, shp, spc = load_problem(shape.spec, None, "attention")
+    problem, shp, spc = load_problem(shape.spec, None, family)
     gpu_model, prior_mean = transfer_context("auto", priors, problem, shp, spc, gpu)
     warm, warm_meta = warm_start_configs("auto", False, None, problem, shp, spc, SearchOptions.population, json_out,
                                          priors=priors, gpu=gpu_model)
@@ -199,18 +199,20 @@ class _KeyBudget:
             self.keys -= 1
 
 
-def _tune_specs(shape: Optional[list[str]], shapes: Optional[str], stale: bool = False) -> list[str]:
-    from ..records.tuning_table import read_shapes_file
+def _tune_specs(shape: Optional[list[str]], shapes: Optional[str], stale: bool = False) -> tuple[list[str], list[str]]:
+    """(attention specs, decode specs): --shape's (attention), or a record_shapes() file's of both families."""
+    from ..records.tuning_table import DECODE_FAMILY, FAMILY, read_recorded_shapes
 
     if shape and shapes:
         raise UsageError("give --shape (repeatable) or --shapes FILE, not both")
     if shapes:
         _check_input(shapes, "shapes file")
-        return read_shapes_file(shapes)
+        found = read_recorded_shapes(shapes)
+        return found[FAMILY], found[DECODE_FAMILY]
     if not shape and not stale:
         raise UsageError("nothing to tune: give --shape SPEC (repeatable), --shapes FILE "
                          "(saved by evotune.torch.record_shapes()) or --stale")
-    return list(shape or ())
+    return list(shape or ()), []
 
 
 def _stale_plan(path: Path) -> tuple[list[str], dict[str, list[dict]], list[str]]:
@@ -246,16 +248,55 @@ def tune(
                                                 "not yet searched (what one leaves goes to the next); past its "
                                                 "share a key's search asks no more candidates and still times its "
                                                 "finalists beside SDPA. Default: --trials alone bounds it."),
+    decode_table: Optional[str] = typer.Option(None, "--decode-table", help="Decode table the recording's decode "
+                                               "calls are tuned into (default: $EVOTUNE_DECODE_TABLE, else "
+                                               "decode-table.json in evotune's cache). Updated where it exists."),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Search each distinct table key of the shapes (warm-started from earlier runs), then update the table."""
-    from ..problems import get_problem
-    from ..records.tuning_table import load_table, tune_keys, tune_plan, update_table
+    """Search each distinct table key of the shapes (warm-started from earlier runs), then update the table; the
+    decode calls a --shapes recording holds (generate()'s steps) are searched per decode-table key, benched beside
+    SDPA and written to the decode table."""
+    from ..records.tuning_table import load_table, tune_keys
+    from . import tune_decode
 
-    specs = _tune_specs(shape, shapes, stale)
-    path = _table_path(table, "--table")
-    if path.exists():
+    specs, decode_specs = _tune_specs(shape, shapes, stale)
+    path = _table_path(table, "--table") if specs or stale else None
+    if path is not None and path.exists():
         load_table(path)  # a damaged table fails now, not after the searches
+    plan, merged, key_seeds = _attention_plan(specs, stale, path, json_out) if path is not None else ([], [], {})
+    decode_plan, decode_notes = tune_decode.plan(decode_specs)
+    decode_path = tune_decode.decode_table_path(decode_table) if decode_plan else None
+    require_gpu("tune")
+    if not json_out:
+        for note in [f"note: {m}" for m in merged + decode_notes]:
+            err_console.print(note, highlight=False, markup=False, soft_wrap=True)
+
+    def progress(i: int, n: int, shp) -> None:
+        if not json_out:
+            err_console.print(f"key {i}/{n}: {shp.spec} ...", highlight=False, soft_wrap=True)
+
+    budget = _KeyBudget(time_budget, len(plan) + len(decode_plan))
+
+    def search(shp):
+        with budget.key() as stop_at:
+            return _search_key(shp, trials, timeout, gpu, json_out, seeds=tuple(key_seeds.get(shp.spec, ())),
+                               priors=priors, stop_at=stop_at)
+
+    outcomes = tune_keys(plan, search, progress) if plan else []
+    decoded, decode_lines = tune_decode.tune_decode(
+        decode_plan, decode_path, lambda shp, stop_at: _search_key(shp, trials, timeout, gpu, json_out, priors=priors,
+                                                                   stop_at=stop_at, family=tune_decode.FAMILY),
+        budget, json_out) if decode_plan else ([], [])
+    _finish_tune(outcomes, decoded, decode_lines, path, merged, json_out)
+
+
+def _attention_plan(specs: list[str], stale: bool, path: Path, json_out: bool) -> tuple[list, list[str], dict]:
+    """(the attention shapes to search, one per table key; notes on those merged; {spec: configs asked first}):
+    --stale adds the table's stale entries, each shape checked before the GPU is looked for."""
+    from ..problems import get_problem
+    from ..problems.shapes import parse_shape
+    from ..records.tuning_table import TableKey, tune_plan
+
     seeds, stale_lines = {}, []
     if stale:
         stale_specs, seeds, stale_lines = _stale_plan(path)
@@ -263,45 +304,47 @@ def tune(
             raise UsageError(f"--stale: no stale entry in {path} (every entry's kernel source is today's): nothing "
                              f"to re-measure")
         specs = specs + stale_specs
+    if not specs:
+        return [], [], {}
     plan, merged = tune_plan(specs)
     attention = get_problem("attention")
     for shp in plan:  # a shape the kernel cannot run is a usage error, before the GPU is looked for
         attention.check_shape(shp)
-    require_gpu("tune")
     if not json_out:
-        for note in stale_lines + [f"note: {m}" for m in merged]:
-            err_console.print(note, highlight=False, markup=False, soft_wrap=True)
+        for line in stale_lines:
+            err_console.print(line, highlight=False, markup=False, soft_wrap=True)
     # A stale entry's config is asked first on the shape that now stands for its key (tune_plan keeps one per key).
     key_seeds: dict[str, list[dict]] = {}
     for spec, configs in seeds.items():
-        from ..problems.shapes import parse_shape
-        from ..records.tuning_table import TableKey
-
         key = TableKey.for_shape(parse_shape(spec), "", "")
         chosen = next(p for p in plan if TableKey.for_shape(p, "", "") == key)
         key_seeds.setdefault(chosen.spec, []).extend(configs)
+    return plan, merged, key_seeds
 
-    def progress(i: int, n: int, shp) -> None:
-        if not json_out:
-            err_console.print(f"key {i}/{n}: {shp.spec} ...", highlight=False, soft_wrap=True)
 
-    budget = _KeyBudget(time_budget, len(plan))
+def _finish_tune(outcomes: list[dict], decoded: list[dict], decode_lines: list[str], path: Path | None,
+                 merged: list[str], json_out: bool) -> None:
+    """Say which keys failed, update the attention table from the tuned runs, report; EvotuneError where a key
+    was not tuned (the tables hold the others)."""
+    from ..records.tuning_table import update_table
 
-    def search(shp):
-        with budget.key() as stop_at:
-            return _search_key(shp, trials, timeout, gpu, json_out, seeds=tuple(key_seeds.get(shp.spec, ())),
-                               priors=priors, stop_at=stop_at)
-
-    outcomes = tune_keys(plan, search, progress)
-    for o in outcomes:
+    everything = outcomes + decoded
+    for o in everything:
         if o["error"] and not json_out:
             err_console.print(f"key {o['shape']}: not tuned: {o['error']}", highlight=False, soft_wrap=True)
     tuned = [o["run"] for o in outcomes if o["run"]]
-    if not tuned:
-        raise EvotuneError(f"no key was tuned ({len(outcomes)} searched); the table at {path} is unchanged")
-    built, notes, path = update_table(tuned, path)
-    _report_build(built, notes, path, json_out, {"keys": outcomes, "merged": merged})
-    failed = [o["shape"] for o in outcomes if o["error"]]
+    if not tuned and not any(o["run"] for o in decoded):
+        raise EvotuneError(f"no key was tuned ({len(everything)} searched); the tables are unchanged")
+    extra = {"keys": everything, "merged": merged, "decode_table": decode_lines}
+    if tuned:
+        built, notes, path = update_table(tuned, path)
+        _report_build(built, notes, path, json_out, extra)
+    elif json_out:
+        emit_json(extra)
+    if not json_out:
+        for line in decode_lines:
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
+    failed = [o["shape"] for o in everything if o["error"]]
     if failed:
-        raise EvotuneError(f"{len(failed)} of {len(outcomes)} keys not tuned ({', '.join(failed)}); the table "
-                           f"holds the others")
+        raise EvotuneError(f"{len(failed)} of {len(everything)} keys not tuned ({', '.join(failed)}); the tables "
+                           f"hold the others")
