@@ -693,8 +693,9 @@ def _kernel_share(model, call, torch):
 
 
 def _tune_first(args, torch, dtype, prefill, generate) -> dict:
-    """Record the attention keys of every row (one prefill per prefill row, one generate() per context) and run
-    `evotune tune --shapes` into --table."""
+    """Record the attention keys of every row (one prefill per prefill row, one generate() per context: its decode
+    step too) and run `evotune tune --shapes` into --table, its decode keys into the decode table beside it
+    (decode_table_beside), which use_table_and_register then puts in use."""
     from evotune.torch import hf, record_shapes
 
     table = Path(args.table or "e2e-table.json").resolve()
@@ -717,11 +718,12 @@ def _tune_first(args, torch, dtype, prefill, generate) -> dict:
             free(torch)
     rec.save(shapes)
     cmd = [sys.executable, "-m", "evotune", "tune", "--shapes", str(shapes), "--trials", str(args.tune_trials),
-           "--table", str(table)]
+           "--table", str(table), "--decode-table", str(decode_table_beside(table))]
     t = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     args.table = str(table)
-    return {"command": " ".join(cmd[1:]), "shapes": rec.specs(), "rc": proc.returncode,
+    return {"command": " ".join(cmd[1:]), "shapes": rec.specs(), "decode_shapes": rec.specs("attention-decode"),
+            "rc": proc.returncode,
             "seconds": time.monotonic() - t, "tail": (proc.stdout + proc.stderr)[-3000:]}
 
 
@@ -953,6 +955,11 @@ def e2e_short_table(result) -> str:
 # --------------------------------------------------------------------------- main
 
 
+def decode_table_beside(table) -> Path:
+    """The decode table `--tune-trials` writes beside the tuning table (TABLE.decode.json), which the rows then use."""
+    return Path(table).resolve().with_suffix(".decode.json")
+
+
 def use_table_and_register(table):
     """The tuning table `table` (if any) in use, through EVOTUNE_TABLE too (spawned processes), and the two attention
     implementations registered with the same mask policy (no mask for an unpadded prefill, even while compiling or
@@ -966,6 +973,11 @@ def use_table_and_register(table):
 
     if table:
         et.use_table(str(Path(table).resolve()))
+        decode_table = decode_table_beside(table)
+        if decode_table.is_file() and "EVOTUNE_DECODE_TABLE" not in os.environ:  # one given in the environment wins
+            from evotune.torch.decode import use_decode_table
+
+            use_decode_table(str(decode_table))
     hf.register("evotune", assume_unpacked=True)
     hf.register("sdpa_unpacked", assume_unpacked=True, attention_function=sdpa_attention_forward)
     return et

@@ -14,7 +14,8 @@
 # dynamic,static,compile), ROWS=llama:1x8192 (the rows or contexts of the phase), ROUNDS (default 5).
 #
 # The table: docs/data/model/e2e-table.json where it exists (copy each tune call's $OUT/e2e-table.json there
-# before the next call: tune updates it, the other phases read it). Run from the repository root with .whl
+# before the next call: tune updates it, the other phases read it), and its decode table e2e-table.decode.json
+# (the decode steps a generate() row records, tuned by the same `evotune tune --shapes`). Run from the repository root with .whl
 # carried (optuna, for tune). Writes $OUT/e2e-PHASE-MODEL.tar.gz (JSON, markdown, logs) and $OUT/e2e-table.json
 # (tune), and prints the short table last.
 set -u
@@ -30,6 +31,8 @@ export EVOTUNE_RUNS=$work/runs EVOTUNE_CACHE=$work/cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$work/device.txt"
 table=$work/e2e-table.json
 [ -f docs/data/model/e2e-table.json ] && cp docs/data/model/e2e-table.json "$table"
+# The decode table tune writes beside the table (model_bench.decode_table_beside), read by the generate phase.
+[ -f docs/data/model/e2e-table.decode.json ] && cp docs/data/model/e2e-table.decode.json "$work/e2e-table.decode.json"
 case $MODEL in
   gpt2) prefill="gpt2:1x512,gpt2:1x8192,gpt2:8x2048"; generate="gpt2:1x2048,gpt2:8x2048" ;;
   llama|qwen2) prefill="$MODEL:1x512,$MODEL:1x8192,$MODEL:8x2048"
@@ -52,6 +55,7 @@ timeout 520 python3 tools/model_bench.py "${common[@]}" "${args[@]}" --out "$wor
   --md "$work/e2e-$PHASE-$MODEL.md" > "$work/e2e-$PHASE-$MODEL.log" 2>&1
 echo "model_bench rc=$?"
 [ -f "$table" ] && cp "$table" "$OUT/e2e-table.json"
+[ -f "$work/e2e-table.decode.json" ] && cp "$work/e2e-table.decode.json" "$OUT/e2e-table.decode.json"
 tar -czf "$OUT/e2e-$PHASE-$MODEL.tar.gz" -C "$work" --exclude cache --exclude runs .
 grep -E "^\[|tune:" "$work/e2e-$PHASE-$MODEL.log" | tail -n 12
 sed -n '/^model  size/,$p' "$work/e2e-$PHASE-$MODEL.log"
