@@ -172,9 +172,9 @@ def bench(
     problem, shp, cfg, origin = _resolve_candidate(which, run, config, shape, space, family, "bench", json_out)
     names = [n.strip() for n in baselines.split(",") if n.strip()] if baselines else None
     if names:
-        unknown = sorted(set(names) - set(problem.baselines()))
+        unknown = sorted(set(names) - set(problem.baselines_for(shp)))
         if unknown:
-            raise UsageError(f"unknown baseline(s) {', '.join(unknown)}; {problem.family} has {', '.join(problem.baselines())}")
+            raise UsageError(f"unknown baseline(s) {', '.join(unknown)}; {problem.family} has {', '.join(problem.baselines_for(shp))}")
     if out is not None:
         check_output_path(out, "--out")
     require_gpu("bench")

@@ -942,7 +942,7 @@ def measure_baselines(problem, shape, names=None, seeds=DEFAULT_SEEDS, reps: int
     """Error and time of each of the problem's baselines (SDPA backends, torch.softmax), measured like a candidate."""
     import torch
 
-    names = names or problem.baselines()
+    names = names or problem.baselines_for(shape)
     report = {}
     sets, _ = timing_inputs(problem, shape)  # the rotation a candidate is timed on: the same inputs and L2 traffic
     for name in names:

@@ -214,6 +214,10 @@ class Problem(ABC):
     def baselines(self) -> list[str]:
         """Names of the reference implementations timed beside the kernel (SDPA backends, torch.softmax)."""
 
+    def baselines_for(self, shape) -> list[str]:
+        """The baselines timed beside the kernel on `shape` (by default baselines(), whatever the shape)."""
+        return self.baselines()
+
     @abstractmethod
     def baseline_launcher(self, name: str, shape, inputs: dict, probe: bool = True):
         """A zero-argument callable returning baseline `name`'s output on `inputs`, or None if it refuses them."""

@@ -840,10 +840,18 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
     def baselines(self) -> list[str]:
         return ["flash", "cudnn", "efficient", "math"]
 
+    def baselines_for(self, shape: Shape) -> list[str]:
+        """SDPA's backends; with a softcap or a window also FlexAttention (compiled, the same mask and score_mod):
+        issue 42's anchor for those semantics, and, where SDPA cannot compute them, the fastest PyTorch path there."""
+        return self.baselines() + (["flex"] if shape.has_softcap or shape.has_window else [])
+
     def baseline_skip_reason(self, name: str, shape: Shape) -> str | None:
-        if shape.has_softcap or shape.has_window:
-            # FlexAttention (compiled) is the anchor for these semantics (issue 42); not a baseline here yet.
-            return "skipped: SDPA has no softcap or sliding window"
+        if name == "flex":
+            return None if shape.has_softcap or shape.has_window else "skipped: FlexAttention only beside softcap/window"
+        if shape.has_softcap:
+            return "skipped: SDPA has no softcap"
+        if shape.has_window and name == "flash":
+            return "skipped: SDPA's flash backend takes no mask (a window is a boolean attn_mask)"
         if name == "math" and shape.seq_q * shape.seq_k * shape.batch * shape.heads > (1 << 28):
             return "skipped: the math backend's S matrix is too large"
         if shape.kv_heads != shape.heads and not sdpa_has_gqa():
@@ -853,11 +861,14 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         return None
 
     def baseline_launcher(self, name: str, shape: Shape, inputs: dict, probe: bool = True):
-        """A callable running SDPA with one backend forced, returning its output; with `probe`, None
-        if the backend refuses these inputs (found by running it once)."""
+        """A callable running SDPA with one backend forced (a window as its boolean attn_mask, as the op's fallback
+        passes it), or FlexAttention, returning its output; with `probe`, None if the backend refuses these inputs
+        (found by running it once)."""
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        if name == "flex":
+            return self.probed(_flex_launcher(shape, inputs), probe)
         backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                    "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
@@ -865,12 +876,51 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         # Grouped K/V heads go in un-repeated (enable_gqa); the keyword only where needed, so SDPA's path
         # for ungrouped shapes is the one it always was.
         gqa = {"enable_gqa": True} if shape.kv_heads != shape.heads else {}
+        mask = visibility_mask(shape, q.device) if shape.has_window else None
+        masked = {"attn_mask": mask} if mask is not None else {}
 
         def run():
             with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, scale=inputs["scale"], **gqa)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal and mask is None,
+                                                      scale=inputs["scale"], **masked, **gqa)
 
         return self.probed(run, probe)
+
+
+# One compiled flex_attention per process: torch.compile caches its graphs per score_mod / mask signature.
+_FLEX: list = []
+
+
+def _flex_launcher(shape: Shape, inputs: dict):
+    """FlexAttention on `inputs` with `shape`'s causal mask, window (bottom-right) and softcap, compiled."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not _FLEX:
+        _FLEX.append(torch.compile(flex_attention))
+    sq, sk, d = shape.seq_q, shape.seq_k, shape.seq_k - shape.seq_q
+    left, right, causal, cap = shape.window_left, shape.window_right, shape.causal, shape.softcap
+
+    def mask_mod(b, h, qi, kj):
+        ok = qi >= 0
+        if causal:
+            ok = ok & (kj <= qi)
+        if left >= 0:
+            ok = ok & (kj >= qi + d - left)
+        if right >= 0:
+            ok = ok & (kj <= qi + d + right)
+        return ok
+
+    def score_mod(s, b, h, qi, kj):
+        return cap * torch.tanh(s / cap)
+
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    block_mask = create_block_mask(mask_mod, None, None, sq, sk, device=q.device) if causal or shape.has_window \
+        else None
+    kw = {"block_mask": block_mask, "scale": inputs["scale"], "enable_gqa": shape.kv_heads != shape.heads}
+    if shape.has_softcap:
+        kw["score_mod"] = score_mod
+    return lambda: _FLEX[0](q, k, v, **kw)
 
 
 def _sync_traits(config, targs: str) -> str:
