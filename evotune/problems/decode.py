@@ -420,7 +420,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         tensors do not match the shape or the kernel's alignment."""
         import numpy as np
 
-        align = 2 * int(knob(config, "vec"))
+        # A lane's vector (vec 4: 8 bytes); kv_load = bulk copies whole rows, whose global address must be 16-byte aligned.
+        align = 16 if knob(config, "kv_load") == "bulk" else 2 * int(knob(config, "vec"))
         for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
             if t.dim() != 4 or t.stride(-1) != 1 or t.data_ptr() % align or any(s % 8 for s in t.stride()[:-1]):
                 raise UsageError(f"attention-decode: {name} must be 4-D with unit head-dim stride and 16-byte "
