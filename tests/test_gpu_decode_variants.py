@@ -62,7 +62,7 @@ def test_sampled_variant_configs_pass_the_gate(decode, dspace):
     shape = decode.parse_shape("2,32,8,3001,128:bf16")
     variants = [c for c in dspace.admitted_configs(decode.context(shape))
                 if (c["kv_load"], c["combine"], c["split_chunks"]) != ("cp_async", "fenced", "ceil")]
-    for cfg in random.Random(41).sample(variants, 12):
+    for cfg in random.Random(41).sample(variants, 8):
         res = _evaluate(decode, shape, cfg, time_it=False)
         assert res.status == R.OK, (cfg.key(), res.status, res.message)
 

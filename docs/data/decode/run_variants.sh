@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The decode kernel's variants (issue 41: kernels/decode/variants.cuh; docs/experiments/perf-34-decode-variants.md)
-# on one H100 or H200, in one device call of under 9 minutes (each step under a timeout; 510 s at most):
+# on one H100 or H200, in one device call of under 9 minutes (each step under a timeout; 490 s at most):
 #   1. their GPU tests (tests/test_gpu_decode_variants.py: the gate on long and short caches, GQA 4 and 8, Sq 1 and 4,
 #      d64 and d128, fp16 and bf16, dense and strided caches; bulk bitwise equal to cp_async; repeated launches)
 #   2. per shape (SHAPES, NAME=SHAPE; default the Llama-3-8B decode keys of 1x32/8 d128 fp16 at 16k and 2k):
@@ -9,6 +9,8 @@
 #      c. NAME: a search of the whole space (TRIALS), warm-started from a and b: it asks their fastest first, and a's
 #         fastest again at each variant knob's other values (search/warmstart.py with_new_knobs)
 #      d. `evotune bench` of c's best beside SDPA's backends (flash, cuDNN, efficient, math) in one process
+#   3. docs/data/decode/op_check.py: the decode table from those benches, and the op (evotune.torch.decode, the
+#      launches a model's call makes) beside SDPA on the same tensors, eager and in a CUDA graph
 # Run from the repository root with .whl carried (optuna):  bash docs/data/decode/run_variants.sh
 # Writes $OUT/decode-variants.tar.gz (pytest log, run folders without caches, bench JSONs, logs) and prints the
 # table last: per shape the bench row, then c's fastest trial of the kernel before the variants and with each.
@@ -24,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$work/de
 start=$(date +%s)
 say() { echo "$1 rc=$2 ($(( $(date +%s) - start )) s)"; }
 
-timeout 90 python3 -m pytest -q -m gpu tests/test_gpu_decode_variants.py -p no:cacheprovider > "$work/pytest.log" 2>&1
+timeout 80 python3 -m pytest -q -m gpu tests/test_gpu_decode_variants.py -p no:cacheprovider > "$work/pytest.log" 2>&1
 say "pytest" $?; tail -n 1 "$work/pytest.log"
 
 search() {  # NAME SHAPE TIMEOUT ARGS...: one search into run NAME, its log in $work/search-NAME.log
@@ -36,18 +38,22 @@ search() {  # NAME SHAPE TIMEOUT ARGS...: one search into run NAME, its log in $
 
 for item in ${SHAPES:-llama-e2e-32k=1,32,8,16416,128:fp16 llama-e2e-4k=1,32,8,2080,128:fp16}; do
   name=${item%%=*}; shape=${item#*=}
-  search "$name-base" "$shape" 40 --space attention-decode:cp-async --trials "$BASE_TRIALS" --warm-start none
-  search "$name-first" "$shape" 35 --space attention-decode:variants --sampler exhaustive --trials 48 \
+  search "$name-base" "$shape" 35 --space attention-decode:cp-async --trials "$BASE_TRIALS" --warm-start none
+  search "$name-first" "$shape" 30 --space attention-decode:variants --sampler exhaustive --trials 48 \
     --warm-start none
   warm=$name-base
   grep -q '"status": "ok"' "$work/runs/$name-first/trials.jsonl" 2>/dev/null && warm=$warm,$name-first
-  search "$name" "$shape" 100 --trials "$TRIALS" --warm-start "$warm" --population 64 --no-priors
-  timeout 35 python3 -m evotune bench best --run "$name" --reps 100 --out "$work/bench/$name.json" \
+  search "$name" "$shape" 90 --trials "$TRIALS" --warm-start "$warm" --population 64 --no-priors
+  timeout 30 python3 -m evotune bench best --run "$name" --reps 100 --out "$work/bench/$name.json" \
     > "$work/bench-$name.log" 2>&1
   say "bench $name" $?
 done
 
+timeout 40 python3 docs/data/decode/op_check.py "$work/bench" "$work" > "$work/op_check.log" 2>&1
+say "op_check" $?
+
 mkdir -p "$OUT"
+cp "$work/decode-table.json" "$OUT/" 2>/dev/null
 tar czf "$OUT/decode-variants.tar.gz" --exclude=cache --exclude=study.db -C "$work" .
 grep -E "passed|failed|error" "$work/pytest.log" | tail -n 3
 python3 - "$work" <<'PY'
@@ -85,3 +91,4 @@ for path in sorted(glob.glob(os.path.join(work, "bench", "*.json"))):
         cells.append(f"{label} {min(mine):.2f} ({len(mine)})" if mine else f"{label} -")
     print(f"{run:<24}" + "   ".join(cells))
 PY
+tail -n 4 "$work/op_check.log"
