@@ -72,13 +72,38 @@ def test_every_preset_admits_a_split(decode, dspace):
         assert any(c["splits"] > 1 for c in dspace.admitted_configs(ctx)), name
 
 
+def split_ranges(seq_k: int, splits: int, block_n: int, chunks: str = "ceil") -> list[tuple[int, int]]:
+    """(begin, end) of each split's keys as the kernels deal them: attention_decode.cu's chunks of ceil(Sk / splits)
+    keys rounded up to whole tiles, or split_chunks = even's tiles dealt evenly (kernels/decode/combine.cuh)."""
+    if chunks == "even":
+        tiles = math.ceil(seq_k / block_n)
+        base, extra = divmod(tiles, splits)
+        firsts = [s * base + min(s, extra) for s in range(splits + 1)]
+        return [(min(seq_k, a * block_n), min(seq_k, b * block_n)) for a, b in zip(firsts, firsts[1:])]
+    per_split = math.ceil(math.ceil(seq_k / splits) / block_n) * block_n
+    return [(min(seq_k, s * per_split), min(seq_k, s * per_split + per_split)) for s in range(splits)]
+
+
 def test_no_admitted_split_is_empty(decode, dspace):
-    """Where the space admits a split count, the kernel's chunking gives every split at least one key."""
-    shape = parse_shape("1,32,8,1000,128")
-    for cfg in random.Random(3).sample(dspace.admitted_configs(decode.context(shape)), 40):
-        splits, block_n = cfg["splits"], decode.block_n(cfg, shape)
-        per_split = math.ceil(math.ceil(shape.seq_k / splits) / block_n) * block_n
-        assert per_split * (splits - 1) < shape.seq_k, cfg.key()
+    """Where the space admits a split count, the kernel's chunking (ceil or even) gives every split at least one key,
+    and the splits cover the cache once, in order."""
+    for text in ("1,32,8,1000,128", "1,32,8,2080,128"):
+        shape = parse_shape(text)
+        for cfg in random.Random(3).sample(dspace.admitted_configs(decode.context(shape)), 60):
+            ranges = split_ranges(shape.seq_k, cfg["splits"], decode.block_n(cfg, shape), cfg["split_chunks"])
+            assert all(b > a for a, b in ranges), cfg.key()
+            assert ranges[0][0] == 0 and ranges[-1][1] == shape.seq_k
+            assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)), cfg.key()
+
+
+def test_even_chunks_admit_what_ceil_leaves_empty(decode, dspace):
+    """At Sk 2080 with 32-key tiles, ceil's chunks of 160 keys leave the 16th of 16 splits empty (so at most 8 splits,
+    64 CTAs, were admitted); even deals the 65 tiles as 5 and 4, every split busy."""
+    shape = parse_shape("1,32,8,2080,128")
+    base = {"splits": 16, "warps": 8, "vec": 8, "unroll": 2, "stages": 3}
+    assert not dspace.admitted(dspace.config(base), decode.context(shape))
+    assert dspace.admitted(dspace.config({**base, "split_chunks": "even"}), decode.context(shape))
+    assert [b - a for a, b in split_ranges(2080, 16, 32, "even")] == [160] + [128] * 15
 
 
 # ------------------------------------------------------------------ compiles (shared: one compile per case)
@@ -112,7 +137,7 @@ def test_compiles_clean(decode, dspace, compiled_cases):
         assert "Compiling entry function 'evotune_decode' for 'sm_90a'" in compiled.log
 
 
-@pytest.mark.parametrize("name", ["splits", "warps", "vec", "unroll", "stages"])
+@pytest.mark.parametrize("name", ["splits", "warps", "vec", "unroll", "stages", "kv_load", "combine", "split_chunks"])
 def test_every_knob_changes_the_machine_code(decode, dspace, compiled_cases, name):
     """Moving one knob of the first compiled case changes the entry's machine code."""
     from test_softmax import text_section
@@ -130,24 +155,22 @@ def test_every_knob_changes_the_machine_code(decode, dspace, compiled_cases, nam
 # ------------------------------------------------------------------ the split-KV math, emulated on the CPU
 
 
-def emulate_kernel(q, k, v, scale, causal, splits, groups, unroll):
+def emulate_kernel(q, k, v, scale, causal, splits, groups, unroll, chunks="ceil"):
     """kernels/attention_decode.cu's algorithm in torch on the CPU for one (batch, K/V head): keys dealt to splits
-    of whole tiles and within a tile to key groups (key = tile_start + u * groups + g), a running log2-domain
-    (max, sum, O) per group, the merge of the groups, then the combine of the splits' partials."""
+    of whole tiles (split_ranges: ceil or even) and within a tile to key groups (key = tile_start + u * groups + g), a
+    running log2-domain (max, sum, O) per group, the merge of the groups, then the combine of the splits' partials."""
     import torch
 
     rows, sk = q.shape[0], k.shape[0]
     seq_q = rows  # one query head per row group is enough for the math: rows are the queries here
     block_n = groups * unroll
-    per_split = math.ceil(math.ceil(sk / splits) / block_n) * block_n
     s_all = (q @ k.T) * scale * math.log2(math.e)
     key = torch.arange(sk)
     visible = torch.ones(rows, sk, dtype=torch.bool)
     if causal:
         visible = key[None, :] <= (sk - seq_q + torch.arange(rows))[:, None]
     partials = []
-    for split in range(splits):
-        begin, end = min(sk, split * per_split), min(sk, split * per_split + per_split)
+    for begin, end in split_ranges(sk, splits, block_n, chunks):
         gm = torch.full((groups, rows), -math.inf)
         gl = torch.zeros(groups, rows)
         go = torch.zeros(groups, rows, v.shape[1])
@@ -172,19 +195,21 @@ def emulate_kernel(q, k, v, scale, causal, splits, groups, unroll):
     return sum(p[2] * wi[:, None] for p, wi in zip(partials, w)) / total[:, None]
 
 
-@pytest.mark.parametrize("sk, causal, splits, groups, unroll", [
-    (301, False, 4, 8, 2),   # ragged: the last split is short, the last tile partial
-    (64, True, 3, 4, 1),     # bottom-right causal over a short cache
-    (1000, True, 7, 16, 4),  # causal, many splits of whole tiles
+@pytest.mark.parametrize("sk, causal, splits, groups, unroll, chunks", [
+    (301, False, 4, 8, 2, "ceil"),   # ragged: the last split is short, the last tile partial
+    (64, True, 3, 4, 1, "ceil"),     # bottom-right causal over a short cache
+    (1000, True, 7, 16, 4, "ceil"),  # causal, many splits of whole tiles
+    (2080, False, 16, 8, 4, "even"),  # the tiles dealt evenly (5 and 4 of 32 keys), the last one partial
+    (77, True, 9, 4, 2, "even"),     # as many splits as tiles: one each
 ])
-def test_split_kv_math_matches_the_reference(sk, causal, splits, groups, unroll):
+def test_split_kv_math_matches_the_reference(sk, causal, splits, groups, unroll, chunks):
     """The kernel's split/group/tile dealing and its combine give the reference's softmax(QK^T)V."""
     import torch
 
     gen = torch.Generator().manual_seed(sk)
     q, k, v = (torch.randn(n, 64, generator=gen) for n in (4, sk, sk))
     want = reference_decode(q[None, :, None, :].transpose(1, 2), k[None, None], v[None, None], 0.125, causal)[0, 0]
-    got = emulate_kernel(q, k, v, 0.125, causal, splits, groups, unroll)
+    got = emulate_kernel(q, k, v, 0.125, causal, splits, groups, unroll, chunks)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -16,6 +16,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from ..build.template import inline_includes
 from ..errors import UsageError
 from ..limits import launch_asserts
 from .shapes import check_fields, parse_dim, parse_flags
@@ -31,7 +32,16 @@ MAX_ROWS = 16    # ... GROUP * SEQ_Q rows in one CTA (their Q and O slices live 
 MAX_DIMS = {"batch": 65535, "heads": 65535, "kv_heads": 65535, "seq_q": MAX_SEQ_Q, "seq_k": 2**30, "head_dim": 128}
 
 # The value a knob takes when a (reduced) search space does not list it.
-KNOB_DEFAULTS = {"warps": 4, "vec": 8, "unroll": 2, "stages": 2, "splits": 1}
+KNOB_DEFAULTS = {"warps": 4, "vec": 8, "unroll": 2, "stages": 2, "splits": 1, "kv_load": "cp_async",
+                 "combine": "fenced", "split_chunks": "ceil"}
+# The knobs of kernels/decode/variants.cuh: knob -> (DecodeVariantTraits' template parameter, each value's enum
+# constant there), the default first. A config with all of them at their defaults instantiates attention_decode.cu's
+# own kernel, as before they existed.
+VARIANT_KNOBS = {
+    "kv_load": ("KV_LOAD", {"cp_async": "kLoadCpAsync", "bulk": "kLoadBulk"}),
+    "combine": ("COMBINE", {"fenced": "kCombineFenced", "acq_rel": "kCombineAcqRel"}),
+    "split_chunks": ("CHUNKS", {"ceil": "kChunksCeil", "even": "kChunksEven"}),
+}
 
 # The values each knob may take: what DecodeTraits' static_asserts accept for it alone.
 KNOB_DOMAINS = {
@@ -40,6 +50,7 @@ KNOB_DOMAINS = {
     "unroll": range(1, 17),
     "stages": range(1, 9),
     "splits": range(1, 257),
+    **{name: tuple(enums) for name, (_, enums) in VARIANT_KNOBS.items()},
 }
 
 CONTEXT_NAMES = ("batch", "heads", "kv_heads", "group", "seq_q", "seq_k", "head_dim", "rows", "dtype",
@@ -50,6 +61,16 @@ TOLERANCE = {"fp16": (1e-3, 4e-3), "bf16": (8e-3, 3e-2)}  # (atol, rtol)
 
 
 knob = knob_reader(KNOB_DEFAULTS)
+
+
+def is_variant(config) -> bool:
+    """Whether `config` sets a knob of kernels/decode/variants.cuh off its default (else attention_decode.cu's kernel)."""
+    return any(knob(config, name) != next(iter(enums)) for name, (_, enums) in VARIANT_KNOBS.items())
+
+
+def block_threads(config) -> int:
+    """Threads of a CTA: the consumer warps, and kv_load = bulk's producer warp."""
+    return 32 * (int(knob(config, "warps")) + (1 if knob(config, "kv_load") == "bulk" else 0))
 
 
 @dataclass(frozen=True)
@@ -166,7 +187,11 @@ class DecodeProblem(Problem):
     perturbed = "key"
     baseline_kind = "SDPA"
     rate_unit = "GB/s"
-    knob_abbrev = {"warps": "w", "vec": "v", "unroll": "u", "stages": "st", "splits": "split"}
+    knob_abbrev = {"warps": "w", "vec": "v", "unroll": "u", "stages": "st", "splits": "split", "kv_load": "load-",
+                   "combine": "combine-", "split_chunks": "chunks-"}
+    # kv_load, combine and split_chunks came after the recorded runs; at cp_async, fenced and ceil the source is
+    # attention_decode.cu's as it was (the variants' header is not appended).
+    late_knobs = {name: next(iter(enums)) for name, (_, enums) in VARIANT_KNOBS.items()}
     # The batch and the cache length are amounts of K/V traffic: a good start for each other (the split count
     # is re-searched anyway); the group, queries, head dim, dtype, layout and mask change the code.
     size_fields = frozenset({"batch", "seq_k"})
@@ -238,13 +263,22 @@ class DecodeProblem(Problem):
             ("SPLITS", int(knob(config, "splits"))),
             ("IS_BF16", "true" if shape.dtype == "bf16" else "false"),
             ("CAUSAL", "true" if shape.causal else "false"),
-        ]
+        ] + ([(param, "evotune::" + enums[knob(config, name)]) for name, (param, enums) in VARIANT_KNOBS.items()]
+             if is_variant(config) else [])
 
     def instantiation(self, config, shape: DecodeShape) -> str:
+        """The entry point; a config with a knob of kernels/decode/variants.cuh off its default gets that header
+        (inlined) ahead of it and calls its decode_attention_variant (traits DecodeVariantTraits)."""
         targs = ",\n    ".join(f"/* {name} = */ {value}" for name, value in self.template_args(config, shape))
         geo = self.geometry(config, shape)
         asserts = launch_asserts(geo.threads, geo.dynamic_smem, ("kRows", shape.rows))
-        return f"""using EvotuneTraits = evotune::DecodeTraits<
+        if is_variant(config):
+            pieces = inline_includes('#include "decode/variants.cuh"\n', (self.kernel_file,))
+            return pieces + self._entry("DecodeVariantTraits", "decode_attention_variant", targs, asserts)
+        return self._entry("DecodeTraits", "decode_attention", targs, asserts)
+
+    def _entry(self, traits: str, body: str, targs: str, asserts: str) -> str:
+        return f"""using EvotuneTraits = evotune::{traits}<
     {targs}>;
 {asserts}
 // Launch: grid (SPLITS, kv_heads, batch), block (EvotuneTraits::kThreads), dynamic shared memory
@@ -258,14 +292,14 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                long long q_sb, long long q_sh, long long q_ss, long long k_sb, long long k_sh, long long k_ss,
                long long v_sb, long long v_sh, long long v_ss, long long o_sb, long long o_sh, long long o_ss,
                int seq_k, float scale_log2, float* ws_o, float* ws_ml, int* ws_count) {{
-    evotune::decode_attention<EvotuneTraits>(q, k, v, o, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
+    evotune::{body}<EvotuneTraits>(q, k, v, o, q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
                                              o_sb, o_sh, o_ss, seq_k, scale_log2, ws_o, ws_ml, ws_count);
 }}
 """
 
     def geometry(self, config, shape: DecodeShape) -> LaunchGeometry:
         return LaunchGeometry(grid=(int(knob(config, "splits")), shape.kv_heads, shape.batch),
-                              block=(32 * int(knob(config, "warps")), 1, 1), dynamic_smem=self.smem_bytes(config, shape))
+                              block=(block_threads(config), 1, 1), dynamic_smem=self.smem_bytes(config, shape))
 
     def workspace_elems(self, config, shape: DecodeShape) -> tuple[int, int, int]:
         """(ws_o floats, ws_ml floats, ws_count ints) of one launch: zeros without a split."""
@@ -386,7 +420,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
         tensors do not match the shape or the kernel's alignment."""
         import numpy as np
 
-        align = 2 * int(knob(config, "vec"))
+        # A lane's vector (vec 4: 8 bytes); kv_load = bulk copies whole rows, whose global address must be 16-byte aligned.
+        align = 16 if knob(config, "kv_load") == "bulk" else 2 * int(knob(config, "vec"))
         for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
             if t.dim() != 4 or t.stride(-1) != 1 or t.data_ptr() % align or any(s % 8 for s in t.stride()[:-1]):
                 raise UsageError(f"attention-decode: {name} must be 4-D with unit head-dim stride and 16-byte "
