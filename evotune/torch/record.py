@@ -4,9 +4,10 @@
         model(inputs)
     rec.save("shapes.json")        # {"version": 1, "kind": "evotune-attention-shapes", "shapes": [...]}
 
-Each distinct call (sizes, K/V heads, dtype, mask, layout, device) is one row with its `--shape`
-spelling (None where the kernel has no such shape, e.g. fp32), its table key, the route it took
-and why, and how many times it was called. Calls inside torch.compile'd code are seen too: the op
+Each distinct call (sizes, K/V heads, dtype, mask, layout, device, softcap and window) is one row with its
+`--shape` spelling (None where the kernel has no such shape, e.g. fp32; with `:softcap=C` and `:window=L,R` where
+the call has them, so `evotune tune --shapes` tunes it as such), its table key, the route it took and why, and how
+many times it was called. Calls inside torch.compile'd code are seen too: the op
 runs at run time, not only while tracing.
 """
 
@@ -33,7 +34,7 @@ class ShapeRecorder:
 
     def add(self, decision) -> None:
         call = decision.call.as_dict()
-        ident = tuple(call.items())
+        ident = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in call.items())  # a window is a list
         with self._lock:
             row = self._rows.get(ident)
             if row is None:
