@@ -13,9 +13,11 @@ torch = pytest.importorskip("torch")
 
 import evotune.torch as et  # noqa: E402
 from evotune.problems.shapes import Shape  # noqa: E402
+from evotune.space.searchspace import load_builtin  # noqa: E402
 from evotune.torch import launcher  # noqa: E402
 from evotune.torch.routing import FAST_ROUTES  # noqa: E402
 
+from _tables import entry, table  # noqa: E402
 from test_torch_gpu import assert_close, make_qkv, use_variant  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +45,7 @@ def cpp():
 def python_route(q, k, v, causal):
     """The cached route's Python launch for these facts (what the launcher's route must match byte for byte)."""
     fast = FAST_ROUTES[(q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, causal,
-                        None, False, "sdpa")]
+                        None, False, "sdpa", 0.0, -1, -1)]
     assert hasattr(fast, "python"), "the route did not register with the compiled launcher"
     return fast.python(q, k, v)
 
@@ -144,3 +146,28 @@ def test_sdpa_route_runs_from_cpp(cpp, layout):
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.equal(out, ref) and torch.equal(direct, ref)
     assert (out.stride(1) < out.stride(2)) == (layout == "bshd")
+
+
+def test_softcap_and_window_calls_come_back_to_python(cpp):
+    """With a dense route registered for the same facts, a window + softcap call through the op is handed back
+    unread (launcher.cpp's key has no mods; the op registers none for them) and runs its own kernel route from Python,
+    passing the gate; the dense call still launches from C++."""
+    dense = Shape(2, 8, 256, 256, 64, "bf16")
+    capped = Shape(2, 8, 256, 256, 64, "bf16", softcap=30.0, window_left=31, window_right=0)
+    hopper = {**load_builtin("attention").default_config().as_dict(), "mma": "wgmma", "block_m": 128,
+              "compute_warps": 8, "producer_warps": 4, "block_n": 128, "stages": 2, "q_in_regs": False}
+    et.use_table(table(entry(dense, hopper, gpu=cpp), entry(capped, hopper, gpu=cpp)))
+    q, k, v = make_qkv(dense, seed=10)
+    et.attention(q, k, v)
+    routes = launcher.counts()["routes"]
+    for _ in range(2):
+        counts = launcher.counts()
+        out = torch.ops.evotune.attention.default(q, k, v, False, None, False, "error", 30.0, 31, 0)
+        after = launcher.counts()
+        assert after["misses"] == counts["misses"] + 1 and after["launches"] == counts["launches"]
+    assert launcher.counts()["routes"] == routes
+    torch.cuda.synchronize()
+    assert_close(out, q, k, v, capped)
+    counts = launcher.counts()
+    et.attention(q, k, v)
+    assert launcher.counts()["launches"] == counts["launches"] + 1

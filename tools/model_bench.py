@@ -685,7 +685,7 @@ def _kernel_share(model, call, torch):
     adapter = hf.stats()
     op_kernel = sum(r["calls"] for r in rows if r["route"] == "evotune")
     decode_kernel = sum(n for route, n in decode_routes.items() if route == "evotune")
-    total = adapter.get("evotune", 0) + adapter.get("sdpa", 0)
+    total = sum(adapter.values())  # the op's, transformers' sdpa's and (a softcap with a mask) math_attention's
     return {"attention_calls": total, "kernel_calls": op_kernel + decode_kernel,
             "share": (op_kernel + decode_kernel) / total if total else None, "adapter": adapter,
             "adapter_fallbacks": hf.fallbacks(), "op_routes": rows, "decode_routes": decode_routes,

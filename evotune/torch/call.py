@@ -6,16 +6,24 @@ devices, fewer K/V heads without enable_gqa) are a UsageError. Arguments SDPA co
 kernel does not (a CPU tensor, fp32, head dim 96, a strided head dim) make the call "uncovered": `coverage` names what, and the op's fallback policy decides between SDPA and
 an error. Grouped K/V heads (enable_gqa, fewer K/V heads than query heads) are covered: the kernel
 reads K/V head h // (heads / kv_heads) for query head h, and K/V go in un-repeated.
+
+Logit soft-capping and a sliding window ("score mods": `softcap`, `window`) are the Hopper kernel's SOFTCAP and LOCAL
+traits, with flash-attention's semantics as evotune.problems.shapes defines them; a call carries them as the triple
+(softcap, window_left, window_right), NO_MODS where it has neither, and its Shape (so its table key and its kernel's
+instantiation) carries them too.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import UsageError
 
+HEAD = "evotune.torch.attention"
+NO_MODS = (0.0, -1, -1)  # (softcap, window_left, window_right) of a call with neither
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 HEAD_DIMS = (64, 128)
 # The kernels are compiled for sm_90a (compile.DEFAULT_ARCH): their cubins load on compute capability 9.0 only.
@@ -66,6 +74,52 @@ def check_args(q, k, v, enable_gqa: bool) -> None:
         raise UsageError(f"evotune.torch.attention: {hk} k/v heads for {hq} query heads: must be {need}")
 
 
+def score_mods(softcap, window, is_causal, q, k) -> tuple[float, int, int]:
+    """(softcap, window_left, window_right) of attention()'s `softcap` (a number >= 0; 0 or None: no cap) and `window`
+    (None, or a pair (left, right) of integers, -1 leaving that side unbounded), checked (check_mods): one UsageError
+    line for a bad value. The causal rule reads q's and k's lengths where they are 4-D (check_args refuses the rest)."""
+    if softcap is None:
+        softcap = 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise UsageError(f"{HEAD}: softcap must be a number >= 0 (0 or None: no cap), got {type(softcap).__name__}")
+    left, right = -1, -1
+    if window is not None:
+        try:
+            sides = tuple(window)
+            bad = len(sides) != 2 or any(isinstance(w, bool) for w in sides)
+            left, right = (-1, -1) if bad else (operator.index(sides[0]), operator.index(sides[1]))
+        except TypeError:  # not a sequence, or a side that is not an integer
+            bad = True
+        if bad:
+            raise UsageError(f"{HEAD}: window must be None or a pair (left, right) of integers (-1: that side "
+                             f"unbounded), e.g. (4095, 0) for a causal window of 4096 keys; got {_shown(window)}")
+    four = getattr(q, "dim", lambda: 0)() == 4 and getattr(k, "dim", lambda: 0)() == 4
+    check_mods(float(softcap), left, right, is_causal, q.shape[2] if four else None, k.shape[2] if four else None)
+    return float(softcap), left, right
+
+
+def check_mods(softcap: float, left: int, right: int, is_causal: bool, seq_q, seq_k) -> None:
+    """The score mods' values by evotune.problems.shapes.Shape's rules (softcap finite and >= 0, each window side -1 or
+    more, and beside the top-left causal mask a window only where Sq == Sk, where the two alignments agree): one
+    UsageError line otherwise. Works on fake and meta tensors' sizes (seq_q, seq_k; None: not checked)."""
+    from ..problems.shapes import Shape
+
+    try:
+        Shape(1, 1, 1, 1, 1, softcap=softcap, window_left=left, window_right=right)
+    except UsageError as e:
+        said = str(e).removeprefix("shape: ").replace("window_left", "window[0]").replace("window_right", "window[1]")
+        raise UsageError(f"{HEAD}: {said}") from None
+    if (left >= 0 or right >= 0) and is_causal and seq_q is not None and seq_q != seq_k:
+        raise UsageError(f"{HEAD}: is_causal with a window needs as many queries as keys (got {seq_q} and {seq_k}): "
+                         f"is_causal is top-left (SDPA's) and the window bottom-right (flash-attention's); pass "
+                         f"window=({left}, 0) with is_causal=False for flash-attention's causal window")
+
+
+def _shown(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 @dataclass(frozen=True)
 class Call:
     """The facts of one call that decide its route (hashable: the decision cache's key)."""
@@ -82,13 +136,20 @@ class Call:
     layout: str           # of the query
     device: str           # "cuda:0", "cpu", ...
     strides: tuple        # of q, k, v
+    softcap: float = 0.0  # the score mods (check_mods): logit soft-capping's C, 0 without
+    window: tuple = (-1, -1)  # flash-attention's window_size (left, right), (-1, -1) without
 
     @classmethod
-    def of(cls, q, k, v, is_causal: bool) -> "Call":
+    def of(cls, q, k, v, is_causal: bool, mods: tuple = NO_MODS) -> "Call":
         device = q.device if q.device.type != "cuda" or q.device.index is not None else torch.device("cuda", 0)
         return cls(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
                    DTYPES.get(q.dtype, str(q.dtype).replace("torch.", "")), bool(is_causal), layout_of(q),
-                   str(device), (tuple(q.stride()), tuple(k.stride()), tuple(v.stride())))
+                   str(device), (tuple(q.stride()), tuple(k.stride()), tuple(v.stride())), mods[0], mods[1:])
+
+    @property
+    def mods(self) -> tuple:
+        """(softcap, window_left, window_right): NO_MODS where the call has neither."""
+        return (self.softcap,) + tuple(self.window)
 
     @property
     def device_index(self) -> int | None:
@@ -96,22 +157,34 @@ class Call:
 
     def shape(self):
         """The evotune Shape of this call, or None where it is not one (dtype, or a size out of range)."""
-        from ..problems.shapes import Shape
-
         if self.dtype not in DTYPES.values():
             return None
         try:
-            return Shape(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim, self.dtype, self.causal,
-                         self.layout, self.kv_heads)
+            return self.shape_or_raise()
         except UsageError:
             return None
 
+    def shape_or_raise(self):
+        """The Shape of this call (its score mods too: the table key and the kernel's instantiation read them), or the
+        UsageError saying why it is none."""
+        from ..problems.shapes import Shape
+
+        return Shape(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim, self.dtype, self.causal,
+                     self.layout, self.kv_heads, self.softcap, self.window[0], self.window[1])
+
     def as_dict(self) -> dict:
+        """The call's facts (the shapes a recorder keeps); softcap and window only where set, so a dense call's row
+        reads as before."""
         shape = self.shape()
-        return {"shape": shape.spec if shape else None, "batch": self.batch, "heads": self.heads,
-                "kv_heads": self.kv_heads, "seq_q": self.seq_q, "seq_k": self.seq_k, "head_dim": self.head_dim,
-                "v_head_dim": self.v_head_dim, "dtype": self.dtype, "causal": self.causal, "layout": self.layout,
-                "device": self.device}
+        d = {"shape": shape.spec if shape else None, "batch": self.batch, "heads": self.heads,
+             "kv_heads": self.kv_heads, "seq_q": self.seq_q, "seq_k": self.seq_k, "head_dim": self.head_dim,
+             "v_head_dim": self.v_head_dim, "dtype": self.dtype, "causal": self.causal, "layout": self.layout,
+             "device": self.device}
+        if self.softcap:
+            d["softcap"] = self.softcap
+        if self.window != (-1, -1):
+            d["window"] = list(self.window)
+        return d
 
 
 def coverage(call: Call, gpu_cc: tuple[int, int] | None) -> str | None:
@@ -137,14 +210,10 @@ def coverage(call: Call, gpu_cc: tuple[int, int] | None) -> str | None:
         if strides[3] != 1 or any(s % 8 for s in strides[:3]):
             return (f"{name} strides {strides}: the kernel needs a unit head-dim stride and the others "
                     f"multiples of 8 elements (16-byte rows)")
-    if call.shape() is None:
-        from ..problems.shapes import Shape
-
-        try:
-            Shape(call.batch, call.heads, call.seq_q, call.seq_k, call.head_dim, call.dtype, call.causal, call.layout,
-                  call.kv_heads)
-        except UsageError as e:
-            return str(e)
+    try:
+        call.shape_or_raise()
+    except UsageError as e:
+        return str(e)
     return None
 
 

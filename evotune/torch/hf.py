@@ -7,15 +7,24 @@
 register() adds "evotune" to transformers' AttentionInterface (the attention function) and to its
 AttentionMaskInterface (with transformers' sdpa mask builder, so an unpadded causal prefill reaches
 the adapter as attention_mask=None plus is_causal, exactly as sdpa sees it; an unregistered mask name
-would make transformers drop padding masks altogether).
+would make transformers drop padding masks altogether). For the adapter, that mask builder also returns
+no mask for transformers' plain sliding-window causal mask of an unpadded prefill (sliding_window_mask):
+the layer passes its `sliding_window` to the attention function (Mistral, Qwen2, Gemma-2 do), which the
+adapter hands to the op as the window.
 
 The adapter computes what evotune.torch.attention covers, SDPA's semantics with no mask tensor, no
-dropout, no softcap/position bias/paged cache/attention sinks, and a causal mask only where the query
-and key lengths agree, by calling evotune.torch.attention (which then routes each key to the tuned
-kernel or to SDPA by the tuning table, and says so). Grouped K/V heads go in un-repeated with
-enable_gqa=True. Every other call runs transformers' own sdpa_attention_forward and says why once per
-reason (EvotuneFallbackWarning) in eager code; while torch.compile traces, a warning would break the
-graph, so the reason is only counted (fallbacks()). stats() counts both paths.
+dropout, no position bias/paged cache/attention sinks, and a causal mask only where the query and key
+lengths agree, plus Gemma-2's logit softcap (the `softcap` keyword: the op's softcap) and a sliding
+window (`sliding_window` W, transformers' window of W keys, the query's own included: the op's
+window=(W - 1, 0), flash-attention's spelling, with no causal flag, as transformers' flash-attention
+path passes it), by calling evotune.torch.attention (which then routes each key to the tuned kernel or
+to its fallback by the tuning table, and says so). Grouped K/V heads go in un-repeated with
+enable_gqa=True. Every other call runs transformers' own sdpa_attention_forward (with a softcap, which
+transformers' sdpa refuses, evotune.torch.fallback.math_attention with the call's mask: the order of
+Gemma-2's eager attention) and says why once per reason (EvotuneFallbackWarning) in eager code; while
+torch.compile traces, a warning would break the graph, so the reason is only counted (fallbacks()).
+stats() counts every path. A decode step (decode_call) with a softcap or a window that cuts keys is not
+the decode kernel's: it takes the adapter's own path.
 
 This module imports transformers; `import evotune` and `import evotune.torch` do not import it.
 """
@@ -29,6 +38,7 @@ from collections import Counter
 import torch
 
 from .decode import MAX_SEQ_Q, decode_attention
+from .fallback import math_attention
 from .op import attention, eager_attention
 from .routing import EvotuneFallbackWarning
 
@@ -36,9 +46,9 @@ NAME = "evotune"
 
 _LOCK = threading.Lock()
 _WARNED: set[str] = set()
-_STATS: Counter = Counter()        # "sdpa": adapter calls sent to transformers' sdpa (eager code only)
+_STATS: Counter = Counter()        # "sdpa" / "math": adapter calls sent to transformers' sdpa / math_attention (eager)
 _CALLS = [0]                       # adapter calls that reached evotune.torch.attention (eager code only)
-_FALLBACKS: Counter = Counter()    # reason -> calls sent to transformers' sdpa (eager code only)
+_FALLBACKS: Counter = Counter()    # reason -> calls sent to transformers' sdpa or math_attention (eager code only)
 _TRACED_FALLBACKS: dict = {}       # reason -> True, noted while torch.compile traced a fallback
 
 
@@ -53,12 +63,18 @@ def register(name: str = NAME, *, assume_unpacked: bool = False, attention_funct
     with as many keys as queries, without reading position_ids: right for causal LMs whose mask is plain
     causal (Llama, GPT-2, ...) fed unpacked sequences, wrong for sequences packed through position_ids.
     attention_function: register another function under `name` (e.g. transformers' sdpa_attention_forward,
-    to compare sdpa under the same mask policy); default the evotune adapter."""
+    to compare sdpa under the same mask policy); default the evotune adapter. Only with the adapter does the mask
+    builder leave out a plain sliding-window mask (sliding_window_mask): another function would not apply the window
+    it no longer sees."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(name, attention_function or attention_forward)
-    AttentionMaskInterface.register(name, unpacked_causal_mask if assume_unpacked else sdpa_mask)
+    if attention_function is None:
+        mask = unpacked_sliding_window_mask if assume_unpacked else sliding_window_mask
+    else:
+        mask = unpacked_causal_mask if assume_unpacked else sdpa_mask
+    AttentionMaskInterface.register(name, mask)
     return name
 
 
@@ -75,6 +91,87 @@ def unpacked_causal_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
                      mask_function=mask_function or causal_mask_function, attention_mask=attention_mask,
                      local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
+def sliding_window_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                        attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
+    """transformers' sdpa_mask, but None for its plain sliding-window causal mask of an unpadded prefill
+    (plain_sliding_window): the layer's attention call carries `sliding_window`, which the adapter passes to the op."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    if plain_sliding_window(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size,
+                            allow_is_causal_skip, kwargs):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                     mask_function=mask_function or causal_mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
+def unpacked_sliding_window_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                                 attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
+    """unpacked_causal_mask (register's assume_unpacked), with sliding_window_mask's plain sliding-window rule."""
+    if plain_sliding_window(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size,
+                            allow_is_causal_skip, kwargs):
+        return None
+    return unpacked_causal_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                                local_size, allow_is_causal_skip, **kwargs)
+
+
+def plain_sliding_window(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size,
+                         allow_is_causal_skip, kwargs) -> bool:
+    """Whether a mask asked of the mask interface is transformers' sliding-window causal mask of `local_size` keys
+    (create_sliding_window_causal_mask's, nothing overlaid: its allow_is_causal_skip, which packed sequences, block
+    ids, custom overlays and a caller's own False turn off) over queries that start at key 0 with as many keys, with
+    no padding (a padding mask is read only in eager code, as sdpa_mask reads it), in a model whose layers are full
+    or sliding attention only (a DeepSeek-V4 layer, say, adds keys to a sliding mask after it is built). Which mask
+    function it is: in eager code from its closure (exactly sliding_window_causal_mask_function(local_size)); while
+    torch.compile traces (dynamo cannot read a closure), from the config's sliding_window and no chunk size.
+    assume_unpacked does not widen this: while tracing a call without a cache, transformers turns allow_is_causal_skip
+    off for the packed sequences it cannot rule out, and Doge turns it off to add to the mask, which cannot be told
+    apart here, so such a sliding mask stays built (the call goes to transformers' sdpa, told)."""
+    if not (allow_is_causal_skip and isinstance(local_size, int) and not kwargs.get("allow_is_bidirectional_skip")
+            and _ints(q_length, kv_length, q_offset, kv_offset) and q_offset == 0 and kv_offset == 0
+            and q_length == kv_length and _sliding_config(kwargs.get("config"), local_size)):
+        return False
+    if torch.compiler.is_compiling():
+        return attention_mask is None
+    from transformers.masking_utils import fast_all, prepare_padding_mask
+
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    return (padding is None or bool(fast_all(padding))) and _sliding_window_of(mask_function) == local_size
+
+
+def _ints(*values) -> bool:
+    return all(type(v) is int for v in values)
+
+
+def _sliding_config(config, local_size: int) -> bool:
+    """A config whose sliding window is `local_size`, with no chunked attention, whose layers (where it names them)
+    are full or sliding attention."""
+    layers = getattr(config, "layer_types", None) or ()
+    return (getattr(config, "sliding_window", None) == local_size
+            and getattr(config, "attention_chunk_size", None) is None
+            and all(t in ("full_attention", "sliding_attention") for t in layers))
+
+
+def _sliding_window_of(mask_function) -> int | None:
+    """W where `mask_function` is transformers' sliding_window_causal_mask_function(W) (and_masks of its
+    sliding_window_overlay(W) and causal_mask_function), else None. Reads closures: eager code only."""
+    from transformers.masking_utils import causal_mask_function
+
+    def cells(fn) -> dict:
+        code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+        return dict(zip(code.co_freevars, (c.cell_contents for c in closure))) if code else {}
+
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = cells(mask_function).get("mask_functions") or ()
+    if len(parts) != 2 or parts[1] is not causal_mask_function:
+        return None
+    if getattr(parts[0], "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask":
+        return None
+    window = cells(parts[0]).get("sliding_window")
+    return window if type(window) is int else None
 
 
 def stats() -> dict:
@@ -106,12 +203,14 @@ def reset_stats() -> None:
 def uncovered_reason(module, query, key, value, attention_mask, dropout, is_causal, kwargs) -> str | None:
     """Why this call is not one evotune.torch.attention computes with SDPA's semantics (None where it is)."""
     if attention_mask is not None:
-        return ("an attention mask tensor (padding, packed sequences, sliding window or a custom mask); "
-                "the op takes is_causal only")
+        return ("an attention mask tensor (padding, packed sequences, a sliding window past a cache or a custom mask); "
+                "the op takes is_causal and a window only")
     if dropout:
         return f"attention dropout {dropout}; the op has no dropout"
-    if kwargs.get("softcap") is not None:
-        return "logit softcap"
+    window = kwargs.get("sliding_window")
+    if _cuts(window, key.shape[2]) and not (is_causal and query.shape[2] == key.shape[2]):
+        return (f"a sliding window of {window} keys with no mask over {query.shape[2]} queries and {key.shape[2]} keys "
+                f"(the adapter takes the window for a causal prefill only: as many queries as keys)")
     if kwargs.get("position_bias") is not None:
         return "an additive position bias"
     if kwargs.get("cache") is not None:
@@ -143,29 +242,55 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     causal = bool(sq > 1) and attention_mask is None and bool(is_causal)
-    if causal and sk > sq:
+    get = kwargs.get
+    # Gemma-2 passes softcap=None where the config has none, and every sliding layer its sliding_window.
+    softcap, window = (get("softcap"), get("sliding_window")) if kwargs else (None, None)
+    cuts = attention_mask is None and _cuts(window, sk)  # without a mask: the mask builder left the window to us
+    if causal and sk > sq and not cuts:
         # A prefill into an empty StaticCache (no mask, the whole cache as keys): with the top-left causal mask
         # SDPA and the op share, no query sees a key past the queries, so the keys are cropped to them, as
         # sdpa_attention_forward crops them (views of the cache: nothing copied).
         key, value, sk = key[:, :, :sq], value[:, :, :sq], sq
-    get = kwargs.get
-    if (attention_mask is not None or dropout or (causal and sq != sk)
-            or (kwargs and (get("softcap") is not None or get("position_bias") is not None or get("cache") is not None
+    if (attention_mask is not None or dropout or (causal and sq != sk) or (cuts and not (causal and sq == sk))
+            or (kwargs and (get("position_bias") is not None or get("cache") is not None
                             or get("s_aux") is not None or get("sinks") is not None or get("output_attentions")))):
-        why = uncovered_reason(module, query, key, value, attention_mask, dropout, causal, kwargs)
-        _fallback(why)
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return _uncovered(module, query, key, value, attention_mask, dropout, scaling, is_causal, causal, kwargs)
+    # A window that cuts keys: transformers' sliding_window W (sliding_window_overlay: key > query - W, W keys with
+    # the query's own) is flash-attention's window_size (W - 1, 0), causal by itself; no causal flag beside it.
+    mods = {"softcap": softcap or 0.0, "window": (window - 1, 0) if cuts else None}
+    if cuts:
+        causal = False
     if torch.compiler.is_compiling():
-        out = attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=heads != kv_heads)
+        out = attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=heads != kv_heads, **mods)
     else:
         _CALLS[0] += 1  # a plain count (no lock: a diagnostic that two threads at once may undercount)
-        out = eager_attention(query, key, value, causal, scaling, heads != kv_heads)
+        out = eager_attention(query, key, value, causal, scaling, heads != kv_heads, **mods)
     # The op returns the query's layout: a projection's (B, S, H, D) memory seen as (B, H, S, D), so this
     # transpose is already contiguous and .contiguous() copies nothing.
     return out.transpose(1, 2).contiguous(), None
+
+
+def _cuts(window, seq_k) -> bool:
+    """Whether transformers' sliding window of `window` keys (None: none) hides a key from some query of a call with
+    `seq_k` keys, queries at its end: the last query sees keys seq_k - window onwards."""
+    return window is not None and seq_k > window
+
+
+def _uncovered(module, query, key, value, attention_mask, dropout, scaling, is_causal, causal, kwargs):
+    """A call the op does not take: transformers' sdpa_attention_forward, or with a softcap (which transformers'
+    sdpa refuses) math_attention with the call's mask and dropout, told once per reason."""
+    why = uncovered_reason(module, query, key, value, attention_mask, dropout, causal, kwargs)
+    get = kwargs.get
+    if get("softcap") is not None and all(get(n) is None for n in ("position_bias", "cache", "s_aux", "sinks")):
+        _fallback(why, "math")
+        out = math_attention(query, key, value, is_causal=causal, scale=scaling, softcap=float(get("softcap")),
+                             mask=attention_mask, dropout=dropout)
+        return out.transpose(1, 2).contiguous(), None
+    _fallback(why)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
 
 
 def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> tuple[torch.Tensor, None] | None:
@@ -182,7 +307,9 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
 
     if not 1 <= sq <= min(MAX_SEQ_Q, sk - 1) or dropout or any(kwargs.get(name) is not None for name in (
             "softcap", "position_bias", "cache", "s_aux", "sinks")) or kwargs.get("output_attentions"):
-        return None
+        return None  # the decode kernel has no softcap (the op's path takes it: no decode kernel, its fallback)
+    if _cuts(kwargs.get("sliding_window"), sk) and attention_mask is None:
+        return None  # a window no mask carries: the decode kernel has none (the adapter's path says why)
     if attention_mask is not None:
         if (sq == 1 or attention_mask.dtype != torch.bool or attention_mask.dim() != 4
                 or tuple(attention_mask.shape[1:]) != (1, sq, sk) or torch.compiler.is_compiling()
@@ -199,15 +326,19 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
     return out.transpose(1, 2).contiguous(), None
 
 
-def _fallback(why: str) -> None:
+_RUNS = {"sdpa": "transformers' sdpa attention",
+         "math": "evotune.torch.fallback.math_attention (transformers' sdpa has no softcap)"}
+
+
+def _fallback(why: str, runs: str = "sdpa") -> None:
     if torch.compiler.is_compiling():
         _TRACED_FALLBACKS[why] = True
         return
     with _LOCK:
-        _STATS["sdpa"] += 1
+        _STATS[runs] += 1
         _FALLBACKS[why] += 1
         if why in _WARNED:
             return
         _WARNED.add(why)
-    warnings.warn(f"evotune.torch.hf: this call runs transformers' sdpa attention, not evotune.torch.attention: "
-                  f"{why}", EvotuneFallbackWarning, stacklevel=3)
+    warnings.warn(f"evotune.torch.hf: this call runs {_RUNS[runs]}, not evotune.torch.attention: {why}",
+                  EvotuneFallbackWarning, stacklevel=4)

@@ -22,8 +22,10 @@ ON_CLEAR: list = []
 
 def shape_class(shape) -> tuple:
     """What of an attention shape the compiled code depends on (AttentionProblem.template_args reads
-    head_dim, dtype and causal; sizes, strides and the K/V group size are launch arguments)."""
-    return shape.dtype, shape.head_dim, shape.causal
+    head_dim, dtype and causal, and whether there is a softcap and a window: the SOFTCAP and LOCAL traits, which also
+    add their entry parameters; sizes, strides, the K/V group size, the cap and the window's sides are launch
+    arguments)."""
+    return shape.dtype, shape.head_dim, shape.causal, shape.has_softcap, shape.has_window
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,8 @@ class PreparedLaunch:
         # A split-KV workspace or a causal persistent grid's tile counters: fresh (zeroed) per call, since
         # calls on two streams may run at once.
         self.needs_workspace = bool(plan.workspace[2])
-        self.params = PROBLEM.entry_params(loaded.config, loaded.write_lse)
+        # The shape's softcap and window (where it has them) add their run-time values last (SCORE_MOD_PARAMS).
+        self.params = PROBLEM.entry_params(loaded.config, loaded.write_lse, shape)
         # (param, tensor index into (q, k, v, out), map args): the TMA-store epilogue maps the output too, laid out
         # as q unless told (the op allocates it like q).
         self.maps = ()

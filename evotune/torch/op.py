@@ -17,8 +17,10 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from ..problems.shapes import Shape
+from . import fallback as _fallback
 from . import launcher, record, routing
-from .call import DTYPES, Call, aligned_for_sdpa, check_args, misaligned, new_output, output_layout
+from .call import (DTYPES, NO_MODS, Call, aligned_for_sdpa, check_args, check_mods, misaligned, new_output,
+                   output_layout, score_mods)
 from .autograd import lse_backend
 from .kernels import CACHE, PREPARED, launch, load_for
 from .routing import FAST_ROUTES
@@ -31,61 +33,72 @@ from .routing import FAST_ROUTES
 # tools/op_host_overhead.py). The op has no autograd formula of its own: attention() sends calls that need
 # gradients to evotune::attention_lse (evotune.torch.autograd), which has one.
 _LIB = torch.library.Library("evotune", "FRAGMENT")
-_LIB.define("attention(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, "
-            "bool enable_gqa=False, str fallback='sdpa') -> Tensor")
+# The score mods go last with the defaults of a call without them, so positional callers of the first seven keep
+# working; the window is two ints (flash-attention's window_size, -1: unbounded), not an int[], so the op's cached
+# routes key on plain values.
+_SCHEMA_ARGS = ("Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
+                "str fallback='sdpa', float softcap=0.0, int window_left=-1, int window_right=-1")
+_LIB.define(f"attention({_SCHEMA_ARGS}) -> Tensor")
 
 
-def _op_body(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa"):
+def _op_body(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa", softcap=0.0, window_left=-1,
+             window_right=-1):
     """The op's kernel on real tensors. A compiled graph calls it at run time, call after call: the same cached
     routes as eager code."""
     if not record._ACTIVE:
         fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-                                is_causal, scale, enable_gqa, fallback))
+                                is_causal, scale, enable_gqa, fallback, softcap, window_left, window_right))
         if fast is not None:
             return fast(q, k, v)
-    return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback)
+    return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, (softcap, window_left, window_right))
 
 
-def _body_from_launcher(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa"):
+def _body_from_launcher(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa", softcap=0.0,
+                        window_left=-1, window_right=-1):
     """evotune::_attention_body: what the compiled launcher (evotune.torch.launcher) hands back, a call it has no
-    route for. The op's body, but a kernel route runs its Python launch: its compiled one would hand the call back
-    again (a view off a 16-byte boundary, another current device)."""
+    route for (a softcap or window call always: launcher.cpp hands those back unread). The op's body, but a kernel
+    route runs its Python launch: its compiled one would hand the call back again (a view off a 16-byte boundary,
+    another current device)."""
     if not record._ACTIVE:
         fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-                                is_causal, scale, enable_gqa, fallback))
+                                is_causal, scale, enable_gqa, fallback, softcap, window_left, window_right))
         if fast is not None:
             return getattr(fast, "python", fast)(q, k, v)
-    return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback)
+    return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, (softcap, window_left, window_right))
 
 
 # CompositeExplicitAutograd: every device's calls (CPU, CUDA, any other) reach the body, as custom_op's did;
 # meta and fake tensors reach the fake implementation, which is registered for them. With the compiled launcher
 # loaded, CUDA calls reach its C++ kernel first, which hands what it has no route for to _attention_body.
 _LIB.impl("attention", _op_body, "CompositeExplicitAutograd")
-_LIB.define("_attention_body(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, "
-            "bool enable_gqa=False, str fallback='sdpa') -> Tensor")
+_LIB.define(f"_attention_body({_SCHEMA_ARGS}) -> Tensor")
 _LIB.impl("_attention_body", _body_from_launcher, "CompositeExplicitAutograd")
 routing.ON_FORGET.append(launcher.clear)
 record.ON_START.append(launcher.clear)
 attention_op = torch.ops.evotune.attention
 
 
-def _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback):
-    """The op's real implementation: route, then run evotune's kernel or SDPA."""
+def _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
+    """The op's real implementation: route, then run evotune's kernel or the fallback (SDPA; for score mods
+    evotune.torch.fallback)."""
     routing.check_fallback(fallback)
     check_args(q, k, v, enable_gqa)
-    decision = routing.decide_for(q, k, v, is_causal)
+    if mods != NO_MODS:
+        check_mods(*mods, is_causal, q.shape[2], k.shape[2])
+    decision = routing.decide_for(q, k, v, is_causal, mods)
     record.observe(decision)
     if decision.route == "evotune":
         return _run_evotune(decision, q, k, v, scale)
     routing.notify(decision, fallback)
-    return _run_sdpa(q, k, v, is_causal, scale, enable_gqa)
+    return _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods)
 
 
 @torch.library.register_fake("evotune::attention", lib=_LIB)
-def _attention_fake(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa"):
+def _attention_fake(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa", softcap=0.0,
+                    window_left=-1, window_right=-1):
     routing.check_fallback(fallback)
     check_args(q, k, v, enable_gqa)
+    check_mods(softcap, window_left, window_right, is_causal, q.shape[2], k.shape[2])
     return new_output(q, v)
 
 
@@ -109,6 +122,14 @@ def _run_sdpa(q, k, v, is_causal, scale, enable_gqa):
     gqa = {"enable_gqa": True} if enable_gqa else {}  # the keyword exists from torch 2.5
     q, k, v = aligned_for_sdpa(q, k, v)
     return _in_query_layout(F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa), q, v)
+
+
+def _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods):
+    """What runs a call off the kernel, in the op's output layout: SDPA, or for a softcap or window the fallback
+    module's way (SDPA has neither)."""
+    if mods == NO_MODS:
+        return _run_sdpa(q, k, v, is_causal, scale, enable_gqa)
+    return _in_query_layout(_fallback.attention(q, k, v, is_causal, scale, enable_gqa, mods), q, v)
 
 
 def _in_query_layout(o, q, v):
@@ -138,21 +159,32 @@ def _needs_grad(q, k, v) -> bool:
 
 
 def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-              fallback: str = "sdpa") -> torch.Tensor:
-    """softmax(scale·QKᵀ [+ top-left causal mask])·V with SDPA's semantics, on evotune's tuned kernel where
-    the tuning table has one for this GPU and key, else PyTorch SDPA if `fallback` is "sdpa" (told once
-    per key) or a UsageError if it is "error" (where the table itself routes a key to SDPA, SDPA runs).
-    q (B, H, Sq, D), k and v (B, Hk, Sk, D): any strides with a unit last one; the output has the
-    query's layout. Inputs that require grad run `evotune::attention_lse` (the kernel with its
-    log-sum-exp epilogue, then PyTorch's attention backward: evotune.torch.autograd)."""
+              fallback: str = "sdpa", softcap: float = 0.0, window: tuple[int, int] | None = None) -> torch.Tensor:
+    """softmax(cap(scale·QKᵀ) [+ masks])·V with SDPA's semantics, on evotune's tuned kernel where the tuning table has
+    one for this GPU and key, else the fallback if `fallback` is "sdpa" (told once per key) or a UsageError if it
+    is "error" (where the table itself routes a key away from the kernel, the fallback runs). The fallback is PyTorch
+    SDPA; with a softcap, PyTorch math attention in fp32; with a window only, SDPA with the window's boolean mask
+    (evotune.torch.fallback: SDPA has neither).
+
+    q (B, H, Sq, D), k and v (B, Hk, Sk, D): any strides with a unit last one; the output has the query's layout.
+    is_causal: SDPA's top-left causal mask. softcap: C > 0 caps each scaled score s at C·tanh(s / C) before the softmax
+    (flash-attention's softcap, Gemma-2's attn_logit_softcapping); 0 or None: none. window: None, or flash-attention's
+    window_size (left, right): query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (bottom-right
+    aligned), -1 leaving a side unbounded; (L, 0) is Mistral's causal sliding window of L + 1 keys. Beside is_causal
+    a window needs Sq == Sk, where the two alignments agree. A row whose window holds no key is 0.
+    Inputs that require grad run `evotune::attention_lse` (the kernel with its log-sum-exp epilogue, then PyTorch's
+    attention backward: evotune.torch.autograd); with a softcap or window, whose backward that is not, the
+    fallback with its own autograd (told)."""
     # The eager fast path first (see below): a call seen before costs this lookup and its route's work.
     if not torch.compiler.is_compiling() and FAST_ROUTES and not record._ACTIVE:
-        if launcher.ACTIVE[0] and _to_launcher(q, k, v, is_causal, scale, enable_gqa, fallback):
+        if launcher.ACTIVE[0] and window is None and not softcap and _to_launcher(q, k, v, is_causal, scale,
+                                                                                  enable_gqa, fallback):
             return _DISPATCH(q, k, v, is_causal, scale, enable_gqa, fallback)
         try:
+            left, right = (-1, -1) if window is None else window
             fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
-                                    q.device, is_causal, scale, enable_gqa, fallback))
-        except (AttributeError, TypeError):  # not tensors, or unhashable options: the full path says what is wrong
+                                    q.device, is_causal, scale, enable_gqa, fallback, softcap or 0.0, left, right))
+        except (AttributeError, TypeError, ValueError):  # not tensors, unhashable options, no pair: the full path says
             fast = None
         # A route exists only for plain tensors of these facts; what a call may change is a mode or grads.
         if (fast is not None and not (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -162,29 +194,32 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, e
     _check_options(q, k, v, is_causal, scale, enable_gqa)
     scale = None if scale is None else float(scale)
     routing.check_fallback(fallback)
+    mods = score_mods(softcap, window, is_causal, q, k)
     if _needs_grad(q, k, v):
-        return _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback)
+        return _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
     if _eager(q, k, v):
-        return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback)
-    if torch.compiler.is_compiling() and _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback):
-        return _run_sdpa(q, k, v, is_causal, scale, enable_gqa)
-    return torch.ops.evotune.attention(q, k, v, is_causal, scale, enable_gqa, fallback)
+        return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
+    if torch.compiler.is_compiling() and _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback, mods):
+        return _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods)
+    return torch.ops.evotune.attention(q, k, v, is_causal, scale, enable_gqa, fallback, *mods)
 
 
-def eager_attention(q, k, v, is_causal: bool, scale, enable_gqa: bool):
-    """attention(q, k, v, is_causal=, scale=, enable_gqa=) for a caller that has checked it is not compiling (the
-    transformers adapter, per layer call): the cached route without attention()'s keyword parsing and compile check;
-    a call without one goes to attention(). The same conditions as attention()'s fast path."""
+def eager_attention(q, k, v, is_causal: bool, scale, enable_gqa: bool, softcap: float = 0.0, window=None):
+    """attention(q, k, v, is_causal=, scale=, enable_gqa=, softcap=, window=) for a caller that has checked it is not
+    compiling (the transformers adapter, per layer call): the cached route without attention()'s keyword parsing and
+    compile check; a call without one goes to attention(). The same conditions as attention()'s fast path."""
     if FAST_ROUTES and not record._ACTIVE:
-        if launcher.ACTIVE[0] and _to_launcher(q, k, v, is_causal, scale, enable_gqa, "sdpa"):
+        if launcher.ACTIVE[0] and window is None and not softcap and _to_launcher(q, k, v, is_causal, scale,
+                                                                                  enable_gqa, "sdpa"):
             return _DISPATCH(q, k, v, is_causal, scale, enable_gqa, "sdpa")
+        left, right = (-1, -1) if window is None else window  # the adapter passes a pair or None
         fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-                                is_causal, scale, enable_gqa, "sdpa"))
+                                is_causal, scale, enable_gqa, "sdpa", softcap or 0.0, left, right))
         if (fast is not None and not (q.requires_grad or k.requires_grad or v.requires_grad)
                 and type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR
                 and not _torch_function_mode() and not _dispatch_stack()):
             return fast(q, k, v)
-    return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, softcap=softcap, window=window)
 
 
 # --------------------------------------------------------------------------- SDPA routes decided while tracing
@@ -197,34 +232,39 @@ def eager_attention(q, k, v, is_causal: bool, scale, enable_gqa: bool):
 # symbolic (dynamic=True) and evotune routes keep the op: its body decides at run time.
 
 
-def _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback) -> bool:
+def _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback, mods=NO_MODS) -> bool:
+    """Whether the trace calls the fallback itself (SDPA, or for score mods evotune.torch.fallback's plain PyTorch)."""
     sizes = tuple(q.shape) + tuple(k.shape) + tuple(v.shape) + q.stride() + k.stride() + v.stride()
     if not all(type(n) is int for n in sizes) or record.active():  # symbolic, or every call must be recorded
         return False
     return _sdpa_route_of((tuple(q.shape), tuple(k.shape), tuple(v.shape)), (q.stride(), k.stride(), v.stride()),
                           DTYPES.get(q.dtype, str(q.dtype).replace("torch.", "")), q.device.type, q.device.index,
-                          bool(is_causal), bool(enable_gqa), fallback)
+                          bool(is_causal), bool(enable_gqa), fallback, *mods)
 
 
 @torch.compiler.assume_constant_result
-def _sdpa_route_of(shapes, strides, dtype, device_type, device_index, is_causal, enable_gqa, fallback) -> bool:
-    """Whether this call's route is SDPA whatever its data (run once, while tracing; its notice is told then,
+def _sdpa_route_of(shapes, strides, dtype, device_type, device_index, is_causal, enable_gqa, fallback,
+                   softcap=0.0, window_left=-1, window_right=-1) -> bool:
+    """Whether this call's route is the fallback whatever its data (run once, while tracing; its notice is told then,
     and fallback="error" raises then)."""
     (b, h, sq, d), (_, hk, sk, _), (_, _, _, dv) = shapes
     if device_type == "cuda" and device_index is None:
         device_index = 0
     device = device_type if device_index is None else f"{device_type}:{device_index}"
     layout = "bshd" if strides[0][1] < strides[0][2] else "bhsd"
-    decision = routing.decide(Call(b, h, hk, sq, sk, d, dv, dtype, is_causal, layout, device, strides))
+    decision = routing.decide(Call(b, h, hk, sq, sk, d, dv, dtype, is_causal, layout, device, strides, softcap,
+                                   (window_left, window_right)))
     if decision.route == "evotune":
         return False
     routing.notify(decision, fallback)
     return True
 
 
-def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback):
+def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
     """The training op where a PyTorch backward takes (O, LSE) on this device; elsewhere SDPA with its own
     autograd, told once (in eager code; while torch.compile traces, a notice would break the graph)."""
+    if mods != NO_MODS:
+        return _grad_fallback(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
     if lse_backend(q, k, is_causal) is not None:
         return torch.ops.evotune.attention_lse(q, k, v, is_causal, scale, enable_gqa, fallback)[0]
     if not torch.compiler.is_compiling():
@@ -237,6 +277,24 @@ def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback):
         raise UsageError(f"evotune.torch.attention: no attention backward on {q.device.type} [fallback='error']")
     gqa = {"enable_gqa": True} if enable_gqa else {}
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa)
+
+
+def _grad_fallback(q, k, v, is_causal, scale, enable_gqa, fallback, mods):
+    """A softcap or window call that needs gradients: the fallback (evotune.torch.fallback), differentiable through
+    PyTorch's autograd, told once. The op's backward is PyTorch's attention backward from the kernel's log-sum-exp,
+    which has neither a softcap nor a bottom-right window."""
+    if not torch.compiler.is_compiling():
+        check_args(q, k, v, enable_gqa)
+        decision = routing.decide(Call.of(q, k, v, is_causal, mods))
+        if decision.route == "evotune":
+            decision = routing.uncovered(decision, "a softcap or window call that needs gradients: the op's backward "
+                                                   "(PyTorch's, from the kernel's log-sum-exp) takes neither")
+        record.observe(decision)
+        routing.notify(decision, fallback)
+    elif fallback == "error":
+        raise UsageError("evotune.torch.attention: a softcap or window call that needs gradients runs the fallback, "
+                         "not the kernel [fallback='error']")
+    return _fallback.attention(q, k, v, is_causal, scale, enable_gqa, mods)
 
 
 # --------------------------------------------------------------------------- the eager fast path
@@ -278,31 +336,46 @@ def _eager(q, k, v) -> bool:
     return not torch.compiler.is_compiling() and _plain(q, k, v)  # compiling first: dynamo then reads no more
 
 
-def _facts(q, k, v, is_causal, scale, enable_gqa, fallback) -> tuple:
+def _facts(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS) -> tuple:
+    """The key of a call's cached route (FAST_ROUTES): the facts that fix its route, its score mods last."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
-            enable_gqa, fallback)
+            enable_gqa, fallback) + tuple(mods)
 
 
-def _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback):
-    out = _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback)
-    route = _route_for(q, k, v, is_causal, scale, enable_gqa, fallback)
+def _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
+    out = _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
+    route = _route_for(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
     if route is not None:
-        FAST_ROUTES[_facts(q, k, v, is_causal, scale, enable_gqa, fallback)] = route
+        FAST_ROUTES[_facts(q, k, v, is_causal, scale, enable_gqa, fallback, mods)] = route
     return out
 
 
-def _route_for(q, k, v, is_causal, scale, enable_gqa, fallback):
-    """The closure that repeats this (just completed) call's route, or None where each call must decide."""
-    decision = routing.decide(Call.of(q, k, v, is_causal))
+def _route_for(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
+    """The closure that repeats this (just completed) call's route, or None where each call must decide. Calls with
+    score mods never register with the compiled launcher: its call key has no softcap or window (launcher.cpp hands
+    such calls back to Python, so a dense call's route there is never taken for them)."""
+    decision = routing.decide(Call.of(q, k, v, is_causal, mods))
     if decision.route != "evotune":
         if fallback == "error" and decision.refused_by_error_fallback:
             return None
+        if mods != NO_MODS:
+            return _mods_fallback_route(q, v, is_causal, scale, enable_gqa, mods)
         if q.is_cuda and not record._ACTIVE and launcher.load():  # the compiled launcher runs it from C++
             launcher.register_sdpa(q, k, v, is_causal, scale, enable_gqa, fallback, *output_layout(q, v))
         return _sdpa_route(q, v, is_causal, scale, enable_gqa)
     if misaligned(q, k, v):
         return None
-    return _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback)
+    return _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback, mods)
+
+
+def _mods_fallback_route(q, v, is_causal, scale, enable_gqa, mods):
+    """A softcap or window call's fallback (evotune.torch.fallback), its result in the op's layout."""
+    run_fallback = _fallback.attention
+
+    def run(q, k, v):
+        return _in_query_layout(run_fallback(q, k, v, is_causal, scale, enable_gqa, mods), q, v)
+
+    return run
 
 
 def _sdpa_route(q, v, is_causal, scale, enable_gqa):
@@ -332,7 +405,7 @@ def _sdpa_route(q, v, is_causal, scale, enable_gqa):
     return run
 
 
-def _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback):
+def _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
     index = decision.call.device_index
     size, stride = output_layout(q, v)
     out = new_output(q, v)
@@ -343,15 +416,15 @@ def _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback):
     def run(q, k, v):
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr())  # read once: the check here, the packet's slots
         if (addresses[0] | addresses[1] | addresses[2]) & 15 or current_device() != index:
-            return _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback)
+            return _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
         out = q.new_empty_strided(size, stride)
         prepared(q, k, v, out, None, addresses)
         return out
 
     # With the compiled launcher (opt-in: evotune.torch.launcher), the route is registered with it and a call goes
     # straight to its C++ kernel, which checks the alignment and device itself; what it hands back runs `run`.
-    if not record._ACTIVE and launcher.load() and launcher.register(prepared, q, k, v, out, is_causal, scale,
-                                                                   enable_gqa, fallback):
+    if (mods == NO_MODS and not record._ACTIVE and launcher.load()
+            and launcher.register(prepared, q, k, v, out, is_causal, scale, enable_gqa, fallback)):
         def compiled(q, k, v):
             return _DISPATCH(q, k, v, is_causal, scale, enable_gqa, fallback)
 
@@ -373,9 +446,11 @@ class Explanation:
     match: str
     entry: dict | None
     raises_with_error_fallback: bool
+    runs: str = ""  # what computes the call: "evotune kernel", "PyTorch SDPA", or evotune.torch.fallback's way
 
     def __str__(self) -> str:
-        lines = [f"route: {'evotune kernel' if self.route == 'evotune' else 'PyTorch SDPA'} ({self.kind})",
+        runs = self.runs or ("evotune kernel" if self.route == "evotune" else "PyTorch SDPA")
+        lines = [f"route: {runs} ({self.kind})",
                  f"why:   {self.reason}", f"call:  {self.call['shape'] or self.call}"]
         if self.entry:
             prov = self.entry["provenance"]
@@ -389,14 +464,17 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(q, k, v, *, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Explanation:
-    """Which kernel attention(q, k, v, ...) would use and why, without running it or warning."""
+def explain(q, k, v, *, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+            softcap: float = 0.0, window: tuple[int, int] | None = None) -> Explanation:
+    """Which kernel attention(q, k, v, ...) would use and why, without running it or warning (its key holds the
+    softcap flag and the window's bucket where the call has them)."""
     _check_options(q, k, v, is_causal, scale, enable_gqa)
     check_args(q, k, v, enable_gqa)
-    decision = routing.decide_for(q, k, v, is_causal)
+    decision = routing.decide_for(q, k, v, is_causal, score_mods(softcap, window, is_causal, q, k))
+    runs = "evotune kernel" if decision.route == "evotune" else routing.fallback_name(decision)
     return Explanation(decision.route, decision.kind, decision.reason, decision.call.as_dict(),
                        decision.key.as_dict() if decision.key else None, decision.match,
-                       decision.entry.as_dict() if decision.entry else None, decision.refused_by_error_fallback)
+                       decision.entry.as_dict() if decision.entry else None, decision.refused_by_error_fallback, runs)
 
 
 def warmup(devices=None) -> list[dict]:

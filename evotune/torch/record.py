@@ -2,15 +2,15 @@
 
     with evotune.torch.record_shapes() as rec:
         model(inputs)
-    rec.save("shapes.json")        # {"version": 1, "kind": "evotune-attention-shapes", "shapes": [...]}
+    rec.save("shapes.json")        # {"version": 2, "kind": "evotune-attention-shapes", "shapes": [...]}
 
-Each distinct call (sizes, K/V heads, dtype, mask, layout, device) is one row with its `--shape`
-spelling (None where the kernel has no such shape, e.g. fp32), its table key, the route it took
-and why, and how many times it was called. Calls inside torch.compile'd code are seen too: the op
-runs at run time, not only while tracing. Decode calls (evotune.torch.decode: a few queries over a
-KV cache, e.g. generate()'s steps through the transformers adapter) are rows of family
-"attention-decode" with that family's spelling, one per cache length; `evotune tune --shapes`
-tunes them per decode-table key.
+Each distinct call (sizes, K/V heads, dtype, mask, layout, device, softcap and window) is one row with its
+`--shape` spelling (None where the kernel has no such shape, e.g. fp32; with `:softcap=C` and `:window=L,R` where
+the call has them, so `evotune tune --shapes` tunes it as such), its table key, the route it took and why, and how
+many times it was called. Calls inside torch.compile'd code are seen too: the op runs at run time, not only while
+tracing. Decode calls (evotune.torch.decode: a few queries over a KV cache, e.g. generate()'s steps through the
+transformers adapter) are rows of family "attention-decode" with that family's spelling, one per cache length;
+`evotune tune --shapes` tunes them per decode-table key.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ class ShapeRecorder:
 
     def add(self, decision) -> None:
         call = decision.call.as_dict()
-        self.add_row(tuple(call.items()), lambda: {**call, "key": decision.key.as_dict() if decision.key else None,
-                                                   "route": decision.route, "kind": decision.kind,
-                                                   "reason": decision.reason})
+        ident = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in call.items())  # a window is a list
+        self.add_row(ident, lambda: {**call, "key": decision.key.as_dict() if decision.key else None,
+                                     "route": decision.route, "kind": decision.kind, "reason": decision.reason})
 
     def add_row(self, ident: tuple, make_row) -> None:
         """Count one call of identity `ident`; its row is `make_row()` the first time (a dict with a "shape")."""

@@ -14,7 +14,9 @@ A call's route is decided once per distinct call (sizes, dtype, strides, device,
              beside it): SDPA whatever the fallback, since that is the table's measured decision
   tuned      evotune's kernel
 
-Every SDPA route is told once per key (EvotuneFallbackWarning), never silently.
+Every SDPA route is told once per key (EvotuneFallbackWarning), never silently. A call with a softcap or a window
+(the score mods) routes the same way, keyed with them (TableKey's softcap and window_bucket), and where it is not the
+kernel's runs evotune.torch.fallback (SDPA has neither), which its notice names.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import torch
 
 from ..errors import UsageError
 from ..records.tuning_table import Entry, Table, TableKey, default_table_path, load_table, nearest_allowed, select
+from . import fallback as _fallback
 from . import kernels
-from .call import Call, coverage, misaligned
+from .call import NO_MODS, Call, coverage, misaligned
 
 FALLBACKS = ("sdpa", "error")
 
@@ -58,7 +61,7 @@ class Decision:
         return self.kind in ("missing", "stale", "unverified", "uncovered")
 
     def notice(self) -> str:
-        """The one line said when this call runs SDPA."""
+        """The one line said when this call runs SDPA (or, with a softcap or window, evotune.torch.fallback)."""
         head = "evotune.torch.attention"
         if self.kind == "uncovered":
             return f"{head}: the evotune kernel cannot run this call ({self.reason})"
@@ -69,10 +72,14 @@ class Decision:
             return f"{head}: no tuned kernel for {self.key.spec()}: {self.reason}"
         if self.kind == "missing":
             return f"{head}: no tuned kernel for {self.key.spec()} ({self.reason}); tune it: {tune_command(self.shape)}"
-        return f"{head}: the tuning table routes {self.key.spec()} to PyTorch SDPA ({self.reason})"
+        away = "PyTorch SDPA" if self.call.mods == NO_MODS else "the fallback"  # SDPA has no softcap or window
+        return f"{head}: the tuning table routes {self.key.spec()} to {away} ({self.reason})"
 
     def notice_key(self) -> tuple:
-        return (self.kind, self.key) if self.key is not None and self.kind != "uncovered" else (self.kind, self.reason)
+        # A call with a softcap or window says what runs instead (not SDPA): told once per reason and fallback.
+        runs = () if self.call.mods == NO_MODS else (_fallback.name(self.call.mods),)
+        told = (self.kind, self.key) if self.key is not None and self.kind != "uncovered" else (self.kind, self.reason)
+        return told + runs
 
 
 def tune_command(shape) -> str:
@@ -189,10 +196,11 @@ def decide(call: Call) -> Decision:
     return found
 
 
-def decide_for(q, k, v, is_causal: bool) -> Decision:
-    """decide() for these tensors, turned to SDPA where the kernel's route meets a view that starts off a
-    16-byte boundary (an address, not a call fact: checked every call, never cached)."""
-    decision = decide(Call.of(q, k, v, is_causal))
+def decide_for(q, k, v, is_causal: bool, mods: tuple = NO_MODS) -> Decision:
+    """decide() for these tensors (and score mods: call.NO_MODS, or (softcap, window_left, window_right)), turned to
+    SDPA where the kernel's route meets a view that starts off a 16-byte boundary (an address, not a call fact:
+    checked every call, never cached)."""
+    decision = decide(Call.of(q, k, v, is_causal, mods))
     why = misaligned(q, k, v) if decision.route == "evotune" else None
     return uncovered(decision, why) if why else decision
 
@@ -247,4 +255,10 @@ def notify(decision: Decision, fallback: str) -> None:
         if key in _WARNED:
             return
         _WARNED.add(key)
-    warnings.warn(decision.notice() + "; running PyTorch SDPA", EvotuneFallbackWarning, stacklevel=3)
+    warnings.warn(f"{decision.notice()}; running {fallback_name(decision)}", EvotuneFallbackWarning, stacklevel=3)
+
+
+def fallback_name(decision: Decision) -> str:
+    """What runs `decision`'s call off the kernel: PyTorch SDPA, or for a softcap or window evotune.torch.fallback's
+    way (never called evotune's kernel)."""
+    return _fallback.name(decision.call.mods)
