@@ -887,19 +887,33 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         return self.probed(run, probe)
 
 
-# One compiled flex_attention per process: torch.compile caches its graphs per score_mod / mask signature.
-_FLEX: list = []
+# FlexAttention per process: one compiled flex_attention, and per mask/score signature (the shape's sizes, mask and
+# cap) one mask_mod, score_mod and block mask, built once: torch.compile guards on the mods' identity, so a new
+# closure per launcher (each input set, each check) would recompile until dynamo's recompile limit refuses it (the
+# third softcap/window shape of one process did, on an H200).
+_FLEX: dict = {}
 
 
 def _flex_launcher(shape: Shape, inputs: dict):
     """FlexAttention on `inputs` with `shape`'s causal mask, window (bottom-right) and softcap, compiled."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    kw = dict(_flex_mods(shape, q.device))
+    kw.update(scale=inputs["scale"], enable_gqa=shape.kv_heads != shape.heads)
+    fn = _FLEX["fn"]
+    return lambda: fn(q, k, v, **kw)
+
+
+def _flex_mods(shape: Shape, device) -> dict:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if not _FLEX:
-        _FLEX.append(torch.compile(flex_attention))
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention)
     sq, sk, d = shape.seq_q, shape.seq_k, shape.seq_k - shape.seq_q
     left, right, causal, cap = shape.window_left, shape.window_right, shape.causal, shape.softcap
+    key = (sq, sk, left, right, causal, cap, str(device))
+    if key in _FLEX:
+        return _FLEX[key]
 
     def mask_mod(b, h, qi, kj):
         ok = qi >= 0
@@ -914,13 +928,12 @@ def _flex_launcher(shape: Shape, inputs: dict):
     def score_mod(s, b, h, qi, kj):
         return cap * torch.tanh(s / cap)
 
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    block_mask = create_block_mask(mask_mod, None, None, sq, sk, device=q.device) if causal or shape.has_window \
-        else None
-    kw = {"block_mask": block_mask, "scale": inputs["scale"], "enable_gqa": shape.kv_heads != shape.heads}
+    mods = {"block_mask": create_block_mask(mask_mod, None, None, sq, sk, device=device)
+            if causal or shape.has_window else None}
     if shape.has_softcap:
-        kw["score_mod"] = score_mod
-    return lambda: _FLEX[0](q, k, v, **kw)
+        mods["score_mod"] = score_mod
+    _FLEX[key] = mods
+    return mods
 
 
 def _sync_traits(config, targs: str) -> str:
