@@ -273,11 +273,11 @@ def test_search_asks_the_priors_first(attention, attention_small, mission, admit
 
 
 def test_packaged_priors_load_and_match_the_committed_runs(attention, mission):
-    """The shipped file loads, is small, and holds a class for each committed attention run that passed."""
+    """The shipped file loads, is small, and holds a class for each committed attention and decode run that passed."""
     doc = P.load_priors()
     assert P.PACKAGED.stat().st_size < 200_000
     assert doc["entries"] and all(e["winners"] for e in doc["entries"])
-    built, _ = P.build_priors(family_runs(REPO_ROOT / "runs"), "x")
+    built, _ = P.build_priors(family_runs(REPO_ROOT / "runs", ("attention", "attention-decode")), "x")
     assert sorted(s["run"] for s in doc["sources"]) == sorted(s["run"] for s in built["sources"])
     space = load_builtin("attention")
     got, _ = prior_configs(attention, mission, space, attention.context(mission))
@@ -320,3 +320,16 @@ def test_a_new_search_takes_the_users_runs_after_the_priors_by_default():
     assert default_warm_start(None, False) == "auto"
     assert default_warm_start(None, True) is None
     assert default_warm_start("none", False) == "none" and default_warm_start("a,b", False) == "a,b"
+
+
+def test_a_decode_search_asks_the_decode_runs_winners():
+    """The committed decode runs (runs/llama-e2e-*) reach a decode search on a Llama-like cache: their winners come
+    first, admitted on the shape, and no attention prior is asked (classes of another family are infinitely far)."""
+    from evotune.problems import get_problem
+
+    decode = get_problem("attention-decode")
+    space = load_builtin("attention-decode")
+    shape = decode.parse_shape("1,32,8,16385,128:fp16")
+    got, origin = prior_configs(decode, shape, space, decode.context(shape))
+    assert got and {o["run"] for o in origin} <= {"llama-e2e-32k", "llama-e2e-4k"} and origin[0]["run"] == "llama-e2e-32k"
+    assert all(space.admitted(space.config(d), decode.context(shape)) for d in got)

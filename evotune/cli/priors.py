@@ -25,12 +25,13 @@ app.add_typer(priors_app, name="priors")
 
 def _run_paths(runs: Optional[list[str]], root: Path) -> list[Path]:
     """Run folders: each of `runs` a folder holding meta.json or a run name under the runs dir; default every
-    run of the attention family under `root`."""
+    run of the attention and attention-decode families under `root` (a decode search asks the decode runs' winners:
+    records/priors.py compares only classes of one family)."""
     from ..records.runs import Run, check_name
-    from ..records.tuning_table import family_runs
+    from ..records.tuning_table import DECODE_FAMILY, FAMILY, family_runs
 
     if not runs:
-        return family_runs(root)
+        return family_runs(root, (FAMILY, DECODE_FAMILY))
     out = []
     for r in runs:
         if (Path(r) / "meta.json").is_file():

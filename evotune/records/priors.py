@@ -225,8 +225,17 @@ def stale_reason(entry: dict, winner: dict) -> str | None:
     recorded = winner.get("source_digest")
     if not recorded:
         return "no source digest recorded"
+    family = entry["class"].get("family", "attention")
     try:
-        now = _digest_now(winner["config"], Shape.from_dict(entry["shape"]))
+        if family != "attention":
+            from ..build.template import instantiate
+            from ..problems import get_problem
+            from ..space.searchspace import Config
+
+            problem = get_problem(family)
+            now = instantiate(problem, Config.from_dict(winner["config"]), problem.shape_from_dict(entry["shape"])).digest
+        else:
+            now = _digest_now(winner["config"], Shape.from_dict(entry["shape"]))
     except (EvotuneError, KeyError, TypeError, ValueError) as e:
         return f"today's template cannot instantiate it ({e})"
     return None if now == recorded else f"measured source {recorded[:12]}, today's {now[:12]}"

@@ -849,8 +849,9 @@ SHAPES_VERSIONS = (1, 2)  # 2: a row may name its family ("attention-decode"); r
 DECODE_FAMILY = "attention-decode"
 
 
-def family_runs(root: Path | None = None) -> list[Path]:
-    """Every run folder of the attention family under the runs dir (or `root`), oldest name first."""
+def family_runs(root: Path | None = None, families: tuple[str, ...] = (FAMILY,)) -> list[Path]:
+    """Every run folder of the attention family (or of `families`) under the runs dir (or `root`), oldest name
+    first."""
     from .runs import runs_dir
 
     root = root or runs_dir()
@@ -860,7 +861,7 @@ def family_runs(root: Path | None = None) -> list[Path]:
             family = json.loads(meta.read_text(encoding="utf-8")).get("family")
         except (OSError, ValueError, AttributeError):
             continue  # a damaged run: `evotune runs` says what is wrong with it
-        if family == FAMILY:
+        if family in families:
             found.append(meta.parent)
     return found
 
