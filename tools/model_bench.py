@@ -683,7 +683,8 @@ def _kernel_share(model, call, torch):
             decode_mod.decode_attention = real
     rows = rec.shapes
     adapter = hf.stats()
-    op_kernel = sum(r["calls"] for r in rows if r["route"] == "evotune")
+    # The recorder's decode rows (family attention-decode) are the decode routes counted above: counted once.
+    op_kernel = sum(r["calls"] for r in rows if r["route"] == "evotune" and r.get("family", "attention") == "attention")
     decode_kernel = sum(n for route, n in decode_routes.items() if route == "evotune")
     total = sum(adapter.values())  # the op's, transformers' sdpa's and (a softcap with a mask) math_attention's
     return {"attention_calls": total, "kernel_calls": op_kernel + decode_kernel,
