@@ -889,8 +889,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
 
 # FlexAttention per process: one compiled flex_attention, and per mask/score signature (the shape's sizes, mask and
 # cap) one mask_mod, score_mod and block mask, built once: torch.compile guards on the mods' identity, so a new
-# closure per launcher (each input set, each check) would recompile until dynamo's recompile limit refuses it (the
-# third softcap/window shape of one process did, on an H200).
+# closure per launcher (each input set, each check) would recompile at every launcher.
 _FLEX: dict = {}
 
 
@@ -908,7 +907,10 @@ def _flex_mods(shape: Shape, device) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention)
+        # dynamic=False: a shape of its own is a static compile of its own. With automatic dynamic shapes the third
+        # shape of a process compiled with symbolic sizes, which inductor's flex lowering refused (InductorError, H200,
+        # torch 2.11), and the baseline read as "not supported".
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     sq, sk, d = shape.seq_q, shape.seq_k, shape.seq_k - shape.seq_q
     left, right, causal, cap = shape.window_left, shape.window_right, shape.causal, shape.softcap
     key = (sq, sk, left, right, causal, cap, str(device))
