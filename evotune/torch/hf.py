@@ -61,7 +61,8 @@ def register(name: str = NAME, *, assume_unpacked: bool = False, attention_funct
     adapter with a mask tensor (run by transformers' sdpa). assume_unpacked=True registers a mask builder
     that returns no mask (is_causal instead) where no padding mask was given and the queries start at key 0
     with as many keys as queries, without reading position_ids: right for causal LMs whose mask is plain
-    causal (Llama, GPT-2, ...) fed unpacked sequences, wrong for sequences packed through position_ids.
+    causal (Llama, GPT-2, ...) fed unpacked sequences, wrong for sequences packed through position_ids and, while
+    tracing, for a causal mask with an overlay (Gemma-3's image tokens; in eager code the overlay is seen and kept).
     attention_function: register another function under `name` (e.g. transformers' sdpa_attention_forward,
     to compare sdpa under the same mask policy); default the evotune adapter. Only with the adapter does the mask
     builder leave out a plain sliding-window mask (sliding_window_mask): another function would not apply the window
@@ -80,10 +81,15 @@ def register(name: str = NAME, *, assume_unpacked: bool = False, attention_funct
 
 def unpacked_causal_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                          attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
-    """transformers' sdpa_mask, but None (is_causal) for an unpadded prefill even while tracing (see register)."""
+    """transformers' sdpa_mask, but None (is_causal) for an unpadded prefill even while tracing (see register), where
+    the mask asked for may be skipped. In eager code that is transformers' allow_is_causal_skip: create_causal_mask
+    turns it off where it overlays a mask on the causal one (Gemma-3's bidirectional image tokens, packed sequences it
+    found, block ids; sdpa_mask then builds the mask). While tracing, transformers turns it off for every call without
+    a cache (it cannot rule out packed sequences there), which is what assume_unpacked promises away, and an overlay
+    cannot be told apart from that: a traced model with an overlaid causal mask must not use assume_unpacked."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    plain = (attention_mask is None and local_size is None and isinstance(q_offset, int) and q_offset == 0
+    plain = ((allow_is_causal_skip or torch.compiler.is_compiling()) and attention_mask is None and local_size is None and isinstance(q_offset, int) and q_offset == 0
              and isinstance(kv_offset, int) and kv_offset == 0 and isinstance(q_length, int) and q_length == kv_length
              and not kwargs.get("allow_is_bidirectional_skip"))
     if plain:
