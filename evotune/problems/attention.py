@@ -868,7 +868,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         if name == "flex":
-            return self.probed(_flex_launcher(shape, inputs), probe)
+            return self.probed(flex_launcher(shape, inputs), probe)
         backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                    "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
@@ -893,7 +893,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
 _FLEX: dict = {}
 
 
-def _flex_launcher(shape: Shape, inputs: dict):
+def flex_launcher(shape: Shape, inputs: dict):
     """FlexAttention on `inputs` with `shape`'s causal mask, window (bottom-right) and softcap, compiled."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     kw = dict(_flex_mods(shape, q.device))
