@@ -22,7 +22,7 @@ from evotune.space.searchspace import load_builtin, shape_context  # noqa: E402
 from evotune.torch import hf, launcher  # noqa: E402
 
 from _tables import entry, table  # noqa: E402
-from test_torch_gpu import assert_close, make_qkv  # noqa: E402
+from test_torch_gpu import assert_close, gpu, make_qkv  # noqa: E402,F401 (gpu: the sm_90 fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -47,15 +47,6 @@ PERSISTENT_CASES = [
     "2,40,1000,64:bf16:causal:softcap=30:kv8",          # causal: tiles handed out by a counter
     "4,20,777,900,128:bf16:softcap=50:window=-1,64:bshd",
 ]
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    name = torch.cuda.get_device_name(0)
-    major, minor = torch.cuda.get_device_capability(0)
-    if (major, minor) != (9, 0):
-        pytest.skip(f"the kernels are compiled for sm_90a; this GPU is {name} ({major}.{minor})")
-    return name, f"{major}.{minor}"
 
 
 @pytest.fixture(autouse=True)
