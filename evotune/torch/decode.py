@@ -11,12 +11,9 @@ key, else PyTorch SDPA (enable_gqa, the bottom-right mask as a boolean tensor), 
 
 The decode table (a JSON file: $EVOTUNE_DECODE_TABLE, else decode-table.json in evotune's cache root, or one
 given to use_decode_table) is built by `build_decode_table` from `evotune bench --out` records of the
-attention-decode family: an entry routes to evotune only where that bench measured our kernel passing the gate
-and faster than the fastest SDPA backend beside it. Its key is exact, no nearest bucket:
-
-    gpu, cc, dtype, head_dim, group (Hq / Hkv), seq_q, causal: what the compiled code depends on;
-    seq_k_bucket: the K/V length rounded up to a power of two (the split count's best value moves with it);
-    bkv_bucket: batch x K/V heads rounded up likewise (the CTAs the splits multiply).
+attention-decode family (or by `evotune tune --shapes` from a recording of generate()): an entry routes to evotune
+only where that bench measured our kernel passing the gate and faster than the fastest SDPA backend beside it. Its
+key, exact with no nearest bucket, is records/decode_table.py's.
 
 An entry whose kernel source is no longer the one measured (the template changed) is stale: SDPA, said once.
 The op is `torch.ops.evotune.decode_attention` (an opaque node for torch.compile, a fake implementation for
