@@ -280,6 +280,24 @@ def test_torch_compile_fullgraph(gpu, mode):
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_torch_compile_over_sequence_lengths(gpu, dynamic):
+    """A compiled function called at several sequence lengths (automatic dynamic shapes make S symbolic from the
+    second; dynamic=True from the first) keeps the op, which runs the kernel on each tuned length and SDPA on the
+    untuned one: each result passes the gate, and the counters say which ran."""
+    torch._dynamo.reset()
+    tuned = [Shape(1, 8, s, s, 64, "fp16", True, "bshd") for s in (256, 384)]
+    use_variant(gpu, "sync", tuned)
+    fn = torch.compile(lambda q, k, v: et.attention(q, k, v, is_causal=True), fullgraph=True, dynamic=dynamic)
+    with et.record_shapes() as calls, warnings.catch_warnings():
+        warnings.simplefilter("ignore", et.EvotuneFallbackWarning)  # the untuned length's notice
+        for shape in tuned + [Shape(1, 8, 320, 320, 64, "fp16", True, "bshd")]:
+            q, k, v = make_qkv(shape)
+            assert_close(fn(q, k, v), q, k, v, shape)
+    routes = {(c["seq_q"], c["route"]) for c in calls.shapes}
+    assert {(256, "evotune"), (384, "evotune"), (320, "sdpa")} <= routes
+
+
 @pytest.mark.parametrize("variant", ["sync", "split", "wgmma"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True])

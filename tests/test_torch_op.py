@@ -106,6 +106,32 @@ def test_compile_traces_an_sdpa_route_as_sdpa():
         strict(q, k, v)
 
 
+@pytest.mark.parametrize("how", ["automatic", "dynamic", "bounded"])
+@pytest.mark.parametrize("mods", [{}, {"softcap": 30.0}, {"window": (4, 0), "softcap": 5.0}])
+def test_compile_with_symbolic_sizes(how, mods):
+    """Sizes a trace keeps symbolic (automatic dynamic shapes from a second length on, dynamic=True, a dimension
+    marked dynamic with bounds) keep the op in the graph, which decides at run time; sizes the trace fixed call the
+    fallback. Before, the second length failed: the route check took a symbolic size for an int."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda q, k, v: et.attention(q, k, v, is_causal=not mods, **mods), fullgraph=True,
+                       backend=backend, dynamic=True if how == "dynamic" else None)
+    for s in (16, 24, 40):
+        q, k, v = qkv(h=2, sq=s, sk=s, layout="bshd")
+        if how == "bounded":
+            for t in (q, k, v):
+                torch._dynamo.mark_dynamic(t, 2, min=2, max=64)
+        torch.testing.assert_close(quiet(fn, q, k, v), quiet(et.attention, q, k, v, is_causal=not mods, **mods))
+    has_op = [any("evotune" in str(n.target) for n in g.graph.nodes) for g in graphs]
+    # Automatic dynamic shapes first trace S = 16 as a constant (the fallback itself), then S symbolic (the op).
+    assert has_op == ([False, True] if how == "automatic" else [True])
+
+
 def test_output_matches_sdpa_and_takes_the_query_layout():
     """Through the fallback the op returns SDPA's values, dense in the query's layout, for Sq != Sk and causal."""
     for layout, heads in (("bhsd", 4), ("bshd", 4), ("bshd", 1)):  # one head: SDPA's strides differ from ours there

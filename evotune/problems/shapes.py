@@ -84,7 +84,9 @@ class Shape:
             raise UsageError(f"shape: {kv} K/V heads for {self.heads} query heads: the K/V heads must divide "
                              f"the query heads (1 <= kv <= heads)")
         cap = self.softcap
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
+        # A chained compare, not math.isfinite: torch.compile(dynamic=True) cannot trace math.isfinite even on a
+        # constant, and the op checks its softcap through this rule while traced (NaN fails both compares).
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 <= cap < math.inf:
             raise UsageError(f"shape: softcap must be a finite number >= 0 (0: none), got {cap!r}")
         object.__setattr__(self, "softcap", float(cap))
         for side in ("window_left", "window_right"):

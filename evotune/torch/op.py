@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..errors import UsageError
 from ..problems.shapes import Shape
@@ -235,11 +236,20 @@ def eager_attention(q, k, v, is_causal: bool, scale, enable_gqa: bool, softcap: 
 def _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback, mods=NO_MODS) -> bool:
     """Whether the trace calls the fallback itself (SDPA, or for score mods evotune.torch.fallback's plain PyTorch)."""
     sizes = tuple(q.shape) + tuple(k.shape) + tuple(v.shape) + q.stride() + k.stride() + v.stride()
-    if not all(type(n) is int for n in sizes) or record.active():  # symbolic, or every call must be recorded
+    if not all(_fixed_by_trace(n) for n in sizes) or record.active():  # symbolic, or every call must be recorded
         return False
     return _sdpa_route_of((tuple(q.shape), tuple(k.shape), tuple(v.shape)), (q.stride(), k.stride(), v.stride()),
                           DTYPES.get(q.dtype, str(q.dtype).replace("torch.", "")), q.device.type, q.device.index,
                           bool(is_causal), bool(enable_gqa), fallback, *mods)
+
+
+def _fixed_by_trace(n) -> bool:
+    """Whether a size is a constant of the trace, not a symbol (torch.compile's automatic dynamic shapes make a size
+    symbolic from its second value on; dynamic=True from the first). Under dynamo a symbolic size answers type() and
+    isinstance() as an int, so the test asks the shape environment instead: Python proves both for an int, but for a
+    symbol the bound does not hold (a size's range is unbounded above) and floor and Mod stay unevaluated. Two
+    tests, so a size the user bounded (mark_dynamic(max=)) still reads as symbolic."""
+    return statically_known_true(n < 2 ** 62) and statically_known_true(n == n // 3 * 3 + n % 3)
 
 
 @torch.compiler.assume_constant_result
