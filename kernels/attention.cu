@@ -29,7 +29,7 @@
 //                  or re-read them from shared memory at every k-step (false; frees
 //                  HEAD_DIM/4 registers per 16 rows, which d128 tiles need)
 // Problem traits (from the shape, also compile time):
-//   HEAD_DIM (64 or 128), IS_BF16, IS_CAUSAL (top-left aligned, as SDPA's is_causal)
+//   HEAD_DIM (64, 128 or 256), IS_BF16, IS_CAUSAL (top-left aligned, as SDPA's is_causal)
 //
 // This file compiles standalone with NVRTC or nvcc; evotune appends one
 // explicit instantiation (extern "C" entry point) per configuration.
@@ -150,7 +150,7 @@ struct AttnTraits {
     static_assert(kMFrags >= 1 && kMFrags <= 4, "1 to 4 mma row tiles per warp");
     static_assert(kQKSteps % kQKUnroll == 0, "Q K^T trips must cover the head dim evenly");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "BLOCK_N must be a multiple of 16 (ldmatrix.x4 covers 16 keys)");
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head dim 64, 128 or 256");
     static_assert(kStages >= 1 && kStages <= 4, "1 to 4 pipeline stages");
     static_assert(kProducerWarps >= 0 && kProducerWarps <= 4, "0 to 4 producer warps");
     static_assert(kSmemLayout != kSwizzled || kChunksPerRow >= 8, "the XOR swizzle needs 8 chunks per row");

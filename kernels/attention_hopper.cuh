@@ -31,7 +31,7 @@
 // Every tile starts on a 1024-byte boundary (the swizzle atom: 8 rows x 128 bytes).
 
 #include "wgmma.cuh"
-#include "wgmma_n192.cuh"
+#include "wgmma_wide.cuh"
 
 namespace hopper {
 
@@ -84,14 +84,20 @@ struct HopperTraits {
     static constexpr int kConsumerThreads = 128 * kConsumerWGs;
     static constexpr bool kHasProducer = kProducerWarps > 0;
     static constexpr int kThreads = kConsumerThreads + 32 * kProducerWarps;
-    static constexpr int kRegions = kHeadDim / 64;  // 128-byte column regions of a tile
+    // The tiles hold whole 128-byte regions of 64 columns: a head dim that is not a multiple of 64 (96) is held as the
+    // next one (128), its columns past kHeadDim filled with zeros by TMA (the tensor maps' extent is the head dim), so
+    // the swizzle and the descriptors stay those of whole regions (CUTLASS would switch to a 64-byte swizzle atom).
+    // Q K^T reads only the real columns' k-steps; P V's N is the tile's (a multiple of 64), and the epilogue stores
+    // the real columns only.
+    static constexpr int kTileDim = (kHeadDim + 63) / 64 * 64;
+    static constexpr int kRegions = kTileDim / 64;  // 128-byte column regions of a tile
     static constexpr int kQKSteps = kHeadDim / 16;
     static constexpr int kQRegSteps = kQInRegs ? kQKSteps : 1;  // Q k-steps held in registers
     static constexpr int kPVSteps = kBlockN / 16;
     static constexpr int kSAcc = kBlockN / 2;    // S accumulators per thread (64 rows x BLOCK_N / 128)
-    static constexpr int kOAcc = kHeadDim / 2;   // O accumulators per thread
-    static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-    static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+    static constexpr int kOAcc = kTileDim / 2;   // O accumulators per thread
+    static constexpr int kQBytes = kBlockM * kTileDim * 2;
+    static constexpr int kKVBytes = kBlockN * kTileDim * 2;
     // Tiles plus the slack to align the dynamic shared memory to the 1024-byte swizzle atom.
     static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;
     // setmaxnreg: with a producer warpgroup the consumers take the producer's registers.
@@ -111,7 +117,8 @@ struct HopperTraits {
     static constexpr int kProducerRegs = kConsumerWGs == 3 || (kStripeMirror && kConsumerWGs == 4) ? 32 : 24;
     static constexpr int kConsumerRegs = kConsumerWGs == 4 ? 112 : kConsumerWGs == 3 ? 160 : 240;
 
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim 64 or 128");
+    static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+                  "head dim 64, 96, 128, 192 or 256 (P V's wgmma N: 64, 128, 192, 256)");
     static_assert(kPSmem || kBlockN == 16 || kBlockN == 32 || kBlockN == 64 || kBlockN == 128 || kBlockN == 176,
                   "BLOCK_N: a wgmma N of 16 to 128, or 176 (FlashAttention-3's d128 tile)");
     static_assert(!kPSmem || kBlockN == 64 || kBlockN == 128 || kBlockN == 192,

@@ -92,7 +92,7 @@ def make_run(name, mission, records) -> Run:
     [
         (["check", "--shape", "nosuchpreset"], "unknown preset 'nosuchpreset'"),
         (["check", "--shape", "1,2,3"], "cannot read '1,2,3'"),
-        (["check", "--shape", "1,8,512,96"], "head_dim 96 is not supported"),
+        (["check", "--shape", "1,8,512,80"], "head_dim 80 is not supported"),
         (["replay", "--run", "nope"], "no run named 'nope'"),
         (["export", "best", "--run", "nope", "-o", "x.cu"], "no run named 'nope'"),
         (["search", "--sampler", "annealing"], "unknown sampler 'annealing'"),

@@ -71,14 +71,14 @@ def test_include_errors_are_one_line(tmp_path, monkeypatch, attention, space, mi
 
 
 def test_generated_wgmma_header_is_current():
-    """kernels/wgmma.cuh and wgmma_n192.cuh are what tools/gen_wgmma.py writes today."""
+    """kernels/wgmma.cuh and wgmma_wide.cuh are what tools/gen_wgmma.py writes today."""
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     try:
         import gen_wgmma
     finally:
         sys.path.pop(0)
     assert (REPO_ROOT / "kernels" / "wgmma.cuh").read_text() == gen_wgmma.render()
-    assert (REPO_ROOT / "kernels" / "wgmma_n192.cuh").read_text() == gen_wgmma.render_n192()
+    assert (REPO_ROOT / "kernels" / "wgmma_wide.cuh").read_text() == gen_wgmma.render_wide()
 
 
 @pytest.mark.parametrize("shape_text,cfg", SPREAD, ids=[s for s, _ in SPREAD])

@@ -23,7 +23,7 @@ NO_GPU = "no CUDA GPU is visible"
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["tune", "--shape", "1,8,512,96"], "head_dim 96 is not supported"),
+    (["tune", "--shape", "1,8,512,80"], "head_dim 80 is not supported"),
     (["tune", "--shape", "mission", "--timeout", "nan"], "'--timeout'"),
     (["tune", "--shape", "mission", "--gpu", "-1"], "'--gpu'"),
     (["tune", "--shape", "mission", "--trials", "99999999999999999999999"], "'--trials'"),
@@ -38,7 +38,7 @@ NO_GPU = "no CUDA GPU is visible"
     (["search", "--population", "99999999999999999999"], "'--population'"),
     (["search", "--compile-workers", "99999999999"], "'--compile-workers'"),
     (["search", "--lookahead", "99999999999"], "'--lookahead'"),
-    (["search", "--shape", "1,8,512,96"], "head_dim 96 is not supported"),
+    (["search", "--shape", "1,8,512,80"], "head_dim 80 is not supported"),
     (["bench", "--config", "{}", "--reps", "99999999999999"], "'--reps'"),
     (["verify", "--config", "{}", "--launches", "99999999999999"], "'--launches'"),
     (["check", "--sample", "99999999999999999999"], "'--sample'"),

@@ -49,8 +49,8 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its twenty-five parameters (the variant knob mma first), six derived values
-    and thirty-nine constraints, each with its reason: thirty-six of validity and three measured priors, each of those
+    """The shipped attention.yaml loads with its twenty-five parameters (the variant knob mma first), seven derived values
+    and forty constraints, each with its reason: thirty-seven of validity and three measured priors, each of those
     naming its evidence."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
@@ -59,9 +59,9 @@ def test_attention_loads(space):
                                    "pdl", "epilogue", "key_merge", "kv_load", "kv_cluster", "exp2_fma", "rescale",
                                    "softmax_overlap", "lean_addressing", "p_operand", "empty_warpgroups",
                                    "causal_extent", "stripe_order"]
-    assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "row_bytes", "smem_bytes",
-                                                     "acc_regs"]
-    assert len(space.constraints) == 39
+    assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "tile_dim", "row_bytes",
+                                                     "smem_bytes", "acc_regs"]
+    assert len(space.constraints) == 40
     assert all(c.why for c in space.constraints)
     assert sum(c.measured for c in space.constraints) == 3 and all(c.evidence for c in space.constraints if c.measured)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
@@ -288,13 +288,13 @@ def test_admitted_configs_nonempty_and_all_admitted(space, mission):
 
 
 def test_check_nonempty(space, mission):
-    """check_nonempty passes for the mission shape and names the blocking constraint for head_dim 96."""
+    """check_nonempty passes for the mission shape and names the blocking constraint for head_dim 80."""
     check_nonempty(space, mission)
     with pytest.raises(UsageError) as info:
-        check_nonempty(space, shape_context(parse_shape("1,1,64,64,96")))
+        check_nonempty(space, shape_context(parse_shape("1,1,64,64,80")))
     message = str(info.value)
     assert message.startswith(f"{ATTENTION_YAML}: no configuration is admitted for ")
-    assert "head_dim=96" in message and "written for head_dim 64 and 128" in message
+    assert "head_dim=80" in message and "written for head dims 64, 96" in message
 
 
 # --------------------------------------------------------------------------- config()

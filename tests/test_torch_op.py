@@ -205,7 +205,7 @@ def cuda_call(**changes) -> Call:
     ({"device": "cpu"}, None, "device cpu"),
     ({}, (8, 0), "compute capability 8.0"),
     ({"dtype": "float32"}, (9, 0), "dtype float32"),
-    ({"head_dim": 96, "v_head_dim": 96}, (9, 0), "head dim 96"),
+    ({"head_dim": 80, "v_head_dim": 80}, (9, 0), "head dim 80"),
     ({"v_head_dim": 128}, (9, 0), "value head dim 128"),
     ({"kv_heads": 3}, (9, 0), "3 K/V heads for 8 query heads"),
     ({"seq_k": 0}, (9, 0), "empty tensor"),

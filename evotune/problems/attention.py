@@ -199,9 +199,21 @@ def is_deep_ring(config) -> bool:
     return is_wgmma(config) and int(knob(config, "stages")) > 4
 
 
+# The Hopper kernel's head dims (HopperTraits); the mma.sync kernel takes 64, 128 and 256 of them (the space's
+# constraint says why).
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def tile_dim(config, shape: Shape) -> int:
+    """The columns a Q or K/V tile holds in shared memory: the Hopper kernel's tiles are whole 64-column regions of
+    the 128-byte swizzle (HopperTraits::kTileDim: head dim 96 is held as 128, TMA filling the rest with zeros); the
+    mma.sync kernel's hold the head dim."""
+    return (shape.head_dim + 63) // 64 * 64 if is_wgmma(config) else shape.head_dim
+
+
 def q_buffer_bytes(config, shape: Shape) -> int:
     """Shared memory that stripe_order = mirrored adds: Q's second buffer (a Q tile); none otherwise."""
-    return 2 * shape.head_dim * wgmma_block_m(config) if is_stripe_mirror(config) else 0
+    return 2 * tile_dim(config, shape) * wgmma_block_m(config) if is_stripe_mirror(config) else 0
 
 
 def uses_tile_counter(config, shape: Shape) -> bool:
@@ -286,7 +298,7 @@ def merge_bytes(config, shape: Shape) -> int:
 def o_stage_bytes(config, shape: Shape) -> int:
     """Shared memory the TMA-store epilogue adds: a Q-sized staging tile under PERSISTENT (the next tile's Q arrives
     in Q's buffer meanwhile); none otherwise (O is staged in Q's buffer, free by then)."""
-    return 2 * shape.head_dim * wgmma_block_m(config) if is_tma_store(config) and is_persistent(config) else 0
+    return 2 * tile_dim(config, shape) * wgmma_block_m(config) if is_tma_store(config) and is_persistent(config) else 0
 
 
 def is_persistent(config) -> bool:
@@ -393,8 +405,9 @@ class AttentionProblem(Problem):
     # ------------------------------------------------------------ CPU side
     def check_shape(self, shape: Shape) -> None:
         """Refuse shapes the kernel does not compute, with the reason."""
-        if shape.head_dim not in (64, 128):
-            raise UsageError(f"attention: head_dim {shape.head_dim} is not supported (64 or 128)")
+        if shape.head_dim not in HEAD_DIMS:
+            raise UsageError(f"attention: head_dim {shape.head_dim} is not supported "
+                             f"({', '.join(map(str, HEAD_DIMS[:-1]))} or {HEAD_DIMS[-1]})")
         if shape.dtype not in ("fp16", "bf16"):
             raise UsageError(f"attention: dtype {shape.dtype} is not supported (fp16 or bf16)")
 
@@ -527,7 +540,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         block_m, block_n = rows_per_cta(config), int(knob(config, "block_n"))
         if is_wgmma(config):
             # HopperTraits: Q + STAGES (K, V) tiles + 1024 B to align them; consumer and producer warps.
-            smem = 2 * shape.head_dim * (block_m + 2 * int(knob(config, "stages")) * block_n) + 1024
+            smem = 2 * tile_dim(config, shape) * (block_m + 2 * int(knob(config, "stages")) * block_n) + 1024
             smem += o_stage_bytes(config, shape) + q_buffer_bytes(config, shape) + p_tile_bytes(config, shape)
             threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
             if is_persistent(config):

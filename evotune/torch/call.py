@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UsageError
+from ..problems.attention import HEAD_DIMS
 
 HEAD = "evotune.torch.attention"
 NO_MODS = (0.0, -1, -1)  # (softcap, window_left, window_right) of a call with neither
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-HEAD_DIMS = (64, 128)
 # The kernels are compiled for sm_90a (compile.DEFAULT_ARCH): their cubins load on compute capability 9.0 only.
 KERNEL_CC = (9, 0)
 
@@ -201,7 +201,7 @@ def coverage(call: Call, gpu_cc: tuple[int, int] | None) -> str | None:
         return f"dtype {call.dtype}: the kernel computes fp16 and bf16"
     if call.head_dim not in HEAD_DIMS or call.v_head_dim != call.head_dim:
         return (f"head dim {call.head_dim} (value head dim {call.v_head_dim}): the kernel is written for "
-                f"{' and '.join(map(str, HEAD_DIMS))}, the same for q, k and v")
+                f"{', '.join(map(str, HEAD_DIMS))}, the same for q, k and v")
     if call.kv_heads != call.heads and not supports("gqa"):
         return f"{call.kv_heads} k/v heads for {call.heads} query heads: {unsupported('gqa')}"
     if 0 in (call.batch, call.heads, call.seq_q, call.seq_k):
