@@ -95,6 +95,7 @@ def test_record_writes_each_familys_shapes_file(report):
     (["--seq", "0"], "--seq '0'"),
     (["--seq", "x"], "--seq 'x'"),
     (["--new-tokens", "-1"], "--new-tokens"),
+    (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["--table", "/nonexistent/t.json"], "--table /nonexistent/t.json: no such file"),
     (["--decode-table", "/nonexistent/d.json"], "--decode-table /nonexistent/d.json: no such file"),
     (["--json", "/nonexistent/dir/out.json"], "does not exist"),

@@ -115,6 +115,7 @@ def _ints(text: str, option: str, low: int) -> list[int]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.error = fail  # one line, not argparse's usage block
     p.add_argument("--families", default=",".join(FAMILIES), help=f"of {', '.join(FAMILIES)}")
     p.add_argument("--seq", default="512", help="prefill lengths, comma-separated")
     p.add_argument("--batch", type=int, default=1)
@@ -348,8 +349,8 @@ def short_table(result) -> str:
         lines = []
         for phase in ("prefill_calls", "generate_calls"):
             for reason, n in ((r.get(phase) or {}).get("fallbacks") or {}).items():
-                lines.append(f"  {phase.split('_')[0]:8} {n:4} x {reason[:150]}")
-        lines += [f"  error    {k}: {v[:150]}" for k, v in r["errors"].items()]
+                lines.append(f"  {phase.split('_')[0]:8} {n:4} x {reason[:200]}")
+        lines += [f"  error    {k}: {v[:200]}" for k, v in r["errors"].items()]
         if lines:
             out += [f"{r['family']} {r['batch']}x{r['seq']}: not on the kernel / errors"] + lines
     out.append("CHECKS: " + ("ok" if not result["failed_checks"] else "FAILED: " + "; ".join(result["failed_checks"])))
@@ -380,8 +381,15 @@ def run(args) -> dict:
     t0 = time.monotonic()
     result = {"env": model_bench.environment(args, torch), "dtype": args.dtype, "tol": tol, "window": args.window,
               "models": {}, "rows": [], "recorded": {}}
+    build_failures = []
     for family in args.families:
-        model, cfg = build(family, args, torch, dtype, max(args.seqs) + args.new_tokens)
+        try:
+            model, cfg = build(family, args, torch, dtype, max(args.seqs) + args.new_tokens)
+        except Exception as e:  # this transformers cannot build the config: a finding, the other families still run
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:400]  # a validator's cause is on its second line
+            result["models"][family] = f"not built: {why}"
+            build_failures.append(f"{family}: not built ({why})")
+            continue
         result["models"][family] = describe(family, cfg)
         with record_shapes() as rec:
             for s in args.seqs:
@@ -392,7 +400,7 @@ def run(args) -> dict:
             result["recorded"][family] = str(rec.save(Path(args.record) / f"{family}.shapes.json"))
         del model
         release(args, torch)
-    result["failed_checks"] = failed_checks(result["rows"])
+    result["failed_checks"] = build_failures + failed_checks(result["rows"])
     result["wall_s"] = time.monotonic() - t0
     return result
 
