@@ -13,4 +13,4 @@ for s in ${SHAPES:?SHAPES: the shapes to tune, space-separated}; do
   echo "tune $s: rc=$?"; tail -4 "$OUT/tune-$i.log"
   i=$((i + 1))
 done
-python3 -m evotune table show --table "$OUT/table.json" 2>&1 | tee "$OUT/table.txt" | tail -20
+python3 -m evotune table show "$OUT/table.json" 2>&1 | tee "$OUT/table.txt" | tail -20
