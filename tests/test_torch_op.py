@@ -132,6 +132,18 @@ def test_compile_with_symbolic_sizes(how, mods):
     assert has_op == ([False, True] if how == "automatic" else [True])
 
 
+def test_compile_while_recording():
+    """A compiled call made while record_shapes() is active traces with no graph break (the op then stays in the graph,
+    so every call is recorded), at a fixed and at a symbolic length; each call is recorded with its route."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: et.attention(q, k, v, is_causal=True), fullgraph=True, backend="aot_eager")
+    with et.record_shapes() as rec:
+        for s in (16, 24):
+            q, k, v = qkv(h=2, sq=s, sk=s)
+            torch.testing.assert_close(quiet(fn, q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert [(r["seq_q"], r["route"], r["calls"]) for r in rec.shapes] == [(16, "sdpa", 1), (24, "sdpa", 1)]
+
+
 def test_output_matches_sdpa_and_takes_the_query_layout():
     """Through the fallback the op returns SDPA's values, dense in the query's layout, for Sq != Sk and causal."""
     for layout, heads in (("bhsd", 4), ("bshd", 4), ("bshd", 1)):  # one head: SDPA's strides differ from ours there

@@ -71,8 +71,10 @@ class ShapeRecorder:
 
 
 def active() -> bool:
-    """Whether a recorder is active (the op's fast path then steps aside, so every call is seen)."""
-    return bool(_ACTIVE)
+    """Whether a recorder is active (the op's fast path then steps aside, so every call is seen). len, not bool: the
+    op asks while torch.compile traces, and torch 2.11's dynamo cannot take bool() of a list (a graph break, which
+    fullgraph=True refuses; H200 run of 2026-11-28)."""
+    return len(_ACTIVE) > 0
 
 
 def observe(decision) -> None:
