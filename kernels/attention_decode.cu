@@ -54,7 +54,12 @@ struct DecodeTraits {
 
     static constexpr int kRows = kGroup * kSeqQ;
     static constexpr int kThreads = 32 * kWarps;
-    static constexpr int kLanesPerKey = kHeadDim / kVec;
+    // A key's row spans a power-of-two group of lanes (the dot product's xor reduction stays inside it): head dim 96
+    // takes the lanes of 128 columns, those past 96 idle (kPadded: they copy nothing, read zeros, store nothing), so
+    // the shared-memory rows keep the head dim's pitch.
+    static constexpr int kLaneDim = kHeadDim == 96 ? 128 : kHeadDim;
+    static constexpr bool kPadded = kLaneDim != kHeadDim;
+    static constexpr int kLanesPerKey = kLaneDim / kVec;
     static constexpr int kGroupsPerWarp = 32 / kLanesPerKey;
     static constexpr int kGroups = kWarps * kGroupsPerWarp;   // key groups per CTA
     static constexpr int kBlockN = kGroups * kUnroll;           // keys per tile
@@ -66,7 +71,7 @@ struct DecodeTraits {
     static constexpr int kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
     typedef typename DecodeWord<kVecBytes>::T Word;
 
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "HEAD_DIM is 64 or 128");
+    static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256, "HEAD_DIM is 64, 96, 128 or 256");
     static_assert(kVec == 4 || kVec == 8, "VEC is 4 or 8 elements (one 8- or 16-byte cp.async)");
     static_assert(kLanesPerKey <= 32 && 32 % kLanesPerKey == 0, "a key's row spans a power-of-two lane group of a warp");
     static_assert(kSeqQ >= 1 && kSeqQ <= 16, "SEQ_Q is 1 to 16 queries (decode and short chunks)");
@@ -122,11 +127,44 @@ __device__ __forceinline__ void load_q(const unsigned short* q, long long q_sh, 
     }
 }
 
+// Whether this lane's columns (d0 ...) hold the head dim's, not the idle padding of kPadded.
+template <class T>
+__device__ __forceinline__ bool active_lane(int d0) {
+    if constexpr (T::kPadded) return d0 < T::kHeadDim;
+    else return true;
+}
+
+// load_q for any lane: an idle padding lane's query slice is zeros (its dot products add nothing).
+template <class T>
+__device__ __forceinline__ void load_lane_q(const unsigned short* q, long long q_sh, long long q_ss, float scale_log2,
+                                            int d0, float (&qf)[T::kRows][T::kVec]) {
+    if (active_lane<T>(d0)) {
+        load_q<T>(q, q_sh, q_ss, scale_log2, qf);
+    } else {
+#pragma unroll
+        for (int r = 0; r < T::kRows; ++r)
+#pragma unroll
+            for (int i = 0; i < T::kVec; ++i) qf[r][i] = 0.f;
+    }
+}
+
+// smem_vec for any lane: an idle padding lane reads zeros (the address past its row is never read).
+template <class T>
+__device__ __forceinline__ void lane_vec(const unsigned short* p, int d0, float (&x)[T::kVec]) {
+    if (active_lane<T>(d0)) {
+        smem_vec<T>(p, x);
+    } else {
+#pragma unroll
+        for (int i = 0; i < T::kVec; ++i) x[i] = 0.f;
+    }
+}
+
 // Issue this lane's cp.asyncs of one tile's K and V rows into ring slot `stage`.
 template <class T>
 __device__ __forceinline__ void issue_tile(unsigned int ring, int stage, const unsigned short* k, const unsigned short* v,
                                            long long k_ss, long long v_ss, int tile_start, int key_end, int group,
                                            int d0) {
+    if (!active_lane<T>(d0)) return;  // idle padding: its columns are not in the rows
 #pragma unroll
     for (int u = 0; u < T::kUnroll; ++u) {
         const int slot = u * T::kGroups + group;
@@ -149,7 +187,7 @@ __device__ __forceinline__ void consume_tile(const unsigned short* tile, int til
 #pragma unroll
     for (int u = 0; u < T::kUnroll; ++u) {
         float kx[T::kVec];
-        smem_vec<T>(tile + (u * T::kGroups + group) * T::kHeadDim + d0, kx);
+        lane_vec<T>(tile + (u * T::kGroups + group) * T::kHeadDim + d0, d0, kx);
 #pragma unroll
         for (int r = 0; r < T::kRows; ++r) {
             float dot = 0.f;
@@ -197,7 +235,7 @@ __device__ __forceinline__ void consume_tile(const unsigned short* tile, int til
 #pragma unroll
     for (int u = 0; u < T::kUnroll; ++u) {
         float vx[T::kVec];
-        smem_vec<T>(tile + T::kTileBytes / 2 + (u * T::kGroups + group) * T::kHeadDim + d0, vx);
+        lane_vec<T>(tile + T::kTileBytes / 2 + (u * T::kGroups + group) * T::kHeadDim + d0, d0, vx);
 #pragma unroll
         for (int r = 0; r < T::kRows; ++r)
 #pragma unroll
@@ -233,7 +271,7 @@ __device__ __forceinline__ void decode_attention(
     const int causal_edge = seq_k - T::kSeqQ;  // query i sees keys <= causal_edge + i
 
     float qf[T::kRows][T::kVec];
-    load_q<T>(q + b * q_sb + static_cast<long long>(kvh) * T::kGroup * q_sh + d0, q_sh, q_ss, scale_log2, qf);
+    load_lane_q<T>(q + b * q_sb + static_cast<long long>(kvh) * T::kGroup * q_sh + d0, q_sh, q_ss, scale_log2, d0, qf);
     const unsigned short* kb = k + b * k_sb + kvh * k_sh + d0;
     const unsigned short* vb = v + b * v_sb + kvh * v_sh + d0;
 
@@ -278,8 +316,10 @@ __device__ __forceinline__ void decode_attention(
             red_m[group * T::kRows + r] = m[r];
             red_l[group * T::kRows + r] = l[r];
         }
+        if (active_lane<T>(d0)) {  // an idle padding lane has no columns
 #pragma unroll
-        for (int i = 0; i < T::kVec; ++i) red_o[(group * T::kRows + r) * T::kHeadDim + d0 + i] = acc[r][i];
+            for (int i = 0; i < T::kVec; ++i) red_o[(group * T::kRows + r) * T::kHeadDim + d0 + i] = acc[r][i];
+        }
     }
     __syncthreads();
 

@@ -51,9 +51,9 @@ def test_bad_shapes_say_why(text, words):
 
 
 def test_check_shape_refuses_what_the_kernel_cannot_compute(decode):
-    """Head dims other than 64/128 and more than 16 packed rows are refused before any compile."""
-    with pytest.raises(UsageError, match="head_dim 96"):
-        decode.check_shape(parse_shape("1,32,8,64,96"))
+    """Head dims the kernel lacks (80) and more than 16 packed rows are refused before any compile."""
+    with pytest.raises(UsageError, match="head_dim 80"):
+        decode.check_shape(parse_shape("1,32,8,64,80"))
     with pytest.raises(UsageError, match="32 rows"):
         decode.check_shape(parse_shape("1,64,2,64,128"))
     decode.check_shape(parse_shape("1,32,8,4,64,128:causal"))
@@ -112,6 +112,8 @@ COMPILE_CASES = [
     ("1,32,8,16384,128:bf16", {"splits": 16, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
     ("2,8,1,2,300,64:causal:bshd", {"splits": 2, "warps": 2, "vec": 4, "unroll": 2, "stages": 3}),
     ("1,32,8,4,2048,128:bf16:causal", {"splits": 8, "warps": 8, "vec": 4, "unroll": 1, "stages": 1}),
+    ("1,32,32,2081,96", {"splits": 8, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),  # Phi-3: lanes of 128, 4 idle
+    ("1,8,4,777,256:bf16", {"splits": 4, "warps": 4, "vec": 8, "unroll": 2, "stages": 2, "kv_load": "bulk"}),
 ]
 
 
@@ -126,8 +128,8 @@ def compiled_cases(decode, dspace):
 
 
 def test_compiles_clean(decode, dspace, compiled_cases):
-    """Admitted configs (a split, fp16 and bf16, d64 and d128, causal, Sq 1/2/4) compile for sm_90a with no spills
-    and pass the static gate."""
+    """Admitted configs (a split, fp16 and bf16, head dims 64, 96, 128 and 256, causal, Sq 1/2/4, the bulk ring)
+    compile for sm_90a with no spills and pass the static gate."""
     for shape, cfg, _, compiled in compiled_cases:
         assert dspace.admitted(cfg, decode.context(shape)), dspace.violations(cfg, decode.context(shape))
         res = compiled.resources

@@ -1,5 +1,5 @@
 """GPU tests of the decode attention family: the full gate (NaN-poisoned output, stress inputs, the dependency
-check) on ragged caches, GQA 32/8 and 8/1, Sq 1 and 4, fp16 and bf16; run on the H100 (`python -m pytest -m gpu`)."""
+check) on ragged caches, GQA 32/8 and 8/1, Sq 1 and 4, fp16 and bf16, head dims 64, 96, 128 and 256; run on the H100 (`python -m pytest -m gpu`)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,14 @@ CASES = [
     ("1,32,8,4,2049,128:bf16:causal", {"splits": 4, "warps": 4, "vec": 4, "unroll": 1, "stages": 2}),
     ("2,32,8,4,33,128:causal", {"splits": 2, "warps": 1, "vec": 4, "unroll": 1, "stages": 4}),
     ("1,12,12,1025,64:bf16", {"splits": 8, "warps": 2, "vec": 4, "unroll": 2, "stages": 2}),
+    # Head dim 96 (Phi-3: 32 on 32) in the lanes of 128, the last 4 (vec 8) or 8 (vec 4) of each key's lanes idle.
+    ("1,32,32,2081,96", {"splits": 8, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
+    ("2,32,8,3001,96:bf16:bshd", {"splits": 4, "warps": 4, "vec": 4, "unroll": 2, "stages": 3, "kv_load": "bulk"}),
+    ("1,32,8,4,999,96:causal", {"splits": 2, "warps": 2, "vec": 4, "unroll": 1, "stages": 2}),
+    # Head dim 256 (Gemma-2's 8 on 4): a key's row is a whole warp.
+    ("1,8,4,777,256:bf16", {"splits": 4, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
+    ("2,8,4,4097,256", {"splits": 16, "warps": 8, "vec": 8, "unroll": 1, "stages": 2, "kv_load": "bulk",
+                        "combine": "acq_rel", "split_chunks": "even"}),
 ]
 
 

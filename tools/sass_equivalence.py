@@ -51,15 +51,15 @@ from concurrent.futures import ProcessPoolExecutor
 LINE = re.compile(%r)
 
 def one(item):
-    shape, cfg, options = item
+    family, shape, cfg, options = item
     from evotune.build.compile import compile_source
     from evotune.build.sass import disassemble
     from evotune.build.template import instantiate
-    from evotune.problems.attention import PROBLEM
-    from evotune.problems.shapes import parse_shape
+    from evotune.problems import get_problem
     from evotune.space.searchspace import Config
     try:
-        src = instantiate(PROBLEM, Config.from_dict(cfg), parse_shape(shape), **options)
+        problem = get_problem(family)
+        src = instantiate(problem, Config.from_dict(cfg), problem.parse_shape(shape), **options)
         compiled = compile_source(src.code, src.entry)
     except Exception as e:  # a compile failure is a value: both trees must fail alike
         return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:200]}
@@ -67,15 +67,16 @@ def one(item):
             "resources": compiled.resources.as_dict()}
 
 if __name__ == "__main__":
-    jobs, items, options = json.loads(sys.stdin.read())
+    family, jobs, items, options = json.loads(sys.stdin.read())
     with ProcessPoolExecutor(jobs) as pool:
-        print(json.dumps(dict(enumerate(pool.map(one, [(s, c, options) for s, c in items], chunksize=1)))))
+        print(json.dumps(dict(enumerate(pool.map(one, [(family, s, c, options) for s, c in items], chunksize=1)))))
 """ % _LINE.pattern
 
 
-def dump(tree: Path, kernels: Path | None, items: list, jobs: int, options: dict | None = None) -> dict:
+def dump(tree: Path, kernels: Path | None, items: list, jobs: int, options: dict | None = None,
+         family: str = "attention") -> dict:
     """Each item's listing and resources as `tree`'s evotune compiles it (from `kernels` if given), instantiated with
-    `options`."""
+    `options` by `family`'s problem."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     env.pop("EVOTUNE_KERNELS", None)
     if kernels:
@@ -83,7 +84,7 @@ def dump(tree: Path, kernels: Path | None, items: list, jobs: int, options: dict
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
         script.write(_DUMP)
     try:
-        proc = subprocess.run([sys.executable, script.name], input=json.dumps([jobs, items, options or {}]),
+        proc = subprocess.run([sys.executable, script.name], input=json.dumps([family, jobs, items, options or {}]),
                               capture_output=True, text=True, cwd=tree, env=env)
     finally:
         os.unlink(script.name)
@@ -92,19 +93,21 @@ def dump(tree: Path, kernels: Path | None, items: list, jobs: int, options: dict
     return {int(k): v for k, v in json.loads(proc.stdout).items()}
 
 
-def sample(spaces: list[str], shapes: list[str], knobs: list[str], per: int, seed: int) -> list[tuple[str, dict]]:
+def sample(spaces: list[str], shapes: list[str], knobs: list[str], per: int, seed: int,
+           family: str = "attention") -> list[tuple[str, dict]]:
     """`per` admitted configs of each (space, shape), drawn in turn from the groups of equal --knob values."""
     sys.path.insert(0, str(REPO))
-    from evotune.problems.attention import PROBLEM
-    from evotune.problems.shapes import parse_shape
+    from evotune.problems import get_problem
     from evotune.space.searchspace import load_builtin
+
+    problem = get_problem(family)
 
     rng, items = random.Random(seed), []
     for name in spaces:
         space = load_builtin(name)
         for shape in shapes:
             groups: dict = {}
-            for cfg in space.admitted_configs(PROBLEM.context(parse_shape(shape))):
+            for cfg in space.admitted_configs(problem.context(problem.parse_shape(shape))):
                 d = cfg.as_dict()
                 groups.setdefault(tuple(str(d.get(k)) for k in knobs), []).append(d)
             pools = [rng.sample(g, len(g)) for _, g in sorted(groups.items())]
@@ -138,7 +141,8 @@ def main() -> int:
     ap.add_argument("--new", type=Path, default=REPO, help="a tree folder (default: this working tree)")
     ap.add_argument("--old-kernels", type=Path, help="compile the old side from this kernels folder")
     ap.add_argument("--new-kernels", type=Path, help="compile the new side from this kernels folder")
-    ap.add_argument("--space", action="append", help="a built-in space to sample (repeatable; default attention)")
+    ap.add_argument("--family", default="attention", help="the kernel family (default attention; attention-decode)")
+    ap.add_argument("--space", action="append", help="a built-in space to sample (repeatable; default the family's)")
     ap.add_argument("--shape", action="append", help=f"a shape (repeatable; default {' '.join(DEFAULT_SHAPES)})")
     ap.add_argument("--knob", action="append", default=[], help="stratify the sample by this knob's values (repeatable)")
     ap.add_argument("--config", nargs=2, action="append", metavar=("SHAPE", "JSON"), default=[],
@@ -151,12 +155,14 @@ def main() -> int:
                     help="compare the training variant (the entry that also writes the log-sum-exp)")
     args = ap.parse_args()
 
-    items = sample(args.space or ["attention"], args.shape or DEFAULT_SHAPES, args.knob, args.n, args.seed)
+    if args.family != "attention" and not args.shape:
+        ap.error("--shape: the default shapes are attention's; name the family's")
+    items = sample(args.space or [args.family], args.shape or DEFAULT_SHAPES, args.knob, args.n, args.seed, args.family)
     items += [(shape, json.loads(text)) for shape, text in args.config]
     with tempfile.TemporaryDirectory() as tmp:
         options = {"write_lse": True} if args.write_lse else {}
-        before = dump(old_tree(args.old, tmp), args.old_kernels, items, args.jobs, options)
-    after = dump(args.new.resolve(), args.new_kernels, items, args.jobs, options)
+        before = dump(old_tree(args.old, tmp), args.old_kernels, items, args.jobs, options, args.family)
+    after = dump(args.new.resolve(), args.new_kernels, items, args.jobs, options, args.family)
 
     differ = failed = 0
     for i, (shape, cfg) in enumerate(items):

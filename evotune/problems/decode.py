@@ -25,11 +25,17 @@ from . import LaunchGeometry, Problem, aim_key, knob_reader
 
 DTYPES = ("fp16", "bf16")
 LAYOUTS = ("bhsd", "bshd")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128, 256)
+
+
+def lane_dim(head_dim: int) -> int:
+    """The columns a key's lanes cover (DecodeTraits::kLaneDim): a power-of-two lane group, so head dim 96 takes the
+    lanes of 128, those past 96 idle."""
+    return 128 if head_dim == 96 else head_dim
 MAX_SEQ_Q = 16   # kernels/attention_decode.cu DecodeTraits: SEQ_Q
 MAX_ROWS = 16    # ... GROUP * SEQ_Q rows in one CTA (their Q and O slices live in registers)
 # Grid y (K/V heads) and z (batch) are CUDA's 65535 at most; keys are 32-bit ints in the kernel.
-MAX_DIMS = {"batch": 65535, "heads": 65535, "kv_heads": 65535, "seq_q": MAX_SEQ_Q, "seq_k": 2**30, "head_dim": 128}
+MAX_DIMS = {"batch": 65535, "heads": 65535, "kv_heads": 65535, "seq_q": MAX_SEQ_Q, "seq_k": 2**30, "head_dim": 256}
 
 # The value a knob takes when a (reduced) search space does not list it.
 KNOB_DEFAULTS = {"warps": 4, "vec": 8, "unroll": 2, "stages": 2, "splits": 1, "kv_load": "cp_async",
@@ -223,7 +229,8 @@ class DecodeProblem(Problem):
         if not isinstance(shape, DecodeShape):
             raise UsageError(f"attention-decode: not a decode shape: {shape!r}")
         if shape.head_dim not in HEAD_DIMS:
-            raise UsageError(f"attention-decode: head_dim {shape.head_dim} is not supported (64 or 128)")
+            raise UsageError(f"attention-decode: head_dim {shape.head_dim} is not supported "
+                             f"({', '.join(map(str, HEAD_DIMS[:-1]))} or {HEAD_DIMS[-1]})")
         if shape.rows > MAX_ROWS:
             raise UsageError(f"attention-decode: {shape.group} query heads per K/V head x {shape.seq_q} queries = "
                              f"{shape.rows} rows; one CTA packs at most {MAX_ROWS}")
@@ -241,8 +248,8 @@ class DecodeProblem(Problem):
 
     # ------------------------------------------------------------ code
     def block_n(self, config, shape: DecodeShape) -> int:
-        """Keys per tile: key groups (warps x 32 / (head_dim / vec)) x unroll."""
-        lanes_per_key = shape.head_dim // int(knob(config, "vec"))
+        """Keys per tile: key groups (warps x 32 / (lane_dim / vec)) x unroll."""
+        lanes_per_key = lane_dim(shape.head_dim) // int(knob(config, "vec"))
         return int(knob(config, "warps")) * (32 // lanes_per_key) * int(knob(config, "unroll"))
 
     def smem_bytes(self, config, shape: DecodeShape) -> int:

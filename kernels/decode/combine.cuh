@@ -39,8 +39,10 @@ __device__ __forceinline__ void stash_group(float* red, const RowState<T>& st, i
             red_m[group * T::kRows + r] = st.m[r];
             red_l[group * T::kRows + r] = st.l[r];
         }
+        if (active_lane<T>(d0)) {  // an idle padding lane (head dim 96) has no columns
 #pragma unroll
-        for (int i = 0; i < T::kVec; ++i) red_o[(group * T::kRows + r) * T::kHeadDim + d0 + i] = st.acc[r][i];
+            for (int i = 0; i < T::kVec; ++i) red_o[(group * T::kRows + r) * T::kHeadDim + d0 + i] = st.acc[r][i];
+        }
     }
 }
 

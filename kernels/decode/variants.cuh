@@ -97,11 +97,11 @@ __device__ __forceinline__ void decode_attention_variant(
         if (warp == T::kWarps) {
             ring.produce(kh, vh, k_ss, v_ss, keys, seq_k, lane);
         } else {
-            load_q<T>(qh, q_sh, q_ss, scale_log2, st.qf);
+            load_lane_q<T>(qh, q_sh, q_ss, scale_log2, d0, st.qf);
             ring.consume(keys, causal_edge, group, d0, st);
         }
     } else {
-        load_q<T>(qh, q_sh, q_ss, scale_log2, st.qf);
+        load_lane_q<T>(qh, q_sh, q_ss, scale_log2, d0, st.qf);
         cp_async_ring<T>(smem, kh + d0, vh + d0, k_ss, v_ss, keys, causal_edge, group, d0, st);
     }
     __syncthreads();  // every tile is consumed: the ring becomes the merge buffer
