@@ -8,7 +8,8 @@ register() adds "evotune" to transformers' AttentionInterface (the attention fun
 AttentionMaskInterface (with transformers' sdpa mask builder, so an unpadded causal prefill reaches
 the adapter as attention_mask=None plus is_causal, exactly as sdpa sees it; an unregistered mask name
 would make transformers drop padding masks altogether). For the adapter, that mask builder also returns
-no mask for transformers' plain sliding-window causal mask of an unpadded prefill (sliding_window_mask):
+no mask for transformers' plain sliding-window causal mask of an unpadded prefill or cached decode step
+(sliding_window_mask):
 the layer passes its `sliding_window` to the attention function (Mistral, Qwen2, Gemma-2 do), which the
 adapter hands to the op as the window.
 
@@ -23,8 +24,10 @@ enable_gqa=True. Every other call runs transformers' own sdpa_attention_forward 
 transformers' sdpa refuses, evotune.torch.fallback.math_attention with the call's mask: the order of
 Gemma-2's eager attention) and says why once per reason (EvotuneFallbackWarning) in eager code; while
 torch.compile traces, a warning would break the graph, so the reason is only counted (fallbacks()).
-stats() counts every path. A decode step (decode_call) with a softcap or a window that cuts keys is not
-the decode kernel's: it takes the adapter's own path.
+stats() counts every path. A decode step (one query, decode_call) under a window that cuts keys runs over the last W
+keys (views of the cache), where its mask builder left the mask out: a sliding layer's cached step with no padding
+among the window's keys (the plain sliding mask, like the prefill's). A decode step with a softcap is not the decode
+kernel's: it takes the adapter's own path (the op; over the window's keys where a window cuts).
 
 This module imports transformers; `import evotune` and `import evotune.torch` do not import it.
 """
@@ -101,8 +104,9 @@ def unpacked_causal_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=
 
 def sliding_window_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                         attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
-    """transformers' sdpa_mask, but None for its plain sliding-window causal mask of an unpadded prefill
-    (plain_sliding_window): the layer's attention call carries `sliding_window`, which the adapter passes to the op."""
+    """transformers' sdpa_mask, but None for its plain sliding-window causal mask of an unpadded prefill or cached
+    decode step (plain_sliding_window): the layer's attention call carries `sliding_window`, which the adapter passes
+    to the op (a prefill) or applies by taking the last W keys (a decode step)."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     if plain_sliding_window(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size,
@@ -127,24 +131,43 @@ def plain_sliding_window(q_length, kv_length, q_offset, kv_offset, mask_function
                          allow_is_causal_skip, kwargs) -> bool:
     """Whether a mask asked of the mask interface is transformers' sliding-window causal mask of `local_size` keys
     (create_sliding_window_causal_mask's, nothing overlaid: its allow_is_causal_skip, which packed sequences, block
-    ids, custom overlays and a caller's own False turn off) over queries that start at key 0 with as many keys, with
-    no padding (a padding mask is read only in eager code, as sdpa_mask reads it), in a model whose layers are full
-    or sliding attention only (a DeepSeek-V4 layer, say, adds keys to a sliding mask after it is built). Which mask
-    function it is: in eager code from its closure (exactly sliding_window_causal_mask_function(local_size)); while
-    torch.compile traces (dynamo cannot read a closure), from the config's sliding_window and no chunk size.
-    assume_unpacked does not widen this: while tracing a call without a cache, transformers turns allow_is_causal_skip
-    off for the packed sequences it cannot rule out, and Doge turns it off to add to the mask, which cannot be told
-    apart here, so such a sliding mask stays built (the call goes to transformers' sdpa, told)."""
+    ids, custom overlays, a compileable cache's decode step and a caller's own False turn off), with no padding among
+    the keys the window shows (a padding mask is read only in eager code, as sdpa_mask reads it), in a model whose
+    layers are full or sliding attention only (a DeepSeek-V4 layer, say, adds keys to a sliding mask after it is
+    built), over either
+      - a prefill: queries that start at key 0 with as many keys (the adapter passes the window to the op), or
+      - a cached decode step: one query that is the last of the mask's keys (q_offset = kv_offset + kv_length - 1, a
+        DynamicCache's sizes, whole or sliding layer), which sees exactly the last min(W, kv_length) keys, bottom-right
+        aligned: the adapter runs it over those keys (decode_call), the window cutting older ones or none.
+    Which mask function it is: in eager code from its closure (exactly sliding_window_causal_mask_function(local_size));
+    while torch.compile traces (dynamo cannot read a closure) or a CUDA graph captures (reading the padding would sync),
+    from the config's sliding_window and no chunk size, and only without a padding mask. assume_unpacked does not widen
+    this: while tracing a call without a cache, transformers turns allow_is_causal_skip off for the packed sequences it
+    cannot rule out, and Doge turns it off to add to the mask, which cannot be told apart here, so such a sliding mask
+    stays built (the call goes to transformers' sdpa, told)."""
     if not (allow_is_causal_skip and isinstance(local_size, int) and not kwargs.get("allow_is_bidirectional_skip")
-            and _ints(q_length, kv_length, q_offset, kv_offset) and q_offset == 0 and kv_offset == 0
-            and q_length == kv_length and _sliding_config(kwargs.get("config"), local_size)):
+            and _ints(q_length, kv_length, q_offset, kv_offset) and _sliding_config(kwargs.get("config"), local_size)):
         return False
-    if torch.compiler.is_compiling():
+    prefill = q_offset == 0 and kv_offset == 0 and q_length == kv_length
+    step = q_length == 1 and kv_length >= 1 and q_offset == kv_offset + kv_length - 1
+    if not (prefill or step):
+        return False
+    if torch.compiler.is_compiling() or _capturing(attention_mask):
         return attention_mask is None
+    if _sliding_window_of(mask_function) != local_size:
+        return False
+    if attention_mask is None:
+        return True
     from transformers.masking_utils import fast_all, prepare_padding_mask
 
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    return (padding is None or bool(fast_all(padding))) and _sliding_window_of(mask_function) == local_size
+    if step:  # only the keys the window shows: padding the window has already cut changes nothing
+        padding = padding[:, max(kv_offset, q_offset - local_size + 1):q_offset + 1]
+    return bool(fast_all(padding))
+
+
+def _capturing(tensor) -> bool:
+    return tensor is not None and tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _ints(*values) -> bool:
@@ -216,7 +239,7 @@ def uncovered_reason(module, query, key, value, attention_mask, dropout, is_caus
     window = kwargs.get("sliding_window")
     if _cuts(window, key.shape[2]) and not (is_causal and query.shape[2] == key.shape[2]):
         return (f"a sliding window of {window} keys with no mask over {query.shape[2]} queries and {key.shape[2]} keys "
-                f"(the adapter takes the window for a causal prefill only: as many queries as keys)")
+                f"(the adapter takes the window for a causal prefill, as many queries as keys, or a single query)")
     if kwargs.get("position_bias") is not None:
         return "an additive position bias"
     if kwargs.get("cache") is not None:
@@ -252,6 +275,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # Gemma-2 passes softcap=None where the config has none, and every sliding layer its sliding_window.
     softcap, window = (get("softcap"), get("sliding_window")) if kwargs else (None, None)
     cuts = attention_mask is None and _cuts(window, sk)  # without a mask: the mask builder left the window to us
+    if cuts and sq == 1:  # a decode step the decode kernel does not take (a softcap, say): the op over the window
+        key, value, sk = _window_keys(key, value, window)
+        cuts = False
     if causal and sk > sq and not cuts:
         # A prefill into an empty StaticCache (no mask, the whole cache as keys): with the top-left causal mask
         # SDPA and the op share, no query sees a key past the queries, so the keys are cropped to them, as
@@ -282,6 +308,13 @@ def _cuts(window, seq_k) -> bool:
     return window is not None and seq_k > window
 
 
+def _window_keys(key, value, window: int):
+    """The last `window` keys and values (views: nothing copied), which are all that one query at the end of the keys
+    sees under transformers' sliding window of `window` keys (key > query - window), with no mask beside it; and
+    their count."""
+    return key[:, :, -window:], value[:, :, -window:], window
+
+
 def _uncovered(module, query, key, value, attention_mask, dropout, scaling, is_causal, causal, kwargs):
     """A call the op does not take: transformers' sdpa_attention_forward, or with a softcap (which transformers'
     sdpa refuses) math_attention with the call's mask and dropout, told once per reason."""
@@ -302,10 +335,12 @@ def _uncovered(module, query, key, value, attention_mask, dropout, scaling, is_c
 def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> tuple[torch.Tensor, None] | None:
     """A decode step or a cached chunk, run by evotune.torch.decode.decode_attention (which routes by the decode
     table, else runs SDPA and says so): Sq < Sk with either one query and no mask (a DynamicCache decode step:
-    transformers' sdpa mask builder drops its all-True mask) or a boolean mask that is exactly the bottom-right
-    causal one (a cached prefill chunk). Checking that mask reads it on the host (a sync), so only in eager code.
-    Every other call gets None (the adapter's own path): a StaticCache's mask spans the whole cache with
-    padding past the filled length, which the kernel cannot take without reading that length on the host."""
+    transformers' sdpa mask builder drops its all-True mask, and the adapter's builder a sliding layer's plain
+    window: with a `sliding_window` W that cuts keys the step runs over the last W keys, views of the cache) or a
+    boolean mask that is exactly the bottom-right causal one (a cached prefill chunk). Checking that mask reads it on
+    the host (a sync), so only in eager code. Every other call gets None (the adapter's own path): a softcap (the
+    decode kernel has none), and a StaticCache's mask, which spans the whole cache with padding past the filled
+    length, which the kernel cannot take without reading that length on the host."""
     sq, sk = query.shape[2], key.shape[2]
     if sq >= sk:  # a prefill, the adapter's own path: checked before the import, which costs every call
         return None
@@ -314,8 +349,11 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
     if not 1 <= sq <= min(MAX_SEQ_Q, sk - 1) or dropout or any(kwargs.get(name) is not None for name in (
             "softcap", "position_bias", "cache", "s_aux", "sinks")) or kwargs.get("output_attentions"):
         return None  # the decode kernel has no softcap (the op's path takes it: no decode kernel, its fallback)
-    if _cuts(kwargs.get("sliding_window"), sk) and attention_mask is None:
-        return None  # a window no mask carries: the decode kernel has none (the adapter's path says why)
+    window = kwargs.get("sliding_window")
+    if attention_mask is None and _cuts(window, sk):
+        if sq > 1:
+            return None  # a window no mask carries over several queries: the decode kernel has none
+        key, value, sk = _window_keys(key, value, window)
     if attention_mask is not None:
         if (sq == 1 or attention_mask.dtype != torch.bool or attention_mask.dim() != 4
                 or tuple(attention_mask.shape[1:]) != (1, sq, sk) or torch.compiler.is_compiling()
