@@ -58,8 +58,10 @@ def test_every_family_runs_and_its_logits_agree(report, capsys):
         assert row["generate"]["ok"] and row["generate"][f"evotune_vs_{row['reference']}"] is None
         assert len(row["generate"]["tokens"]) == NEW
     assert "eager_vs_sdpa" in next(row for row in r["rows"] if row["family"] == "qwen2")["logits"]
-    # Gemma-2's sdpa is refused by transformers (its softcap): said as an error of that reference, not a failure.
-    assert "prefill sdpa" in r["rows"][0]["errors"]
+    # Gemma-2's other reference, sdpa: measured where transformers runs it (5.17), else (5.24 refuses it for the
+    # softcap) said as an error of that reference, not a failure.
+    gemma = r["rows"][0]
+    assert "prefill sdpa" in gemma["errors"] or "evotune_vs_sdpa" in gemma["logits"], (gemma["errors"], gemma["logits"])
     models = r["models"]
     assert all(f in models["gemma2"] for f in ("head dim 256", "softcap 50", "layers sliding/full"))
     assert "head dim 96" in models["phi3"] and "longrope" in models["phi3"]

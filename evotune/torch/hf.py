@@ -98,7 +98,7 @@ def unpacked_causal_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=
     if plain:
         return None
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
-                     mask_function=mask_function or causal_mask_function, attention_mask=attention_mask,
+                     mask_function=_or_causal(mask_function, causal_mask_function), attention_mask=attention_mask,
                      local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
@@ -113,7 +113,7 @@ def sliding_window_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0
                             allow_is_causal_skip, kwargs):
         return None
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
-                     mask_function=mask_function or causal_mask_function, attention_mask=attention_mask,
+                     mask_function=_or_causal(mask_function, causal_mask_function), attention_mask=attention_mask,
                      local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
@@ -164,6 +164,12 @@ def plain_sliding_window(q_length, kv_length, q_offset, kv_offset, mask_function
     if step:  # only the keys the window shows: padding the window has already cut changes nothing
         padding = padding[:, max(kv_offset, q_offset - local_size + 1):q_offset + 1]
     return bool(fast_all(padding))
+
+
+def _or_causal(mask_function, causal_mask_function):
+    """The mask function asked for, else the causal one. `is None`, not `or`: torch 2.11's dynamo cannot take the truth
+    of a closure (transformers' mask functions are), a graph break under fullgraph=True (H200 run of 2026-11-28)."""
+    return causal_mask_function if mask_function is None else mask_function
 
 
 def _capturing(tensor) -> bool:
