@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from evotune.problems import get_problem
 from evotune.problems.attention import HEAD_DIMS, tile_dim
 from evotune.problems.shapes import parse_shape
-from evotune.space.searchspace import load_builtin, shape_context
+from evotune.space.searchspace import shape_context
 
 # A Hopper tile each head dim compiles clean in: two consumer warpgroups and a producer (240 registers after
 # setmaxnreg), 64-key K/V tiles (O's tile_dim / 2 accumulators leave room for S's 32 at 256).
@@ -17,16 +16,6 @@ HOPPER = {"mma": "wgmma", "block_m": 128, "compute_warps": 8, "producer_warps": 
           "q_in_regs": False}
 SYNC_256 = {"mma": "sync", "block_m": 64, "block_n": 32, "compute_warps": 4, "producer_warps": 0, "stages": 2,
             "q_in_regs": False}
-
-
-@pytest.fixture(scope="module")
-def attention():
-    return get_problem("attention")
-
-
-@pytest.fixture(scope="module")
-def space():
-    return load_builtin("attention")
 
 
 @pytest.mark.parametrize("dim", [96, 192, 256])
