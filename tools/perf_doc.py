@@ -4,6 +4,7 @@
 
     python3 tools/perf_doc.py docs/data/best/*.json [--doc docs/PERFORMANCE.md]   # the best per preset today
     python3 tools/perf_doc.py RECORDS --block NAME --doc FILE    # between <!-- bench-NAME:begin --> and ...:end -->
+    python3 tools/perf_doc.py TABLES --tables NAME --doc FILE    # tuning tables' entries, between <!-- NAME:begin -->
 
 docs/data/bench/ keeps the 2026-11-22 solo records that the tests render (tests/test_perf_doc.py).
 """
@@ -96,19 +97,50 @@ def render(records: list[dict], source: str = "docs/data/bench/") -> str:
     return "\n".join(lines)
 
 
+def render_tables(tables: list[tuple[str, dict]]) -> str:
+    """One row per entry of `evotune tune`'s tables (path, table): the key's measured shape, evotune's time beside the
+    fastest baseline that passed the gate, timed in the same process (its backend named), the route, the run and trial."""
+    from evotune.problems.decode import DecodeShape
+    from evotune.problems.shapes import Shape
+
+    lines = ["| shape | evotune us | best baseline us | ours faster by | route | run / trial (or bench record) | table |",
+             "|---|---|---|---|---|---|---|"]
+    rows = []
+    for path, table in tables:
+        shape_of = DecodeShape.from_dict if table.get("family") == "attention-decode" else Shape.from_dict
+        for e in table["entries"]:
+            spec, base = shape_of(e["shape"]).spec, e.get("sdpa") or {}
+            ratio = base["time_us"] / e["evotune_us"] if base.get("time_us") else None
+            # A decode table's entry names its bench record (the run is in it); an attention table's its run and trial.
+            measured = (f"{e['provenance']['run']} / {e['provenance']['trial']}" if "provenance" in e
+                        else os.path.basename(e.get("bench", "-")))
+            rows.append((spec, f"| {spec} | {e['evotune_us']:.2f} | {base.get('backend', '-')} "
+                               f"{_f(base.get('time_us'), '.2f')} | {_f(ratio, '.2f')}x | {e['route']} | {measured} | "
+                               f"{path} |"))
+    return "\n".join(lines + [row for _, row in sorted(rows)]) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("records", nargs="+")
     ap.add_argument("--doc", default="docs/PERFORMANCE.md")
     ap.add_argument("--block", help="write between <!-- bench-BLOCK:begin --> and <!-- bench-BLOCK:end --> instead")
+    ap.add_argument("--tables", metavar="NAME", help="the records are tuning tables (`evotune tune --table`): write "
+                    "their entries between <!-- NAME:begin --> and <!-- NAME:end -->")
     args = ap.parse_args()
-    begin, end = (BEGIN, END) if not args.block else (f"<!-- bench-{args.block}:begin -->", f"<!-- bench-{args.block}:end -->")
-    source = ", ".join(sorted({os.path.dirname(p).rstrip("/") + "/" for p in args.records}))
-    records = [json.load(open(p)) for p in args.records]
-    order = {"mission": 0}
-    records.sort(key=lambda r: (order.get(r["shape"], 1), r["shape"]))
+    if args.tables:
+        begin, end = f"<!-- {args.tables}:begin -->", f"<!-- {args.tables}:end -->"
+        body = render_tables([(p, json.load(open(p))) for p in args.records])
+    else:
+        begin, end = (BEGIN, END) if not args.block else (f"<!-- bench-{args.block}:begin -->",
+                                                          f"<!-- bench-{args.block}:end -->")
+        source = ", ".join(sorted({os.path.dirname(p).rstrip("/") + "/" for p in args.records}))
+        records = [json.load(open(p)) for p in args.records]
+        order = {"mission": 0}
+        records.sort(key=lambda r: (order.get(r["shape"], 1), r["shape"]))
+        body = render(records, source)
     text = open(args.doc).read()
-    block = f"{begin}\n{render(records, source)}{end}"
+    block = f"{begin}\n{body}{end}"
     if begin in text and end in text:
         text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     else:
