@@ -59,3 +59,16 @@ def test_a_head_to_head_record_shows_its_interleaved_figures(perf_doc, records):
     assert f"| {cudnn:.2f}-{1.1 * cudnn:.2f}x |" in row and row.endswith("| interleaved, 3 rounds x 10 |")
     both = perf_doc.render([rec, new])
     assert "solo |" in both and "interleaved, 3 rounds x 10 |" in both
+
+
+def test_tuning_tables_render_one_row_per_entry(perf_doc):
+    """--tables: an attention table's and a decode table's entries, one row each, with evotune's time, the baseline
+    timed beside it and their ratio, the route and what measured it."""
+    data = REPO_ROOT / "docs" / "data" / "2026-11-28-h200" / "coverage2" / "families" / "job3"
+    tables = [(str(p), json.loads(p.read_text())) for p in (data / "table.json", data / "table.decode.json")]
+    rows = _table_rows(perf_doc.render_tables(tables))[1:]
+    assert len(rows) == sum(len(t["entries"]) for _, t in tables) == 2
+    decode = next(r for r in rows if r.startswith("| 1,28,4,519,128:fp16 "))
+    entry = tables[1][1]["entries"][0]
+    ratio = entry["sdpa"]["time_us"] / entry["evotune_us"]
+    assert f"| {entry['evotune_us']:.2f} | cudnn {entry['sdpa']['time_us']:.2f} | {ratio:.2f}x | evotune |" in decode
