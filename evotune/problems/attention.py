@@ -924,21 +924,14 @@ def _flex_mods(shape: Shape, device) -> dict:
         # shape of a process compiled with symbolic sizes, which inductor's flex lowering refused (InductorError, H200,
         # torch 2.11), and the baseline read as "not supported".
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    sq, sk, d = shape.seq_q, shape.seq_k, shape.seq_k - shape.seq_q
+    sq, sk = shape.seq_q, shape.seq_k
     left, right, causal, cap = shape.window_left, shape.window_right, shape.causal, shape.softcap
     key = (sq, sk, left, right, causal, cap, str(device))
     if key in _FLEX:
         return _FLEX[key]
 
     def mask_mod(b, h, qi, kj):
-        ok = qi >= 0
-        if causal:
-            ok = ok & (kj <= qi)
-        if left >= 0:
-            ok = ok & (kj >= qi + d - left)
-        if right >= 0:
-            ok = ok & (kj <= qi + d + right)
-        return ok
+        return sees(qi, kj, sq, sk, causal, left, right)
 
     def score_mod(s, b, h, qi, kj):
         return cap * torch.tanh(s / cap)
@@ -1121,24 +1114,31 @@ def score_mod_values(shape: Shape, scale: float) -> dict:
             "window_left": left, "window_right": right}
 
 
+def sees(i, j, seq_q: int, seq_k: int, causal: bool, left: int, right: int):
+    """Whether query i sees key j, elementwise over index tensors (broadcast; FlexAttention's mask_mod passes scalar
+    ones): the causal mask top-left aligned, as SDPA's is_causal, and flash-attention's window (left, right) bottom-right
+    aligned, -1 a side unbounded (Shape.key_range). The one statement of the rule the reference, the op's fallback and
+    the FlexAttention baseline mask by."""
+    seen = (i >= 0) & (j >= 0)
+    if causal:
+        seen = seen & (j <= i)
+    diag = seq_k - seq_q
+    if left >= 0:
+        seen = seen & (j >= i + diag - left)
+    if right >= 0:
+        seen = seen & (j <= i + diag + right)
+    return seen
+
+
 def visibility_mask(shape: Shape, device=None):
-    """The (Sq, Sk) boolean mask of the keys each query sees (causal top-left, window bottom-right: Shape.key_range),
-    or None when every query sees every key."""
+    """The (Sq, Sk) boolean mask of the keys each query sees (sees), or None when every query sees every key."""
     if not (shape.causal or shape.has_window):
         return None
     import torch
 
     i = torch.arange(shape.seq_q, device=device)[:, None]
     j = torch.arange(shape.seq_k, device=device)[None, :]
-    seen = torch.ones(shape.seq_q, shape.seq_k, dtype=torch.bool, device=device)
-    if shape.causal:
-        seen &= j <= i  # top-left aligned, as SDPA's is_causal
-    diag = shape.seq_k - shape.seq_q
-    if shape.window_left >= 0:
-        seen &= j >= i + diag - shape.window_left
-    if shape.window_right >= 0:
-        seen &= j <= i + diag + shape.window_right
-    return seen
+    return sees(i, j, shape.seq_q, shape.seq_k, shape.causal, shape.window_left, shape.window_right)
 
 
 def as_kernel_arg(kind: str, value):

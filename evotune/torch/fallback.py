@@ -18,6 +18,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from ..problems.attention import sees
 from .call import aligned_for_sdpa
 
 # fp32 scores per chunk of query heads in math_attention (256 MiB, and as much again for the softmax): bounds its
@@ -105,7 +106,7 @@ def zero_rows(out, empty: int):
 
 def window_mask(seq_q: int, seq_k: int, causal: bool, window: tuple, device):
     """(mask, empty): the (Sq, Sk) boolean mask of the keys each query sees (causal top-left, the window bottom-right:
-    evotune.problems.attention.visibility_mask's rule), and how many leading rows see no key (Sq > Sk + right); those
+    evotune.problems.attention.sees), and how many leading rows see no key (Sq > Sk + right); those
     rows see every key in the mask (so no backend computes a softmax of nothing: NaN in some, and in the backward) and
     zero_rows writes them 0. Cached while small, in eager code only (no tensor made while tracing or capturing a
     CUDA graph is kept)."""
@@ -126,14 +127,7 @@ def _window_mask(seq_q, seq_k, causal, window, device):
     left, right = window
     i = torch.arange(seq_q, device=device)[:, None]
     j = torch.arange(seq_k, device=device)[None, :]
-    diag = seq_k - seq_q
-    seen = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
-    if causal:
-        seen = seen & (j <= i)
-    if left >= 0:
-        seen = seen & (j >= i + diag - left)
-    if right >= 0:
-        seen = seen & (j <= i + diag + right)
+    seen = sees(i, j, seq_q, seq_k, causal, left, right)
     empty = max(0, min(seq_q, seq_q - seq_k - right)) if right >= 0 else 0
     if empty:
         seen = seen | (i < empty)
