@@ -379,11 +379,10 @@ def _route_for(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
 
 
 def _mods_fallback_route(q, v, is_causal, scale, enable_gqa, mods):
-    """A softcap or window call's fallback (evotune.torch.fallback), its result in the op's layout."""
-    run_fallback = _fallback.attention
+    """A softcap or window call's fallback (_run_fallback's, evotune.torch.fallback), its result in the op's layout."""
 
     def run(q, k, v):
-        return _in_query_layout(run_fallback(q, k, v, is_causal, scale, enable_gqa, mods), q, v)
+        return _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods)
 
     return run
 
