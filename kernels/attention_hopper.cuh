@@ -42,7 +42,7 @@ template <class A, class C> struct PickType<false, A, C> { using type = C; };
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
           bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, bool SOFTMAX_OVERLAP_,
           bool LEAN_ADDRESSING_, bool CAUSAL_WG_, bool SKIP_EMPTY_, bool P_SMEM_, bool STRIPE_MIRROR_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_,
-          bool SOFTCAP_ = false, bool LOCAL_ = false>
+          bool SOFTCAP_ = false, bool LOCAL_ = false, bool SINKS_ = false>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -79,6 +79,9 @@ struct HopperTraits {
     // window_left / right), whose query tiles walk only the K/V tiles some row of theirs sees (kv_tile_range).
     static constexpr bool kSoftcap = SOFTCAP_;
     static constexpr bool kLocal = LOCAL_;
+    // kSinks: attention sinks (gpt-oss's s_aux): each query head's sink logit (ScoreArgs' sinks, in the units of the
+    // scaled scores) joins every row's softmax denominator in the epilogue (row_total); the main loop is untouched.
+    static constexpr bool kSinks = SINKS_;
 
     static constexpr int kBlockM = 64 * kConsumerWGs;  // wgmma's M is 64 per warpgroup
     static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -202,13 +205,15 @@ __device__ __forceinline__ bool window_holds_tile(int kv0, int row0, const KvWin
 // unsigned counters that are zero when the launch starts (the tiles handed out past the first gridDim.x, and
 // the CTAs done); the last CTA to finish zeroes them again, so one zeroed pair serves launch after launch on
 // one stream (two launches running at once need a pair each).
-// The score modifiers' runtime values (read only where the traits have kSoftcap / kLocal). softcap_scale: scale / C
+// The score modifiers' runtime values (read only where the traits have kSoftcap / kLocal / kSinks). softcap_scale: scale / C
 // (the scores go through tanh(s * softcap_scale), and scale_log2 is then C log2(e): FlashAttention-3's folding, one
 // multiply before the tanh and the usual FMA after). window_left / right: the window, clamped by the host to
-// [0, seq_k] and [0, seq_q] (unbounded sides too), so every row bound below stays inside int.
+// [0, seq_k] and [0, seq_q] (unbounded sides too), so every row bound below stays inside int. sinks: n_heads fp32 sink
+// logits, one per query head.
 struct ScoreArgs {
     float softcap_scale;
     int window_left, window_right;
+    const float* __restrict__ sinks;
 };
 
 template <class T, bool WRITE_LSE = false>
@@ -219,7 +224,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                                                     unsigned* __restrict__ tile_counter,
                                                     const CUtensorMap* o_map,  // epilogue = tma only (else null)
                                                     float* __restrict__ lse = nullptr, long long lse_sb = 0,
-                                                    long long lse_sh = 0, ScoreArgs score_args = {0.f, 0, 0}) {
+                                                    long long lse_sh = 0, ScoreArgs score_args = {0.f, 0, 0, nullptr}) {
     // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
     // shared memory to 1024 bytes as well.
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -231,7 +236,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
 
     const int tid = threadIdx.x;
     // Where each consumer warpgroup's output goes (hopper/epilogue.cuh).
-    const Epilogue<T, WRITE_LSE> epilogue{o, o_sb, o_sh, o_ss, o_map, lse, lse_sb, lse_sh, seq_q, scale_log2};
+    const Epilogue<T, WRITE_LSE> epilogue{o, o_sb, o_sh, o_ss, o_map, lse, lse_sb, lse_sh, seq_q, scale_log2,
+                                          score_args.sinks};
     // Without PERSISTENT, the CTA's one query tile.
     const QTile one_tile = grid_tile<T>();
     const int grid_kv_head = kv_head_of(one_tile.head, kv_magic);  // the K/V maps' head coordinate

@@ -22,7 +22,7 @@ SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
 
 # Names the search space's expressions may read: the shape, then the device limits.
 CONTEXT_NAMES = ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "dtype", "dtype_bytes",
-                 "causal", "softcap", "window") + DEVICE_CONTEXT_NAMES
+                 "causal", "softcap", "window", "sinks") + DEVICE_CONTEXT_NAMES
 
 
 def shape_context(shape: Shape) -> dict:
@@ -30,7 +30,8 @@ def shape_context(shape: Shape) -> dict:
     return {
         "batch": shape.batch, "heads": shape.heads, "kv_heads": shape.kv_heads, "seq_q": shape.seq_q, "seq_k": shape.seq_k,
         "head_dim": shape.head_dim, "dtype": shape.dtype, "dtype_bytes": shape.dtype_bytes,
-        "causal": shape.causal, "softcap": shape.has_softcap, "window": shape.has_window, **device_context(),
+        "causal": shape.causal, "softcap": shape.has_softcap, "window": shape.has_window,
+        "sinks": shape.sinks, **device_context(),
     }
 
 # The value a knob takes when a (reduced) search space does not list it.
@@ -388,6 +389,7 @@ class AttentionProblem(Problem):
         kv = f" KV={shape.kv_heads}" if shape.kv_heads != shape.heads else ""
         mods = f" softcap={shape.softcap:g}" if shape.has_softcap else ""
         mods += f" window=({shape.window_left},{shape.window_right})" if shape.has_window else ""
+        mods += " sinks" if shape.sinks else ""
         return f"B={shape.batch} H={shape.heads}{kv} Sq={shape.seq_q} Sk={shape.seq_k} D={shape.head_dim}{mods}"
 
     def sanitize_shape(self, shape: Shape) -> Shape:
@@ -446,9 +448,9 @@ class AttentionProblem(Problem):
                 ("P_SMEM", "true" if is_p_smem(config) else "false"),
                 ("STRIPE_MIRROR", "true" if is_stripe_mirror(config) else "false"),
             ] + problem_args + score_mod_args(shape)
-        if shape.has_softcap or shape.has_window:
-            raise UsageError(f"attention: {shape.spec}: softcap and window are in the Hopper kernel only (mma = wgmma); "
-                             f"the mma.sync kernel does not compute them")
+        if has_score_mods(shape):
+            raise UsageError(f"attention: {shape.spec}: softcap, window and sinks are in the Hopper kernel only "
+                             f"(mma = wgmma); the mma.sync kernel does not compute them")
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
             ("BLOCK_N", int(knob(config, "block_n"))),
@@ -473,11 +475,14 @@ class AttentionProblem(Problem):
         targs = ",\n    ".join(f"/* {name} = */ {value}" for name, value in args)
         lse_params = ",\n                  float* __restrict__ lse, long long lse_sb, long long lse_sh" if write_lse else ""
         lse_args, lse_targ = (", lse, lse_sb, lse_sh", ", true") if write_lse else ("", "")
-        # softcap / window shapes (Hopper only): their runtime values last (ScoreArgs), after lse's (defaults without it).
+        # softcap / window / sinks shapes (Hopper only): their runtime values last (ScoreArgs), after lse's (defaults
+        # without it); the sinks pointer only where the shape has sinks, so softcap and window kernels keep their entry.
         mod_params, mod_args = "", ""
-        if shape.has_softcap or shape.has_window:
-            mod_params = ",\n                  float softcap_scale, int window_left, int window_right"
-            mod_args = ("" if write_lse else ", nullptr, 0, 0") + ", {softcap_scale, window_left, window_right}"
+        if has_score_mods(shape):
+            sink_param, sink_arg = (", const float* __restrict__ sinks", ", sinks") if shape.sinks else ("", "")
+            mod_params = ",\n                  float softcap_scale, int window_left, int window_right" + sink_param
+            mod_args = ("" if write_lse else ", nullptr, 0, 0") + ", {softcap_scale, window_left, window_right" + \
+                sink_arg + "}"
         geo = self.geometry(config, shape)
         asserts = launch_asserts(geo.threads, geo.dynamic_smem, ("kBlockM", rows_per_cta(config)))
         if is_wgmma(config):
@@ -686,7 +691,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
                 return t.transpose(1, 2).contiguous().to(dt).transpose(1, 2)
             return t.to(dt).contiguous()
 
-        return {"q": place(q), "k": place(k), "v": place(v), "scale": 1.0 / math.sqrt(shape.head_dim)}
+        inputs = {"q": place(q), "k": place(k), "v": place(v), "scale": 1.0 / math.sqrt(shape.head_dim)}
+        if shape.sinks:
+            inputs["sinks"] = sink_logits(shape, gen, device)
+        return inputs
 
     def perturb(self, shape: Shape, inputs: dict, rng=None) -> tuple[dict, object]:
         """Inputs with one key/value row changed, and the boolean (B, H, Sq) mask of output rows that must
@@ -737,16 +745,18 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
     def entry_params(self, config, write_lse: bool = False, shape: Shape | None = None) -> tuple:
         """The entry point's parameters in order, (name, kind), kind one of "ptr" (u64), "i64", "i32",
         "f32", "u32" and "map" (a 128-byte CUtensorMap by value): the one list both launch paths (CuPy's
-        call here, the PyTorch op's reusable parameter packet) read, matching `instantiation`. A softcap or
-        window `shape` adds their runtime values last (SCORE_MOD_PARAMS)."""
+        call here, the PyTorch op's reusable parameter packet) read, matching `instantiation`. A softcap, window or
+        sinks `shape` adds their runtime values last (SCORE_MOD_PARAMS, then SINK_PARAMS)."""
         params = _entry_params(is_wgmma(config), write_lse, is_tma_store(config), is_tma_load(config))
-        if shape is not None and (shape.has_softcap or shape.has_window):
-            params += SCORE_MOD_PARAMS
+        if shape is not None and has_score_mods(shape):
+            params += SCORE_MOD_PARAMS + (SINK_PARAMS if shape.sinks else ())
         return params
 
-    def launch_values(self, config, shape: Shape, q, k, v, out, scale: float, lse=None, workspace=()) -> dict:
+    def launch_values(self, config, shape: Shape, q, k, v, out, scale: float, lse=None, workspace=(),
+                      sinks=None) -> dict:
         """name -> value of every entry parameter for these tensors (ints, floats, map records).
-        `lse`: the (B, H, Sq) fp32 log-sum-exp output of a write_lse kernel (any strides, unit last one)."""
+        `lse`: the (B, H, Sq) fp32 log-sum-exp output of a write_lse kernel (any strides, unit last one).
+        `sinks`: a sinks shape's (H,) contiguous fp32 sink logits on q's device (check_sinks)."""
         plan = self.launch_plan(config, shape)
         for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
             if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
@@ -772,8 +782,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
             values.update(zip(("ws_o", "ws_lse", "ws_count"), [t.data_ptr() for t in workspace] or (0, 0, 0)))
         if lse is not None:
             values.update(lse=lse.data_ptr(), lse_sb=lse.stride(0), lse_sh=lse.stride(1))
-        if shape.has_softcap or shape.has_window:
+        if has_score_mods(shape):
             values.update(score_mod_values(shape, scale))
+        if shape.sinks:
+            values["sinks"] = check_sinks(sinks, shape, q.device).data_ptr()
         return values
 
     def new_workspace(self, config, shape: Shape, device) -> tuple:
@@ -797,7 +809,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         plan = self.launch_plan(config, shape)
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
         workspace = self.new_workspace(config, shape, out.device)
-        values = self.launch_values(config, shape, q, k, v, out, inputs["scale"], lse, workspace)
+        values = self.launch_values(config, shape, q, k, v, out, inputs["scale"], lse, workspace, inputs.get("sinks"))
         args = tuple(as_kernel_arg(kind, values[name]) for name, kind in self.entry_params(config, lse is not None, shape))
         # The workspace is kept alive by the launcher (its first default argument).
         return torch_stream_launcher(kernel, plan.grid, plan.block, args, plan.dynamic_smem, keep=workspace,
@@ -822,6 +834,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
     def reference(self, shape: Shape, inputs: dict):
         """softmax(cap(scale·QKᵀ) + mask)·V in fp32 (no TF32), one (batch, head-chunk) at a time to bound memory;
         cap(s) = C tanh(s / C) with a softcap, the mask visibility_mask's (causal, window), a row that sees no key 0.
+        With sinks each row's softmax has one more column, its head's sink logit, that carries no value.
         Grouped K/V heads are expanded per query head here only, one chunk at a time."""
         import torch
 
@@ -842,6 +855,9 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
                         s = shape.softcap * torch.tanh(s / shape.softcap)
                     if mask is not None:
                         s = s.masked_fill(~mask, float("-inf"))
+                    if shape.sinks:
+                        out[sl] = torch.matmul(sink_probs(s, inputs["sinks"][sl[1]]), v[kv_sl])
+                        continue
                     p = torch.softmax(s, dim=-1)
                     if mask is not None and shape.has_window:
                         p = torch.nan_to_num(p, nan=0.0)  # a row whose window holds no key: O = 0 (flash-attention's)
@@ -856,11 +872,13 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
     def baselines_for(self, shape: Shape) -> list[str]:
         """SDPA's backends; with a softcap or a window also FlexAttention (compiled, the same mask and score_mod):
         issue 42's anchor for those semantics, and, where SDPA cannot compute them, the fastest PyTorch path there."""
-        return self.baselines() + (["flex"] if shape.has_softcap or shape.has_window else [])
+        return self.baselines() + (["flex"] if has_score_mods(shape) else [])
 
     def baseline_skip_reason(self, name: str, shape: Shape) -> str | None:
         if name == "flex":
-            return None if shape.has_softcap or shape.has_window else "skipped: FlexAttention only beside softcap/window"
+            return None if has_score_mods(shape) else "skipped: FlexAttention only beside softcap/window/sinks"
+        if shape.sinks:
+            return "skipped: SDPA has no attention sinks"
         if shape.has_softcap:
             return "skipped: SDPA has no softcap"
         if shape.has_window and name == "flash":
@@ -907,12 +925,28 @@ _FLEX: dict = {}
 
 
 def flex_launcher(shape: Shape, inputs: dict):
-    """FlexAttention on `inputs` with `shape`'s causal mask, window (bottom-right) and softcap, compiled."""
+    """FlexAttention on `inputs` with `shape`'s causal mask, window (bottom-right) and softcap, compiled; with sinks,
+    its output and log-sum-exp through the sink's share (flex_with_sinks), compiled with it."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     kw = dict(_flex_mods(shape, q.device))
     kw.update(scale=inputs["scale"], enable_gqa=shape.kv_heads != shape.heads)
+    if shape.sinks:
+        fn, sinks = _FLEX["sink_fn"], inputs["sinks"]
+        return lambda: fn(q, k, v, sinks, **kw)
     fn = _FLEX["fn"]
     return lambda: fn(q, k, v, **kw)
+
+
+def flex_with_sinks(q, k, v, sinks, **kw):
+    """Attention sinks on FlexAttention, which has none: a sink adds exp(sink) to each row's softmax denominator, so
+    the output without it, O, and its log-sum-exp L give O · exp(L) / (exp(L) + exp(sink)) = O · sigmoid(L - sink)
+    (flash-attention's and the gpt-oss reference's semantics; a row that sees no key has L = -inf and gets 0)."""
+    import torch
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    out, aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True), **kw)
+    share = torch.sigmoid(aux.lse - sinks.view(1, -1, 1))
+    return (out.float() * share.unsqueeze(-1)).to(out.dtype)
 
 
 def _flex_mods(shape: Shape, device) -> dict:
@@ -924,6 +958,7 @@ def _flex_mods(shape: Shape, device) -> dict:
         # shape of a process compiled with symbolic sizes, which inductor's flex lowering refused (InductorError, H200,
         # torch 2.11), and the baseline read as "not supported".
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        _FLEX["sink_fn"] = torch.compile(flex_with_sinks, dynamic=False)
     sq, sk = shape.seq_q, shape.seq_k
     left, right, causal, cap = shape.window_left, shape.window_right, shape.causal, shape.softcap
     key = (sq, sk, left, right, causal, cap, str(device))
@@ -1092,16 +1127,39 @@ def _entry_params(wgmma: bool, write_lse: bool, tma_store: bool = False, tma_loa
             + ((("q_map", "map"), ("k_map", "map"), ("v_map", "map")) if tma_load else ()) + lse)
 
 
-# The Hopper entry's runtime values of a softcap or window shape (ScoreArgs in kernels/attention_hopper.cuh), last.
+# The Hopper entry's runtime values of a softcap, window or sinks shape (ScoreArgs in kernels/attention_hopper.cuh),
+# last; a sinks shape's sink logits after them.
 SCORE_MOD_PARAMS = (("softcap_scale", "f32"), ("window_left", "i32"), ("window_right", "i32"))
+SINK_PARAMS = (("sinks", "ptr"),)
+
+
+def has_score_mods(shape: Shape) -> bool:
+    """Whether the shape has a softcap, a window or sinks: the Hopper kernel's ScoreArgs, not the mma.sync kernel's."""
+    return shape.has_softcap or shape.has_window or shape.sinks
 
 
 def score_mod_args(shape: Shape) -> list[tuple[str, object]]:
-    """HopperTraits' SOFTCAP and LOCAL template arguments, only where the shape has them: a shape without them
-    instantiates the same source as before they existed (the defaults, false), so its records stay current."""
-    if not (shape.has_softcap or shape.has_window):
+    """HopperTraits' SOFTCAP, LOCAL and SINKS template arguments, only where the shape has them: a shape without them
+    instantiates the same source as before they existed (the defaults, false), and SINKS only with sinks."""
+    if not has_score_mods(shape):
         return []
-    return [("SOFTCAP", "true" if shape.has_softcap else "false"), ("LOCAL", "true" if shape.has_window else "false")]
+    return ([("SOFTCAP", "true" if shape.has_softcap else "false"), ("LOCAL", "true" if shape.has_window else "false")]
+            + ([("SINKS", "true")] if shape.sinks else []))
+
+
+def check_sinks(sinks, shape: Shape, device):
+    """The sink logits a sinks shape's launch reads: a contiguous (H,) float32 tensor on `device`; UsageError for
+    anything else (the kernel reads H floats from the pointer, so a wrong size would read past it)."""
+    import torch
+
+    if not isinstance(sinks, torch.Tensor):
+        raise UsageError(f"attention: {shape.spec}: sinks needs the ({shape.heads},) float32 sink logits, got "
+                         f"{type(sinks).__name__}")
+    if (tuple(sinks.shape) != (shape.heads,) or sinks.dtype != torch.float32 or not sinks.is_contiguous()
+            or sinks.device != device):
+        raise UsageError(f"attention: {shape.spec}: sinks must be a contiguous ({shape.heads},) float32 tensor on "
+                         f"{device}, got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
+    return sinks
 
 
 def score_mod_values(shape: Shape, scale: float) -> dict:
@@ -1128,6 +1186,24 @@ def sees(i, j, seq_q: int, seq_k: int, causal: bool, left: int, right: int):
     if right >= 0:
         seen = seen & (j <= i + diag + right)
     return seen
+
+
+def sink_logits(shape: Shape, gen, device):
+    """A sinks shape's (H,) float32 sink logits for the gate: about the log-sum-exp of a row of N(0, 1) scores
+    (log(Sk) + 1/2) plus N(0, 2^2), so some heads' sinks take most of the mass, others almost none, and the sink's
+    term is measured where it matters."""
+    import torch
+
+    return torch.randn(shape.heads, generator=gen, device=device) * 2.0 + (math.log(shape.seq_k) + 0.5)
+
+
+def sink_probs(s, sinks):
+    """softmax over the columns of scores `s` (..., H, Sq, Sk) and one more per head, its sink logit (`sinks`, (H,)),
+    without the sink's column: the probabilities V is weighted by. A row whose keys are all masked (-inf) gets 0."""
+    import torch
+
+    lse = torch.logsumexp(torch.cat([s, sinks.view(-1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1), dim=-1, keepdim=True)
+    return torch.exp(s - lse)
 
 
 def visibility_mask(shape: Shape, device=None):

@@ -2,14 +2,19 @@
 
 A shape is written either as a preset name (`mission`) or as
 `B,H,S,D` / `B,H,Sq,Sk,D`; either may be followed by `:`-separated flags
-(`fp16`, `bf16`, `causal`, `bshd`, `bhsd`, `kvN`, `softcap=C`, `window=L,R`), e.g. `4,32,4096,128:bf16:causal`
-or `mission:bf16`. Each kind of flag (dtype, mask, layout, K/V heads, softcap, window) may be given once.
+(`fp16`, `bf16`, `causal`, `bshd`, `bhsd`, `kvN`, `softcap=C`, `window=L,R`, `sinks`), e.g.
+`4,32,4096,128:bf16:causal` or `mission:bf16`. Each kind of flag (dtype, mask, layout, K/V heads, softcap, window,
+sinks) may be given once.
 
 `softcap=C` is logit soft-capping (Gemma-2's, flash-attention's `softcap`): each scaled score s becomes
 C * tanh(s / C) before the softmax. `window=L,R` is sliding-window (local) attention with flash-attention's
 `window_size=(left, right)`: query i sees key j iff i + d - L <= j <= i + d + R, d = Sk - Sq (bottom-right
 aligned, as flash-attention aligns it); -1 is unbounded on that side. `window=L,0` is Mistral's causal sliding
 window. Beside `causal` (top-left, SDPA's) it needs Sq == Sk, where the two alignments agree.
+
+`sinks` is attention sinks (gpt-oss's `s_aux`, flash-attention's `learnable_sink`): one logit per query head, in the
+units of the scaled (and capped) scores, joins every row's softmax as a column that has no value. Row i's output is
+sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)); the logits are a (H,) float32 input, not part of the shape.
 
 `kvN` is grouped-query attention (SDPA's enable_gqa): N K/V heads shared by the H query heads in
 groups of H/N (query head h reads K/V head h // (H/N)); N must divide H. `4,32,4096,128:kv8` is
@@ -72,6 +77,7 @@ class Shape:
     softcap: float = 0.0  # logit soft-capping's cap C (0: none)
     window_left: int = -1   # sliding window, flash-attention's window_size[0] (-1: unbounded)
     window_right: int = -1  # window_size[1] (-1: unbounded); both -1: no window
+    sinks: bool = False     # attention sinks: a per-head logit joins each row's softmax denominator (the logits: input)
 
     def __post_init__(self) -> None:
         check_fields(self, MAX_DIMS, lambda name, limit: f"at most {limit} ({_WHY_MAX[name]})")
@@ -94,6 +100,8 @@ class Shape:
             if not isinstance(w, int) or isinstance(w, bool) or not -1 <= w <= MAX_DIMS["seq_k"]:
                 raise UsageError(f"shape: {side} must be an integer from -1 (unbounded) to {MAX_DIMS['seq_k']}, "
                                  f"got {w!r}")
+        if not isinstance(self.sinks, bool):
+            raise UsageError(f"shape: sinks must be True or False, got {self.sinks!r}")
         if self.has_window and self.causal and self.seq_q != self.seq_k:
             raise UsageError(f"shape: causal with a window needs Sq == Sk (got {self.seq_q} and {self.seq_k}): causal is "
                              f"top-left (SDPA's) and the window bottom-right (flash-attention's); write "
@@ -149,6 +157,7 @@ class Shape:
         flags += [f"kv{self.kv_heads}"] if self.kv_heads != self.heads else []
         flags += [f"softcap={self.softcap:g}"] if self.has_softcap else []
         flags += [f"window={self.window_left},{self.window_right}"] if self.has_window else []
+        flags += ["sinks"] if self.sinks else []
         return ",".join(map(str, dims)) + ":" + ":".join(flags)
 
     @property
@@ -186,6 +195,8 @@ class Shape:
             d["softcap"] = self.softcap
         if self.has_window:
             d["window"] = [self.window_left, self.window_right]
+        if self.sinks:
+            d["sinks"] = True
         return d
 
     @classmethod
@@ -193,7 +204,7 @@ class Shape:
         fields = {k: d[k] for k in ("batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "causal", "layout")}
         window = d.get("window") or (-1, -1)
         return cls(**fields, kv_heads=d.get("kv_heads") or 0, softcap=d.get("softcap") or 0.0,
-                   window_left=int(window[0]), window_right=int(window[1]))
+                   window_left=int(window[0]), window_right=int(window[1]), sinks=d.get("sinks") is True)
 
 
 PRESETS: dict[str, tuple[Shape, str]] = {
@@ -207,7 +218,8 @@ PRESETS: dict[str, tuple[Shape, str]] = {
 }
 
 _DIMS = re.compile(r"^\s*[0-9]+(\s*,\s*[0-9]+){3,4}\s*$")
-_FLAG_KINDS = {**{d: "dtype" for d in DTYPES}, "causal": "causal", **{lay: "layout" for lay in LAYOUTS}}
+_FLAG_KINDS = {**{d: "dtype" for d in DTYPES}, "causal": "causal", **{lay: "layout" for lay in LAYOUTS},
+               "sinks": "sinks"}
 _KV_FLAG = re.compile(r"^kv([0-9]+)$")  # kvN: N K/V heads (grouped-query attention)
 _SOFTCAP_FLAG = re.compile(r"^softcap=")  # softcap=C; the value is read (and refused) by _parse_flags
 _WINDOW_FLAG = re.compile(r"^window=")    # window=L,R
@@ -229,13 +241,14 @@ def parse_shape(text: str) -> Shape:
         p = PRESETS[name][0]
         return Shape(p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim,
                      **{"dtype": p.dtype, "causal": p.causal, "layout": p.layout, "kv_heads": p.kv_heads,
-                        "softcap": p.softcap, "window_left": p.window_left, "window_right": p.window_right, **fields})
+                        "softcap": p.softcap, "window_left": p.window_left, "window_right": p.window_right,
+                        "sinks": p.sinks, **fields})
     if not _DIMS.match(dims_part):
         if re.match(r"^[A-Za-z][\w-]*$", name):
             raise UsageError(f"shape: unknown preset {_shown(name)}; presets: {', '.join(PRESETS)}")
         raise UsageError(
             f"shape: cannot read {_shown(text)}; write B,H,S,D or B,H,Sq,Sk,D with optional "
-            f":fp16|:bf16|:causal|:bshd|:kvN|:softcap=C|:window=L,R"
+            f":fp16|:bf16|:causal|:bshd|:kvN|:softcap=C|:window=L,R|:sinks"
         )
     dims = _parse_dims(dims_part.split(","))
     b, h, sq, sk, d = (dims[0], dims[1], dims[2], dims[2], dims[3]) if len(dims) == 4 else dims
@@ -288,7 +301,7 @@ def _parse_flags(flag_texts: list[str], text: str) -> dict:
     given = parse_flags(flag_texts, _FLAG_KINDS, text, ((_KV_FLAG, "kv_heads", "kvN"),
                                                         (_SOFTCAP_FLAG, "softcap", "softcap=C"),
                                                         (_WINDOW_FLAG, "window", "window=L,R")))
-    fields: dict = {kind: True if kind == "causal" else flag for kind, flag in given.items()}
+    fields: dict = {kind: True if kind in ("causal", "sinks") else flag for kind, flag in given.items()}
     if "softcap" in fields:
         value = fields["softcap"].split("=", 1)[1].strip()
         try:

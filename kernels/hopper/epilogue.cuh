@@ -20,6 +20,33 @@
 //     traits add it to kSmemBytes), since the producer loads the next tile's Q into Q's buffer under this epilogue.
 //     Before the warpgroup writes it again, the previous tile's store must have read it (cp.async.bulk.wait_group.read).
 
+// A row's shift in log2 units: its running max m times scale_log2, or 0 for a row that has seen no key (m = -inf: a
+// window's empty row), as the softmax shifted it (softmax_scores).
+template <class T>
+__device__ __forceinline__ float row_shift(float m, float scale_log2) {
+    const float shift = m * scale_log2;
+    if constexpr (T::kLocal) return m == neg_inf() ? 0.f : shift;
+    return shift;
+}
+
+// A row's sum over its quad: each of the four lanes holds a partial sum of the row's columns.
+__device__ __forceinline__ float quad_sum(float l) {
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    return l + __shfl_xor_sync(0xffffffffu, l, 2);
+}
+
+// A row's softmax denominator relative to its shift: the thread's partial sum l with its quad's other three, and with
+// kSinks the head's sink, exp2(sink_log2 - shift) (sink_log2: the sink logit times log2(e)). The sink is one more
+// column of the row's softmax that has no value: it adds to the denominator only, so it needs no place in the main
+// loop (flash-attention adds it the same way, at the end).
+
+template <class T>
+__device__ __forceinline__ float row_total(float l, float m, float scale_log2, float sink_log2) {
+    l = quad_sum(l);
+    if constexpr (T::kSinks) l += exp2f(sink_log2 - row_shift<T>(m, scale_log2));
+    return l;
+}
+
 // One named barrier per consumer warpgroup for the staging: ids from NamedBarrier::kEnd on.
 constexpr int kOStageBarrier = static_cast<int>(NamedBarrier::kEnd);
 static_assert(kOStageBarrier + 4 <= 16, "four consumer warpgroups' staging barriers must fit the CTA's 16");
@@ -38,9 +65,9 @@ __device__ __forceinline__ u32 o_stage_addr(u32 sQ, u32 sV, int wg) {
 // The epilogue of one consumer warpgroup: O / l into its staging rows, then (one thread) TMA stores to the rows
 // row0_wg.. of (head, batch). Every thread of the warpgroup calls it.
 template <class T>
-__device__ __forceinline__ void store_out_tma(const float (&o)[T::kOAcc], const float (&l)[2], const CUtensorMap* o_map,
-                                              u32 stage, int wg, int row0_wg, int head, int batch, int warp_in_wg,
-                                              int lane) {
+__device__ __forceinline__ void store_out_tma(const float (&o)[T::kOAcc], const float (&m)[2], const float (&l)[2],
+                                              float scale_log2, float sink_log2, const CUtensorMap* o_map, u32 stage,
+                                              int wg, int row0_wg, int head, int batch, int warp_in_wg, int lane) {
     const bool issuer = warp_in_wg == 0 && lane == 0;  // the thread that issues (and so must await) the stores
     if constexpr (T::kPersistent) {
         // The previous query tile's store has read the staging rows (then nobody writes them early).
@@ -49,9 +76,7 @@ __device__ __forceinline__ void store_out_tma(const float (&o)[T::kOAcc], const 
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float sum = row_total<T>(l[r], m[r], scale_log2, sink_log2);
         float inv = 1.f / sum;
         if constexpr (T::kLocal) inv = sum == 0.f ? 0.f : inv;  // a row whose window holds no key: O = 0, as flash-attention's
         const int row = 16 * warp_in_wg + (lane >> 2) + 8 * r;  // of the warpgroup's 64
@@ -80,13 +105,12 @@ __device__ __forceinline__ void store_out_tma(const float (&o)[T::kOAcc], const 
 
 // O / l to the output rows of this thread (rows at or past seq_q are not written).
 template <class T>
-__device__ __forceinline__ void store_out(const float (&o)[T::kOAcc], const float (&l)[2], unsigned short* gO, long long o_ss,
+__device__ __forceinline__ void store_out(const float (&o)[T::kOAcc], const float (&m)[2], const float (&l)[2],
+                                          float scale_log2, float sink_log2, unsigned short* gO, long long o_ss,
                                           int q_row, int seq_q, int lane) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float sum = row_total<T>(l[r], m[r], scale_log2, sink_log2);
         float inv = 1.f / sum;
         if constexpr (T::kLocal) inv = sum == 0.f ? 0.f : inv;  // a row whose window holds no key: O = 0, as flash-attention's
         const int row = q_row + 8 * r;
@@ -99,22 +123,29 @@ __device__ __forceinline__ void store_out(const float (&o)[T::kOAcc], const floa
 }
 
 // Training (attention_fwd_wgmma<T, true> only): each row's natural-log log-sum-exp to gL[row]; m is
-// quad-uniform (softmax_scores reduces it), l the thread's partial sum.
+// quad-uniform (softmax_scores reduces it), l the thread's partial sum. With kSinks the sink's column is in the sum;
+// the larger of the shift and the sink is taken out first, so a sink far above the row's scores stays finite.
 template <class T>
 __device__ __forceinline__ void store_row_lse(const float (&m)[2], const float (&l)[2], float* gL, int q_row, int seq_q,
-                                              float scale_log2, int lane) {
+                                              float scale_log2, float sink_log2, int lane) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         const int row = q_row + 8 * r;
-        if ((lane & 3) == 0 && row < seq_q) gL[row] = lse_from_log2(m[r] * scale_log2, sum);
+        const float sum = quad_sum(l[r]);
+        if constexpr (T::kSinks) {
+            const float shift = row_shift<T>(m[r], scale_log2);
+            const float top = fmaxf(shift, sink_log2);
+            const float total = sum * exp2f(shift - top) + exp2f(sink_log2 - top);
+            if ((lane & 3) == 0 && row < seq_q) gL[row] = (top + log2f(total)) * 0.69314718055994531f;
+        } else {
+            if ((lane & 3) == 0 && row < seq_q) gL[row] = lse_from_log2(m[r] * scale_log2, sum);
+        }
     }
 }
 
 // The output of the kernel: O (fp16/bf16 bit patterns, strides in elements; o_map: its tensor map, epilogue = tma
 // only, else null) and, with WRITE_LSE (training), each row's log-sum-exp at lse[batch * lse_sb + head * lse_sh + row].
+// sinks: kSinks only (else unread), the query heads' sink logits.
 template <class T, bool WRITE_LSE>
 struct Epilogue {
     unsigned short* o;
@@ -124,19 +155,23 @@ struct Epilogue {
     long long lse_sb, lse_sh;
     int seq_q;
     float scale_log2;
+    const float* sinks;
 
     // One consumer warpgroup's query tile (every thread of it calls this): row0_wg its first row, q_row the thread's
     // first; m, l the rows' running max and this thread's partial sums; sQ, sV where the staging rows lie.
     __device__ __forceinline__ void store(const float (&o_acc)[T::kOAcc], const float (&m)[2], const float (&l)[2],
                                           u32 sQ, u32 sV, int wg, int row0_wg, int q_row, int head, int batch,
                                           int warp_in_wg, int lane) const {
+        const float sink_log2 = T::kSinks ? __ldg(sinks + head) * 1.4426950408889634f : 0.f;
         if constexpr (T::kTmaStore) {
-            store_out_tma<T>(o_acc, l, o_map, o_stage_addr<T>(sQ, sV, wg), wg, row0_wg, head, batch, warp_in_wg, lane);
+            store_out_tma<T>(o_acc, m, l, scale_log2, sink_log2, o_map, o_stage_addr<T>(sQ, sV, wg), wg, row0_wg, head,
+                             batch, warp_in_wg, lane);
         } else {
             unsigned short* gO = o + batch * o_sb + head * o_sh;
-            store_out<T>(o_acc, l, gO, o_ss, q_row, seq_q, lane);
+            store_out<T>(o_acc, m, l, scale_log2, sink_log2, gO, o_ss, q_row, seq_q, lane);
         }
-        if constexpr (WRITE_LSE) store_row_lse<T>(m, l, lse + batch * lse_sb + head * lse_sh, q_row, seq_q, scale_log2, lane);
+        if constexpr (WRITE_LSE)
+            store_row_lse<T>(m, l, lse + batch * lse_sb + head * lse_sh, q_row, seq_q, scale_log2, sink_log2, lane);
     }
     // A persistent CTA, after its last tile: the last O store must have read the staging rows before the CTA may
     // leave (one tile per CTA: store_out_tma waited already).
