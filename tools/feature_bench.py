@@ -13,8 +13,8 @@ NaN-poisoned output (a kernel that fails is reported, not timed).
 The config: --config (knobs over the attention space's defaults), else the table's entry for the case's key
 (--table, as the op would select it), else the Hopper default below. The dense shape: the case without sinks and
 softcap, and a window L,0 as causal (its dense anchor: what the layer would cost with full causal attention; a
-two-sided window as non-causal). Prints one line per case: medians with [p10-p90], and the per-round ratios'
-median [min-max].
+two-sided window as non-causal). A sinks case with a window or cap also times the same config without the sinks (the
+sink's own cost). Prints one line per case: medians with [p10-p90], and the per-round ratios' median [min-max].
 """
 
 from __future__ import annotations
@@ -96,7 +96,10 @@ def bench_case(text: str, args, problem, space) -> dict:
     inputs = problem.make_inputs(shape, seed=args.seed)
     rec = {"shape": shape.spec, "dense": dense.spec, "config": knobs, "config_from": source}
     fns = {}
-    for name, s in (("ours", shape), ("dense", dense)):
+    contenders = [("ours", shape), ("dense", dense)]
+    if shape.sinks and replace(shape, sinks=False) != dense:
+        contenders.append(("nosink", replace(shape, sinks=False)))  # the sink's own cost: the same mask and cap
+    for name, s in contenders:
         try:
             fns[name], rec[name] = kernel_launch(problem, space, s, knobs, inputs)
         except Exception as e:  # a contender that fails is a row, not the end of the run
@@ -114,7 +117,7 @@ def bench_case(text: str, args, problem, space) -> dict:
     res = time_interleaved(fns, rounds=args.rounds)
     for name, t in res.timings.items():
         rec[name].update(t.as_dict())
-    for other in ("dense", "flex"):
+    for other in ("dense", "nosink", "flex"):
         if other in fns:
             rec[f"ours_vs_{other}"] = res.ratios("ours", other)  # other's time over ours: > 1, ours is faster
     return rec
@@ -131,9 +134,10 @@ def row(rec: dict) -> str:
         r = rec.get(f"ours_vs_{name}")
         return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]" if r else "-"
 
-    errs = "; ".join(f"{n}: {rec[n]['error'][:70]}" for n in ("ours", "dense", "flex") if "error" in rec.get(n, {}))
+    errs = "; ".join(f"{n}: {rec[n]['error'][:70]}" for n in ("ours", "dense", "nosink", "flex")
+                     if "error" in rec.get(n, {}))
     return (f"{rec['shape']:44} {cell('ours')} {cell('dense')} {cell('flex')}  {ratio('dense'):>20} {ratio('flex'):>20}"
-            + (f"  {errs}" if errs else ""))
+            f" {ratio('nosink'):>20}" + (f"  {errs}" if errs else ""))
 
 
 def main(argv=None) -> int:
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
             Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                   "cases": recs}, indent=1))
     print(f"\n{'shape':44} {'ours us [p10-p90]':>24} {'dense, same config':>24} {'FlexAttention':>24}  "
-          f"{'dense/ours per round':>20} {'flex/ours per round':>20}")
+          f"{'dense/ours per round':>20} {'flex/ours per round':>20} {'no sink/ours':>20}")
     for rec in recs:
         print(row(rec))
     return 0

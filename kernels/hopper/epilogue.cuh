@@ -157,12 +157,18 @@ struct Epilogue {
     float scale_log2;
     const float* sinks;
 
+    // kSinks: query head `head`'s sink logit times log2(e), the unit of the rows' shifts (row_total); else 0.
+    __device__ __forceinline__ float sink_log2_of(int head) const {
+        if constexpr (T::kSinks) return __ldg(sinks + head) * 1.4426950408889634f;
+        return 0.f;
+    }
+
     // One consumer warpgroup's query tile (every thread of it calls this): row0_wg its first row, q_row the thread's
-    // first; m, l the rows' running max and this thread's partial sums; sQ, sV where the staging rows lie.
+    // first; m, l the rows' running max and this thread's partial sums; sink_log2: sink_log2_of(head); sQ, sV where
+    // the staging rows lie.
     __device__ __forceinline__ void store(const float (&o_acc)[T::kOAcc], const float (&m)[2], const float (&l)[2],
-                                          u32 sQ, u32 sV, int wg, int row0_wg, int q_row, int head, int batch,
-                                          int warp_in_wg, int lane) const {
-        const float sink_log2 = T::kSinks ? __ldg(sinks + head) * 1.4426950408889634f : 0.f;
+                                          float sink_log2, u32 sQ, u32 sV, int wg, int row0_wg, int q_row, int head,
+                                          int batch, int warp_in_wg, int lane) const {
         if constexpr (T::kTmaStore) {
             store_out_tma<T>(o_acc, m, l, scale_log2, sink_log2, o_map, o_stage_addr<T>(sQ, sV, wg), wg, row0_wg, head,
                              batch, warp_in_wg, lane);
