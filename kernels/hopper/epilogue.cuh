@@ -43,7 +43,9 @@ __device__ __forceinline__ float quad_sum(float l) {
 template <class T>
 __device__ __forceinline__ float row_total(float l, float m, float scale_log2, float sink_log2) {
     l = quad_sum(l);
-    if constexpr (T::kSinks) l += exp2f(sink_log2 - row_shift<T>(m, scale_log2));
+    // ex2.approx (the softmax's own, 2 ulp) rather than exp2f's denormal-safe sequence: a denominator term needs no
+    // more, and the windowed layers' short loops make the epilogue a visible share of the tile.
+    if constexpr (T::kSinks) l += fast_exp2(sink_log2 - row_shift<T>(m, scale_log2));
     return l;
 }
 
