@@ -48,9 +48,15 @@ def config_for(shape, args, space):
         from evotune.records.tuning_table import TableKey, load_table, select
 
         key = TableKey.for_shape(shape, torch.cuda.get_device_name(), "%d.%d" % torch.cuda.get_device_capability())
-        sel = select(load_table(args.table), key, shape)
+        table = load_table(args.table)
+        sel = select(table, key, shape)
         if sel.entry is not None:
             return dict(sel.entry.config), f"table {args.table} ({sel.match})"
+        # The key's own entry even where the op would not use it (stale: measured on an older kernel text): here the
+        # table is only where the tuned config comes from, and every contender is re-measured now.
+        same = [e for e in table.entries if e.key == key]
+        if same:
+            return dict(same[0].config), f"table {args.table} (exact, {sel.reason[:60]})"
         print(f"{shape.spec}: no table entry ({sel.reason[:100]}); the Hopper default", file=sys.stderr)
     return dict(HOPPER), "default"
 
