@@ -6,8 +6,12 @@ without importing torch.
 Its key is exact, no nearest bucket:
 
     gpu, cc, dtype, head_dim, group (Hq / Hkv), seq_q, causal: what the compiled code depends on;
-    seq_k_bucket: the K/V length rounded up to a power of two (the split count's best value moves with it);
-    bkv_bucket: batch x K/V heads rounded up likewise (the CTAs the splits multiply).
+    seq_k_bucket: the K/V length rounded up to a power of two (the split count's best value moves with it; a paged
+        call's: its longest sequence, `max_seqlen`, else the block table's pages x page size);
+    bkv_bucket: batch x K/V heads rounded up likewise (the CTAs the splits multiply);
+    sinks (attention sinks) and page_size (a paged cache's keys a page, exact: compiled in), written only where set
+        (OPTIONAL_KEY_FIELDS), so the keys of dense calls without sinks, and the tables written before them, read as
+        before.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ PROBLEM = get_problem("attention-decode")
 TABLE_ENV = "EVOTUNE_DECODE_TABLE"
 TABLE_VERSION = 1
 KEY_FIELDS = ("gpu", "cc", "dtype", "head_dim", "group", "seq_q", "causal", "seq_k_bucket", "bkv_bucket")
+# Written only where set; a key without them has their defaults.
+OPTIONAL_KEY_FIELDS = ("sinks", "page_size")
+OPTIONAL_DEFAULTS = {"sinks": False, "page_size": 0}
 
 
 def default_decode_table_path() -> Path:
@@ -34,10 +41,30 @@ def default_decode_table_path() -> Path:
     return Path(root) / "decode-table.json"
 
 
-def table_key(gpu: str, cc: str, shape: DecodeShape) -> tuple:
-    """The table key of a call's shape on a GPU (KEY_FIELDS, in order)."""
+def table_key(gpu: str, cc: str, shape) -> tuple:
+    """The table key of a call's DecodeShape on a GPU (KEY_FIELDS, then OPTIONAL_KEY_FIELDS, in order)."""
     return (gpu, cc, shape.dtype, shape.head_dim, shape.group, shape.seq_q, bool(shape.causal and shape.seq_q > 1),
-            seq_bucket(shape.seq_k), seq_bucket(shape.batch * shape.kv_heads))
+            seq_bucket(shape.seq_k), seq_bucket(shape.batch * shape.kv_heads), bool(shape.sinks),
+            int(shape.page_size))
+
+
+def key_dict(key: tuple) -> dict:
+    """A table key as its entry's "key" object: the optional fields only where they are not their defaults."""
+    d = dict(zip(KEY_FIELDS + OPTIONAL_KEY_FIELDS, key))
+    for name, default in OPTIONAL_DEFAULTS.items():
+        if d.get(name, default) == default:
+            d.pop(name, None)
+    return d
+
+
+def key_of(obj: dict) -> tuple:
+    """The key tuple of an entry's "key" object (KeyError where a required field is missing; UsageError where an
+    optional one is not of its type)."""
+    sinks, page = obj.get("sinks", False), obj.get("page_size", 0)
+    if not isinstance(sinks, bool) or not isinstance(page, int) or isinstance(page, bool) or page < 0:
+        raise UsageError(f"decode table key: sinks must be a boolean and page_size a whole number, got {sinks!r}, "
+                         f"{page!r}")
+    return tuple(obj[f] for f in KEY_FIELDS) + (sinks, page)
 
 
 def build_decode_table(bench_paths) -> dict:
@@ -63,7 +90,7 @@ def build_decode_table(bench_paths) -> dict:
         else:
             route, reason = "sdpa", f"slower: {ours['time_us']:.2f} us vs {best['name']} {best['time_us']:.2f} us"
         key = table_key(device["name"], str(device["sm"]), shape)  # evotune.gpu.workers.device_info: "sm" is "9.0"
-        entries[key] = {"key": dict(zip(KEY_FIELDS, key)), "config": rec["config"], "shape": shape.as_dict(),
+        entries[key] = {"key": key_dict(key), "config": rec["config"], "shape": shape.as_dict(),
                         "route": route, "reason": reason, "evotune_us": ours.get("time_us"),
                         "sdpa": {"backend": best["name"], "time_us": best["time_us"]} if best else None,
                         "source_digest": rec["source_digest"], "bench": str(path)}
@@ -97,9 +124,9 @@ def decode_tune_plan(specs) -> tuple[list, list[str]]:
 def merge_decode_tables(old: dict | None, new: dict) -> dict:
     """`old`'s entries (a decode table document, or None) with `new`'s on top: an entry of a key `new` measured
     replaces the old one; the others stay."""
-    entries = {tuple(e["key"][f] for f in KEY_FIELDS): e for e in (old or {}).get("entries", [])}
+    entries = {key_of(e["key"]): e for e in (old or {}).get("entries", [])}
     for e in new["entries"]:
-        entries[tuple(e["key"][f] for f in KEY_FIELDS)] = e
+        entries[key_of(e["key"])] = e
     return {"version": TABLE_VERSION, "family": PROBLEM.family, "entries": list(entries.values())}
 
 

@@ -1,5 +1,40 @@
 // evotune: the decode kernel's split-KV pieces (a piece of decode/variants.cuh, inside namespace evotune): which keys a
-// split takes (knob split_chunks), the merge of a CTA's key groups, and the combine of the splits (knob combine).
+// split takes (knob split_chunks), the merge of a CTA's key groups, the combine of the splits (knob combine), and a
+// row's final normalization, where attention sinks join it (problem trait SINKS).
+
+// ---------------------------------------------------------------- a row's normalization (SINKS, PAGE_SIZE)
+
+// The factor that turns a row's unnormalized O into O, once every group and split of the row is merged: its keys'
+// (max mx, sum) are in log2 units (Q carries scale * log2 e) and x, sum are relative to mx. With sinks the row's head's
+// sink logit (`sinks`: the CTA's GROUP heads' logits, row r's head r / SEQ_Q) joins the denominator here, once per row,
+// not per split: O = x / (sum + exp2(sink * log2 e - mx)), both terms shifted by the larger exponent (kernels/hopper/
+// epilogue.cuh's row_total), so a sink far above the scores cannot overflow and a row that saw no key (mx = -inf: a
+// paged sequence shorter than the queries, or of length 0) is 0. Without either trait: 1 / sum, as before them.
+template <class T>
+__device__ __forceinline__ float row_scale(float mx, float sum, const float* sinks, int r) {
+    if constexpr (T::kSinks) {
+        const float sink = __ldg(sinks + r / T::kSeqQ) * 1.4426950408889634f;  // log2(e)
+        const float top = fmaxf(mx, sink);
+        if (top == neg_inf()) return 0.f;  // no key and a -inf sink
+        const float w = fast_exp2(mx - top);
+        return w / (sum * w + fast_exp2(sink - top));
+    } else if constexpr (T::kPaged) {
+        return sum > 0.f ? 1.f / sum : 0.f;  // a sequence with no key for this row: O = 0
+    } else {
+        return 1.f / sum;
+    }
+}
+
+// O's element from its unnormalized x: x / sum at the defaults (the text of the kernel before sinks and pages), else
+// x times row_scale.
+template <class T>
+__device__ __forceinline__ float finish_element(float x, float mx, float sum, const float* sinks, int r) {
+    if constexpr (T::kSinks || T::kPaged) {
+        return x * row_scale<T>(mx, sum, sinks, r);
+    } else {
+        return x / sum;
+    }
+}
 
 // ---------------------------------------------------------------- split_chunks
 
@@ -86,7 +121,8 @@ __device__ __forceinline__ void publish_partial(const float* red, float* ws_o, f
 // again and combines each element with two loops over the splits (max, then the weighted sums).
 template <class T>
 __device__ __forceinline__ void combine_fenced(const float* ws_o, const float* ws_ml, int* count, long long first,
-                                               int* is_last, unsigned short* o, long long o_sh, long long o_ss) {
+                                               int* is_last, unsigned short* o, long long o_sh, long long o_ss,
+                                               const float* sinks) {
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) *is_last = atomicAdd(count, 1) == T::kSplits - 1;
@@ -98,12 +134,14 @@ __device__ __forceinline__ void combine_fenced(const float* ws_o, const float* w
         float mx = neg_inf();
         for (int s = 0; s < T::kSplits; ++s) mx = fmaxf(mx, __ldcg(ws_ml + ((first + s) * T::kRows + r) * 2));
         float sum = 0.f, x = 0.f;
+        // A row no split saw a key of (a short paged sequence): weights exp2(-inf - 0) = 0, not NaN.
+        const float base = (T::kSinks || T::kPaged) && mx == neg_inf() ? 0.f : mx;
         for (int s = 0; s < T::kSplits; ++s) {
-            const float w = fast_exp2(__ldcg(ws_ml + ((first + s) * T::kRows + r) * 2) - mx);
+            const float w = fast_exp2(__ldcg(ws_ml + ((first + s) * T::kRows + r) * 2) - base);
             sum += __ldcg(ws_ml + ((first + s) * T::kRows + r) * 2 + 1) * w;
             x += __ldcg(ws_o + (first + s) * T::kRows * T::kHeadDim + idx) * w;
         }
-        store_o<T>(o, o_sh, o_ss, r, d, x / sum);
+        store_o<T>(o, o_sh, o_ss, r, d, finish_element<T>(x, mx, sum, sinks, r));
     }
     if (threadIdx.x == 0) *count = 0;  // left zero for the next launch (and a graph replay)
 }
@@ -144,7 +182,7 @@ __device__ __forceinline__ void store_o4(unsigned short* o, long long o_sh, long
 // each split's max twice and its sum and O element one at a time, after a first pass for the max.
 template <class T>
 __device__ __forceinline__ void combine_splits(const float* ws_o, const float* ws_ml, long long first,
-                                               unsigned short* o, long long o_sh, long long o_ss) {
+                                               unsigned short* o, long long o_sh, long long o_ss, const float* sinks) {
     constexpr int kChunk = T::kSplits < 8 ? T::kSplits : 8;
     const float2* ml = reinterpret_cast<const float2*>(ws_ml) + first * T::kRows;
     const float4* po = reinterpret_cast<const float4*>(ws_o + first * T::kRows * T::kHeadDim);
@@ -181,7 +219,7 @@ __device__ __forceinline__ void combine_splits(const float* ws_o, const float* w
             }
             mx = next;
         }
-        const float inv = 1.f / sum;  // every row sees a key in some split: sum > 0
+        const float inv = row_scale<T>(mx, sum, sinks, r);  // 1 / sum: a dense row sees a key in some split
         store_o4<T>(o, o_sh, o_ss, r, 4 * i % T::kHeadDim, make_float4(x.x * inv, x.y * inv, x.z * inv, x.w * inv));
     }
 }
