@@ -37,6 +37,32 @@ def knob_reader(defaults: Mapping):
     return knob
 
 
+def sink_logits(shape, gen, device):
+    """A sinks shape's (H,) float32 sink logits for the gate (attention and attention-decode alike): about the
+    log-sum-exp of a row of N(0, 1) scores over the shape's keys (log(Sk) + 1/2) plus N(0, 2^2), so some heads' sinks
+    take most of the mass, others almost none, and the sink's term is measured where it matters."""
+    import math
+
+    import torch
+
+    return torch.randn(shape.heads, generator=gen, device=device) * 2.0 + (math.log(shape.seq_k) + 0.5)
+
+
+def check_sinks(sinks, shape, device, family: str = "attention"):
+    """The sink logits a sinks shape's launch reads: a contiguous (H,) float32 tensor on `device`; UsageError for
+    anything else (the kernel reads H floats from the pointer, so a wrong size would read past it)."""
+    import torch
+
+    if not isinstance(sinks, torch.Tensor):
+        raise UsageError(f"{family}: {shape.spec}: sinks needs the ({shape.heads},) float32 sink logits, got "
+                         f"{type(sinks).__name__}")
+    if (tuple(sinks.shape) != (shape.heads,) or sinks.dtype != torch.float32 or not sinks.is_contiguous()
+            or sinks.device != device):
+        raise UsageError(f"{family}: {shape.spec}: sinks must be a contiguous ({shape.heads},) float32 tensor on "
+                         f"{device}, got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
+    return sinks
+
+
 def aim_key(inputs: dict, b: int, kvh: int, j: int, head: int, row: int) -> tuple:
     """The attention families' dependency-check perturbation: (k, v), clones of the inputs' K and V (strides kept)
     whose key j of batch b and K/V head kvh points at query `row` of query head `head` (that query's score for it

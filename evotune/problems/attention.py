@@ -16,7 +16,7 @@ from ..errors import UsageError
 from ..limits import MULTIPROCESSORS, THREADS_PER_BLOCK, launch_asserts
 from .shapes import PRESETS, Shape, parse_shape
 from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
-from . import LaunchGeometry, Problem, aim_key, knob_reader
+from . import LaunchGeometry, Problem, aim_key, check_sinks, knob_reader, sink_logits  # noqa: F401 (check_sinks: API)
 
 SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
 
@@ -1147,21 +1147,6 @@ def score_mod_args(shape: Shape) -> list[tuple[str, object]]:
             + ([("SINKS", "true")] if shape.sinks else []))
 
 
-def check_sinks(sinks, shape: Shape, device):
-    """The sink logits a sinks shape's launch reads: a contiguous (H,) float32 tensor on `device`; UsageError for
-    anything else (the kernel reads H floats from the pointer, so a wrong size would read past it)."""
-    import torch
-
-    if not isinstance(sinks, torch.Tensor):
-        raise UsageError(f"attention: {shape.spec}: sinks needs the ({shape.heads},) float32 sink logits, got "
-                         f"{type(sinks).__name__}")
-    if (tuple(sinks.shape) != (shape.heads,) or sinks.dtype != torch.float32 or not sinks.is_contiguous()
-            or sinks.device != device):
-        raise UsageError(f"attention: {shape.spec}: sinks must be a contiguous ({shape.heads},) float32 tensor on "
-                         f"{device}, got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
-    return sinks
-
-
 def score_mod_values(shape: Shape, scale: float) -> dict:
     """softcap_scale, window_left, window_right for the entry: scale / C (0 without a cap: unread), and the window's
     sides clamped to [0, seq_k] and [0, seq_q], an unbounded side (-1) to the bound, which changes no row's keys
@@ -1186,15 +1171,6 @@ def sees(i, j, seq_q: int, seq_k: int, causal: bool, left: int, right: int):
     if right >= 0:
         seen = seen & (j <= i + diag + right)
     return seen
-
-
-def sink_logits(shape: Shape, gen, device):
-    """A sinks shape's (H,) float32 sink logits for the gate: about the log-sum-exp of a row of N(0, 1) scores
-    (log(Sk) + 1/2) plus N(0, 2^2), so some heads' sinks take most of the mass, others almost none, and the sink's
-    term is measured where it matters."""
-    import torch
-
-    return torch.randn(shape.heads, generator=gen, device=device) * 2.0 + (math.log(shape.seq_k) + 0.5)
 
 
 def sink_probs(s, sinks):

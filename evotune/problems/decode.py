@@ -31,7 +31,7 @@ from ..errors import UsageError
 from ..limits import launch_asserts
 from .shapes import check_fields, parse_dim, parse_flags
 from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
-from . import LaunchGeometry, Problem, aim_key, knob_reader
+from . import LaunchGeometry, Problem, aim_key, check_sinks, knob_reader, sink_logits
 
 DTYPES = ("fp16", "bf16")
 LAYOUTS = ("bhsd", "bshd")
@@ -585,7 +585,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads)
                              f"keys: past the kernel's 32-bit key index")
         extra = ()
         if shape.sinks:
-            extra += (np.uint64(check_sinks(sinks, shape, q.device).data_ptr()),)
+            extra += (np.uint64(check_sinks(sinks, shape, q.device, "attention-decode").data_ptr()),)
         if shape.paged:
             extra += (np.uint64(block_table.data_ptr()), np.int64(block_table.stride(0)),
                       np.uint64(cache_seqlens.data_ptr()))
@@ -682,30 +682,6 @@ def visible_keys(lengths, seq_q: int, width: int, causal: bool, device):
         i = torch.arange(seq_q, device=device).view(1, 1, -1, 1)
         seen = seen & (j <= lengths - seq_q + i)
     return seen
-
-
-def sink_logits(shape: DecodeShape, gen, device):
-    """A sinks shape's (Hq,) float32 sink logits for the gate: about the log-sum-exp of a row of N(0, 1) scores over
-    the cache (log(Sk) + 1/2) plus N(0, 2^2), so some heads' sinks take most of the mass, others almost none, and the
-    sink's term is measured where it matters (problems/attention.py's, for the decode family)."""
-    import torch
-
-    return torch.randn(shape.heads, generator=gen, device=device) * 2.0 + (math.log(shape.seq_k) + 0.5)
-
-
-def check_sinks(sinks, shape: DecodeShape, device):
-    """The sink logits a sinks shape's launch reads: a contiguous (Hq,) float32 tensor on `device`; UsageError for
-    anything else (the kernel reads Hq floats from the pointer, so a wrong size would read past it)."""
-    import torch
-
-    if not isinstance(sinks, torch.Tensor):
-        raise UsageError(f"attention-decode: {shape.spec}: sinks needs the ({shape.heads},) float32 sink logits, got "
-                         f"{type(sinks).__name__}")
-    if (tuple(sinks.shape) != (shape.heads,) or sinks.dtype != torch.float32 or not sinks.is_contiguous()
-            or sinks.device != device):
-        raise UsageError(f"attention-decode: {shape.spec}: sinks must be a contiguous ({shape.heads},) float32 tensor "
-                         f"on {device}, got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
-    return sinks
 
 
 def check_paged(shape: DecodeShape, k_cache, v_cache, block_table, cache_seqlens, device) -> tuple:

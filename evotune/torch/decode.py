@@ -410,8 +410,14 @@ def _observe(q, k, v, causal: bool, decision, sinks: bool = False) -> None:
     ident = ("attention-decode", tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, bool(causal),
              bool(sinks))
 
+    _record(ident, lambda: _shape_of(q, k, v, causal, sinks), q, k, causal, decision)
+
+
+def _record(ident: tuple, shape_of, q, k, causal: bool, decision) -> None:
+    """One row per distinct call `ident` in every active recorder: the call's decode shape (`shape_of()`, None where
+    the kernel has no such shape), its `--shape` spelling and table key, and the route its decision took."""
     def row() -> dict:
-        shape = _shape_of(q, k, v, causal, sinks)
+        shape = shape_of()
         key = None
         if shape is not None and q.is_cuda:
             key = key_dict(table_key(*_device_name(q.device.index), shape))
@@ -644,23 +650,15 @@ def _observe_paged(q, k_cache, block_table, causal: bool, sinks: bool, max_seqle
     ident = ("attention-decode-paged", tuple(q.shape), tuple(k_cache.shape), tuple(block_table.shape), q.dtype,
              q.device, bool(causal), bool(sinks), max_seqlen)
 
-    def row() -> dict:
+    def shape_of():
         try:
             shape = _paged_shape(q, k_cache, block_table, causal, sinks, max_seqlen)
             PROBLEM.check_shape(shape)
+            return shape
         except (UsageError, ValueError, ZeroDivisionError):
-            shape = None
-        key = None
-        if shape is not None and q.is_cuda:
-            key = key_dict(table_key(*_device_name(q.device.index), shape))
-        route, what = decision
-        return {"family": PROBLEM.family, "shape": shape.spec if shape is not None else None, "key": key,
-                "q": list(q.shape), "k": list(k_cache.shape), "dtype": str(q.dtype).replace("torch.", ""),
-                "causal": bool(causal), "device": str(q.device), "route": route,
-                "reason": None if route == "evotune" else what}
+            return None
 
-    for recorder in list(record._ACTIVE):
-        recorder.add_row(ident, row)
+    _record(ident, shape_of, q, k_cache, causal, decision)
 
 
 def paged_decode_route(q, k_cache, v_cache, block_table, cache_seqlens, causal: bool = True, sinks=None,
