@@ -72,3 +72,17 @@ def test_tuning_tables_render_one_row_per_entry(perf_doc):
     entry = tables[1][1]["entries"][0]
     ratio = entry["sdpa"]["time_us"] / entry["evotune_us"]
     assert f"| {entry['evotune_us']:.2f} | cudnn {entry['sdpa']['time_us']:.2f} | {ratio:.2f}x | evotune |" in decode
+
+
+def test_feature_records_render_one_row_per_case(perf_doc):
+    """--features: tools/feature_bench.py's record (a device run's), one row per case with our time, FlexAttention's and
+    the per-round ratios as recorded; a contender that was not timed renders as '-'."""
+    path = REPO_ROOT / "docs" / "data" / "2026-11-28-h200" / "coverage3" / "sinks" / "job0" / "sinks.json"
+    doc = json.loads(path.read_text())
+    rows = _table_rows(perf_doc.render_features([(str(path), doc)]))[1:]
+    assert len(rows) == len(doc["cases"]) == 4
+    for row, case in zip(rows, doc["cases"]):
+        ours, ratio = case["ours"], case["ours_vs_flex"]
+        assert row.startswith(f"| `{case['shape']}` | default | {ours['median_us']:.1f} [")
+        assert f"| {ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}] |" in row
+        assert "| - | - |" in row  # no "without the sinks" contender in that run

@@ -5,6 +5,7 @@
     python3 tools/perf_doc.py docs/data/best/*.json [--doc docs/PERFORMANCE.md]   # the best per preset today
     python3 tools/perf_doc.py RECORDS --block NAME --doc FILE    # between <!-- bench-NAME:begin --> and ...:end -->
     python3 tools/perf_doc.py TABLES --tables NAME --doc FILE    # tuning tables' entries, between <!-- NAME:begin -->
+    python3 tools/perf_doc.py FEATURES --features NAME --doc FILE  # tools/feature_bench.py records, the same markers
 
 docs/data/bench/ keeps the 2026-11-22 solo records that the tests render (tests/test_perf_doc.py).
 """
@@ -120,6 +121,30 @@ def render_tables(tables: list[tuple[str, dict]]) -> str:
     return "\n".join(lines + [row for _, row in sorted(rows)]) + "\n"
 
 
+def render_features(records: list[tuple[str, dict]]) -> str:
+    """One row per case of tools/feature_bench.py's records (path, record): our kernel on the feature's shape, the same
+    config without the sinks (where the case has a window or cap beside them) and on the dense shape, and FlexAttention
+    with the same semantics, all timed interleaved in one process; median [p10-p90] and the per-round ratios' median
+    [min-max] (the other's time over ours: above 1, ours is faster)."""
+    def cell(r):
+        return f"{r['median_us']:.1f} [{r['p10_us']:.1f}-{r['p90_us']:.1f}]" if r and "median_us" in r else "-"
+
+    def ratio(r):
+        return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]" if r else "-"
+
+    lines = ["| shape | config | ours µs | FlexAttention µs | ours vs Flex | without the sinks µs | vs without | dense "
+             "shape µs | vs dense | max err | device, record |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path, doc in records:
+        for c in doc["cases"]:
+            ours = c.get("ours", {})
+            err = f"{ours['max_abs_err']:.1e}" if "max_abs_err" in ours else ours.get("error", "-")[:60]
+            lines.append(f"| `{c['shape']}` | {c['config_from'].split(' (')[0].replace(path, 'its table')} | {cell(ours)} "
+                         f"| {cell(c.get('flex'))} | {ratio(c.get('ours_vs_flex'))} | {cell(c.get('nosink'))} "
+                         f"| {ratio(c.get('ours_vs_nosink'))} | {cell(c.get('dense'))} (`{c['dense']}`) "
+                         f"| {ratio(c.get('ours_vs_dense'))} | {err} | {doc.get('device')}, {path} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("records", nargs="+")
@@ -127,10 +152,14 @@ def main() -> None:
     ap.add_argument("--block", help="write between <!-- bench-BLOCK:begin --> and <!-- bench-BLOCK:end --> instead")
     ap.add_argument("--tables", metavar="NAME", help="the records are tuning tables (`evotune tune --table`): write "
                     "their entries between <!-- NAME:begin --> and <!-- NAME:end -->")
+    ap.add_argument("--features", metavar="NAME", help="the records are tools/feature_bench.py's: write their cases "
+                    "between <!-- NAME:begin --> and <!-- NAME:end -->")
     args = ap.parse_args()
-    if args.tables:
-        begin, end = f"<!-- {args.tables}:begin -->", f"<!-- {args.tables}:end -->"
-        body = render_tables([(p, json.load(open(p))) for p in args.records])
+    if args.tables or args.features:
+        name = args.tables or args.features
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        render_as = render_tables if args.tables else render_features
+        body = render_as([(p, json.load(open(p))) for p in args.records])
     else:
         begin, end = (BEGIN, END) if not args.block else (f"<!-- bench-{args.block}:begin -->",
                                                           f"<!-- bench-{args.block}:end -->")
