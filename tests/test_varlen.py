@@ -11,7 +11,7 @@ import pytest
 
 from evotune.errors import UsageError
 from evotune.problems import varlen as V
-from evotune.problems.attention import VARLEN_PARAMS
+from evotune.problems.attention import VARLEN_PARAMS, sees
 from evotune.problems.shapes import Shape, parse_shape
 from evotune.records.tuning_table import TableKey, _parse_key
 from evotune.space.searchspace import load_builtin, shape_context
@@ -300,7 +300,7 @@ def test_baselines(attention):
         with warnings.catch_warnings():  # eager flex_attention says (once) it is unfused
             warnings.simplefilter("ignore")
             out = flex_attention(inputs["q"], inputs["k"], inputs["v"], scale=inputs["scale"],
-                                 enable_gqa=shape.kv_group > 1, **V.flex_mods(shape, "cpu"))
+                                 enable_gqa=shape.kv_group > 1, **V.flex_mods(shape, "cpu", sees))
             # the mask matters: without it the rows attend across sequences
             crossed = flex_attention(inputs["q"], inputs["k"], inputs["v"], scale=inputs["scale"],
                                      enable_gqa=shape.kv_group > 1)

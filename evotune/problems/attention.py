@@ -493,14 +493,8 @@ class AttentionProblem(Problem):
             mod_params = ",\n                  float softcap_scale, int window_left, int window_right" + sink_param
             mod_args = ("" if write_lse else ", nullptr, 0, 0") + ", {softcap_scale, window_left, window_right" + \
                 sink_arg + "}"
-        if shape.is_varlen:
-            # varlen (Hopper only): the sequences' offsets last (VarlenArgs), after the score mods' values (their
-            # defaults where the shape has none); seq_q / seq_k carry max_seqlen_q / _k.
-            if not has_score_mods(shape):
-                mod_args = ("" if write_lse else ", nullptr, 0, 0") + ", {0.f, 0, 0, nullptr}"
-            mod_params += (",\n                  const int* __restrict__ cu_seqlens_q, "
-                           "const int* __restrict__ cu_seqlens_k")
-            mod_args += ", {cu_seqlens_q, cu_seqlens_k}"
+        varlen_params, varlen_args_text, varlen_note = _varlen_entry(shape, write_lse)
+        mod_params, mod_args = mod_params + varlen_params, mod_args + varlen_args_text
         geo = self.geometry(config, shape)
         asserts = launch_asserts(geo.threads, geo.dynamic_smem, ("kBlockM", rows_per_cta(config)))
         if is_wgmma(config):
@@ -513,11 +507,7 @@ class AttentionProblem(Problem):
                 if tma else ("", ", nullptr", ""))
             skip_note = ("\n// empty_warpgroups = skip: the non-causal PERSISTENT grid takes tile_counter too (its tiles are "
                          "handed out).") if is_skip_empty(config) and is_persistent(config) else ""
-            if shape.is_varlen:
-                skip_note += ("\n// VARLEN: grid z is the sequence; q_map, k_map, v_map span the packed tensors as one "
-                              "batch (head_dim, total,\n// heads, 1); o points at the packed O (total_q, heads, head_dim); "
-                              "seq_q, seq_k: max_seqlen_q, max_seqlen_k;\n// cu_seqlens_q, cu_seqlens_k: the B + 1 int32 "
-                              "prefix sums of the sequences' lengths (hopper/varlen.cuh).")
+            skip_note += varlen_note
             return f"""{traits}
 {asserts}
 // Launch: grid (ceil(seq_q / kBlockM), heads, batch), or with PERSISTENT (min(tiles, SMs), 1, 1) for tiles =
@@ -686,7 +676,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         if pattern not in self.PATTERNS:
             raise UsageError(f"attention: unknown input pattern {pattern!r}; patterns: {', '.join(self.PATTERNS)}")
         if shape.is_varlen:  # the packed tensors as (1, H, total, D) views, and cu_seqlens_q / _k (problems.varlen)
-            return _varlen.make_inputs(self, shape, seed, device, pattern)
+            return _varlen.make_inputs(self, shape, seed, device, pattern, sink_logits)
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         dt = self.torch_dtype(shape)
@@ -729,7 +719,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         import torch
 
         if shape.is_varlen:  # one key of one sequence; no other sequence's row may move
-            return _varlen.perturb(self, shape, inputs, rng)
+            return _varlen.perturb(self, shape, inputs, rng, visibility_mask)
         # A key some query can see: with top-left causal and Sq < Sk, keys past Sq-1 are seen by none; with a
         # window, the keys between the first row's left edge and the last row's right edge.
         lo, hi = 0, (min(shape.seq_q, shape.seq_k) if shape.causal else shape.seq_k) - 1
@@ -949,7 +939,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
 
         if shape.is_varlen:  # FlexAttention with a document mask; SDPA on the dense batch of uniform lengths
             if name == "flex":
-                return self.probed(_varlen.flex_launcher(shape, inputs), probe)
+                return self.probed(_varlen.flex_launcher(shape, inputs, _flex_fns(), sees), probe)
             return _varlen.sdpa_launcher(self, name, shape, inputs, probe)
         if name == "flex":
             return self.probed(flex_launcher(shape, inputs), probe)
@@ -1002,9 +992,10 @@ def flex_with_sinks(q, k, v, sinks, **kw):
     return (out.float() * share.unsqueeze(-1)).to(out.dtype)
 
 
-def _flex_mods(shape: Shape, device) -> dict:
+def _flex_fns() -> dict:
+    """_FLEX with the compiled flex_attention ("fn") and flex_with_sinks ("sink_fn"), made once per process."""
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if "fn" not in _FLEX:
         # dynamic=False: a shape of its own is a static compile of its own. With automatic dynamic shapes the third
@@ -1012,6 +1003,14 @@ def _flex_mods(shape: Shape, device) -> dict:
         # torch 2.11), and the baseline read as "not supported".
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
         _FLEX["sink_fn"] = torch.compile(flex_with_sinks, dynamic=False)
+    return _FLEX
+
+
+def _flex_mods(shape: Shape, device) -> dict:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    _flex_fns()
     sq, sk = shape.seq_q, shape.seq_k
     left, right, causal, cap = shape.window_left, shape.window_right, shape.causal, shape.softcap
     key = (sq, sk, left, right, causal, cap, str(device))
@@ -1030,6 +1029,21 @@ def _flex_mods(shape: Shape, device) -> dict:
         mods["score_mod"] = score_mod
     _FLEX[key] = mods
     return mods
+
+
+def _varlen_entry(shape: Shape, write_lse: bool) -> tuple[str, str, str]:
+    """(parameters, arguments, comment) a varlen shape's Hopper entry adds (VarlenArgs, hopper/varlen.cuh): the
+    sequences' offsets last, after the score mods' values (their defaults where the shape has none, and lse's where
+    it has none); seq_q / seq_k carry max_seqlen_q / _k. Empty strings for a dense shape."""
+    if not shape.is_varlen:
+        return "", "", ""
+    defaults = "" if has_score_mods(shape) else ("" if write_lse else ", nullptr, 0, 0") + ", {0.f, 0, 0, nullptr}"
+    return (",\n                  const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k",
+            defaults + ", {cu_seqlens_q, cu_seqlens_k}",
+            "\n// VARLEN: grid z is the sequence; q_map, k_map, v_map span the packed tensors as one batch (head_dim, "
+            "total,\n// heads, 1); o points at the packed O (total_q, heads, head_dim); seq_q, seq_k: max_seqlen_q, "
+            "max_seqlen_k;\n// cu_seqlens_q, cu_seqlens_k: the B + 1 int32 prefix sums of the sequences' lengths "
+            "(hopper/varlen.cuh).")
 
 
 def _sync_traits(config, targs: str) -> str:

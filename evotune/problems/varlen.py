@@ -60,16 +60,14 @@ def dense_stand_in(shape: Shape) -> Shape:
                  kv_heads=shape.kv_heads)
 
 
-def make_inputs(problem, shape: Shape, seed: int, device, pattern: str) -> dict:
+def make_inputs(problem, shape: Shape, seed: int, device, pattern: str, sink_logits) -> dict:
     """A varlen shape's gate inputs: the packed tensors (as packed_view's views) drawn like a dense batch of one
-    (the input patterns span the packed rows), the offsets, and a sinks shape's logits."""
+    (the input patterns span the packed rows), the offsets, and a sinks shape's logits (`sink_logits`: attention's)."""
     import torch
 
     inputs = problem.make_inputs(dense_stand_in(shape), seed, device, pattern)
     inputs["cu_seqlens_q"], inputs["cu_seqlens_k"] = cu_seqlens_tensors(shape, device)
     if shape.sinks:
-        from .attention import sink_logits
-
         gen = torch.Generator(device=device)
         gen.manual_seed(seed + 1)
         inputs["sinks"] = sink_logits(shape, gen, device)
@@ -99,13 +97,12 @@ def reference(problem, shape: Shape, inputs: dict):
     return out
 
 
-def perturb(problem, shape: Shape, inputs: dict, rng=None) -> tuple[dict, object]:
+def perturb(problem, shape: Shape, inputs: dict, rng, visibility_mask) -> tuple[dict, object]:
     """Inputs with one key/value row of one sequence changed, and the (1, H, total_q) mask of the output rows that
     must change: that sequence's rows of the K/V head's query heads that see the key (no other sequence's row may
-    move). The sequence and row are drawn from `rng`; without one, the last sequence that has queries and keys."""
+    move). The sequence and row are drawn from `rng`; without one, the last sequence that has queries and keys.
+    `visibility_mask`: attention's (a sequence's mask)."""
     import torch
-
-    from .attention import visibility_mask
 
     seqs = shape.computed_sequences()
     b = seqs[-1] if rng is None else seqs[rng.randrange(len(seqs))]
@@ -212,14 +209,12 @@ def sdpa_launcher(problem, name: str, shape: Shape, inputs: dict, probe: bool):
 _FLEX_DOCS: dict = {}
 
 
-def flex_mods(shape: Shape, device) -> dict:
+def flex_mods(shape: Shape, device, sees) -> dict:
     """FlexAttention's block mask (and score_mod) of a varlen shape: a document mask over the packed rows (query i
     and key j see each other only inside one sequence), and inside a sequence the causal mask and window by
-    attention.sees with that sequence's lengths; the cap as the dense baseline's."""
+    attention.sees (`sees`) with that sequence's lengths; the cap as the dense baseline's."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
-
-    from .attention import sees
 
     key = (shape.varlen, shape.key_lengths, shape.causal, shape.window_left, shape.window_right, shape.softcap,
            str(device))
@@ -246,20 +241,16 @@ def flex_mods(shape: Shape, device) -> dict:
     return mods
 
 
-def flex_launcher(shape: Shape, inputs: dict):
-    """FlexAttention (compiled, attention._FLEX's) on the packed tensors with the document mask (flex_mods); with
-    sinks through its log-sum-exp, as the dense baseline."""
-    from .attention import _FLEX, _flex_mods
-
+def flex_launcher(shape: Shape, inputs: dict, fns: dict, sees):
+    """FlexAttention (compiled: `fns`, attention's "fn" and "sink_fn") on the packed tensors with the document mask
+    (flex_mods); with sinks through its log-sum-exp, as the dense baseline."""
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    if "fn" not in _FLEX:
-        _flex_mods(Shape(1, 1, 1, 1, 64), q.device)  # compiles nothing yet: makes the compiled functions
-    kw = dict(flex_mods(shape, q.device))
+    kw = dict(flex_mods(shape, q.device, sees))
     kw.update(scale=inputs["scale"], enable_gqa=shape.kv_heads != shape.heads)
     if shape.sinks:
-        fn, sinks = _FLEX["sink_fn"], inputs["sinks"]
+        fn, sinks = fns["sink_fn"], inputs["sinks"]
         return lambda: fn(q, k, v, sinks, **kw)
-    fn = _FLEX["fn"]
+    fn = fns["fn"]
     return lambda: fn(q, k, v, **kw)
 
 
