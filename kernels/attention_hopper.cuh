@@ -42,7 +42,7 @@ template <class A, class C> struct PickType<false, A, C> { using type = C; };
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
           bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, bool SOFTMAX_OVERLAP_,
           bool LEAN_ADDRESSING_, bool CAUSAL_WG_, bool SKIP_EMPTY_, bool P_SMEM_, bool STRIPE_MIRROR_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_,
-          bool SOFTCAP_ = false, bool LOCAL_ = false, bool SINKS_ = false>
+          bool SOFTCAP_ = false, bool LOCAL_ = false, bool SINKS_ = false, bool VARLEN_ = false>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -82,6 +82,12 @@ struct HopperTraits {
     // kSinks: attention sinks (gpt-oss's s_aux): each query head's sink logit (ScoreArgs' sinks, in the units of the
     // scaled scores) joins every row's softmax denominator in the epilogue (row_total); the main loop is untouched.
     static constexpr bool kSinks = SINKS_;
+    // kVarlen: variable-length packed batches (flash-attention's cu_seqlens; hopper/varlen.cuh): the grid's batch axis
+    // is the sequence, each CTA's seq_q / seq_k its sequence's lengths, its TMA rows packed rows (packed_row).
+    static constexpr bool kVarlen = VARLEN_;
+    // A row may see no key: a window's (kLocal), or a varlen sequence's with queries and no keys. Such a row keeps
+    // shift 0 and alpha 1 rather than NaN, and the epilogue writes it 0.
+    static constexpr bool kEmptyRows = kLocal || kVarlen;
 
     static constexpr int kBlockM = 64 * kConsumerWGs;  // wgmma's M is 64 per warpgroup
     static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -148,6 +154,9 @@ struct HopperTraits {
     // A window's tiles start past key 0 (KvRange::first); causal_extent = warpgroup's per-warpgroup diagonal (and so
     // stripe_order = mirrored) counts its tiles from key 0.
     static_assert(!kLocal || !kCausalWarpgroup, "a sliding window with causal_extent = tile");
+    // VARLEN: the TMA-store epilogue's boxes would write past a sequence's last row into the next sequence's O (the
+    // register epilogue checks each row); the persistent order walks (head, batch) tiles, not sequences.
+    static_assert(!kVarlen || (!kTmaStore && !kPersistent), "VARLEN: the register epilogue on the one-tile grid");
     static_assert(kStages >= 1 && kStages <= 8, "1 to 8 pipeline stages (5 to 8: the deep ring's barriers)");
     // The K/V ring's barriers (Barriers): four slots, or eight for the deep ring (stages 5 to 8).
     static constexpr int kBarrierSlots = kStages > 4 ? 8 : 4;
@@ -182,6 +191,7 @@ __device__ __forceinline__ bool window_holds_tile(int kv0, int row0, const KvWin
 // K/V ring, the tile scheduler, the producer and the epilogue. attention_fwd_wgmma below composes them: the loader (the producer
 // warpgroup's first thread, or a consumer's) fills the ring in the scheduler's order, consume_tile runs a query
 // tile's consumer loop over it and hands O to the epilogue.
+#include "hopper/varlen.cuh"
 #include "hopper/consumer.cuh"
 #include "hopper/ring.cuh"
 #include "hopper/scheduler.cuh"
@@ -224,7 +234,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                                                     unsigned* __restrict__ tile_counter,
                                                     const CUtensorMap* o_map,  // epilogue = tma only (else null)
                                                     float* __restrict__ lse = nullptr, long long lse_sb = 0,
-                                                    long long lse_sh = 0, ScoreArgs score_args = {0.f, 0, 0, nullptr}) {
+                                                    long long lse_sh = 0, ScoreArgs score_args = {0.f, 0, 0, nullptr},
+                                                    VarlenArgs varlen = {nullptr, nullptr}) {
     // Aligned by hand (kSmemBytes has the slack): __align__(1024) here would pad the static
     // shared memory to 1024 bytes as well.
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -236,13 +247,14 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
 
     const int tid = threadIdx.x;
     // Where each consumer warpgroup's output goes (hopper/epilogue.cuh).
-    const Epilogue<T, WRITE_LSE> epilogue{o, o_sb, o_sh, o_ss, o_map, lse, lse_sb, lse_sh, seq_q, scale_log2,
-                                          score_args.sinks};
+    // (Not const: VARLEN moves them to the CTA's sequence once it has read it, below.)
+    Epilogue<T, WRITE_LSE> epilogue{o, o_sb, o_sh, o_ss, o_map, lse, lse_sb, lse_sh, seq_q, scale_log2,
+                                    score_args.sinks};
     // Without PERSISTENT, the CTA's one query tile.
-    const QTile one_tile = grid_tile<T>();
+    QTile one_tile = grid_tile<T>();
     const int grid_kv_head = kv_head_of(one_tile.head, kv_magic);  // the K/V maps' head coordinate
-    const KvWindow window{seq_k - seq_q, score_args.window_left, score_args.window_right};
-    const KvRange grid_range = kv_tile_range<T>(one_tile.row0, seq_k, window);
+    KvWindow window{seq_k - seq_q, score_args.window_left, score_args.window_right};
+    KvRange grid_range = kv_tile_range<T>(one_tile.row0, seq_k, window);
     // The thread that issues TMA: the producer warpgroup's first, or the first consumer's.
     // causal_extent = warpgroup, without a producer: the last consumer warpgroup's first thread, since that warpgroup
     // alone walks every K/V tile of the CTA (the others stop at their own diagonals) and so refills every slot.
@@ -279,6 +291,21 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     if constexpr (T::kPdl) {
         pdl_wait();
         pdl_launch_dependents();
+    }
+    // VARLEN (hopper/varlen.cuh): the CTA's sequence. From here on the CTA is a dense one on a batch of one with the
+    // sequence's lengths: O's rows (and the log-sum-exp's, laid out (heads, total_q)) start at the sequence's first
+    // packed row, the TMA boxes at its packed rows (seq_rows), the window and the K/V range are the sequence's. A
+    // sequence with no keys walks one tile, masked whole (its rows come out 0).
+    SeqRows seq_rows{0, 0};
+    if constexpr (T::kVarlen) {
+        if (!varlen_sequence<T>(varlen, one_tile.row0, seq_rows, seq_q, seq_k)) return;  // past the sequence's queries
+        epilogue.o += seq_rows.q * o_ss;
+        epilogue.seq_q = seq_q;
+        if constexpr (WRITE_LSE) epilogue.lse += seq_rows.q;
+        one_tile.batch = 0;
+        window = KvWindow{seq_k - seq_q, score_args.window_left, score_args.window_right};
+        grid_range = kv_tile_range<T>(one_tile.row0, seq_k, window);
+        grid_range.count = max(grid_range.count, 1);
     }
 
     // One query tile of the consumer warpgroups: `it0` K/V tiles went through the slots before it (the
@@ -394,7 +421,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[(it0 + u - 1) % T::kStages]));
                 if constexpr (!T::kHasProducer) {
                     if (tid == loader && u - 1 + T::kStages < n_tiles)
-                        refill<T>(k_map, v_map, sK, sV, &bars, u - 1, kv_head, batch, kv_first);
+                        refill<T>(k_map, v_map, sK, sV, &bars, u - 1, kv_head, batch, kv_first, seq_rows.k);
                     __syncwarp();
                 }
             }
@@ -446,7 +473,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
                 if (lane == 0) mbar_arrive(smem_addr(&bars.v_empty[prev]));
                 if constexpr (!T::kHasProducer) {
                     if (tid == loader && t - 1 + T::kStages < n_tiles)
-                        refill<T>(k_map, v_map, sK, sV, &bars, t - 1, kv_head, batch, kv_first);
+                        refill<T>(k_map, v_map, sK, sV, &bars, t - 1, kv_head, batch, kv_first, seq_rows.k);
                     __syncwarp();
                 }
                 rescale_and_pack<T>(o_acc, s_acc, alpha, p);
@@ -492,14 +519,15 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         const QTile& w = one_tile;
         const int kv_head = grid_kv_head, n_tiles = grid_range.count;
         if (tid == loader)
-            load_first_tiles<T>(q_map, k_map, v_map, sQ, sK, sV, &bars, w, kv_head, n_tiles, grid_range.first);
+            load_first_tiles<T>(q_map, k_map, v_map, sQ, sK, sV, &bars, w, kv_head, n_tiles, grid_range.first, seq_rows);
         __syncwarp();  // the warp reconverges before the .aligned instructions below
 
         if constexpr (T::kHasProducer) {
             if (tid >= T::kConsumerThreads) {
                 if constexpr (T::kSetMaxNReg) setmaxnreg_dec<T::kProducerRegs>();
                 if (tid == loader)
-                    refill_tiles<T>(k_map, v_map, sK, sV, &bars, kv_head, w.batch, n_tiles, grid_range.first);
+                    refill_tiles<T>(k_map, v_map, sK, sV, &bars, kv_head, w.batch, n_tiles, grid_range.first,
+                                    seq_rows.k);
                 return;
             }
             if constexpr (T::kSetMaxNReg) setmaxnreg_inc<T::kConsumerRegs>();

@@ -61,7 +61,7 @@ def test_attention_loads(space):
                                    "causal_extent", "stripe_order"]
     assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "tile_dim", "row_bytes",
                                                      "smem_bytes", "acc_regs"]
-    assert len(space.constraints) == 40
+    assert len(space.constraints) == 41
     assert all(c.why for c in space.constraints)
     assert sum(c.measured for c in space.constraints) == 3 and all(c.evidence for c in space.constraints if c.measured)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"

@@ -17,12 +17,14 @@ from ..limits import MULTIPROCESSORS, THREADS_PER_BLOCK, launch_asserts
 from .shapes import PRESETS, Shape, parse_shape
 from ..space.searchspace import DEVICE_CONTEXT_NAMES, device_context
 from . import LaunchGeometry, Problem, aim_key, check_sinks, knob_reader, sink_logits  # noqa: F401 (check_sinks: API)
+from . import varlen as _varlen
+from .varlen import check_cu_seqlens
 
 SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
 
 # Names the search space's expressions may read: the shape, then the device limits.
 CONTEXT_NAMES = ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "dtype", "dtype_bytes",
-                 "causal", "softcap", "window", "sinks") + DEVICE_CONTEXT_NAMES
+                 "causal", "softcap", "window", "sinks", "varlen") + DEVICE_CONTEXT_NAMES
 
 
 def shape_context(shape: Shape) -> dict:
@@ -31,7 +33,7 @@ def shape_context(shape: Shape) -> dict:
         "batch": shape.batch, "heads": shape.heads, "kv_heads": shape.kv_heads, "seq_q": shape.seq_q, "seq_k": shape.seq_k,
         "head_dim": shape.head_dim, "dtype": shape.dtype, "dtype_bytes": shape.dtype_bytes,
         "causal": shape.causal, "softcap": shape.has_softcap, "window": shape.has_window,
-        "sinks": shape.sinks, **device_context(),
+        "sinks": shape.sinks, "varlen": shape.is_varlen, **device_context(),
     }
 
 # The value a knob takes when a (reduced) search space does not list it.
@@ -382,14 +384,20 @@ class AttentionProblem(Problem):
         return dict(PRESETS)
 
     def shape_columns(self, shape: Shape) -> dict:
-        return {"B": str(shape.batch), "H": str(shape.heads), "Sq": str(shape.seq_q), "Sk": str(shape.seq_k),
-                "D": str(shape.head_dim), "dtype": shape.dtype, "causal": "yes" if shape.causal else "no"}
+        columns = {"B": str(shape.batch), "H": str(shape.heads), "Sq": str(shape.seq_q), "Sk": str(shape.seq_k),
+                   "D": str(shape.head_dim), "dtype": shape.dtype, "causal": "yes" if shape.causal else "no"}
+        if shape.is_varlen:  # the longest sequence and the tokens in all
+            columns.update(Sq=f"<={shape.seq_q} ({shape.total_q})", Sk=f"<={shape.seq_k} ({shape.total_k})")
+        return columns
 
     def describe_shape(self, shape: Shape) -> str:
         kv = f" KV={shape.kv_heads}" if shape.kv_heads != shape.heads else ""
         mods = f" softcap={shape.softcap:g}" if shape.has_softcap else ""
         mods += f" window=({shape.window_left},{shape.window_right})" if shape.has_window else ""
         mods += " sinks" if shape.sinks else ""
+        if shape.is_varlen:
+            return (f"varlen B={shape.batch} H={shape.heads}{kv} Sq<={shape.seq_q} ({shape.total_q} in all) "
+                    f"Sk<={shape.seq_k} ({shape.total_k} in all) D={shape.head_dim}{mods}")
         return f"B={shape.batch} H={shape.heads}{kv} Sq={shape.seq_q} Sk={shape.seq_k} D={shape.head_dim}{mods}"
 
     def sanitize_shape(self, shape: Shape) -> Shape:
@@ -397,6 +405,8 @@ class AttentionProblem(Problem):
         two K/V heads then, so a head-group index that is off by one group shows)."""
         from dataclasses import replace
 
+        if shape.is_varlen:
+            return _varlen.sanitize_shape(shape)
         grouped = shape.kv_heads != shape.heads
         return replace(shape, batch=1, heads=2 * shape.kv_group if grouped else 2, kv_heads=2 if grouped else 0,
                        seq_q=197, seq_k=300 if not shape.causal else 197)
@@ -447,9 +457,9 @@ class AttentionProblem(Problem):
                 ("SKIP_EMPTY", "true" if is_skip_empty(config) else "false"),
                 ("P_SMEM", "true" if is_p_smem(config) else "false"),
                 ("STRIPE_MIRROR", "true" if is_stripe_mirror(config) else "false"),
-            ] + problem_args + score_mod_args(shape)
-        if has_score_mods(shape):
-            raise UsageError(f"attention: {shape.spec}: softcap, window and sinks are in the Hopper kernel only "
+            ] + problem_args + score_mod_args(shape) + varlen_args(shape)
+        if has_score_mods(shape) or shape.is_varlen:
+            raise UsageError(f"attention: {shape.spec}: softcap, window, sinks and varlen are in the Hopper kernel only "
                              f"(mma = wgmma); the mma.sync kernel does not compute them")
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
@@ -483,6 +493,8 @@ class AttentionProblem(Problem):
             mod_params = ",\n                  float softcap_scale, int window_left, int window_right" + sink_param
             mod_args = ("" if write_lse else ", nullptr, 0, 0") + ", {softcap_scale, window_left, window_right" + \
                 sink_arg + "}"
+        varlen_params, varlen_args_text, varlen_note = _varlen_entry(shape, write_lse)
+        mod_params, mod_args = mod_params + varlen_params, mod_args + varlen_args_text
         geo = self.geometry(config, shape)
         asserts = launch_asserts(geo.threads, geo.dynamic_smem, ("kBlockM", rows_per_cta(config)))
         if is_wgmma(config):
@@ -495,6 +507,7 @@ class AttentionProblem(Problem):
                 if tma else ("", ", nullptr", ""))
             skip_note = ("\n// empty_warpgroups = skip: the non-causal PERSISTENT grid takes tile_counter too (its tiles are "
                          "handed out).") if is_skip_empty(config) and is_persistent(config) else ""
+            skip_note += varlen_note
             return f"""{traits}
 {asserts}
 // Launch: grid (ceil(seq_q / kBlockM), heads, batch), or with PERSISTENT (min(tiles, SMs), 1, 1) for tiles =
@@ -662,6 +675,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
 
         if pattern not in self.PATTERNS:
             raise UsageError(f"attention: unknown input pattern {pattern!r}; patterns: {', '.join(self.PATTERNS)}")
+        if shape.is_varlen:  # the packed tensors as (1, H, total, D) views, and cu_seqlens_q / _k (problems.varlen)
+            return _varlen.make_inputs(self, shape, seed, device, pattern, sink_logits)
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         dt = self.torch_dtype(shape)
@@ -703,6 +718,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         the middle key of the last batch and K/V head."""
         import torch
 
+        if shape.is_varlen:  # one key of one sequence; no other sequence's row may move
+            return _varlen.perturb(self, shape, inputs, rng, visibility_mask)
         # A key some query can see: with top-left causal and Sq < Sk, keys past Sq-1 are seen by none; with a
         # window, the keys between the first row's left edge and the last row's right edge.
         lo, hi = 0, (min(shape.seq_q, shape.seq_k) if shape.causal else shape.seq_k) - 1
@@ -750,13 +767,17 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         params = _entry_params(is_wgmma(config), write_lse, is_tma_store(config), is_tma_load(config))
         if shape is not None and has_score_mods(shape):
             params += SCORE_MOD_PARAMS + (SINK_PARAMS if shape.sinks else ())
+        if shape is not None and shape.is_varlen:
+            params += VARLEN_PARAMS
         return params
 
     def launch_values(self, config, shape: Shape, q, k, v, out, scale: float, lse=None, workspace=(),
-                      sinks=None) -> dict:
+                      sinks=None, cu_seqlens=None) -> dict:
         """name -> value of every entry parameter for these tensors (ints, floats, map records).
-        `lse`: the (B, H, Sq) fp32 log-sum-exp output of a write_lse kernel (any strides, unit last one).
-        `sinks`: a sinks shape's (H,) contiguous fp32 sink logits on q's device (check_sinks)."""
+        `lse`: the (B, H, Sq) fp32 log-sum-exp output of a write_lse kernel (any strides, unit last one); varlen: (1, H,
+        total_q) with a unit row stride. `sinks`: a sinks shape's (H,) contiguous fp32 sink logits on q's device
+        (check_sinks). Varlen: q, k, v and out are the packed tensors seen as one batch, (1, H, total, D) views of (total,
+        H, D) memory (packed_view), and `cu_seqlens` the pair of (B + 1,) int32 offset tensors (check_cu_seqlens)."""
         plan = self.launch_plan(config, shape)
         for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
             if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
@@ -786,6 +807,15 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
             values.update(score_mod_values(shape, scale))
         if shape.sinks:
             values["sinks"] = check_sinks(sinks, shape, q.device).data_ptr()
+        if shape.is_varlen:
+            for name, t, total in (("q", q, shape.total_q), ("k", k, shape.total_k), ("o", out, shape.total_q)):
+                if t.shape[0] != 1 or t.shape[2] != total:
+                    raise UsageError(f"attention: {shape.spec}: {name} must be the packed tensor seen as (1, H, {total}, D), "
+                                     f"got {tuple(t.shape)}")
+            if lse is not None and lse.stride(-1) != 1:
+                raise UsageError("attention: a varlen log-sum-exp is (1, H, total_q) with a unit row stride")
+            cu_q, cu_k = check_cu_seqlens(cu_seqlens, shape, q.device)
+            values.update(cu_seqlens_q=cu_q.data_ptr(), cu_seqlens_k=cu_k.data_ptr())
         return values
 
     def new_workspace(self, config, shape: Shape, device) -> tuple:
@@ -809,7 +839,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         plan = self.launch_plan(config, shape)
         q, k, v = inputs["q"], inputs["k"], inputs["v"]
         workspace = self.new_workspace(config, shape, out.device)
-        values = self.launch_values(config, shape, q, k, v, out, inputs["scale"], lse, workspace, inputs.get("sinks"))
+        values = self.launch_values(config, shape, q, k, v, out, inputs["scale"], lse, workspace, inputs.get("sinks"),
+                                    (inputs["cu_seqlens_q"], inputs["cu_seqlens_k"]) if shape.is_varlen else None)
         args = tuple(as_kernel_arg(kind, values[name]) for name, kind in self.entry_params(config, lse is not None, shape))
         # The workspace is kept alive by the launcher (its first default argument).
         return torch_stream_launcher(kernel, plan.grid, plan.block, args, plan.dynamic_smem, keep=workspace,
@@ -835,8 +866,11 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         """softmax(cap(scale·QKᵀ) + mask)·V in fp32 (no TF32), one (batch, head-chunk) at a time to bound memory;
         cap(s) = C tanh(s / C) with a softcap, the mask visibility_mask's (causal, window), a row that sees no key 0.
         With sinks each row's softmax has one more column, its head's sink logit, that carries no value.
-        Grouped K/V heads are expanded per query head here only, one chunk at a time."""
+        Grouped K/V heads are expanded per query head here only, one chunk at a time. Varlen: each sequence's."""
         import torch
+
+        if shape.is_varlen:
+            return _varlen.reference(self, shape, inputs)
 
         q, k, v = (inputs[n].float() for n in ("q", "k", "v"))
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -871,10 +905,15 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
 
     def baselines_for(self, shape: Shape) -> list[str]:
         """SDPA's backends; with a softcap or a window also FlexAttention (compiled, the same mask and score_mod):
-        issue 42's anchor for those semantics, and, where SDPA cannot compute them, the fastest PyTorch path there."""
-        return self.baselines() + (["flex"] if has_score_mods(shape) else [])
+        issue 42's anchor for those semantics, and, where SDPA cannot compute them, the fastest PyTorch path there.
+        Varlen: FlexAttention with a document mask too (SDPA's backends only where every sequence has one length)."""
+        return self.baselines() + (["flex"] if has_score_mods(shape) or shape.is_varlen else [])
 
     def baseline_skip_reason(self, name: str, shape: Shape) -> str | None:
+        if shape.is_varlen:
+            why = _varlen.skip_reason(name, shape)
+            dense = _varlen.dense_equivalent(shape)
+            return why if why or name == "flex" else self.baseline_skip_reason(name, dense)
         if name == "flex":
             return None if has_score_mods(shape) else "skipped: FlexAttention only beside softcap/window/sinks"
         if shape.sinks:
@@ -898,6 +937,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        if shape.is_varlen:  # FlexAttention with a document mask; SDPA on the dense batch of uniform lengths
+            if name == "flex":
+                return self.probed(_varlen.flex_launcher(shape, inputs, _flex_fns(), sees), probe)
+            return _varlen.sdpa_launcher(self, name, shape, inputs, probe)
         if name == "flex":
             return self.probed(flex_launcher(shape, inputs), probe)
         backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -949,9 +992,10 @@ def flex_with_sinks(q, k, v, sinks, **kw):
     return (out.float() * share.unsqueeze(-1)).to(out.dtype)
 
 
-def _flex_mods(shape: Shape, device) -> dict:
+def _flex_fns() -> dict:
+    """_FLEX with the compiled flex_attention ("fn") and flex_with_sinks ("sink_fn"), made once per process."""
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if "fn" not in _FLEX:
         # dynamic=False: a shape of its own is a static compile of its own. With automatic dynamic shapes the third
@@ -959,6 +1003,14 @@ def _flex_mods(shape: Shape, device) -> dict:
         # torch 2.11), and the baseline read as "not supported".
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
         _FLEX["sink_fn"] = torch.compile(flex_with_sinks, dynamic=False)
+    return _FLEX
+
+
+def _flex_mods(shape: Shape, device) -> dict:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    _flex_fns()
     sq, sk = shape.seq_q, shape.seq_k
     left, right, causal, cap = shape.window_left, shape.window_right, shape.causal, shape.softcap
     key = (sq, sk, left, right, causal, cap, str(device))
@@ -977,6 +1029,21 @@ def _flex_mods(shape: Shape, device) -> dict:
         mods["score_mod"] = score_mod
     _FLEX[key] = mods
     return mods
+
+
+def _varlen_entry(shape: Shape, write_lse: bool) -> tuple[str, str, str]:
+    """(parameters, arguments, comment) a varlen shape's Hopper entry adds (VarlenArgs, hopper/varlen.cuh): the
+    sequences' offsets last, after the score mods' values (their defaults where the shape has none, and lse's where
+    it has none); seq_q / seq_k carry max_seqlen_q / _k. Empty strings for a dense shape."""
+    if not shape.is_varlen:
+        return "", "", ""
+    defaults = "" if has_score_mods(shape) else ("" if write_lse else ", nullptr, 0, 0") + ", {0.f, 0, 0, nullptr}"
+    return (",\n                  const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k",
+            defaults + ", {cu_seqlens_q, cu_seqlens_k}",
+            "\n// VARLEN: grid z is the sequence; q_map, k_map, v_map span the packed tensors as one batch (head_dim, "
+            "total,\n// heads, 1); o points at the packed O (total_q, heads, head_dim); seq_q, seq_k: max_seqlen_q, "
+            "max_seqlen_k;\n// cu_seqlens_q, cu_seqlens_k: the B + 1 int32 prefix sums of the sequences' lengths "
+            "(hopper/varlen.cuh).")
 
 
 def _sync_traits(config, targs: str) -> str:
@@ -1108,7 +1175,12 @@ def _map_args(config, shape: Shape, q_strides: tuple, k_strides: tuple, v_stride
             (v_strides, shape.kv_heads, shape.seq_k, kv_rows)]
     if o_strides is not None:
         maps.append((o_strides, shape.heads, shape.seq_q, 64))
-    return tuple(tiled_map_args(shape.dtype, (shape.batch, heads, seq, shape.head_dim), strides, rows)
+    batch = shape.batch
+    if shape.is_varlen:  # the packed tensors as one batch of all their rows (kernels/hopper/varlen.cuh)
+        batch = 1
+        maps = [(st, heads, shape.total_q if i in (0, 3) else shape.total_k, rows)  # Q, O: queries; K, V: keys
+                for i, (st, heads, _, rows) in enumerate(maps)]
+    return tuple(tiled_map_args(shape.dtype, (batch, heads, seq, shape.head_dim), strides, rows)
                  for strides, heads, seq, rows in maps)
 
 
@@ -1136,6 +1208,19 @@ SINK_PARAMS = (("sinks", "ptr"),)
 def has_score_mods(shape: Shape) -> bool:
     """Whether the shape has a softcap, a window or sinks: the Hopper kernel's ScoreArgs, not the mma.sync kernel's."""
     return shape.has_softcap or shape.has_window or shape.sinks
+
+
+# The Hopper entry's varlen parameters (VarlenArgs in kernels/hopper/varlen.cuh), last.
+VARLEN_PARAMS = (("cu_seqlens_q", "ptr"), ("cu_seqlens_k", "ptr"))
+
+
+def varlen_args(shape: Shape) -> list[tuple[str, object]]:
+    """HopperTraits' VARLEN template argument (after SOFTCAP, LOCAL and SINKS, given as false where score_mod_args
+    leaves them out), only for a varlen shape: a dense shape instantiates the source it did before VARLEN existed."""
+    if not shape.is_varlen:
+        return []
+    pad = [] if has_score_mods(shape) else [("SOFTCAP", "false"), ("LOCAL", "false")]
+    return pad + ([] if shape.sinks else [("SINKS", "false")]) + [("VARLEN", "true")]
 
 
 def score_mod_args(shape: Shape) -> list[tuple[str, object]]:

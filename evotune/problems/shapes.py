@@ -16,6 +16,16 @@ window. Beside `causal` (top-left, SDPA's) it needs Sq == Sk, where the two alig
 units of the scaled (and capped) scores, joins every row's softmax as a column that has no value. Row i's output is
 sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)); the logits are a (H,) float32 input, not part of the shape.
 
+`varlen=L1/L2/...` is a variable-length packed batch (flash-attention's `flash_attn_varlen_func`, `cu_seqlens_q/k`):
+B sequences of those lengths packed one after another, Q as (total_q, H, D) and K, V as (total_k, Hkv, D) (token-major,
+so the layout is `bshd`, implied), and attention never crosses sequences. `varlen=Q1/Q2,K1/K2` gives the keys'
+lengths apart (non-causal only); `L*N` repeats a length N times (`varlen=4096/512*15`). B must be the number of
+sequences and Sq (Sk) at least the longest query (key) length: they are the grid's batch axis and
+flash-attention's `max_seqlen_q` (`max_seqlen_k`); `spec` writes the longest. Causal is top-left per sequence, as
+the dense kernel's, and so needs equal query and key lengths per sequence (packed self-attention, where
+flash-attention's bottom-right causal agrees); a length may be 0 (a sequence with queries and no keys gives rows
+of 0, as flash-attention writes them).
+
 `kvN` is grouped-query attention (SDPA's enable_gqa): N K/V heads shared by the H query heads in
 groups of H/N (query head h reads K/V head h // (H/N)); N must divide H. `4,32,4096,128:kv8` is
 Llama-3-8B's attention. Without the flag, or with N = H, there are as many K/V heads as query heads
@@ -78,6 +88,10 @@ class Shape:
     window_left: int = -1   # sliding window, flash-attention's window_size[0] (-1: unbounded)
     window_right: int = -1  # window_size[1] (-1: unbounded); both -1: no window
     sinks: bool = False     # attention sinks: a per-head logit joins each row's softmax denominator (the logits: input)
+    # Variable-length packed batch: the sequences' query lengths (batch of them), and their key lengths where they
+    # differ (() : the same); () without (a dense batch). seq_q / seq_k are then the longest (max_seqlen_q / _k).
+    varlen: tuple = ()
+    varlen_k: tuple = ()
 
     def __post_init__(self) -> None:
         check_fields(self, MAX_DIMS, lambda name, limit: f"at most {limit} ({_WHY_MAX[name]})")
@@ -102,10 +116,89 @@ class Shape:
                                  f"got {w!r}")
         if not isinstance(self.sinks, bool):
             raise UsageError(f"shape: sinks must be True or False, got {self.sinks!r}")
+        self._check_varlen()
         if self.has_window and self.causal and self.seq_q != self.seq_k:
             raise UsageError(f"shape: causal with a window needs Sq == Sk (got {self.seq_q} and {self.seq_k}): causal is "
                              f"top-left (SDPA's) and the window bottom-right (flash-attention's); write "
                              f"window={self.window_left},0 without causal for flash-attention's causal window")
+
+    def _check_varlen(self) -> None:
+        """A varlen shape's lengths: as many as the batch, each an integer from 0 to seq_q (seq_k), at least one query
+        and one key in all, the packed (token-major) layout, and under the causal mask equal query and key lengths.
+        Normalises the lengths to tuples and varlen_k to () where it equals varlen."""
+        if not self.varlen and not self.varlen_k:
+            return
+        lengths = {}
+        for name in ("varlen", "varlen_k"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                raise UsageError(f"shape: {name} must be a sequence of lengths, got {value!r}")
+            value = tuple(value)
+            if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in value):
+                raise UsageError(f"shape: {name}: each sequence length must be an integer >= 0")
+            lengths[name] = value
+        q, k = lengths["varlen"], lengths["varlen_k"] or lengths["varlen"]
+        if not q:
+            raise UsageError("shape: varlen_k without varlen: give the query lengths too")
+        if len(q) != self.batch or len(k) != self.batch:
+            raise UsageError(f"shape: varlen has {len(q)} query and {len(k)} key lengths for batch {self.batch}: "
+                             f"the batch is the number of sequences")
+        if max(q) > self.seq_q or max(k) > self.seq_k:
+            raise UsageError(f"shape: varlen's longest sequence ({max(q)} queries, {max(k)} keys) is longer than "
+                             f"Sq {self.seq_q} / Sk {self.seq_k} (max_seqlen_q / max_seqlen_k)")
+        if sum(q) < 1 or sum(k) < 1:
+            raise UsageError("shape: varlen needs at least one query and one key in all")
+        if sum(q) > MAX_DIMS["seq_q"] or sum(k) > MAX_DIMS["seq_k"]:
+            raise UsageError(f"shape: varlen's {sum(q)} queries or {sum(k)} keys in all are too many: at most "
+                             f"{MAX_DIMS['seq_q']} (the kernel indexes packed rows with 32-bit int)")
+        if self.causal and q != k:
+            raise UsageError("shape: causal varlen needs each sequence's query and key lengths equal (the causal mask "
+                             "is top-left, SDPA's; flash-attention's varlen causal is bottom-right, and the two agree "
+                             "where the lengths do)")
+        object.__setattr__(self, "varlen", q)
+        object.__setattr__(self, "varlen_k", () if k == q else k)
+        object.__setattr__(self, "layout", "bshd")  # packed sequences are token-major: (total, H, D)
+
+    @property
+    def is_varlen(self) -> bool:
+        """Whether this is a variable-length packed batch (varlen)."""
+        return bool(self.varlen)
+
+    @property
+    def key_lengths(self) -> tuple:
+        """A varlen shape's key lengths (varlen_k, or the query lengths); () for a dense shape."""
+        return self.varlen_k or self.varlen
+
+    @property
+    def total_q(self) -> int:
+        """Query rows in all: the packed tensors' length (batch x seq_q for a dense shape)."""
+        return sum(self.varlen) if self.varlen else self.batch * self.seq_q
+
+    @property
+    def total_k(self) -> int:
+        """Key rows in all (batch x seq_k for a dense shape)."""
+        return sum(self.key_lengths) if self.varlen else self.batch * self.seq_k
+
+    def cu_seqlens(self) -> tuple[tuple, tuple]:
+        """A varlen shape's (cu_seqlens_q, cu_seqlens_k): the B + 1 prefix sums of the lengths."""
+        out = []
+        for lengths in (self.varlen, self.key_lengths):
+            acc, sums = 0, [0]
+            for n in lengths:
+                acc += n
+                sums.append(acc)
+            out.append(tuple(sums))
+        return out[0], out[1]
+
+    def sequence_shape(self, b: int) -> "Shape":
+        """A varlen shape's sequence b as a dense shape of batch 1 (its lengths, the same heads, head dim, dtype, mask
+        and score mods); its query and key lengths must be at least 1."""
+        return Shape(1, self.heads, self.varlen[b], self.key_lengths[b], self.head_dim, self.dtype, self.causal,
+                     "bshd", self.kv_heads, self.softcap, self.window_left, self.window_right, self.sinks)
+
+    def computed_sequences(self) -> list[int]:
+        """The varlen sequences with at least one query and one key (the others compute nothing)."""
+        return [b for b, (lq, lk) in enumerate(zip(self.varlen, self.key_lengths)) if lq and lk]
 
     @property
     def has_window(self) -> bool:
@@ -127,7 +220,9 @@ class Shape:
 
     def visible_pairs(self) -> int:
         """(query, key) pairs the masks leave, per (batch, head): exact, in O(1) for the dense and causal
-        cases and by rows (numpy) with a window."""
+        cases and by rows (numpy) with a window. Varlen: over all its sequences, per head."""
+        if self.varlen:
+            return sum(self.sequence_shape(b).visible_pairs() for b in self.computed_sequences())
         sq, sk = self.seq_q, self.seq_k
         if not self.has_window:
             if not self.causal:
@@ -153,11 +248,15 @@ class Shape:
     def spec(self) -> str:
         """The canonical `--shape` spelling of this shape."""
         dims = [self.batch, self.heads, self.seq_q] + ([self.seq_k] if self.seq_k != self.seq_q else []) + [self.head_dim]
-        flags = [self.dtype] + (["causal"] if self.causal else []) + (["bshd"] if self.layout == "bshd" else [])
+        packed = self.layout == "bshd" and not self.varlen  # varlen's token-major layout is implied
+        flags = [self.dtype] + (["causal"] if self.causal else []) + (["bshd"] if packed else [])
         flags += [f"kv{self.kv_heads}"] if self.kv_heads != self.heads else []
         flags += [f"softcap={self.softcap:g}"] if self.has_softcap else []
         flags += [f"window={self.window_left},{self.window_right}"] if self.has_window else []
         flags += ["sinks"] if self.sinks else []
+        if self.varlen:
+            flags.append("varlen=" + spell_lengths(self.varlen) + ("," + spell_lengths(self.varlen_k) if self.varlen_k
+                                                                     else ""))
         return ",".join(map(str, dims)) + ":" + ":".join(flags)
 
     @property
@@ -168,6 +267,8 @@ class Shape:
         """Matmul FLOPs of the forward pass (4·B·H·Sq·Sk·D), halved for causal as FlashAttention counts them;
         with a window, 4·B·H·D per (query, key) pair the masks leave (visible_pairs), as FlashAttention's
         benchmark counts local attention."""
+        if self.varlen:  # each sequence's, as a dense batch of one counts it
+            return sum(self.sequence_shape(b).flops() for b in self.computed_sequences())
         f = 4.0 * self.batch * self.heads * self.seq_q * self.seq_k * self.head_dim
         if self.has_window:
             return 4.0 * self.batch * self.heads * self.head_dim * self.visible_pairs()
@@ -175,7 +276,9 @@ class Shape:
 
     def min_bytes(self) -> int:
         """Fewest bytes moved through device memory: Q, K, V read once and O written once (K and V
-        once per K/V head: a group's query heads share them)."""
+        once per K/V head: a group's query heads share them). Varlen: each sequence's."""
+        if self.varlen:
+            return sum(self.sequence_shape(b).min_bytes() for b in self.computed_sequences())
         q_and_o = 2 * self.batch * self.heads * self.seq_q * self.head_dim
         keys = self.seq_k
         if self.has_window:  # the keys some query sees: one contiguous range (first row's lo to last row's hi)
@@ -197,6 +300,10 @@ class Shape:
             d["window"] = [self.window_left, self.window_right]
         if self.sinks:
             d["sinks"] = True
+        if self.varlen:
+            d["varlen"] = list(self.varlen)
+            if self.varlen_k:
+                d["varlen_k"] = list(self.varlen_k)
         return d
 
     @classmethod
@@ -204,7 +311,8 @@ class Shape:
         fields = {k: d[k] for k in ("batch", "heads", "seq_q", "seq_k", "head_dim", "dtype", "causal", "layout")}
         window = d.get("window") or (-1, -1)
         return cls(**fields, kv_heads=d.get("kv_heads") or 0, softcap=d.get("softcap") or 0.0,
-                   window_left=int(window[0]), window_right=int(window[1]), sinks=d.get("sinks") is True)
+                   window_left=int(window[0]), window_right=int(window[1]), sinks=d.get("sinks") is True,
+                   varlen=tuple(d.get("varlen") or ()), varlen_k=tuple(d.get("varlen_k") or ()))
 
 
 PRESETS: dict[str, tuple[Shape, str]] = {
@@ -220,6 +328,9 @@ PRESETS: dict[str, tuple[Shape, str]] = {
 _DIMS = re.compile(r"^\s*[0-9]+(\s*,\s*[0-9]+){3,4}\s*$")
 _FLAG_KINDS = {**{d: "dtype" for d in DTYPES}, "causal": "causal", **{lay: "layout" for lay in LAYOUTS},
                "sinks": "sinks"}
+_VARLEN_FLAG = re.compile(r"^varlen=")    # varlen=L1/L2/... or varlen=Q1/Q2/...,K1/K2/... (L*N: N times)
+_LENGTH = re.compile(r"^\s*([0-9]+)\s*(?:\*\s*([0-9]+)\s*)?$")
+MAX_SEQUENCES = MAX_DIMS["batch"]  # the grid's z (one per sequence)
 _KV_FLAG = re.compile(r"^kv([0-9]+)$")  # kvN: N K/V heads (grouped-query attention)
 _SOFTCAP_FLAG = re.compile(r"^softcap=")  # softcap=C; the value is read (and refused) by _parse_flags
 _WINDOW_FLAG = re.compile(r"^window=")    # window=L,R
@@ -248,10 +359,19 @@ def parse_shape(text: str) -> Shape:
             raise UsageError(f"shape: unknown preset {_shown(name)}; presets: {', '.join(PRESETS)}")
         raise UsageError(
             f"shape: cannot read {_shown(text)}; write B,H,S,D or B,H,Sq,Sk,D with optional "
-            f":fp16|:bf16|:causal|:bshd|:kvN|:softcap=C|:window=L,R|:sinks"
+            f":fp16|:bf16|:causal|:bshd|:kvN|:softcap=C|:window=L,R|:sinks|:varlen=L1/L2/..."
         )
     dims = _parse_dims(dims_part.split(","))
     b, h, sq, sk, d = (dims[0], dims[1], dims[2], dims[2], dims[3]) if len(dims) == 4 else dims
+    if "varlen" in fields:
+        q, k = fields["varlen"], fields.get("varlen_k") or fields["varlen"]
+        if fields.get("layout") == "bhsd":
+            raise UsageError(f"shape: {_shown(text)}: varlen's packed sequences are token-major (total, H, D); "
+                             f"leave out :bhsd")
+        if b != len(q) or sq < max(q) or sk < max(k):
+            right = f"{len(q)},{h},{max(q)}" + (f",{max(k)}" if max(k) != max(q) else "") + f",{d}"
+            raise UsageError(f"shape: {_shown(text)}: with varlen, B is the number of sequences and Sq, Sk at least "
+                             f"the longest (max_seqlen): write {right}:...")
     return Shape(b, h, sq, sk, d, **fields)
 
 
@@ -300,7 +420,8 @@ def _parse_flags(flag_texts: list[str], text: str) -> dict:
     """Shape fields from the `:`-separated flags (each kind is the Shape field it sets)."""
     given = parse_flags(flag_texts, _FLAG_KINDS, text, ((_KV_FLAG, "kv_heads", "kvN"),
                                                         (_SOFTCAP_FLAG, "softcap", "softcap=C"),
-                                                        (_WINDOW_FLAG, "window", "window=L,R")))
+                                                        (_WINDOW_FLAG, "window", "window=L,R"),
+                                                        (_VARLEN_FLAG, "varlen", "varlen=L1/L2/...")))
     fields: dict = {kind: True if kind in ("causal", "sinks") else flag for kind, flag in given.items()}
     if "softcap" in fields:
         value = fields["softcap"].split("=", 1)[1].strip()
@@ -319,6 +440,18 @@ def _parse_flags(flag_texts: list[str], text: str) -> dict:
                              f"keys to the left and right (integers >= 0, or -1: unbounded), e.g. window=4096,0")
         del fields["window"]
         fields["window_left"], fields["window_right"] = int(m.group(1)), int(m.group(2))
+    if "varlen" in fields:
+        parts = fields["varlen"].split("=", 1)[1].split(",")
+        if len(parts) > 2:
+            raise UsageError(f"shape: {_shown(fields['varlen'], 40)} in {_shown(text)}: write varlen=L1/L2/... (or "
+                             f"Q1/Q2/...,K1/K2/... for keys of other lengths)")
+        lists = [_parse_lengths(p, text) for p in parts]
+        fields["varlen"] = lists[0]
+        if len(lists) == 2:
+            if len(lists[1]) != len(lists[0]):
+                raise UsageError(f"shape: {_shown(text)}: varlen gives {len(lists[0])} query and {len(lists[1])} key "
+                                 f"lengths: one of each per sequence")
+            fields["varlen_k"] = lists[1]
     if "kv_heads" in fields:
         digits = _KV_FLAG.match(fields["kv_heads"]).group(1)
         kv = parse_dim(digits, "kv_heads", MAX_DIMS["heads"], _WHY_MAX["heads"])
@@ -326,6 +459,34 @@ def _parse_flags(flag_texts: list[str], text: str) -> dict:
             raise UsageError(f"shape: {fields['kv_heads']!r} in {_shown(text)}: at least one K/V head")
         fields["kv_heads"] = kv
     return fields
+
+
+def _parse_lengths(part: str, text: str) -> tuple:
+    """A `/`-separated list of sequence lengths, each `L` or `L*N` (N copies); UsageError otherwise."""
+    lengths: list[int] = []
+    for item in part.split("/"):
+        m = _LENGTH.match(item)
+        if not m or len(m.group(1)) > _MAX_DIGITS or (m.group(2) and len(m.group(2)) > _MAX_DIGITS):
+            raise UsageError(f"shape: varlen length {_shown(item, 20)} in {_shown(text)}: write lengths as integers "
+                             f">= 0 separated by '/', L*N for N sequences of L (e.g. varlen=4096/512*15)")
+        n = int(m.group(2)) if m.group(2) else 1
+        if n < 1 or len(lengths) + n > MAX_SEQUENCES:
+            raise UsageError(f"shape: varlen in {_shown(text)}: 1 to {MAX_SEQUENCES} sequences (CUDA's grid z limit)")
+        lengths += [int(m.group(1))] * n
+    return tuple(lengths)
+
+
+def spell_lengths(lengths) -> str:
+    """Sequence lengths as `varlen=` writes them: runs of one length as L*N."""
+    items, i = [], 0
+    while i < len(lengths):
+        j = i
+        while j + 1 < len(lengths) and lengths[j + 1] == lengths[i]:
+            j += 1
+        n = j - i + 1
+        items.append(f"{lengths[i]}*{n}" if n > 1 else str(lengths[i]))
+        i = j + 1
+    return "/".join(items)
 
 
 def with_dtype(shape: Shape, dtype: str) -> Shape:

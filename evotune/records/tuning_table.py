@@ -109,7 +109,8 @@ KEY_FIELDS = ("gpu", "cc", "dtype", "head_dim", "causal", "layout", "seq_q_bucke
 # measured shape's. kv_group: written only where not 1 (grouped-query attention). softcap, window_bucket and sinks:
 # written only where set (logit soft-capping; a sliding window; attention sinks), so the keys of dense calls read as
 # before.
-OPTIONAL_KEY_FIELDS = ("bh_bucket", "kv_group", "softcap", "window_bucket", "sinks")
+# varlen: written only where set (a variable-length packed batch), likewise.
+OPTIONAL_KEY_FIELDS = ("bh_bucket", "kv_group", "softcap", "window_bucket", "sinks", "varlen")
 ENTRY_FIELDS = ("key", "config", "space", "shape", "evotune_us", "sdpa", "route", "reason", "evidence",
                 "provenance")
 PROVENANCE_FIELDS = ("run", "trial", "git_sha", "evotune_version", "device", "source_digest")
@@ -184,13 +185,19 @@ class TableKey:
     softcap: bool = False  # logit soft-capping (its cap is a runtime argument: one kernel for every cap)
     window_bucket: int = 0  # a sliding window's keys per row (window_bucket), 0 without a window
     sinks: bool = False  # attention sinks (the logits are an input: one kernel for every value)
+    # A variable-length packed batch (flash-attention's varlen; its own kernel, HopperTraits' VARLEN). Its buckets are
+    # the dense key's, read as varlen's: seq_q_bucket / seq_k_bucket the longest sequence (max_seqlen_q / _k, which
+    # sizes the grid's query tiles and bounds a tile's K/V loop) and bh_bucket the number of sequences x query heads
+    # (the grid's CTAs before those past their sequence's end exit). The lengths themselves are not in the key: a
+    # packed training batch changes them every step, and the op knows them only on the GPU (cu_seqlens).
+    varlen: bool = False
 
     @classmethod
     def for_shape(cls, shape, gpu: str, cc: str) -> "TableKey":
         """The key of an attention Shape on GPU `gpu` of compute capability `cc` ("9.0")."""
         return cls(gpu, cc, shape.dtype, shape.head_dim, shape.causal, shape.layout,
                    seq_bucket(shape.seq_q), seq_bucket(shape.seq_k), bh_bucket(shape.batch, shape.heads),
-                   shape.kv_group, shape.has_softcap, window_bucket(shape), shape.sinks)
+                   shape.kv_group, shape.has_softcap, window_bucket(shape), shape.sinks, shape.is_varlen)
 
     def as_dict(self) -> dict:
         d = {name: getattr(self, name) for name in KEY_FIELDS}
@@ -203,13 +210,15 @@ class TableKey:
             d["window_bucket"] = self.window_bucket
         if self.sinks:
             d["sinks"] = True
+        if self.varlen:
+            d["varlen"] = True
         return d
 
     def group(self) -> tuple:
         """Everything but the sequence and work buckets: the entries a nearest-bucket search may choose among (a
         window's bucket stays: its tile range, not the sequence, decides the work per query tile)."""
         return (self.gpu, self.cc, self.dtype, self.head_dim, self.causal, self.layout, self.kv_group, self.softcap,
-                self.window_bucket, self.sinks)
+                self.window_bucket, self.sinks, self.varlen)
 
     def distance(self, other: "TableKey") -> int:
         """Bucket distance in doublings: |log2 Sq ratio| + |log2 Sk ratio| + |log2 BH ratio|."""
@@ -222,6 +231,7 @@ class TableKey:
         group += " softcap" if self.softcap else ""
         group += f" window<={self.window_bucket}" if self.window_bucket else ""
         group += " sinks" if self.sinks else ""
+        group += " varlen" if self.varlen else ""
         return (f"{self.gpu} (sm {self.cc}) {self.dtype} d{self.head_dim} {mask} {self.layout}{group} "
                 f"Sq<={self.seq_q_bucket} Sk<={self.seq_k_bucket} BH<={self.bh_bucket}")
 
@@ -337,6 +347,7 @@ def _parse_key(obj, where: str, shape_obj, shape_where: str) -> TableKey:
     if window < 0 or window & (window - 1):
         raise _Fault(f"{where}.window_bucket: {window} is not 0 (no window) or a power of two")
     sinks = _expect(obj.get("sinks", False), "boolean", f"{where}.sinks")
+    varlen = _expect(obj.get("varlen", False), "boolean", f"{where}.varlen")
     if "bh_bucket" in obj:
         bh = _expect(obj["bh_bucket"], "integer", f"{where}.bh_bucket")
         if bh < 1 or bh & (bh - 1):
@@ -345,7 +356,7 @@ def _parse_key(obj, where: str, shape_obj, shape_where: str) -> TableKey:
         measured = _measured_shape(shape_obj, shape_where)
         bh = bh_bucket(measured.batch, measured.heads)
     return TableKey(**{name: obj[name] for name in KEY_FIELDS}, bh_bucket=bh, kv_group=kv_group, softcap=softcap,
-                    window_bucket=window, sinks=sinks)
+                    window_bucket=window, sinks=sinks, varlen=varlen)
 
 
 def _parse_provenance(obj, where: str) -> dict:
@@ -488,9 +499,9 @@ def _space(ref: str):
 
 @lru_cache(maxsize=256)
 def _current_digest(config_items: tuple, dtype: str, head_dim: int, causal: bool, softcap: bool = False,
-                    window: bool = False, sinks: bool = False) -> str:
+                    window: bool = False, sinks: bool = False, varlen: bool = False) -> str:
     """The digest of the kernel source the op would compile now for this config and shape class. The
-    source depends on the shape only through dtype, head dim, causal and whether it has a softcap, a window or sinks
+    source depends on the shape only through dtype, head dim, causal and whether it has a softcap, a window, sinks or is varlen
     (their values are runtime arguments) (AttentionProblem.template_args; the op's kernel cache relies on the same), so a
     call of new sequence lengths reads no template."""
     from ..problems import get_problem
@@ -499,7 +510,7 @@ def _current_digest(config_items: tuple, dtype: str, head_dim: int, causal: bool
     from ..build.template import instantiate
 
     shape = Shape(1, 1, 1, 1, head_dim, dtype, causal, softcap=1.0 if softcap else 0.0, window_left=0 if window else -1,
-                  sinks=sinks)
+                  sinks=sinks, varlen=(1,) if varlen else ())
     return instantiate(get_problem(FAMILY), Config(config_items), shape).digest
 
 
@@ -507,7 +518,7 @@ def _digest_now(config: dict, shape) -> str:
     from ..space.searchspace import Config
 
     return _current_digest(Config.from_dict(config).items, shape.dtype, shape.head_dim, shape.causal, shape.has_softcap,
-                           shape.has_window, shape.sinks)
+                           shape.has_window, shape.sinks, shape.is_varlen)
 
 
 def clear_caches() -> None:

@@ -137,8 +137,9 @@ __device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // Every row sees key 0 in its first tile, so mx is finite from the first tile on; but with a window (kLocal) a
-        // row may have seen no key yet, or none at all: its max is -inf, and the shift and alpha below take 0 and 1
-        // (FlashAttention's Check_inf) rather than NaN from -inf - -inf.
+        // row may have seen no key yet, or none at all, and so may the rows of a varlen sequence without keys
+        // (kEmptyRows): its max is -inf, and the shift and alpha below take 0 and 1 (FlashAttention's Check_inf)
+        // rather than NaN from -inf - -inf.
         if constexpr (T::kLazyRescale) {
             // rescale = new_max or lazy (kRescaleSlackLog2 = 0 or 8): the row keeps its max, alpha exactly 1 and O
             // left as it is, unless the new max exceeds it by more than 2^kRescaleSlackLog2 in exp2 terms. At 0 that
@@ -152,11 +153,11 @@ __device__ __forceinline__ void softmax_scores(float (&s)[T::kSAcc], float (&m)[
             mx = m[r];
         } else {
             alpha[r] = fast_exp2((m[r] - mx) * scale_log2);
-            if constexpr (T::kLocal) alpha[r] = mx == neg_inf() ? 1.f : alpha[r];
+            if constexpr (T::kEmptyRows) alpha[r] = mx == neg_inf() ? 1.f : alpha[r];
             m[r] = mx;
         }
         float shift = mx * scale_log2;
-        if constexpr (T::kLocal) shift = mx == neg_inf() ? 0.f : shift;
+        if constexpr (T::kEmptyRows) shift = mx == neg_inf() ? 0.f : shift;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < T::kBlockN / 8; ++j) {

@@ -25,7 +25,7 @@
 template <class T>
 __device__ __forceinline__ float row_shift(float m, float scale_log2) {
     const float shift = m * scale_log2;
-    if constexpr (T::kLocal) return m == neg_inf() ? 0.f : shift;
+    if constexpr (T::kEmptyRows) return m == neg_inf() ? 0.f : shift;
     return shift;
 }
 
@@ -80,7 +80,7 @@ __device__ __forceinline__ void store_out_tma(const float (&o)[T::kOAcc], const 
     for (int r = 0; r < 2; ++r) {
         const float sum = row_total<T>(l[r], m[r], scale_log2, sink_log2);
         float inv = 1.f / sum;
-        if constexpr (T::kLocal) inv = sum == 0.f ? 0.f : inv;  // a row whose window holds no key: O = 0, as flash-attention's
+        if constexpr (T::kEmptyRows) inv = sum == 0.f ? 0.f : inv;  // a row that sees no key: O = 0, as flash-attention's
         const int row = 16 * warp_in_wg + (lane >> 2) + 8 * r;  // of the warpgroup's 64
         const u32 row_addr = stage + row * 128 + 4 * (lane & 3);
 #pragma unroll
@@ -114,7 +114,7 @@ __device__ __forceinline__ void store_out(const float (&o)[T::kOAcc], const floa
     for (int r = 0; r < 2; ++r) {
         const float sum = row_total<T>(l[r], m[r], scale_log2, sink_log2);
         float inv = 1.f / sum;
-        if constexpr (T::kLocal) inv = sum == 0.f ? 0.f : inv;  // a row whose window holds no key: O = 0, as flash-attention's
+        if constexpr (T::kEmptyRows) inv = sum == 0.f ? 0.f : inv;  // a row that sees no key: O = 0, as flash-attention's
         const int row = q_row + 8 * r;
         if (row >= seq_q) continue;
         unsigned short* dst = gO + (long long)row * o_ss + 2 * (lane & 3);

@@ -6,27 +6,30 @@
 // K (load_q), and with tiles handed out the consumers' stop signal after the last (hand_out_end).
 
 // One tile per CTA, the loader: Q of tile w on q_full, K/V tiles 0 .. min(n_tiles, STAGES) - 1 of its walk (key tiles
-// kv_first + t) into their slots.
+// kv_first + t) into their slots. rows: VARLEN's packed first rows of the tile's sequence (packed_row; else unread).
 template <class T>
 __device__ __forceinline__ void load_first_tiles(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                  const CUtensorMap* v_map, u32 sQ, u32 sK, u32 sV, Barriers<T>* bars,
-                                                 const QTile& w, int kv_head, int n_tiles, int kv_first) {
+                                                 const QTile& w, int kv_head, int n_tiles, int kv_first,
+                                                 const SeqRows& rows = SeqRows{0, 0}) {
     const u32 qb = smem_addr(&bars->q_full);
     mbar_expect_tx(qb, T::kQBytes);
 #pragma unroll
     for (int r = 0; r < T::kRegions; ++r)
-        tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, w.row0, w.head, w.batch);
+        tma_load_4d(sQ + r * (T::kBlockM * 128), q_map, qb, 64 * r, packed_row<T>(w.row0, rows.q), w.head, w.batch);
     for (int t = 0; t < min(n_tiles, T::kStages); ++t) {
-        load_kv<T, 0>(k_map, sK, bars, t, kv_first + t, kv_head, w.batch);
-        load_kv<T, 1>(v_map, sV, bars, t, kv_first + t, kv_head, w.batch);
+        load_kv<T, 0>(k_map, sK, bars, t, kv_first + t, kv_head, w.batch, rows.k);
+        load_kv<T, 1>(v_map, sV, bars, t, kv_first + t, kv_head, w.batch, rows.k);
     }
 }
 
 // One tile per CTA with a producer warpgroup, the loader: every later K/V tile into the slot released before it.
 template <class T>
 __device__ __forceinline__ void refill_tiles(const CUtensorMap* k_map, const CUtensorMap* v_map, u32 sK, u32 sV,
-                                             Barriers<T>* bars, int kv_head, int batch, int n_tiles, int kv_first) {
-    for (int t = 0; t + T::kStages < n_tiles; ++t) refill<T>(k_map, v_map, sK, sV, bars, t, kv_head, batch, kv_first);
+                                             Barriers<T>* bars, int kv_head, int batch, int n_tiles, int kv_first,
+                                             int kv_row0 = 0) {
+    for (int t = 0; t + T::kStages < n_tiles; ++t)
+        refill<T>(k_map, v_map, sK, sV, bars, t, kv_head, batch, kv_first, kv_row0);
 }
 
 // Persistent: query tile qi's Q (tile w). Q comes after the tile's first K: that K's slot was released a few K/V

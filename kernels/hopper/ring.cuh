@@ -33,15 +33,17 @@ __device__ __forceinline__ u32 q_buffer(u32 smem_base, int qi) {
     return smem_base + ((qi & 1) ? T::kQ1Offset : 0);
 }
 
-// Issue the TMA loads of K (WHICH = 0) or V (1) tile `t` into slot `slot` (one thread).
+// Issue the TMA loads of K (WHICH = 0) or V (1) tile `t` into slot `slot` (one thread). kv_row0: VARLEN's packed row
+// of the sequence's first key (packed_row; else unread).
 template <class T, int WHICH>
-__device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barriers<T>* bars, int slot, int t, int head, int batch) {
+__device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barriers<T>* bars, int slot, int t, int head, int batch,
+                                        int kv_row0 = 0) {
     const u32 bar = smem_addr(WHICH == 0 ? &bars->k_full[slot] : &bars->v_full[slot]);
     mbar_expect_tx(bar, T::kKVBytes);
 #pragma unroll
     for (int r = 0; r < T::kRegions; ++r)
         tma_load_4d(sKV + slot * T::kKVBytes + r * (T::kBlockN * 128), map, bar, 64 * r,
-                    t * T::kBlockN, head, batch);
+                    packed_row<T>(t * T::kBlockN, kv_row0), head, batch);
 }
 
 // Load tile t + STAGES of the walk (key tile kv_first + t + STAGES: a window's walk starts at kv_first) into tile t's slot: K once every consumer warp released tile t's K,
@@ -50,7 +52,7 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barrier
 // for both before loading K would deadlock a one-stage pipeline.
 template <class T>
 __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorMap* v_map, u32 sK, u32 sV, Barriers<T>* bars,
-                                       int t, int head, int batch, int kv_first = 0) {
+                                       int t, int head, int batch, int kv_first = 0, int kv_row0 = 0) {
     // lean_addressing: t is never negative; unsigned, % and / by STAGES need no sign fix-up (at 2 and 4: a mask, a
     // shift).
     const int slot = static_cast<typename T::SlotUse>(t) % T::kStages;
@@ -59,9 +61,9 @@ __device__ __forceinline__ void refill(const CUtensorMap* k_map, const CUtensorM
     // the sum taken above the waits, moved ptxas's choice of uniform registers for the no-producer refill (11 of 63
     // sampled configs' SASS differed).
     mbar_wait(smem_addr(&bars->k_empty[slot]), parity);
-    load_kv<T, 0>(k_map, sK, bars, slot, T::kLocal ? kv_first + t + T::kStages : t + T::kStages, head, batch);
+    load_kv<T, 0>(k_map, sK, bars, slot, T::kLocal ? kv_first + t + T::kStages : t + T::kStages, head, batch, kv_row0);
     mbar_wait(smem_addr(&bars->v_empty[slot]), parity);
-    load_kv<T, 1>(v_map, sV, bars, slot, T::kLocal ? kv_first + t + T::kStages : t + T::kStages, head, batch);
+    load_kv<T, 1>(v_map, sV, bars, slot, T::kLocal ? kv_first + t + T::kStages : t + T::kStages, head, batch, kv_row0);
 }
 
 // empty_warpgroups = skip: one query tile of a consumer warpgroup whose 64 rows all lie at or past seq_q (the
