@@ -49,10 +49,20 @@ def test_template_args_follow_the_declared_order(space, struct, spec):
         assert (kind == "bool") == is_bool, f"{struct}::{name} is {kind}, passed {value!r}"
 
 
-def test_softcap_and_window_shapes_pass_every_hopper_parameter_in_order():
-    """A soft-capped, windowed shape passes the trailing defaulted parameters too, in their declared places."""
+@pytest.mark.parametrize("spec, on", [
+    ("2,4,300,128:bf16:softcap=30:window=64,0", {"SOFTCAP", "LOCAL"}),
+    ("2,4,300,128:bf16:sinks", {"SINKS"}),
+    ("2,4,300,128:bf16:softcap=30:window=64,0:sinks", {"SOFTCAP", "LOCAL", "SINKS"}),
+    ("2,4,300,128:bf16:varlen=300/100", {"VARLEN"}),
+    ("2,4,300,128:bf16:softcap=30:window=64,0:sinks:varlen=300/100", {"SOFTCAP", "LOCAL", "SINKS", "VARLEN"}),
+])
+def test_feature_shapes_pass_the_trailing_hopper_parameters_in_order(spec, on):
+    """A shape with features (softcap, window, sinks, varlen) passes the trailing defaulted parameters up to its last
+    feature's, in their declared places, those of its features true and the others false; what it leaves out is
+    defaulted."""
     declared = declared_parameters("attention.cu", "HopperTraits")
-    passed = ATTENTION.template_args(load_builtin("attention-hopper").default_config(),
-                                     parse_shape("2,4,300,128:bf16:softcap=30:window=64,0"))
-    assert [name for _, name in declared] == [name for name, _ in passed]
-    assert dict(passed)["SOFTCAP"] == "true" and dict(passed)["LOCAL"] == "true"
+    passed = ATTENTION.template_args(load_builtin("attention-hopper").default_config(), parse_shape(spec))
+    assert [name for _, name in declared][:len(passed)] == [name for name, _ in passed]
+    assert {name for _, name in declared[len(passed):]} <= defaulted_parameters("attention.cu", "HopperTraits")
+    defaulted = defaulted_parameters("attention.cu", "HopperTraits")
+    assert {name for name, value in passed if name in defaulted and value == "true"} == on
