@@ -129,14 +129,14 @@ COMPILE_CASES = [
                                     "kv_load": "bulk", "combine": "acq_rel", "split_chunks": "even"}),
     ("4,32,8,4096,128:bf16:paged=16", {"splits": 4, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
     ("4,32,8,4096,128:bf16:paged=64", {"splits": 8, "warps": 8, "vec": 8, "unroll": 4, "stages": 4,
-                                       "kv_load": "bulk", "combine": "acq_rel", "split_chunks": "even"}),
+                                       "combine": "acq_rel", "split_chunks": "even"}),
+    ("8,32,8,8192,128:bf16:paged=16", {"splits": 8, "warps": 8, "vec": 8, "unroll": 4, "stages": 4}),  # 4 ids a lane
     ("2,32,8,4,3000,128:causal:paged=256", {"splits": 1, "warps": 4, "vec": 4, "unroll": 1, "stages": 3}),
     ("2,8,4,777,256:bf16:paged=48", {"splits": 4, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
     ("2,32,32,2081,96:paged=16", {"splits": 4, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
     ("2,32,8,4,3000,128:bf16:causal:sinks:paged=16", {"splits": 8, "warps": 4, "vec": 4, "unroll": 1, "stages": 3,
                                                       "combine": "acq_rel"}),
-    ("3,64,8,2048,64:bf16:sinks:paged=256", {"splits": 4, "warps": 4, "vec": 8, "unroll": 2, "stages": 3,
-                                             "kv_load": "bulk"}),
+    ("3,64,8,2048,64:bf16:sinks:paged=256", {"splits": 4, "warps": 4, "vec": 8, "unroll": 2, "stages": 3}),
 ]
 
 
@@ -151,7 +151,7 @@ def compiled_features(decode, dspace):
 
 
 def test_feature_configs_compile_clean(decode, dspace, compiled_features):
-    """Admitted configs with sinks, paged caches (pages 1x16, 48, 64, 256 keys; cp_async and bulk) and both compile
+    """Admitted configs with sinks (cp_async and bulk), paged caches (pages 16, 48, 64, 256 keys) and both compile
     for sm_90a with no spills or stack and pass the static gate."""
     for text, shape, cfg, src, compiled in compiled_features:
         assert dspace.admitted(cfg, decode.context(shape)), (text, dspace.violations(cfg, decode.context(shape)))
@@ -173,6 +173,19 @@ def test_page_size_changes_the_machine_code(decode, dspace, compiled_features):
     texts = [text_section(Path(c.cubin_path).read_bytes(), s.entry)
              for s, c in ((src, compiled), (src2, compile_source(src2.code, src2.entry)))]
     assert texts[0] != texts[1]
+
+
+@pytest.mark.parametrize("page", [1, 16, 256])
+def test_bulk_is_not_admitted_on_a_paged_cache(decode, dspace, page):
+    """kv_load = bulk is refused on a paged shape of any page size (a head's rows are apart even inside a page: row
+    copies issued a lane at a time), with the why, and stays admitted on the same dense shape."""
+    knobs = {"splits": 4, "warps": 8, "vec": 8, "unroll": 4, "stages": 4, "kv_load": "bulk"}
+    cfg = dspace.config(knobs)
+    paged = decode.parse_shape(f"8,32,8,8192,128:bf16:paged={page}")
+    why = dspace.violations(cfg, decode.context(paged))
+    assert why and "a row at a time" in why[0]
+    assert dspace.admitted(cfg, decode.context(decode.parse_shape("8,32,8,8192,128:bf16")))
+    assert dspace.admitted(dspace.config({**knobs, "kv_load": "cp_async"}), decode.context(paged))
 
 
 def test_gpu_feature_cases_are_admitted(decode, dspace):

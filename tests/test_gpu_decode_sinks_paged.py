@@ -17,6 +17,7 @@ from evotune.records import result as R
 pytestmark = pytest.mark.gpu
 
 BULK = {"kv_load": "bulk", "combine": "acq_rel", "split_chunks": "even"}
+ACQ_EVEN = {"combine": "acq_rel", "split_chunks": "even"}  # bulk's partners, on paged caches (bulk reads dense ones)
 
 # (shape, config): lengths never a multiple of the page, the split's keys or the tile.
 CASES = [
@@ -27,10 +28,11 @@ CASES = [
     ("2,32,8,4,999,128:bf16:causal:sinks", {"splits": 4, "warps": 4, "vec": 4, "unroll": 1, "stages": 2}),
     ("1,8,4,777,256:bf16:sinks", {"splits": 4, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
     ("1,32,32,2081,96:sinks", {"splits": 8, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
-    # paged: pages of 16 (vLLM), 64, 256 (a tile's whole page), 48 and 1 (any size), cp_async and bulk
+    # paged: pages of 16 (vLLM), 64, 256 (a tile's whole page), 48 and 1 (any size); a page id a key (16 in 64-key
+    # tiles) and a tile, both combines and chunkings
     ("4,32,8,3001,128:bf16:paged=16", {"splits": 4, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
-    ("4,32,8,3001,128:bf16:paged=16", {"splits": 1, "warps": 8, "vec": 8, "unroll": 2, "stages": 3, "kv_load": "bulk"}),
-    ("3,32,8,2049,128:paged=64", {"splits": 8, "warps": 8, "vec": 8, "unroll": 4, "stages": 4, **BULK}),
+    ("4,32,8,3001,128:bf16:paged=16", {"splits": 1, "warps": 8, "vec": 8, "unroll": 4, "stages": 4}),
+    ("3,32,8,2049,128:paged=64", {"splits": 8, "warps": 8, "vec": 8, "unroll": 4, "stages": 4, **ACQ_EVEN}),
     ("3,32,8,2049,128:bf16:paged=256", {"splits": 8, "warps": 4, "vec": 8, "unroll": 2, "stages": 3}),
     ("2,32,8,4,1500,128:causal:paged=64", {"splits": 4, "warps": 4, "vec": 4, "unroll": 1, "stages": 2}),
     ("3,8,1,777,64:paged=48", {"splits": 4, "warps": 2, "vec": 8, "unroll": 2, "stages": 2}),
@@ -42,8 +44,7 @@ CASES = [
     ("4,64,8,3001,64:bf16:sinks:paged=16", {"splits": 8, "warps": 4, "vec": 8, "unroll": 2, "stages": 2}),
     ("2,32,8,4,2049,128:bf16:causal:sinks:paged=256", {"splits": 8, "warps": 4, "vec": 4, "unroll": 1, "stages": 3,
                                                        "combine": "acq_rel"}),
-    ("3,64,8,2048,64:sinks:paged=64", {"splits": 1, "warps": 4, "vec": 8, "unroll": 2, "stages": 3,
-                                       "kv_load": "bulk"}),
+    ("3,64,8,2048,64:sinks:paged=64", {"splits": 1, "warps": 4, "vec": 8, "unroll": 2, "stages": 3}),
 ]
 
 
@@ -107,9 +108,9 @@ def _ragged_inputs(decode, shape, lengths, seed=3):
     # one long sequence and many short, length 1 among them; split and not
     ("8,32,8,4000,128:bf16:paged=16", {"splits": 8, "warps": 4, "vec": 8, "unroll": 2, "stages": 2},
      [4000, 1, 2, 3, 17, 16, 33, 1]),
-    ("8,32,8,4000,128:bf16:paged=16", {"splits": 1, "warps": 4, "vec": 8, "unroll": 2, "stages": 2, "kv_load": "bulk"},
+    ("8,32,8,4000,128:bf16:paged=16", {"splits": 1, "warps": 8, "vec": 8, "unroll": 4, "stages": 4},
      [4000, 1, 2, 3, 17, 16, 33, 1]),
-    ("6,64,8,3000,64:bf16:sinks:paged=64", {"splits": 16, "warps": 4, "vec": 8, "unroll": 2, "stages": 3, **BULK},
+    ("6,64,8,3000,64:bf16:sinks:paged=64", {"splits": 16, "warps": 4, "vec": 8, "unroll": 2, "stages": 3, **ACQ_EVEN},
      [1, 3000, 64, 65, 127, 2]),
     ("4,32,8,4,2000,128:causal:sinks:paged=256", {"splits": 4, "warps": 4, "vec": 4, "unroll": 1, "stages": 2},
      [4, 2000, 257, 5]),

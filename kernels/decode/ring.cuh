@@ -12,8 +12,8 @@
 //             tile. So all STAGES tiles are in flight from the kernel's first instructions, ahead of Q's loads, and
 //             the consumers issue no copies: STAGES x 2 x BLOCK_N x HEAD_DIM x 2 bytes per CTA in flight (4 x 32 KB
 //             at 64-key d128 tiles) where cp_async keeps (STAGES - 1) of them.
-// A paged cache (PAGE_SIZE > 0, decode/paged.cuh) reads each row through the page table: cp_async's lanes by
-// issue_tile_paged, bulk's producer one row copy per key.
+// A paged cache (PAGE_SIZE > 0, decode/paged.cuh) reads each row through the page table, cp_async's lanes by
+// issue_tile_paged at page ids read a tile ahead; bulk is not paged (decode/paged.cuh says why).
 // Rows past the cache's end (the last split's last tile) are not left stale in the bulk ring: they copy the cache's
 // last row, whose score the consumer masks, so its V meets a zero probability as a finite value (0 x a stale NaN
 // would be NaN; cp_async zero-fills them instead).
@@ -21,20 +21,22 @@
 // ---------------------------------------------------------------- cp_async
 
 // One tile's copies into ring slot `stage`: attention_decode.cu's issue_tile on a dense cache, issue_tile_paged
-// (decode/paged.cuh) through the page table.
+// (decode/paged.cuh) through the page table at the tile's page ids.
 template <class T>
 __device__ __forceinline__ void issue_kv_tile(unsigned int ring, int stage, const unsigned short* kb,
                                               const unsigned short* vb, long long k_ss, long long v_ss,
-                                              const PagedCache<T>& pc, int tile_start, int key_end, int group, int d0) {
+                                              const PagedCache<T>& pc, const TilePages<T>& pages, int tile_start,
+                                              int key_end, int group, int d0) {
     if constexpr (T::kPaged) {
-        issue_tile_paged<T>(ring, stage, kb, vb, pc, tile_start, key_end, group, d0);
+        issue_tile_paged<T>(ring, stage, kb, vb, pc, pages, tile_start, key_end, group, d0);
     } else {
         issue_tile<T>(ring, stage, kb, vb, k_ss, v_ss, tile_start, key_end, group, d0);
     }
 }
 
 // attention_decode.cu's loop over the chunk's tiles: each lane issues its copies STAGES - 1 tiles ahead and consumes
-// tile t once its own copies of it have landed.
+// tile t once its own copies of it have landed. A paged cache's page ids of the next tile to issue are read as the
+// tile before it is issued, so their loads fly under a tile's math (decode/paged.cuh); a dense cache reads none.
 template <class T>
 __device__ __forceinline__ void cp_async_ring(unsigned char* smem, const unsigned short* kb, const unsigned short* vb,
                                               long long k_ss, long long v_ss, const PagedCache<T>& pc, KeyRange keys,
@@ -42,18 +44,22 @@ __device__ __forceinline__ void cp_async_ring(unsigned char* smem, const unsigne
     const unsigned int ring = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
     const unsigned short* ring_ptr = reinterpret_cast<const unsigned short*>(smem);
     const int tiles = (keys.end - keys.begin + T::kBlockN - 1) / T::kBlockN;
+    TilePages<T> next;  // the page ids of the next tile to issue
+    load_tile_pages<T>(pc, keys.begin, keys.end, group, next);
 #pragma unroll
     for (int s = 0; s < T::kStages - 1; ++s) {
         if (s < tiles) {
-            issue_kv_tile<T>(ring, s, kb, vb, k_ss, v_ss, pc, keys.begin + s * T::kBlockN, keys.end, group, d0);
+            issue_kv_tile<T>(ring, s, kb, vb, k_ss, v_ss, pc, next, keys.begin + s * T::kBlockN, keys.end, group, d0);
+            load_tile_pages<T>(pc, keys.begin + (s + 1) * T::kBlockN, keys.end, group, next);
         }
         cp_async_commit();  // empty groups too: wait_group counts groups, one per tile
     }
     for (int t = 0; t < tiles; ++t) {
         const int ahead = t + T::kStages - 1;
         if (ahead < tiles) {
-            issue_kv_tile<T>(ring, ahead % T::kStages, kb, vb, k_ss, v_ss, pc, keys.begin + ahead * T::kBlockN,
+            issue_kv_tile<T>(ring, ahead % T::kStages, kb, vb, k_ss, v_ss, pc, next, keys.begin + ahead * T::kBlockN,
                              keys.end, group, d0);
+            load_tile_pages<T>(pc, keys.begin + (ahead + 1) * T::kBlockN, keys.end, group, next);
         }
         cp_async_commit();
         cp_async_wait<T::kStages - 1>();
@@ -96,12 +102,10 @@ struct BulkRing {
     }
 
     // The producer warp: every tile of the chunk into slot t % STAGES once the consumers have handed it back.
-    // k and v are this K/V head's cache (row 0, column 0; a paged cache's page 0), seq_k this sequence's keys.
+    // k and v are this K/V head's cache (row 0, column 0), seq_k its keys.
     __device__ __forceinline__ void produce(const unsigned short* k, const unsigned short* v, long long k_ss,
-                                            long long v_ss, const PagedCache<T>& pc, KeyRange keys, int seq_k,
-                                            int lane) const {
-        // A paged cache's rows of one head are Hkv * D apart even inside a page: one copy per row.
-        const bool dense = !T::kPaged && k_ss == T::kHeadDim && v_ss == T::kHeadDim;
+                                            long long v_ss, KeyRange keys, int seq_k, int lane) const {
+        const bool dense = k_ss == T::kHeadDim && v_ss == T::kHeadDim;
         const int tiles = (keys.end - keys.begin + T::kBlockN - 1) / T::kBlockN;
         for (int t = 0; t < tiles; ++t) {
             const int slot = t % T::kStages;
@@ -119,18 +123,9 @@ struct BulkRing {
                 }
             } else {
                 for (int r = lane; r < T::kBlockN; r += 32) {
-                    const int key = min(start + r, seq_k - 1);
-                    long long ko, vo;
-                    if constexpr (T::kPaged) {
-                        const int page = pc.page_of(key);
-                        ko = pc.k_off(page, key);
-                        vo = pc.v_off(page, key);
-                    } else {
-                        ko = key * k_ss;
-                        vo = key * v_ss;
-                    }
-                    bulk_copy(dst + r * T::kRowBytes, k + ko, T::kRowBytes, bar);
-                    bulk_copy(dst + T::kTileBytes + r * T::kRowBytes, v + vo, T::kRowBytes, bar);
+                    const long long row = min(start + r, seq_k - 1);
+                    bulk_copy(dst + r * T::kRowBytes, k + row * k_ss, T::kRowBytes, bar);
+                    bulk_copy(dst + T::kTileBytes + r * T::kRowBytes, v + row * v_ss, T::kRowBytes, bar);
                 }
             }
         }

@@ -11,7 +11,7 @@
 //   group merge     stash_group, merged_element                                       (decode/combine.cuh)
 //   split combine   combine_fenced      fenced | acq_rel: last_to_publish, combine_splits (decode/combine.cuh)
 //   row finish      row_scale           1 / sum | the sink's term in the denominator, once (decode/combine.cuh)
-//   key addressing  issue_kv_tile       dense rows | PagedCache: block_table, cache_seqlens (decode/paged.cuh)
+//   key addressing  issue_kv_tile       dense rows | PagedCache, TilePages: the block_table (decode/paged.cuh)
 // Variant pairs are tied by the traits' static_asserts; the space (search_spaces/attention-decode.yaml) admits a knob
 // off its default only where it changes something.
 
@@ -59,6 +59,7 @@ struct DecodeVariantTraits
     static_assert(kRowBytes % 16 == 0 && Base::kTileBytes % 16 == 0, "bulk copies move whole 16-byte units");
     static_assert(2 * Base::kTileBytes < (1 << 20), "a slot's bytes fit an mbarrier's transaction count");
     static_assert(PAGE_SIZE_ >= 0 && PAGE_SIZE_ <= 65536, "PAGE_SIZE is 0 (dense) or 1 to 65536 keys a page");
+    static_assert(!(kBulk && kPaged), "kv_load = bulk reads a dense cache: a paged one takes cp_async (decode/paged.cuh)");
 };
 
 // The runtime inputs of the problem traits, null where the traits are off: `sinks` (Hq float32 logits, SINKS), and
@@ -131,7 +132,7 @@ __device__ __forceinline__ void decode_attention_variant(
         __shared__ __align__(8) unsigned long long bars[2 * T::kStages];
         const BulkRing<T> ring(smem, bars);
         if (warp == T::kWarps) {
-            ring.produce(kh, vh, k_ss, v_ss, pc, keys, seq_k, lane);
+            ring.produce(kh, vh, k_ss, v_ss, keys, seq_k, lane);
         } else {
             load_lane_q<T>(qh, q_sh, q_ss, scale_log2, d0, st.qf);
             ring.consume(keys, causal_edge, group, d0, st);
