@@ -268,7 +268,7 @@ static Barriers<void> g_bars;
 inline u32 smem_addr(const unsigned long long* bar) { return static_cast<u32>(bar - g_bars.k_empty); }
 inline void mbar_wait(u32 bar, u32 parity) { std::printf("W %u %u\\n", bar, parity); }
 template <class T, int WHICH>
-void load_kv(const CUtensorMap*, u32, Barriers<T>*, int slot, int t, int, int) {
+void load_kv(const CUtensorMap*, u32, Barriers<T>*, int slot, int t, int, int, int = 0) {  // kv_row0: VARLEN only
     std::printf("L%d %d %d\\n", WHICH, slot, t);
 }
 """

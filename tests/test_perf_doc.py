@@ -75,6 +75,9 @@ def test_tuning_tables_render_one_row_per_entry(perf_doc):
 
 
 def test_feature_records_render_one_row_per_case(perf_doc):
+    from evotune.problems.shapes import parse_shape
+
+    dense_of = load_tool("feature_bench").dense_of
     """--features: tools/feature_bench.py's record (a device run's), one row per case with our time, FlexAttention's and
     the per-round ratios as recorded; a contender that was not timed renders as '-'."""
     path = REPO_ROOT / "docs" / "data" / "2026-11-28-h200" / "coverage3" / "sinks" / "job0" / "sinks.json"
@@ -86,3 +89,15 @@ def test_feature_records_render_one_row_per_case(perf_doc):
         assert row.startswith(f"| `{case['shape']}` | default | {ours['median_us']:.1f} [")
         assert f"| {ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}] |" in row
         assert "| - | - |" in row  # no "without the sinks" contender in that run
+        assert f"(`{dense_of(parse_shape(case['shape'])).spec}`)" in row  # the tool's dense shape of the case
+
+
+def test_best_per_shape_keeps_one_row_a_shape(perf_doc):
+    """--best-per-shape: two tunes of one shape (a short search, then a longer one) render as the better one's row."""
+    data = REPO_ROOT / "docs" / "data" / "2026-11-28-h200" / "coverage2" / "head-dims"
+    tables = [(str(p), json.loads(p.read_text())) for p in (data / "job2" / "table.json", data / "call6-job0" / "table.json")]
+    every = _table_rows(perf_doc.render_tables(tables))[1:]
+    best = _table_rows(perf_doc.render_tables(tables, best_per_shape=True))[1:]
+    shape = "| 1,8,2048,256:fp16:causal:kv4 |"
+    assert sum(r.startswith(shape) for r in every) == 2 and sum(r.startswith(shape) for r in best) == 1
+    assert "| 1.17x | evotune |" in next(r for r in best if r.startswith(shape))

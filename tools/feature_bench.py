@@ -100,7 +100,7 @@ def bench_case(text: str, args, problem, space) -> dict:
     dense = dense_of(shape)
     knobs, source = config_for(shape, args, space)
     inputs = problem.make_inputs(shape, seed=args.seed)
-    rec = {"shape": shape.spec, "dense": dense.spec, "config": knobs, "config_from": source}
+    rec = {"shape": shape.spec, "dense_shape": dense.spec, "config": knobs, "config_from": source}
     fns = {}
     contenders = [("ours", shape), ("dense", dense)]
     if shape.sinks and replace(shape, sinks=False) != dense:

@@ -19,6 +19,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: feature_bench's dense_of
 from evotune.cli.display import cfg_short  # noqa: E402  (the CLI's own config abbreviation)
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -98,9 +99,11 @@ def render(records: list[dict], source: str = "docs/data/bench/") -> str:
     return "\n".join(lines)
 
 
-def render_tables(tables: list[tuple[str, dict]]) -> str:
+def render_tables(tables: list[tuple[str, dict]], best_per_shape: bool = False) -> str:
     """One row per entry of `evotune tune`'s tables (path, table): the key's measured shape, evotune's time beside the
-    fastest baseline that passed the gate, timed in the same process (its backend named), the route, the run and trial."""
+    fastest baseline that passed the gate, timed in the same process (its backend named), the route, the run and trial.
+    `best_per_shape`: of the entries measured on one shape (a longer search after a short one), only the one whose
+    ratio to its baseline is best: the current figure; the others stay in their tables."""
     from evotune.problems.decode import DecodeShape
     from evotune.problems.shapes import Shape
 
@@ -115,10 +118,16 @@ def render_tables(tables: list[tuple[str, dict]]) -> str:
             # A decode table's entry names its bench record (the run is in it); an attention table's its run and trial.
             measured = (f"{e['provenance']['run']} / {e['provenance']['trial']}" if "provenance" in e
                         else os.path.basename(e.get("bench", "-")))
-            rows.append((spec, f"| {spec} | {e['evotune_us']:.2f} | {base.get('backend', '-')} "
+            rows.append((spec, ratio or 0.0, f"| {spec} | {e['evotune_us']:.2f} | {base.get('backend', '-')} "
                                f"{_f(base.get('time_us'), '.2f')} | {_f(ratio, '.2f')}x | {e['route']} | {measured} | "
                                f"{path} |"))
-    return "\n".join(lines + [row for _, row in sorted(rows)]) + "\n"
+    if best_per_shape:
+        best: dict = {}
+        for spec, ratio, row in rows:
+            if spec not in best or ratio > best[spec][1]:
+                best[spec] = (spec, ratio, row)
+        rows = list(best.values())
+    return "\n".join(lines + [row for _, _, row in sorted(rows)]) + "\n"
 
 
 def render_features(records: list[tuple[str, dict]]) -> str:
@@ -132,15 +141,21 @@ def render_features(records: list[tuple[str, dict]]) -> str:
     def ratio(r):
         return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]" if r else "-"
 
+    from feature_bench import dense_of  # the tool's own rule, for records that kept no dense_shape
+
+    from evotune.problems.shapes import parse_shape
+
     lines = ["| shape | config | ours µs | FlexAttention µs | ours vs Flex | without the sinks µs | vs without | dense "
              "shape µs | vs dense | max err | device, record |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path, doc in records:
         for c in doc["cases"]:
             ours = c.get("ours", {})
             err = f"{ours['max_abs_err']:.1e}" if "max_abs_err" in ours else ours.get("error", "-")[:60]
-            lines.append(f"| `{c['shape']}` | {c['config_from'].split(' (')[0].replace(path, 'its table')} | {cell(ours)} "
+            dense = c.get("dense_shape") or dense_of(parse_shape(c["shape"])).spec
+            config = "tuned (table)" if c["config_from"].startswith("table") else c["config_from"]
+            lines.append(f"| `{c['shape']}` | {config} | {cell(ours)} "
                          f"| {cell(c.get('flex'))} | {ratio(c.get('ours_vs_flex'))} | {cell(c.get('nosink'))} "
-                         f"| {ratio(c.get('ours_vs_nosink'))} | {cell(c.get('dense'))} (`{c['dense']}`) "
+                         f"| {ratio(c.get('ours_vs_nosink'))} | {cell(c.get('dense'))} (`{dense}`) "
                          f"| {ratio(c.get('ours_vs_dense'))} | {err} | {doc.get('device')}, {path} |")
     return "\n".join(lines) + "\n"
 
@@ -152,14 +167,16 @@ def main() -> None:
     ap.add_argument("--block", help="write between <!-- bench-BLOCK:begin --> and <!-- bench-BLOCK:end --> instead")
     ap.add_argument("--tables", metavar="NAME", help="the records are tuning tables (`evotune tune --table`): write "
                     "their entries between <!-- NAME:begin --> and <!-- NAME:end -->")
+    ap.add_argument("--best-per-shape", action="store_true", help="with --tables: of one shape's entries only the one "
+                    "with the best ratio to its baseline (the current figure)")
     ap.add_argument("--features", metavar="NAME", help="the records are tools/feature_bench.py's: write their cases "
                     "between <!-- NAME:begin --> and <!-- NAME:end -->")
     args = ap.parse_args()
     if args.tables or args.features:
         name = args.tables or args.features
         begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-        render_as = render_tables if args.tables else render_features
-        body = render_as([(p, json.load(open(p))) for p in args.records])
+        loaded = [(p, json.load(open(p))) for p in args.records]
+        body = render_tables(loaded, args.best_per_shape) if args.tables else render_features(loaded)
     else:
         begin, end = (BEGIN, END) if not args.block else (f"<!-- bench-{args.block}:begin -->",
                                                           f"<!-- bench-{args.block}:end -->")
