@@ -118,8 +118,8 @@ def test_other_pairs_are_refused(attention, space, text):
 
 
 def test_register_bound_reads_v_head_dim(space):
-    """O's accumulators are V's now: four consumer warpgroups (a 96-register launch bound) hold 192/128's 64 of them
-    (64 + 30 <= 96), not 192/192's 96."""
+    """O's accumulators are V's now: four consumer warpgroups (a 96-register launch bound) are admitted at 192/128
+    (64 + 30 <= 96), not at 192/192 (96); whether they spill is the static gate's to prune (at block_n 64 they do)."""
     four = {**HOPPER, "block_m": 256, "compute_warps": 16}
     assert space.violations(space.config(four), shape_context(parse_shape("1,8,1024,192:dv=128"))) == []
     assert any("O in registers" in why
