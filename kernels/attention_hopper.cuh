@@ -42,7 +42,7 @@ template <class A, class C> struct PickType<false, A, C> { using type = C; };
 template <int BLOCK_N_, int CONSUMER_WGS_, int PRODUCER_WARPS_, int STAGES_, bool Q_IN_REGS_, bool PINGPONG_,
           bool PERSISTENT_, bool PDL_, bool TMA_STORE_, int EXP2_FMA_, int RESCALE_SLACK_, bool SOFTMAX_OVERLAP_,
           bool LEAN_ADDRESSING_, bool CAUSAL_WG_, bool SKIP_EMPTY_, bool P_SMEM_, bool STRIPE_MIRROR_, int HEAD_DIM_, bool IS_BF16_, bool IS_CAUSAL_,
-          bool SOFTCAP_ = false, bool LOCAL_ = false, bool SINKS_ = false, bool VARLEN_ = false>
+          bool SOFTCAP_ = false, bool LOCAL_ = false, bool SINKS_ = false, bool VARLEN_ = false, int HEAD_DIM_V_ = 0>
 struct HopperTraits {
     static constexpr int kBlockN = BLOCK_N_;
     static constexpr int kConsumerWGs = CONSUMER_WGS_;
@@ -88,6 +88,9 @@ struct HopperTraits {
     // A row may see no key: a window's (kLocal), or a varlen sequence's with queries and no keys. Such a row keeps
     // shift 0 and alpha 1 rather than NaN, and the epilogue writes it 0.
     static constexpr bool kEmptyRows = kLocal || kVarlen;
+    // V's head dim where it differs from Q's and K's (DeepSeek-V2/V3 MLA prefill: 192 for Q K^T, 128 for V and O;
+    // flash-attention's hdim_v); 0: the same. Not a searched knob: the problem's shape, as HEAD_DIM.
+    static constexpr int kHeadDimV = HEAD_DIM_V_ == 0 ? HEAD_DIM_ : HEAD_DIM_V_;
 
     static constexpr int kBlockM = 64 * kConsumerWGs;  // wgmma's M is 64 per warpgroup
     static constexpr int kConsumerThreads = 128 * kConsumerWGs;
@@ -100,15 +103,21 @@ struct HopperTraits {
     // the real columns only.
     static constexpr int kTileDim = (kHeadDim + 63) / 64 * 64;
     static constexpr int kRegions = kTileDim / 64;  // 128-byte column regions of a tile
+    // V's and O's tiles, by the same rule (kHeadDimV): P V's wgmma N, O's accumulators, the epilogue's regions.
+    static constexpr int kTileDimV = (kHeadDimV + 63) / 64 * 64;
+    static constexpr int kRegionsV = kTileDimV / 64;
     static constexpr int kQKSteps = kHeadDim / 16;
     static constexpr int kQRegSteps = kQInRegs ? kQKSteps : 1;  // Q k-steps held in registers
     static constexpr int kPVSteps = kBlockN / 16;
     static constexpr int kSAcc = kBlockN / 2;    // S accumulators per thread (64 rows x BLOCK_N / 128)
-    static constexpr int kOAcc = kTileDim / 2;   // O accumulators per thread
+    static constexpr int kOAcc = kTileDimV / 2;  // O accumulators per thread
     static constexpr int kQBytes = kBlockM * kTileDim * 2;
-    static constexpr int kKVBytes = kBlockN * kTileDim * 2;
+    // A K slot and a V slot (equal but where kHeadDimV differs); the K slots first, then the V slots.
+    static constexpr int kKBytes = kBlockN * kTileDim * 2;
+    static constexpr int kVBytes = kBlockN * kTileDimV * 2;
+    static constexpr int kOBytes = kBlockM * kTileDimV * 2;  // a CTA's O tile (the TMA-store epilogue's staging)
     // Tiles plus the slack to align the dynamic shared memory to the 1024-byte swizzle atom.
-    static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;
+    static constexpr int kSmemBytes = kQBytes + kStages * (kKBytes + kVBytes) + 1024;
     // setmaxnreg: with a producer warpgroup the consumers take the producer's registers.
     // Two consumer warpgroups (384 threads, launch bound 168 registers each): producer 24,
     // consumers 240, 128*24 + 256*240 = 64512 of the 65536. Three (512 threads, launch bound
@@ -128,6 +137,10 @@ struct HopperTraits {
 
     static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
                   "head dim 64, 96, 128, 192 or 256 (P V's wgmma N: 64, 128, 192, 256)");
+    // A value head dim of its own: the pairs the space admits (DeepSeek MLA's 192/128, and 128/64). O is no wider
+    // than Q, so the one-tile TMA-store epilogue can stage O in Q's buffer as it does at equal head dims.
+    static_assert(kHeadDimV == kHeadDim || (kHeadDim == 192 && kHeadDimV == 128) || (kHeadDim == 128 && kHeadDimV == 64),
+                  "value head dim: that of Q and K, or 128 beside 192 (DeepSeek MLA), or 64 beside 128");
     static_assert(kPSmem || kBlockN == 16 || kBlockN == 32 || kBlockN == 64 || kBlockN == 128 || kBlockN == 176,
                   "BLOCK_N: a wgmma N of 16 to 128, or 176 (FlashAttention-3's d128 tile)");
     static_assert(!kPSmem || kBlockN == 64 || kBlockN == 128 || kBlockN == 192,
@@ -162,7 +175,7 @@ struct HopperTraits {
     static constexpr int kBarrierSlots = kStages > 4 ? 8 : 4;
     static_assert(kHasProducer || kStages >= 2,
                   "without a producer the loader refills a slot mid-tile: one stage would wait on itself");
-    static_assert(kKVBytes % 1024 == 0, "K/V tiles must keep the 1024-byte swizzle alignment");
+    static_assert(kKBytes % 1024 == 0 && kVBytes % 1024 == 0, "K/V tiles must keep the 1024-byte swizzle alignment");
     // The per-CTA shared memory and thread limits: asserted by the instantiation (evotune/limits.py).
 };
 
@@ -243,7 +256,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
     const u32 smem_base = (smem_addr(smem_raw) + 1023) & ~1023u;
     const u32 sQ = smem_base;
     const u32 sK = sQ + T::kQBytes;
-    const u32 sV = sK + T::kStages * T::kKVBytes;
+    const u32 sV = sK + T::kStages * T::kKBytes;
 
     const int tid = threadIdx.x;
     // Where each consumer warpgroup's output goes (hopper/epilogue.cuh).
@@ -388,7 +401,7 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         if constexpr (T::kPingPong) named_bar_sync(NamedBarrier::kWarpgroupTurn, wg, 256);
         fence_regs(s_acc);
         wgmma_fence();
-        issue_qk<T>(s_acc, qr, sQ_wg, sK + slot0 * T::kKVBytes);
+        issue_qk<T>(s_acc, qr, sQ_wg, sK + slot0 * T::kKBytes);
         if constexpr (T::kPingPong) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 1 - wg, 256);
         wgmma_wait<0>();
         fence_regs(s_acc);
@@ -446,9 +459,9 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
             fence_regs(o_acc);
             if constexpr (!T::kPSmem) fence_a_regs(p);
             wgmma_fence();
-            issue_qk<T>(s_acc, qr, sQ_wg, sK + slot * T::kKVBytes);
-            if constexpr (T::kPSmem) issue_pv_smem<T>(o_acc, sP_wg, sV + prev * T::kKVBytes);
-            else issue_pv<T>(o_acc, p, sV + prev * T::kKVBytes);
+            issue_qk<T>(s_acc, qr, sQ_wg, sK + slot * T::kKBytes);
+            if constexpr (T::kPSmem) issue_pv_smem<T>(o_acc, sP_wg, sV + prev * T::kVBytes);
+            else issue_pv<T>(o_acc, p, sV + prev * T::kVBytes);
             if constexpr (T::kPingPong) {
                 // Hand the tensor cores to the other warpgroup; warpgroup 1 owes none after its last tile.
                 if (wg == 0 || t + 1 < n_tiles) named_bar_arrive(NamedBarrier::kWarpgroupTurn, 1 - wg, 256);
@@ -493,8 +506,8 @@ __device__ __forceinline__ void attention_fwd_wgmma(const CUtensorMap* q_map, co
         fence_regs(o_acc);
         if constexpr (!T::kPSmem) fence_a_regs(p);
         wgmma_fence();
-        if constexpr (T::kPSmem) issue_pv_smem<T>(o_acc, sP_wg, sV + last * T::kKVBytes);
-        else issue_pv<T>(o_acc, p, sV + last * T::kKVBytes);
+        if constexpr (T::kPSmem) issue_pv_smem<T>(o_acc, sP_wg, sV + last * T::kVBytes);
+        else issue_pv<T>(o_acc, p, sV + last * T::kVBytes);
         wgmma_wait<0>();
         fence_regs(o_acc);
         if constexpr (!T::kPSmem) fence_a_regs(p);

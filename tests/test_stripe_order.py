@@ -118,7 +118,7 @@ def test_host_and_traits_agree_on_the_second_buffer(attention, mirror_space):
     assert f"static_assert(EvotuneTraits::kSetMaxNReg && {split} == 61440," in code
     assert f"{split} == {fixed_geo.register_split}," in instantiate(
         attention, mirror_space.config(_fixed(MIRROR_CONFIGS[0])), shape).code
-    assert "static constexpr int kQ1Offset = kQBytes + 2 * kStages * kKVBytes + kOStageBytes;" in code
+    assert "static constexpr int kQ1Offset = kQBytes + kStages * (kKBytes + kVBytes) + kOStageBytes;" in code
     three = mirror_space.config(MIRROR_CONFIGS[1])
     assert setmaxnreg_registers(three) == 128 * 32 + 384 * 160
     assert f"{split} == {128 * 32 + 384 * 160}," in instantiate(attention, three, shape).code

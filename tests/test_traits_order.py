@@ -55,14 +55,19 @@ def test_template_args_follow_the_declared_order(space, struct, spec):
     ("2,4,300,128:bf16:softcap=30:window=64,0:sinks", {"SOFTCAP", "LOCAL", "SINKS"}),
     ("2,4,300,128:bf16:varlen=300/100", {"VARLEN"}),
     ("2,4,300,128:bf16:softcap=30:window=64,0:sinks:varlen=300/100", {"SOFTCAP", "LOCAL", "SINKS", "VARLEN"}),
+    ("2,4,300,192:bf16:dv=128", {"HEAD_DIM_V"}),
+    ("2,4,300,192:bf16:sinks:dv=128", {"SINKS", "HEAD_DIM_V"}),
+    ("2,4,300,128:bf16:softcap=30:window=64,0:sinks:dv=64", {"SOFTCAP", "LOCAL", "SINKS", "HEAD_DIM_V"}),
 ])
 def test_feature_shapes_pass_the_trailing_hopper_parameters_in_order(spec, on):
-    """A shape with features (softcap, window, sinks, varlen) passes the trailing defaulted parameters up to its last
-    feature's, in their declared places, those of its features true and the others false; what it leaves out is
-    defaulted."""
+    """A shape with features (softcap, window, sinks, varlen, a value head dim of its own) passes the trailing defaulted
+    parameters up to its last feature's, in their declared places, those of its features set (true, or HEAD_DIM_V's
+    head dim) and the others at their defaults (false); what it leaves out is defaulted."""
     declared = declared_parameters("attention.cu", "HopperTraits")
     passed = ATTENTION.template_args(load_builtin("attention-hopper").default_config(), parse_shape(spec))
     assert [name for _, name in declared][:len(passed)] == [name for name, _ in passed]
     assert {name for _, name in declared[len(passed):]} <= defaulted_parameters("attention.cu", "HopperTraits")
     defaulted = defaulted_parameters("attention.cu", "HopperTraits")
-    assert {name for name, value in passed if name in defaulted and value == "true"} == on
+    assert {name for name, value in passed if name in defaulted and value not in ("false", 0)} == on
+    for (kind, name), (_, value) in zip(declared, passed):
+        assert (kind == "bool") == (value in ("true", "false")), f"HopperTraits::{name} is {kind}, passed {value!r}"

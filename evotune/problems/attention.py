@@ -23,7 +23,7 @@ from .varlen import check_cu_seqlens
 SMEM_LAYOUTS = {"plain": 0, "pad": 1, "swizzle": 2}
 
 # Names the search space's expressions may read: the shape, then the device limits.
-CONTEXT_NAMES = ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "dtype", "dtype_bytes",
+CONTEXT_NAMES = ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "head_dim_v", "dtype", "dtype_bytes",
                  "causal", "softcap", "window", "sinks", "varlen") + DEVICE_CONTEXT_NAMES
 
 
@@ -31,7 +31,7 @@ def shape_context(shape: Shape) -> dict:
     """The names CONTEXT_NAMES for `shape` on an H100."""
     return {
         "batch": shape.batch, "heads": shape.heads, "kv_heads": shape.kv_heads, "seq_q": shape.seq_q, "seq_k": shape.seq_k,
-        "head_dim": shape.head_dim, "dtype": shape.dtype, "dtype_bytes": shape.dtype_bytes,
+        "head_dim": shape.head_dim, "head_dim_v": shape.dv, "dtype": shape.dtype, "dtype_bytes": shape.dtype_bytes,
         "causal": shape.causal, "softcap": shape.has_softcap, "window": shape.has_window,
         "sinks": shape.sinks, "varlen": shape.is_varlen, **device_context(),
     }
@@ -205,6 +205,9 @@ def is_deep_ring(config) -> bool:
 # The Hopper kernel's head dims (HopperTraits); the mma.sync kernel takes 64, 128 and 256 of them (the space's
 # constraint says why).
 HEAD_DIMS = (64, 96, 128, 192, 256)
+# (Q/K head dim, V head dim) pairs of a value head dim of its own, the Hopper kernel's (HopperTraits' HEAD_DIM_V; the
+# space's constraint says why these): DeepSeek-V2/V3's MLA prefill (192/128), and 128/64.
+HEAD_DIM_V_PAIRS = ((192, 128), (128, 64))
 
 
 def tile_dim(config, shape: Shape) -> int:
@@ -212,6 +215,11 @@ def tile_dim(config, shape: Shape) -> int:
     the 128-byte swizzle (HopperTraits::kTileDim: head dim 96 is held as 128, TMA filling the rest with zeros); the
     mma.sync kernel's hold the head dim."""
     return (shape.head_dim + 63) // 64 * 64 if is_wgmma(config) else shape.head_dim
+
+
+def tile_dim_v(config, shape: Shape) -> int:
+    """The columns a V tile and O's staging tile hold (HopperTraits::kTileDimV): tile_dim's rule at V's head dim."""
+    return (shape.dv + 63) // 64 * 64 if is_wgmma(config) else shape.dv
 
 
 def q_buffer_bytes(config, shape: Shape) -> int:
@@ -299,9 +307,9 @@ def merge_bytes(config, shape: Shape) -> int:
 
 
 def o_stage_bytes(config, shape: Shape) -> int:
-    """Shared memory the TMA-store epilogue adds: a Q-sized staging tile under PERSISTENT (the next tile's Q arrives
-    in Q's buffer meanwhile); none otherwise (O is staged in Q's buffer, free by then)."""
-    return 2 * tile_dim(config, shape) * wgmma_block_m(config) if is_tma_store(config) and is_persistent(config) else 0
+    """Shared memory the TMA-store epilogue adds: an O-sized staging tile (V's head dim wide) under PERSISTENT (the next
+    tile's Q arrives in Q's buffer meanwhile); none otherwise (O is staged in Q's buffer, free by then)."""
+    return 2 * tile_dim_v(config, shape) * wgmma_block_m(config) if is_tma_store(config) and is_persistent(config) else 0
 
 
 def is_persistent(config) -> bool:
@@ -385,7 +393,8 @@ class AttentionProblem(Problem):
 
     def shape_columns(self, shape: Shape) -> dict:
         columns = {"B": str(shape.batch), "H": str(shape.heads), "Sq": str(shape.seq_q), "Sk": str(shape.seq_k),
-                   "D": str(shape.head_dim), "dtype": shape.dtype, "causal": "yes" if shape.causal else "no"}
+                   "D": str(shape.head_dim) + (f"/{shape.dv}" if shape.has_dv else ""), "dtype": shape.dtype,
+                   "causal": "yes" if shape.causal else "no"}
         if shape.is_varlen:  # the longest sequence and the tokens in all
             columns.update(Sq=f"<={shape.seq_q} ({shape.total_q})", Sk=f"<={shape.seq_k} ({shape.total_k})")
         return columns
@@ -395,6 +404,7 @@ class AttentionProblem(Problem):
         mods = f" softcap={shape.softcap:g}" if shape.has_softcap else ""
         mods += f" window=({shape.window_left},{shape.window_right})" if shape.has_window else ""
         mods += " sinks" if shape.sinks else ""
+        mods += f" Dv={shape.dv}" if shape.has_dv else ""
         if shape.is_varlen:
             return (f"varlen B={shape.batch} H={shape.heads}{kv} Sq<={shape.seq_q} ({shape.total_q} in all) "
                     f"Sk<={shape.seq_k} ({shape.total_k} in all) D={shape.head_dim}{mods}")
@@ -422,6 +432,12 @@ class AttentionProblem(Problem):
                              f"({', '.join(map(str, HEAD_DIMS[:-1]))} or {HEAD_DIMS[-1]})")
         if shape.dtype not in ("fp16", "bf16"):
             raise UsageError(f"attention: dtype {shape.dtype} is not supported (fp16 or bf16)")
+        if shape.has_dv and (shape.head_dim, shape.dv) not in HEAD_DIM_V_PAIRS:
+            pairs = ", ".join(f"{d}/{dv}" for d, dv in HEAD_DIM_V_PAIRS)
+            raise UsageError(f"attention: value head dim {shape.dv} beside head dim {shape.head_dim} is not supported "
+                             f"(q, k / v: {pairs}, or one head dim for all three)")
+        if shape.has_dv and shape.is_varlen:
+            raise UsageError(f"attention: {shape.spec}: a value head dim of its own is not supported with varlen")
 
     def context(self, shape: Shape) -> dict:
         """Names the search space's expressions may use for this shape."""
@@ -457,10 +473,10 @@ class AttentionProblem(Problem):
                 ("SKIP_EMPTY", "true" if is_skip_empty(config) else "false"),
                 ("P_SMEM", "true" if is_p_smem(config) else "false"),
                 ("STRIPE_MIRROR", "true" if is_stripe_mirror(config) else "false"),
-            ] + problem_args + score_mod_args(shape) + varlen_args(shape)
-        if has_score_mods(shape) or shape.is_varlen:
-            raise UsageError(f"attention: {shape.spec}: softcap, window, sinks and varlen are in the Hopper kernel only "
-                             f"(mma = wgmma); the mma.sync kernel does not compute them")
+            ] + problem_args + score_mod_args(shape) + varlen_args(shape) + head_dim_v_args(shape)
+        if has_score_mods(shape) or shape.is_varlen or shape.has_dv:
+            raise UsageError(f"attention: {shape.spec}: softcap, window, sinks, varlen and a value head dim of its own "
+                             f"are in the Hopper kernel only (mma = wgmma); the mma.sync kernel does not compute them")
         return [
             ("BLOCK_M", int(knob(config, "block_m"))),
             ("BLOCK_N", int(knob(config, "block_n"))),
@@ -508,6 +524,9 @@ class AttentionProblem(Problem):
             skip_note = ("\n// empty_warpgroups = skip: the non-causal PERSISTENT grid takes tile_counter too (its tiles are "
                          "handed out).") if is_skip_empty(config) and is_persistent(config) else ""
             skip_note += varlen_note
+            if shape.has_dv:
+                skip_note += (f"\n// HEAD_DIM_V = {shape.dv}: V (v_map) and O (o, its strides; o_map) are {shape.dv} "
+                              f"columns wide, Q and K {shape.head_dim}.")
             return f"""{traits}
 {asserts}
 // Launch: grid (ceil(seq_q / kBlockM), heads, batch), or with PERSISTENT (min(tiles, SMs), 1, 1) for tiles =
@@ -557,8 +576,10 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         tiles, so a launch sizes it for its device (LaunchGeometry.grid_for; launch_plan does)."""
         block_m, block_n = rows_per_cta(config), int(knob(config, "block_n"))
         if is_wgmma(config):
-            # HopperTraits: Q + STAGES (K, V) tiles + 1024 B to align them; consumer and producer warps.
-            smem = 2 * tile_dim(config, shape) * (block_m + 2 * int(knob(config, "stages")) * block_n) + 1024
+            # HopperTraits: Q + STAGES (K, V) tiles (V's at its head dim) + 1024 B to align them; consumer and producer
+            # warps.
+            smem = 2 * (tile_dim(config, shape) * (block_m + int(knob(config, "stages")) * block_n)
+                        + tile_dim_v(config, shape) * int(knob(config, "stages")) * block_n) + 1024
             smem += o_stage_bytes(config, shape) + q_buffer_bytes(config, shape) + p_tile_bytes(config, shape)
             threads = 32 * (int(knob(config, "compute_warps")) + int(knob(config, "producer_warps")))
             if is_persistent(config):
@@ -682,11 +703,11 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         dt = self.torch_dtype(shape)
         b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
 
-        def randn(seq, heads=h):  # (B, heads, seq, D) in fp32
-            return torch.randn(b, heads, seq, d, generator=gen, device=device)
+        def randn(seq, heads=h, dim=d):  # (B, heads, seq, dim) in fp32
+            return torch.randn(b, heads, seq, dim, generator=gen, device=device)
 
-        # K and V have kv_heads heads (grouped-query attention): never expanded per query head here.
-        q, k, v = randn(shape.seq_q), randn(shape.seq_k, hk), randn(shape.seq_k, hk)
+        # K and V have kv_heads heads (grouped-query attention): never expanded per query head here. V: its head dim.
+        q, k, v = randn(shape.seq_q), randn(shape.seq_k, hk), randn(shape.seq_k, hk, shape.dv)
         if pattern == "large":
             q, k, v = q * 4, k * 4, v * 30
         elif pattern in ("dominant_key", "very_negative"):
@@ -750,7 +771,14 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
     def new_output(self, inputs: dict):
         import torch
 
-        return torch.empty_like(inputs["q"])  # keeps the (B,H,S,D) or (B,S,H,D) strides
+        q, v = inputs["q"], inputs["v"]
+        if v.shape[-1] == q.shape[-1]:
+            return torch.empty_like(q)  # keeps the (B,H,S,D) or (B,S,H,D) strides
+        # A value head dim of its own (dense shapes only): (B, H, Sq, Dv) in q's layout.
+        b, h, sq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
+        bshd = q.stride(1) < q.stride(2)
+        stride = (sq * h * dv, dv, h * dv, 1) if bshd else (h * sq * dv, sq * dv, dv, 1)
+        return torch.empty_strided((b, h, sq, dv), stride, dtype=q.dtype, device=q.device)
 
     def launch_plan(self, config, shape: Shape) -> "LaunchPlan":
         """What a launch of `config` on `shape` needs besides the tensors (grid, block, shared memory, the
@@ -873,7 +901,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
             return _varlen.reference(self, shape, inputs)
 
         q, k, v = (inputs[n].float() for n in ("q", "k", "v"))
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)  # O: V's head dim
         prev = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
         try:
@@ -922,6 +950,8 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
             return "skipped: SDPA has no softcap"
         if shape.has_window and name == "flash":
             return "skipped: SDPA's flash backend takes no mask (a window is a boolean attn_mask)"
+        if shape.has_dv and name == "flash":
+            return "skipped: SDPA's flash backend needs one head dim for q, k and v"
         if name == "math" and shape.seq_q * shape.seq_k * shape.batch * shape.heads > (1 << 28):
             return "skipped: the math backend's S matrix is too large"
         if shape.kv_heads != shape.heads and not sdpa_has_gqa():
@@ -1065,10 +1095,10 @@ def _hopper_smem_members(config, shape: Shape) -> list[str]:
     at the end; none otherwise."""
     members, terms = [], []
     if o_stage_bytes(config, shape):
-        members.append("static constexpr int kOStageBytes = kQBytes;  // epilogue = tma, persistent: O's staging tile")
+        members.append("static constexpr int kOStageBytes = kOBytes;  // epilogue = tma, persistent: O's staging tile")
         terms.append("kOStageBytes")
     if q_buffer_bytes(config, shape):
-        members.append("static constexpr int kQ1Offset = " + " + ".join(["kQBytes + 2 * kStages * kKVBytes"] + terms)
+        members.append("static constexpr int kQ1Offset = " + " + ".join(["kQBytes + kStages * (kKBytes + kVBytes)"] + terms)
                        + ";  // stripe_order = mirrored: Q's second buffer, after the K/V slots (and O's staging tile)")
         terms.append("kQBytes")
     if p_tile_bytes(config, shape):
@@ -1171,17 +1201,19 @@ def _map_args(config, shape: Shape, q_strides: tuple, k_strides: tuple, v_stride
 
     # kv_cluster: each CTA's box is its part of a K/V tile, BLOCK_N / kv_cluster rows (attention_tma_multicast.cuh).
     block_m, kv_rows = rows_per_cta(config), int(knob(config, "block_n")) // kv_cluster(config)
-    maps = [(q_strides, shape.heads, shape.seq_q, block_m), (k_strides, shape.kv_heads, shape.seq_k, kv_rows),
-            (v_strides, shape.kv_heads, shape.seq_k, kv_rows)]
+    # Q's and K's maps span the head dim, V's and O's V's head dim (shape.dv).
+    maps = [(q_strides, shape.heads, shape.seq_q, block_m, shape.head_dim),
+            (k_strides, shape.kv_heads, shape.seq_k, kv_rows, shape.head_dim),
+            (v_strides, shape.kv_heads, shape.seq_k, kv_rows, shape.dv)]
     if o_strides is not None:
-        maps.append((o_strides, shape.heads, shape.seq_q, 64))
+        maps.append((o_strides, shape.heads, shape.seq_q, 64, shape.dv))
     batch = shape.batch
     if shape.is_varlen:  # the packed tensors as one batch of all their rows (kernels/hopper/varlen.cuh)
         batch = 1
-        maps = [(st, heads, shape.total_q if i in (0, 3) else shape.total_k, rows)  # Q, O: queries; K, V: keys
-                for i, (st, heads, _, rows) in enumerate(maps)]
-    return tuple(tiled_map_args(shape.dtype, (batch, heads, seq, shape.head_dim), strides, rows)
-                 for strides, heads, seq, rows in maps)
+        maps = [(st, heads, shape.total_q if i in (0, 3) else shape.total_k, rows, dim)  # Q, O: queries; K, V: keys
+                for i, (st, heads, _, rows, dim) in enumerate(maps)]
+    return tuple(tiled_map_args(shape.dtype, (batch, heads, seq, dim), strides, rows)
+                 for strides, heads, seq, rows, dim in maps)
 
 
 @lru_cache(maxsize=8)
@@ -1221,6 +1253,19 @@ def varlen_args(shape: Shape) -> list[tuple[str, object]]:
         return []
     pad = [] if has_score_mods(shape) else [("SOFTCAP", "false"), ("LOCAL", "false")]
     return pad + ([] if shape.sinks else [("SINKS", "false")]) + [("VARLEN", "true")]
+
+
+def head_dim_v_args(shape: Shape) -> list[tuple[str, object]]:
+    """HopperTraits' HEAD_DIM_V template argument (last: after SOFTCAP, LOCAL, SINKS and VARLEN, given as false where
+    the shape has none of them), only for a shape with a value head dim of its own: every other shape instantiates
+    the source it did before HEAD_DIM_V existed (the default 0, V's head dim that of Q)."""
+    if not shape.has_dv:
+        return []
+    if shape.is_varlen:  # varlen_args passed the rest (check_shape refuses the pair today; the order holds anyway)
+        return [("HEAD_DIM_V", shape.dv)]
+    pad = [] if has_score_mods(shape) else [("SOFTCAP", "false"), ("LOCAL", "false")]
+    pad += [] if shape.sinks else [("SINKS", "false")]
+    return pad + [("VARLEN", "false"), ("HEAD_DIM_V", shape.dv)]
 
 
 def score_mod_args(shape: Shape) -> list[tuple[str, object]]:

@@ -26,6 +26,11 @@ the dense kernel's, and so needs equal query and key lengths per sequence (packe
 flash-attention's bottom-right causal agrees); a length may be 0 (a sequence with queries and no keys gives rows
 of 0, as flash-attention writes them).
 
+`dv=N` is a value head dim of its own (flash-attention's `hdim_v`; DeepSeek-V2/V3's MLA prefill: Q and K of head dim
+192, V and so O of 128, `1,16,4096,192:bf16:causal:dv=128`): V is (B, Hkv, Sk, N) and O (B, H, Sq, N); the softmax
+scale stays 1/sqrt(D), Q's. Written (`spec`, `as_dict`) only where N differs from D, so older specs and records read
+the same; `dv=D` is D.
+
 `kvN` is grouped-query attention (SDPA's enable_gqa): N K/V heads shared by the H query heads in
 groups of H/N (query head h reads K/V head h // (H/N)); N must divide H. `4,32,4096,128:kv8` is
 Llama-3-8B's attention. Without the flag, or with N = H, there are as many K/V heads as query heads
@@ -92,6 +97,17 @@ class Shape:
     # differ (() : the same); () without (a dense batch). seq_q / seq_k are then the longest (max_seqlen_q / _k).
     varlen: tuple = ()
     varlen_k: tuple = ()
+    head_dim_v: int = 0  # V's (and O's) head dim where it differs from head_dim (MLA's 128 beside 192); 0: the same
+
+    @property
+    def dv(self) -> int:
+        """V's and O's head dim: head_dim_v, or head_dim where the shape has none of its own."""
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def has_dv(self) -> bool:
+        """Whether V's head dim differs from Q's and K's."""
+        return self.head_dim_v != 0
 
     def __post_init__(self) -> None:
         check_fields(self, MAX_DIMS, lambda name, limit: f"at most {limit} ({_WHY_MAX[name]})")
@@ -116,6 +132,12 @@ class Shape:
                                  f"got {w!r}")
         if not isinstance(self.sinks, bool):
             raise UsageError(f"shape: sinks must be True or False, got {self.sinks!r}")
+        dv = self.head_dim_v
+        if not isinstance(dv, int) or isinstance(dv, bool) or not 0 <= dv <= MAX_DIMS["head_dim"]:
+            raise UsageError(f"shape: head_dim_v must be an integer from 1 to {MAX_DIMS['head_dim']} (0: head_dim's), "
+                             f"got {dv!r}")
+        if dv == self.head_dim:
+            object.__setattr__(self, "head_dim_v", 0)  # one spelling of "the same": equal == default
         self._check_varlen()
         if self.has_window and self.causal and self.seq_q != self.seq_k:
             raise UsageError(f"shape: causal with a window needs Sq == Sk (got {self.seq_q} and {self.seq_k}): causal is "
@@ -194,7 +216,8 @@ class Shape:
         """A varlen shape's sequence b as a dense shape of batch 1 (its lengths, the same heads, head dim, dtype, mask
         and score mods); its query and key lengths must be at least 1."""
         return Shape(1, self.heads, self.varlen[b], self.key_lengths[b], self.head_dim, self.dtype, self.causal,
-                     "bshd", self.kv_heads, self.softcap, self.window_left, self.window_right, self.sinks)
+                     "bshd", self.kv_heads, self.softcap, self.window_left, self.window_right, self.sinks,
+                     head_dim_v=self.head_dim_v)
 
     def computed_sequences(self) -> list[int]:
         """The varlen sequences with at least one query and one key (the others compute nothing)."""
@@ -254,6 +277,7 @@ class Shape:
         flags += [f"softcap={self.softcap:g}"] if self.has_softcap else []
         flags += [f"window={self.window_left},{self.window_right}"] if self.has_window else []
         flags += ["sinks"] if self.sinks else []
+        flags += [f"dv={self.head_dim_v}"] if self.has_dv else []
         if self.varlen:
             flags.append("varlen=" + spell_lengths(self.varlen) + ("," + spell_lengths(self.varlen_k) if self.varlen_k
                                                                      else ""))
@@ -264,30 +288,31 @@ class Shape:
         return 2
 
     def flops(self) -> float:
-        """Matmul FLOPs of the forward pass (4·B·H·Sq·Sk·D), halved for causal as FlashAttention counts them;
-        with a window, 4·B·H·D per (query, key) pair the masks leave (visible_pairs), as FlashAttention's
-        benchmark counts local attention."""
+        """Matmul FLOPs of the forward pass (2·B·H·Sq·Sk·(D + Dv): Q K^T's 2 D and P V's 2 Dv per pair; 4·B·H·Sq·Sk·D
+        at one head dim), halved for causal as FlashAttention counts them; with a window, 2·B·H·(D + Dv) per (query,
+        key) pair the masks leave (visible_pairs), as FlashAttention's benchmark counts local attention."""
         if self.varlen:  # each sequence's, as a dense batch of one counts it
             return sum(self.sequence_shape(b).flops() for b in self.computed_sequences())
-        f = 4.0 * self.batch * self.heads * self.seq_q * self.seq_k * self.head_dim
+        f = 2.0 * self.batch * self.heads * self.seq_q * self.seq_k * (self.head_dim + self.dv)
         if self.has_window:
-            return 4.0 * self.batch * self.heads * self.head_dim * self.visible_pairs()
+            return 2.0 * self.batch * self.heads * (self.head_dim + self.dv) * self.visible_pairs()
         return f / 2 if self.causal else f
 
     def min_bytes(self) -> int:
         """Fewest bytes moved through device memory: Q, K, V read once and O written once (K and V
-        once per K/V head: a group's query heads share them). Varlen: each sequence's."""
+        once per K/V head: a group's query heads share them; V and O at V's head dim). Varlen: each sequence's."""
         if self.varlen:
             return sum(self.sequence_shape(b).min_bytes() for b in self.computed_sequences())
-        q_and_o = 2 * self.batch * self.heads * self.seq_q * self.head_dim
+        q_and_o = self.batch * self.heads * self.seq_q * (self.head_dim + self.dv)
         keys = self.seq_k
         if self.has_window:  # the keys some query sees: one contiguous range (first row's lo to last row's hi)
             keys = max(0, self.key_range(self.seq_q - 1)[1] - self.key_range(0)[0] + 1)
-        k_and_v = 2 * self.batch * self.kv_heads * keys * self.head_dim
+        k_and_v = self.batch * self.kv_heads * keys * (self.head_dim + self.dv)
         return (q_and_o + k_and_v) * self.dtype_bytes
 
     def as_dict(self) -> dict:
-        """The fields; kv_heads only where it differs from heads (records without grouping stay as they were)."""
+        """The fields; kv_heads only where it differs from heads, head_dim_v only where it differs from head_dim (records
+        without them stay as they were)."""
         d = {
             "batch": self.batch, "heads": self.heads, "seq_q": self.seq_q, "seq_k": self.seq_k,
             "head_dim": self.head_dim, "dtype": self.dtype, "causal": self.causal, "layout": self.layout,
@@ -304,6 +329,8 @@ class Shape:
             d["varlen"] = list(self.varlen)
             if self.varlen_k:
                 d["varlen_k"] = list(self.varlen_k)
+        if self.has_dv:
+            d["head_dim_v"] = self.head_dim_v
         return d
 
     @classmethod
@@ -312,7 +339,8 @@ class Shape:
         window = d.get("window") or (-1, -1)
         return cls(**fields, kv_heads=d.get("kv_heads") or 0, softcap=d.get("softcap") or 0.0,
                    window_left=int(window[0]), window_right=int(window[1]), sinks=d.get("sinks") is True,
-                   varlen=tuple(d.get("varlen") or ()), varlen_k=tuple(d.get("varlen_k") or ()))
+                   varlen=tuple(d.get("varlen") or ()), varlen_k=tuple(d.get("varlen_k") or ()),
+                   head_dim_v=d.get("head_dim_v") or 0)
 
 
 PRESETS: dict[str, tuple[Shape, str]] = {
@@ -334,6 +362,7 @@ MAX_SEQUENCES = MAX_DIMS["batch"]  # the grid's z (one per sequence)
 _KV_FLAG = re.compile(r"^kv([0-9]+)$")  # kvN: N K/V heads (grouped-query attention)
 _SOFTCAP_FLAG = re.compile(r"^softcap=")  # softcap=C; the value is read (and refused) by _parse_flags
 _WINDOW_FLAG = re.compile(r"^window=")    # window=L,R
+_DV_FLAG = re.compile(r"^dv=")            # dv=N: V's head dim
 _WINDOW_VALUE = re.compile(r"^\s*(-1|[0-9]+)\s*,\s*(-1|[0-9]+)\s*$")
 _MAX_DIGITS = 12  # far above any bound in MAX_DIMS; stops int() on thousands of digits
 
@@ -353,13 +382,13 @@ def parse_shape(text: str) -> Shape:
         return Shape(p.batch, p.heads, p.seq_q, p.seq_k, p.head_dim,
                      **{"dtype": p.dtype, "causal": p.causal, "layout": p.layout, "kv_heads": p.kv_heads,
                         "softcap": p.softcap, "window_left": p.window_left, "window_right": p.window_right,
-                        "sinks": p.sinks, **fields})
+                        "sinks": p.sinks, "head_dim_v": p.head_dim_v, **fields})
     if not _DIMS.match(dims_part):
         if re.match(r"^[A-Za-z][\w-]*$", name):
             raise UsageError(f"shape: unknown preset {_shown(name)}; presets: {', '.join(PRESETS)}")
         raise UsageError(
             f"shape: cannot read {_shown(text)}; write B,H,S,D or B,H,Sq,Sk,D with optional "
-            f":fp16|:bf16|:causal|:bshd|:kvN|:softcap=C|:window=L,R|:sinks|:varlen=L1/L2/..."
+            f":fp16|:bf16|:causal|:bshd|:kvN|:softcap=C|:window=L,R|:sinks|:varlen=L1/L2/...|:dv=N"
         )
     dims = _parse_dims(dims_part.split(","))
     b, h, sq, sk, d = (dims[0], dims[1], dims[2], dims[2], dims[3]) if len(dims) == 4 else dims
@@ -421,7 +450,8 @@ def _parse_flags(flag_texts: list[str], text: str) -> dict:
     given = parse_flags(flag_texts, _FLAG_KINDS, text, ((_KV_FLAG, "kv_heads", "kvN"),
                                                         (_SOFTCAP_FLAG, "softcap", "softcap=C"),
                                                         (_WINDOW_FLAG, "window", "window=L,R"),
-                                                        (_VARLEN_FLAG, "varlen", "varlen=L1/L2/...")))
+                                                        (_VARLEN_FLAG, "varlen", "varlen=L1/L2/..."),
+                                                        (_DV_FLAG, "head_dim_v", "dv=N")))
     fields: dict = {kind: True if kind in ("causal", "sinks") else flag for kind, flag in given.items()}
     if "softcap" in fields:
         value = fields["softcap"].split("=", 1)[1].strip()
@@ -452,6 +482,12 @@ def _parse_flags(flag_texts: list[str], text: str) -> dict:
                 raise UsageError(f"shape: {_shown(text)}: varlen gives {len(lists[0])} query and {len(lists[1])} key "
                                  f"lengths: one of each per sequence")
             fields["varlen_k"] = lists[1]
+    if "head_dim_v" in fields:
+        digits = fields["head_dim_v"].split("=", 1)[1].strip()
+        if not digits.isdigit() or int(digits[:_MAX_DIGITS + 1]) < 1:
+            raise UsageError(f"shape: {_shown(fields['head_dim_v'], 40)} in {_shown(text)}: write dv=N with N V's head "
+                             f"dim, a positive integer (e.g. dv=128, DeepSeek MLA's beside head dim 192)")
+        fields["head_dim_v"] = parse_dim(digits, "head_dim_v", MAX_DIMS["head_dim"], _WHY_MAX["head_dim"])
     if "kv_heads" in fields:
         digits = _KV_FLAG.match(fields["kv_heads"]).group(1)
         kv = parse_dim(digits, "kv_heads", MAX_DIMS["heads"], _WHY_MAX["heads"])

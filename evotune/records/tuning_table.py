@@ -109,8 +109,9 @@ KEY_FIELDS = ("gpu", "cc", "dtype", "head_dim", "causal", "layout", "seq_q_bucke
 # measured shape's. kv_group: written only where not 1 (grouped-query attention). softcap, window_bucket and sinks:
 # written only where set (logit soft-capping; a sliding window; attention sinks), so the keys of dense calls read as
 # before.
-# varlen: written only where set (a variable-length packed batch), likewise.
-OPTIONAL_KEY_FIELDS = ("bh_bucket", "kv_group", "softcap", "window_bucket", "sinks", "varlen")
+# varlen: written only where set (a variable-length packed batch), likewise; head_dim_v: V's head dim, written only where
+# it differs from head_dim (DeepSeek MLA's 128 beside 192).
+OPTIONAL_KEY_FIELDS = ("bh_bucket", "kv_group", "softcap", "window_bucket", "sinks", "varlen", "head_dim_v")
 ENTRY_FIELDS = ("key", "config", "space", "shape", "evotune_us", "sdpa", "route", "reason", "evidence",
                 "provenance")
 PROVENANCE_FIELDS = ("run", "trial", "git_sha", "evotune_version", "device", "source_digest")
@@ -191,13 +192,16 @@ class TableKey:
     # (the grid's CTAs before those past their sequence's end exit). The lengths themselves are not in the key: a
     # packed training batch changes them every step, and the op knows them only on the GPU (cu_seqlens).
     varlen: bool = False
+    # V's head dim where it differs from head_dim (a kernel of its own, HopperTraits' HEAD_DIM_V); 0: the same.
+    head_dim_v: int = 0
 
     @classmethod
     def for_shape(cls, shape, gpu: str, cc: str) -> "TableKey":
         """The key of an attention Shape on GPU `gpu` of compute capability `cc` ("9.0")."""
         return cls(gpu, cc, shape.dtype, shape.head_dim, shape.causal, shape.layout,
                    seq_bucket(shape.seq_q), seq_bucket(shape.seq_k), bh_bucket(shape.batch, shape.heads),
-                   shape.kv_group, shape.has_softcap, window_bucket(shape), shape.sinks, shape.is_varlen)
+                   shape.kv_group, shape.has_softcap, window_bucket(shape), shape.sinks, shape.is_varlen,
+                   shape.head_dim_v)
 
     def as_dict(self) -> dict:
         d = {name: getattr(self, name) for name in KEY_FIELDS}
@@ -212,13 +216,15 @@ class TableKey:
             d["sinks"] = True
         if self.varlen:
             d["varlen"] = True
+        if self.head_dim_v:
+            d["head_dim_v"] = self.head_dim_v
         return d
 
     def group(self) -> tuple:
         """Everything but the sequence and work buckets: the entries a nearest-bucket search may choose among (a
         window's bucket stays: its tile range, not the sequence, decides the work per query tile)."""
         return (self.gpu, self.cc, self.dtype, self.head_dim, self.causal, self.layout, self.kv_group, self.softcap,
-                self.window_bucket, self.sinks, self.varlen)
+                self.window_bucket, self.sinks, self.varlen, self.head_dim_v)
 
     def distance(self, other: "TableKey") -> int:
         """Bucket distance in doublings: |log2 Sq ratio| + |log2 Sk ratio| + |log2 BH ratio|."""
@@ -232,7 +238,8 @@ class TableKey:
         group += f" window<={self.window_bucket}" if self.window_bucket else ""
         group += " sinks" if self.sinks else ""
         group += " varlen" if self.varlen else ""
-        return (f"{self.gpu} (sm {self.cc}) {self.dtype} d{self.head_dim} {mask} {self.layout}{group} "
+        dims = f"d{self.head_dim}" + (f"/dv{self.head_dim_v}" if self.head_dim_v else "")
+        return (f"{self.gpu} (sm {self.cc}) {self.dtype} {dims} {mask} {self.layout}{group} "
                 f"Sq<={self.seq_q_bucket} Sk<={self.seq_k_bucket} BH<={self.bh_bucket}")
 
 
@@ -348,6 +355,10 @@ def _parse_key(obj, where: str, shape_obj, shape_where: str) -> TableKey:
         raise _Fault(f"{where}.window_bucket: {window} is not 0 (no window) or a power of two")
     sinks = _expect(obj.get("sinks", False), "boolean", f"{where}.sinks")
     varlen = _expect(obj.get("varlen", False), "boolean", f"{where}.varlen")
+    head_dim_v = _expect(obj.get("head_dim_v", 0), "integer", f"{where}.head_dim_v")
+    if head_dim_v < 0 or head_dim_v == obj["head_dim"]:
+        raise _Fault(f"{where}.head_dim_v: {head_dim_v} is not V's own head dim (positive, not head_dim; leave it out "
+                     f"where V's is head_dim)")
     if "bh_bucket" in obj:
         bh = _expect(obj["bh_bucket"], "integer", f"{where}.bh_bucket")
         if bh < 1 or bh & (bh - 1):
@@ -356,7 +367,7 @@ def _parse_key(obj, where: str, shape_obj, shape_where: str) -> TableKey:
         measured = _measured_shape(shape_obj, shape_where)
         bh = bh_bucket(measured.batch, measured.heads)
     return TableKey(**{name: obj[name] for name in KEY_FIELDS}, bh_bucket=bh, kv_group=kv_group, softcap=softcap,
-                    window_bucket=window, sinks=sinks, varlen=varlen)
+                    window_bucket=window, sinks=sinks, varlen=varlen, head_dim_v=head_dim_v)
 
 
 def _parse_provenance(obj, where: str) -> dict:
@@ -499,10 +510,10 @@ def _space(ref: str):
 
 @lru_cache(maxsize=256)
 def _current_digest(config_items: tuple, dtype: str, head_dim: int, causal: bool, softcap: bool = False,
-                    window: bool = False, sinks: bool = False, varlen: bool = False) -> str:
+                    window: bool = False, sinks: bool = False, varlen: bool = False, head_dim_v: int = 0) -> str:
     """The digest of the kernel source the op would compile now for this config and shape class. The
-    source depends on the shape only through dtype, head dim, causal and whether it has a softcap, a window, sinks or is varlen
-    (their values are runtime arguments) (AttentionProblem.template_args; the op's kernel cache relies on the same), so a
+    source depends on the shape only through dtype, head dim (and V's), causal and whether it has a softcap, a window, sinks or
+    is varlen (their values are runtime arguments) (AttentionProblem.template_args; the op's kernel cache relies on the same), so a
     call of new sequence lengths reads no template."""
     from ..problems import get_problem
     from ..problems.shapes import Shape
@@ -510,7 +521,7 @@ def _current_digest(config_items: tuple, dtype: str, head_dim: int, causal: bool
     from ..build.template import instantiate
 
     shape = Shape(1, 1, 1, 1, head_dim, dtype, causal, softcap=1.0 if softcap else 0.0, window_left=0 if window else -1,
-                  sinks=sinks, varlen=(1,) if varlen else ())
+                  sinks=sinks, varlen=(1,) if varlen else (), head_dim_v=head_dim_v)
     return instantiate(get_problem(FAMILY), Config(config_items), shape).digest
 
 
@@ -518,7 +529,7 @@ def _digest_now(config: dict, shape) -> str:
     from ..space.searchspace import Config
 
     return _current_digest(Config.from_dict(config).items, shape.dtype, shape.head_dim, shape.causal, shape.has_softcap,
-                           shape.has_window, shape.sinks, shape.is_varlen)
+                           shape.has_window, shape.sinks, shape.is_varlen, shape.head_dim_v)
 
 
 def clear_caches() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UsageError
-from ..problems.attention import HEAD_DIMS
+from ..problems.attention import HEAD_DIM_V_PAIRS, HEAD_DIMS
 
 HEAD = "evotune.torch.attention"
 NO_MODS = (0.0, -1, -1)  # (softcap, window_left, window_right) of a call with neither
@@ -170,7 +170,8 @@ class Call:
         from ..problems.shapes import Shape
 
         return Shape(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim, self.dtype, self.causal,
-                     self.layout, self.kv_heads, self.softcap, self.window[0], self.window[1])
+                     self.layout, self.kv_heads, self.softcap, self.window[0], self.window[1],
+                     head_dim_v=self.v_head_dim)
 
     def as_dict(self) -> dict:
         """The call's facts (the shapes a recorder keeps); softcap and window only where set, so a dense call's row
@@ -199,9 +200,11 @@ def coverage(call: Call, gpu_cc: tuple[int, int] | None) -> str | None:
                 f"for sm_90a (9.0)")
     if call.dtype not in DTYPES.values():
         return f"dtype {call.dtype}: the kernel computes fp16 and bf16"
-    if call.head_dim not in HEAD_DIMS or call.v_head_dim != call.head_dim:
+    if call.head_dim not in HEAD_DIMS or (call.v_head_dim != call.head_dim
+                                          and (call.head_dim, call.v_head_dim) not in HEAD_DIM_V_PAIRS):
+        pairs = ", ".join(f"{d}/{dv}" for d, dv in HEAD_DIM_V_PAIRS)
         return (f"head dim {call.head_dim} (value head dim {call.v_head_dim}): the kernel is written for "
-                f"{', '.join(map(str, HEAD_DIMS))}, the same for q, k and v")
+                f"{', '.join(map(str, HEAD_DIMS))}, the same for q, k and v, or q, k / v {pairs}")
     if call.kv_heads != call.heads and not supports("gqa"):
         return f"{call.kv_heads} k/v heads for {call.heads} query heads: {unsupported('gqa')}"
     if 0 in (call.batch, call.heads, call.seq_q, call.seq_k):

@@ -23,9 +23,9 @@ ON_CLEAR: list = []
 def shape_class(shape) -> tuple:
     """What of an attention shape the compiled code depends on (AttentionProblem.template_args reads
     head_dim, dtype and causal, and whether there is a softcap and a window: the SOFTCAP and LOCAL traits, which also
-    add their entry parameters; sizes, strides, the K/V group size, the cap and the window's sides are launch
-    arguments)."""
-    return shape.dtype, shape.head_dim, shape.causal, shape.has_softcap, shape.has_window
+    add their entry parameters; V's own head dim, HEAD_DIM_V; sizes, strides, the K/V group size, the cap and the
+    window's sides are launch arguments)."""
+    return shape.dtype, shape.head_dim, shape.causal, shape.has_softcap, shape.has_window, shape.head_dim_v
 
 
 @dataclass(frozen=True)

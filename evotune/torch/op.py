@@ -275,12 +275,16 @@ def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
     autograd, told once (in eager code; while torch.compile traces, a notice would break the graph)."""
     if mods != NO_MODS:
         return _grad_fallback(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
-    if lse_backend(q, k, is_causal) is not None:
+    # A value head dim of its own (MLA): PyTorch's flash backwards, the op's backward on CUDA and the CPU, need one.
+    own_dv = v.shape[-1] != q.shape[-1]
+    if not own_dv and lse_backend(q, k, is_causal) is not None:
         return torch.ops.evotune.attention_lse(q, k, v, is_causal, scale, enable_gqa, fallback)[0]
     if not torch.compiler.is_compiling():
         check_args(q, k, v, enable_gqa)
-        decision = routing.uncovered(routing.decide(Call.of(q, k, v, is_causal)),
-                                     f"no PyTorch attention backward takes a log-sum-exp on {q.device.type}")
+        why = (f"value head dim {v.shape[-1]} beside {q.shape[-1]} with gradients: the op's backward (PyTorch's flash "
+               f"backward, from the kernel's log-sum-exp) takes one head dim" if own_dv else
+               f"no PyTorch attention backward takes a log-sum-exp on {q.device.type}")
+        decision = routing.uncovered(routing.decide(Call.of(q, k, v, is_causal)), why)
         record.observe(decision)
         routing.notify(decision, fallback)
     elif fallback == "error":

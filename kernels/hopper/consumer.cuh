@@ -29,16 +29,16 @@ __device__ __forceinline__ void issue_qk(float (&s)[T::kSAcc], const u32 (&qr)[T
     wgmma_commit();
 }
 
-// O += P V for one V tile; P (this warpgroup's 64 x BLOCK_N probabilities) from registers.
+// O += P V for one V tile (N: V's tile width, kTileDimV); P (this warpgroup's 64 x BLOCK_N probabilities) from registers.
 template <class T>
 __device__ __forceinline__ void issue_pv(float (&o)[T::kOAcc], const u32 (&p)[T::kPVSteps][4], u32 sV) {
 #pragma unroll
     for (int kk = 0; kk < T::kPVSteps; ++kk) {  // 16 keys (2 swizzle atoms of 8 rows) per step
         if constexpr (T::kLeanAddressing)
-            wgmma_rs<1>(Wgmma<T::kTileDim, T::kIsBf16>{}, o, p[kk],
+            wgmma_rs<1>(Wgmma<T::kTileDimV, T::kIsBf16>{}, o, p[kk],
                         smem_desc16((sV >> 4) + kk * 128, T::kBlockN * 128, 1024), 1);
         else
-            wgmma_rs<1>(Wgmma<T::kTileDim, T::kIsBf16>{}, o, p[kk], smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
+            wgmma_rs<1>(Wgmma<T::kTileDimV, T::kIsBf16>{}, o, p[kk], smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
     }
     wgmma_commit();
 }
@@ -73,10 +73,10 @@ __device__ __forceinline__ void issue_pv_smem(float (&o)[T::kOAcc], u32 sP_wg, u
     for (int kk = 0; kk < T::kPVSteps; ++kk) {  // 16 keys per step: P's region kk / 4, 32 bytes a step inside it
         const u32 p_off = (kk / 4) * (64 * 128) + (kk % 4) * 32;
         if constexpr (T::kLeanAddressing)
-            wgmma_ss<1>(Wgmma<T::kTileDim, T::kIsBf16>{}, o, smem_desc16((sP_wg >> 4) + (p_off >> 4), 16, 1024),
+            wgmma_ss<1>(Wgmma<T::kTileDimV, T::kIsBf16>{}, o, smem_desc16((sP_wg >> 4) + (p_off >> 4), 16, 1024),
                         smem_desc16((sV >> 4) + kk * 128, T::kBlockN * 128, 1024), 1);
         else
-            wgmma_ss<1>(Wgmma<T::kTileDim, T::kIsBf16>{}, o, smem_desc(sP_wg + p_off, 16, 1024),
+            wgmma_ss<1>(Wgmma<T::kTileDimV, T::kIsBf16>{}, o, smem_desc(sP_wg + p_off, 16, 1024),
                         smem_desc(sV + kk * 2048, T::kBlockN * 128, 1024), 1);
     }
     wgmma_commit();
@@ -179,7 +179,7 @@ __device__ __forceinline__ void rescale_and_pack(float (&o)[T::kOAcc], const flo
     // is exactly 1 then.
     if (!T::kLazyRescale || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int j = 0; j < T::kHeadDim / 8; ++j) {
+        for (int j = 0; j < T::kHeadDimV / 8; ++j) {
             o[4 * j + 0] *= alpha[0];
             o[4 * j + 1] *= alpha[0];
             o[4 * j + 2] *= alpha[1];

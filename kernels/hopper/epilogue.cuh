@@ -12,11 +12,12 @@
 // region: whole 128-byte rows, rows past seq_q clipped by the tensor map (no per-row test), and the store runs
 // asynchronously while the warpgroup goes on. Under PERSISTENT that is the next query tile's first Q K^T.
 //
-// Staging buffer, per warpgroup its 64 rows in the layout of Q's tile (HEAD_DIM / 64 regions of kBlockM rows x 128 B,
-// warpgroup wg's rows at wg * 8 KB inside each region, so every box starts on the 1024-byte swizzle atom):
+// Staging buffer, per warpgroup its 64 rows in the layout of Q's tile (O's kTileDimV / 64 regions of kBlockM rows x 128
+// B, warpgroup wg's rows at wg * 8 KB inside each region, so every box starts on the 1024-byte swizzle atom; O is V's
+// head dim wide, never wider than Q's, HopperTraits asserts):
 //   - one tile per CTA: Q's own buffer. The warpgroup's last reader of its Q rows, the last S = Q K^T, completed
 //     before the last softmax (wgmma_wait), and no other warpgroup reads these rows;
-//   - PERSISTENT: a buffer of its own after the K/V slots (kOStageBytes more shared memory: the instantiation's
+//   - PERSISTENT: a buffer of its own after the K/V slots (kOStageBytes = kOBytes more shared memory: the instantiation's
 //     traits add it to kSmemBytes), since the producer loads the next tile's Q into Q's buffer under this epilogue.
 //     Before the warpgroup writes it again, the previous tile's store must have read it (cp.async.bulk.wait_group.read).
 
@@ -60,7 +61,7 @@ __device__ __forceinline__ void o_stage_sync(int wg) {
 // The staging rows of warpgroup `wg` (see above).
 template <class T>
 __device__ __forceinline__ u32 o_stage_addr(u32 sQ, u32 sV, int wg) {
-    const u32 base = T::kPersistent ? sV + T::kStages * T::kKVBytes : sQ;
+    const u32 base = T::kPersistent ? sV + T::kStages * T::kVBytes : sQ;
     return base + wg * (64 * 128);
 }
 
@@ -84,7 +85,7 @@ __device__ __forceinline__ void store_out_tma(const float (&o)[T::kOAcc], const 
         const int row = 16 * warp_in_wg + (lane >> 2) + 8 * r;  // of the warpgroup's 64
         const u32 row_addr = stage + row * 128 + 4 * (lane & 3);
 #pragma unroll
-        for (int j = 0; j < T::kHeadDim / 8; ++j) {
+        for (int j = 0; j < T::kHeadDimV / 8; ++j) {
             // Columns 8j + 2 (lane % 4) + {0, 1}: 16-byte chunk j % 8 of region j / 8, swizzled by the row.
             const u32 addr = row_addr + (j / 8) * (T::kBlockM * 128) + (((j % 8) ^ (row & 7)) << 4);
             const u32 packed = pack2<T::kIsBf16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
@@ -96,7 +97,7 @@ __device__ __forceinline__ void store_out_tma(const float (&o)[T::kOAcc], const 
     o_stage_sync(wg);
     if (issuer) {
 #pragma unroll
-        for (int region = 0; region < T::kRegions; ++region)
+        for (int region = 0; region < T::kRegionsV; ++region)
             tma_store_4d(o_map, stage + region * (T::kBlockM * 128), 64 * region, row0_wg, head, batch);
         bulk_commit();
         // One tile per CTA: the CTA may leave (and its shared memory be given to another) only once the store has
@@ -119,7 +120,7 @@ __device__ __forceinline__ void store_out(const float (&o)[T::kOAcc], const floa
         if (row >= seq_q) continue;
         unsigned short* dst = gO + (long long)row * o_ss + 2 * (lane & 3);
 #pragma unroll
-        for (int j = 0; j < T::kHeadDim / 8; ++j)
+        for (int j = 0; j < T::kHeadDimV / 8; ++j)
             *reinterpret_cast<u32*>(dst + 8 * j) = pack2<T::kIsBf16>(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
     }
 }

@@ -34,15 +34,16 @@ __device__ __forceinline__ u32 q_buffer(u32 smem_base, int qi) {
 }
 
 // Issue the TMA loads of K (WHICH = 0) or V (1) tile `t` into slot `slot` (one thread). kv_row0: VARLEN's packed row
-// of the sequence's first key (packed_row; else unread).
+// of the sequence's first key (packed_row; else unread). A V tile has V's regions (kRegionsV: MLA's V is narrower).
 template <class T, int WHICH>
 __device__ __forceinline__ void load_kv(const CUtensorMap* map, u32 sKV, Barriers<T>* bars, int slot, int t, int head, int batch,
                                         int kv_row0 = 0) {
+    constexpr int kBytes = WHICH == 0 ? T::kKBytes : T::kVBytes;
     const u32 bar = smem_addr(WHICH == 0 ? &bars->k_full[slot] : &bars->v_full[slot]);
-    mbar_expect_tx(bar, T::kKVBytes);
+    mbar_expect_tx(bar, kBytes);
 #pragma unroll
-    for (int r = 0; r < T::kRegions; ++r)
-        tma_load_4d(sKV + slot * T::kKVBytes + r * (T::kBlockN * 128), map, bar, 64 * r,
+    for (int r = 0; r < (WHICH == 0 ? T::kRegions : T::kRegionsV); ++r)
+        tma_load_4d(sKV + slot * kBytes + r * (T::kBlockN * 128), map, bar, 64 * r,
                     packed_row<T>(t * T::kBlockN, kv_row0), head, batch);
 }
 

@@ -24,7 +24,7 @@ constexpr long long kL2SectionBytes = 32ll << 20;
 // kL2SectionBytes; with grouped-query attention `group` consecutive query heads share one K/V head.
 template <class T>
 __device__ __forceinline__ int l2_section_pairs(int head_batches, int seq_k, int group) {
-    const long long kv_bytes = 4ll * T::kHeadDim * seq_k;  // K and V of one K/V head, 2 bytes an element
+    const long long kv_bytes = 2ll * (T::kHeadDim + T::kHeadDimV) * seq_k;  // K and V of one K/V head, 2 bytes an element
     return static_cast<int>(max(1ll, min(static_cast<long long>(head_batches), kL2SectionBytes * group / kv_bytes)));
 }
 
