@@ -50,9 +50,12 @@ def test_template_args_follow_the_declared_order(space, struct, spec):
 
 
 def test_softcap_and_window_shapes_pass_every_hopper_parameter_in_order():
-    """A soft-capped, windowed shape passes the trailing defaulted parameters too, in their declared places."""
-    declared = declared_parameters("attention.cu", "HopperTraits")
-    passed = ATTENTION.template_args(load_builtin("attention-hopper").default_config(),
-                                     parse_shape("2,4,300,128:bf16:softcap=30:window=64,0"))
-    assert [name for _, name in declared] == [name for name, _ in passed]
-    assert dict(passed)["SOFTCAP"] == "true" and dict(passed)["LOCAL"] == "true"
+    """A soft-capped, windowed shape with sinks passes the trailing defaulted parameters too, in their declared places;
+    without sinks it stops before SINKS (its default, false), so softcap and window kernels keep their source."""
+    declared = [name for _, name in declared_parameters("attention.cu", "HopperTraits")]
+    config = load_builtin("attention-hopper").default_config()
+    passed = ATTENTION.template_args(config, parse_shape("2,4,300,128:bf16:softcap=30:window=64,0:sinks"))
+    assert declared == [name for name, _ in passed]
+    assert dict(passed)["SOFTCAP"] == "true" and dict(passed)["LOCAL"] == "true" and dict(passed)["SINKS"] == "true"
+    unsunk = ATTENTION.template_args(config, parse_shape("2,4,300,128:bf16:softcap=30:window=64,0"))
+    assert declared[-1] == "SINKS" and declared[:-1] == [name for name, _ in unsunk]
