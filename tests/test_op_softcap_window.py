@@ -321,7 +321,7 @@ def test_cached_routes_keep_mods_apart(monkeypatch):
     q, k, v = qkv(dtype=torch.float32, sq=16, sk=16)
     runs = []
     real = fallback.attention
-    monkeypatch.setattr(fallback, "attention", lambda *a: runs.append(a[-1]) or real(*a))
+    monkeypatch.setattr(fallback, "attention", lambda *a: runs.append(a[6]) or real(*a))  # a[6]: the mods
     first = quiet(et.attention, q, k, v, softcap=2.0)
     monkeypatch.setattr(routing, "decide", lambda call: pytest.fail("decided again"))
     again = et.attention(q, k, v, softcap=2.0)

@@ -412,8 +412,8 @@ def test_space_loads_without_the_families():
     code = textwrap.dedent(f"""
         import sys
         from evotune.space.searchspace import load_space
-        names = ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "dtype", "dtype_bytes", "causal", "softcap",
-                 "window")
+        names = ("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "head_dim_v", "dtype", "dtype_bytes",
+                 "causal", "softcap", "window", "sinks", "varlen")
         space = load_space({str(REPO_ROOT / "search_spaces" / "attention-small.yaml")!r}, names)
         assert len(space.params) == 9, space.params
         assert not [m for m in sys.modules if m.startswith("evotune.problems")], sorted(sys.modules)

@@ -171,3 +171,34 @@ def test_softcap_and_window_calls_come_back_to_python(cpp):
     counts = launcher.counts()
     et.attention(q, k, v)
     assert launcher.counts()["launches"] == counts["launches"] + 1
+
+
+def test_sinks_calls_come_back_to_python(cpp):
+    """With a dense route registered for the same facts, a sinks call through the op is handed back unread
+    (launcher.cpp's key has no sinks; the op registers none for them) and runs its own kernel route from Python,
+    passing the gate against the reference's sink column; the dense call still launches from C++."""
+    from evotune.problems import get_problem
+    from evotune.problems.attention import TOLERANCE
+
+    dense = Shape(2, 8, 256, 256, 64, "bf16")
+    sunk = Shape(2, 8, 256, 256, 64, "bf16", sinks=True)
+    hopper = {**load_builtin("attention").default_config().as_dict(), "mma": "wgmma", "block_m": 128,
+              "compute_warps": 8, "producer_warps": 4, "block_n": 128, "stages": 2, "q_in_regs": False}
+    et.use_table(table(entry(dense, hopper, gpu=cpp), entry(sunk, hopper, gpu=cpp)))
+    q, k, v = make_qkv(dense, seed=11)
+    sinks = (torch.randn(8, device="cuda") * 2 + 6).to(torch.bfloat16)
+    et.attention(q, k, v)
+    routes = launcher.counts()["routes"]
+    for _ in range(2):
+        counts = launcher.counts()
+        out = torch.ops.evotune.attention.default(q, k, v, False, None, False, "error", 0.0, -1, -1, sinks)
+        after = launcher.counts()
+        assert after["misses"] == counts["misses"] + 1 and after["launches"] == counts["launches"]
+    assert launcher.counts()["routes"] == routes
+    torch.cuda.synchronize()
+    ref = get_problem("attention").reference(sunk, {"q": q, "k": k, "v": v, "scale": 0.125, "sinks": sinks.float()})
+    atol, rtol = TOLERANCE["bf16"]
+    assert bool(((out.float() - ref).abs() <= atol * v.float().pow(2).mean().sqrt() + rtol * ref.abs()).all())
+    counts = launcher.counts()
+    et.attention(q, k, v)
+    assert launcher.counts()["launches"] == counts["launches"] + 1

@@ -32,12 +32,13 @@ OP = torch.ops.evotune.attention.default
 
 
 def test_op_is_registered_without_mutation():
-    """evotune::attention exists with the documented arguments (the score mods last, defaulted), none of them written."""
+    """evotune::attention exists with the documented arguments (the score mods, then the sink logits, last and
+    defaulted), none of them written."""
     schema = OP._schema
     assert schema.name == "evotune::attention"
     assert [a.name for a in schema.arguments] == ["q", "k", "v", "is_causal", "scale", "enable_gqa", "fallback",
-                                                  "softcap", "window_left", "window_right"]
-    assert [a.default_value for a in schema.arguments[-3:]] == [0.0, -1, -1]
+                                                  "softcap", "window_left", "window_right", "sinks"]
+    assert [a.default_value for a in schema.arguments[-4:]] == [0.0, -1, -1, None]
     assert not any(a.alias_info and a.alias_info.is_write for a in schema.arguments)
 
 

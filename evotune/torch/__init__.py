@@ -3,6 +3,7 @@
     import evotune.torch
     out = evotune.torch.attention(q, k, v, is_causal=True)     # SDPA's semantics
     out = evotune.torch.attention(q, k, v, softcap=50.0, window=(4095, 0))  # flash-attention's softcap and window
+    out = evotune.torch.attention(q, k, v, is_causal=True, sinks=logits)  # attention sinks: (H,) logits (gpt-oss)
     print(evotune.torch.explain(q, k, v, is_causal=True))      # which kernel, and why
     evotune.torch.warmup()                                     # compile + load before graph capture
 

@@ -11,6 +11,11 @@ Logit soft-capping and a sliding window ("score mods": `softcap`, `window`) are 
 traits, with flash-attention's semantics as evotune.problems.shapes defines them; a call carries them as the triple
 (softcap, window_left, window_right), NO_MODS where it has neither, and its Shape (so its table key and its kernel's
 instantiation) carries them too.
+
+Attention sinks (`sinks`: gpt-oss's `s_aux`, flash-attention's `learnable_sink`) are the Hopper kernel's SINKS trait:
+one logit per query head joins every row's softmax as a column with no value. The logits are a tensor, an input of
+the call, not one of its facts: a Call carries only whether it has them (`sinks`), which its Shape, table key and
+kernel instantiation read; the tensor goes to the launch (its pointer) or the fallback.
 """
 
 from __future__ import annotations
@@ -115,6 +120,25 @@ def check_mods(softcap: float, left: int, right: int, is_causal: bool, seq_q, se
                          f"window=({left}, 0) with is_causal=False for flash-attention's causal window")
 
 
+def check_sinks(sinks, q) -> None:
+    """attention()'s `sinks`: None, or a (H,) floating tensor of per-query-head sink logits on q's device (any float
+    dtype: the kernel's launch converts them to float32). One UsageError line otherwise. Works on fake and meta
+    tensors; the head count is read where q is 4-D (check_args refuses the rest)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise UsageError(f"{HEAD}: sinks must be None or a (heads,) tensor of per-head sink logits, got "
+                         f"{type(sinks).__name__}")
+    if not sinks.dtype.is_floating_point:
+        raise UsageError(f"{HEAD}: sinks must be a floating tensor (the sink logits), got {sinks.dtype}")
+    heads = q.shape[1] if getattr(q, "dim", lambda: 0)() == 4 else None
+    if sinks.dim() != 1 or (heads is not None and sinks.shape[0] != heads):
+        want = f"({heads},)" if heads is not None else "(heads,)"
+        raise UsageError(f"{HEAD}: sinks must hold one logit per query head, shape {want}, got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise UsageError(f"{HEAD}: sinks is on {sinks.device} and q on {q.device}: use one device")
+
+
 def _shown(value, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -138,18 +162,25 @@ class Call:
     strides: tuple        # of q, k, v
     softcap: float = 0.0  # the score mods (check_mods): logit soft-capping's C, 0 without
     window: tuple = (-1, -1)  # flash-attention's window_size (left, right), (-1, -1) without
+    sinks: bool = False   # whether the call has attention sinks (their logits are an input, not a fact of the call)
 
     @classmethod
-    def of(cls, q, k, v, is_causal: bool, mods: tuple = NO_MODS) -> "Call":
+    def of(cls, q, k, v, is_causal: bool, mods: tuple = NO_MODS, sinks: bool = False) -> "Call":
         device = q.device if q.device.type != "cuda" or q.device.index is not None else torch.device("cuda", 0)
         return cls(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
                    DTYPES.get(q.dtype, str(q.dtype).replace("torch.", "")), bool(is_causal), layout_of(q),
-                   str(device), (tuple(q.stride()), tuple(k.stride()), tuple(v.stride())), mods[0], mods[1:])
+                   str(device), (tuple(q.stride()), tuple(k.stride()), tuple(v.stride())), mods[0], mods[1:],
+                   bool(sinks))
 
     @property
     def mods(self) -> tuple:
         """(softcap, window_left, window_right): NO_MODS where the call has neither."""
         return (self.softcap,) + tuple(self.window)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the call is SDPA's (no softcap, no window, no sinks): off the kernel, SDPA itself computes it."""
+        return self.mods == NO_MODS and not self.sinks
 
     @property
     def device_index(self) -> int | None:
@@ -170,12 +201,12 @@ class Call:
         from ..problems.shapes import Shape
 
         return Shape(self.batch, self.heads, self.seq_q, self.seq_k, self.head_dim, self.dtype, self.causal,
-                     self.layout, self.kv_heads, self.softcap, self.window[0], self.window[1],
+                     self.layout, self.kv_heads, self.softcap, self.window[0], self.window[1], self.sinks,
                      head_dim_v=self.v_head_dim)
 
     def as_dict(self) -> dict:
-        """The call's facts (the shapes a recorder keeps); softcap and window only where set, so a dense call's row
-        reads as before."""
+        """The call's facts (the shapes a recorder keeps); softcap, window and sinks only where set, so a dense call's
+        row reads as before."""
         shape = self.shape()
         d = {"shape": shape.spec if shape else None, "batch": self.batch, "heads": self.heads,
              "kv_heads": self.kv_heads, "seq_q": self.seq_q, "seq_k": self.seq_k, "head_dim": self.head_dim,
@@ -185,6 +216,8 @@ class Call:
             d["softcap"] = self.softcap
         if self.window != (-1, -1):
             d["window"] = list(self.window)
+        if self.sinks:
+            d["sinks"] = True
         return d
 
 

@@ -1,11 +1,14 @@
-"""What computes a call with a softcap or a window where evotune's kernel does not (no table entry, a stale one, a loss
-to the baseline, a CPU tensor, a call that needs gradients, ...): PyTorch SDPA has neither a softcap nor
-flash-attention's bottom-right window, so
+"""What computes a call with a softcap, a window or attention sinks where evotune's kernel does not (no table entry, a
+stale one, a loss to the baseline, a CPU tensor, a call that needs gradients, ...): PyTorch SDPA has neither a
+softcap, nor flash-attention's bottom-right window, nor sinks, so
 
   window only   SDPA with a boolean mask of the window (and the causal mask, folded in): SDPA's own backends and
                 autograd; the mask is built once per (Sq, Sk, causal, window, device) where it is small
   softcap       math_attention: the scores, the cap, the masks, the softmax and the product with V in fp32 (the
                 order of transformers' eager attention: cap, then mask), differentiable, by chunks of query heads
+  sinks         math_attention with each head's sink logit as one more softmax column that carries no value
+                (evotune.problems.attention.sink_probs, the fp32 reference's), with or without a cap and a window;
+                differentiable in the logits too. SDPA returns no log-sum-exp to fold a sink in afterwards.
 
 with the semantics of evotune.problems.attention's fp32 reference: a row whose window holds no key (Sq > Sk with a
 bounded right side) is 0, as flash-attention writes it. Both are plain PyTorch, so torch.compile traces them.
@@ -18,7 +21,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..problems.attention import sees
+from ..problems.attention import sees, sink_probs
 from .call import aligned_for_sdpa
 
 # fp32 scores per chunk of query heads in math_attention (256 MiB, and as much again for the softmax): bounds its
@@ -31,9 +34,12 @@ CACHED_MASKS = 16
 _MIN = torch.finfo(torch.float32).min  # a masked score: finite, so a row masked whole (by a caller's mask) is not NaN
 
 
-def name(mods: tuple) -> str:
-    """What runs a call with these score mods (softcap, window_left, window_right) when the kernel does not."""
+def name(mods: tuple, sinks: bool = False) -> str:
+    """What runs a call with these score mods (softcap, window_left, window_right), and sinks where it has them, when
+    the kernel does not."""
     softcap, left, right = mods
+    if sinks:
+        return "PyTorch math attention in fp32 with a sink column (SDPA has no attention sinks)"
     if softcap:
         return "PyTorch math attention in fp32 (SDPA has no softcap)"
     if left >= 0 or right >= 0:
@@ -41,11 +47,13 @@ def name(mods: tuple) -> str:
     return "PyTorch SDPA"
 
 
-def attention(q, k, v, is_causal: bool, scale, enable_gqa: bool, mods: tuple):
-    """The fallback's result (B, H, Sq, Dv) for a call with score mods (not NO_MODS: that is plain SDPA's)."""
+def attention(q, k, v, is_causal: bool, scale, enable_gqa: bool, mods: tuple, sinks=None):
+    """The fallback's result (B, H, Sq, Dv) for a call with score mods or sinks (the (H,) sink logits; a call with
+    neither is plain SDPA's)."""
     softcap, left, right = mods
-    if softcap:
-        return math_attention(q, k, v, is_causal=is_causal, scale=scale, softcap=softcap, window=(left, right))
+    if softcap or sinks is not None:
+        return math_attention(q, k, v, is_causal=is_causal, scale=scale, softcap=softcap, window=(left, right),
+                              sinks=sinks)
     return window_sdpa(q, k, v, is_causal, scale, enable_gqa, (left, right))
 
 
@@ -58,24 +66,28 @@ def window_sdpa(q, k, v, is_causal: bool, scale, enable_gqa: bool, window: tuple
 
 
 def math_attention(q, k, v, *, is_causal: bool = False, scale=None, softcap: float = 0.0, window: tuple = (-1, -1),
-                   mask=None, dropout: float = 0.0):
+                   mask=None, dropout: float = 0.0, sinks=None):
     """softmax(cap(scale·QKᵀ) + masks)·V in fp32, returned in q's dtype; differentiable. cap(s) = C·tanh(s / C) where
     softcap C > 0; the masks: is_causal (top-left, SDPA's), `window` (bottom-right, flash-attention's), and `mask`, a
     caller's (B or 1, H or 1, Sq, Sk) boolean (True: seen) or additive float mask (transformers' masks). Fewer K/V heads
-    than query heads are shared by groups (GQA). `dropout` on the probabilities (transformers' training calls)."""
+    than query heads are shared by groups (GQA). `dropout` on the probabilities (transformers' training calls).
+    `sinks`: None, or the (H,) sink logits (any float dtype, read in fp32): each head's joins every row's softmax as a
+    column with no value (gpt-oss's s_aux), so a row's probabilities sum to less than 1, and a row whose keys are
+    all masked (by `mask` too) is 0."""
     b, h, sq, _ = q.shape
     sk = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     seen, empty = window_mask(sq, sk, is_causal, window, q.device) if is_causal or window != (-1, -1) else (None, 0)
     per = max(1, MAX_SCORES // max(1, b * sq * sk))
-    parts = [_math_heads(q, k, v, h0, min(h, h0 + per), scale, softcap, seen, mask, dropout)
+    parts = [_math_heads(q, k, v, h0, min(h, h0 + per), scale, softcap, seen, mask, dropout,
+                         None if sinks is None else sinks[h0:min(h, h0 + per)])
              for h0 in range(0, h, per)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     return zero_rows(out, empty).to(q.dtype)
 
 
-def _math_heads(q, k, v, h0: int, h1: int, scale: float, softcap: float, seen, mask, dropout: float):
-    """math_attention's query heads h0 to h1 (K/V heads h // group), in fp32."""
+def _math_heads(q, k, v, h0: int, h1: int, scale: float, softcap: float, seen, mask, dropout: float, sinks=None):
+    """math_attention's query heads h0 to h1 (K/V heads h // group; `sinks` those heads' logits), in fp32."""
     group = q.shape[1] // k.shape[1]
     if group == 1:
         kh, vh = k[:, h0:h1], v[:, h0:h1]
@@ -90,7 +102,9 @@ def _math_heads(q, k, v, h0: int, h1: int, scale: float, softcap: float, seen, m
     if mask is not None:
         m = mask[:, h0:h1] if mask.dim() == 4 and mask.shape[1] > 1 else mask
         s = s.masked_fill(~m, _MIN) if m.dtype == torch.bool else s + m.float()
-    p = torch.softmax(s, dim=-1)
+    # Masked scores are finite (_MIN), so a row masked whole takes exp(_MIN - lse) = 0 beside a sink: 0, as the
+    # kernel and the reference write it.
+    p = torch.softmax(s, dim=-1) if sinks is None else sink_probs(s, sinks.float())
     if dropout:
         p = F.dropout(p, dropout, training=True)
     return torch.matmul(p, vh.float())

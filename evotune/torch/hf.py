@@ -14,20 +14,22 @@ the layer passes its `sliding_window` to the attention function (Mistral, Qwen2,
 adapter hands to the op as the window.
 
 The adapter computes what evotune.torch.attention covers, SDPA's semantics with no mask tensor, no
-dropout, no position bias/paged cache/attention sinks, and a causal mask only where the query and key
-lengths agree, plus Gemma-2's logit softcap (the `softcap` keyword: the op's softcap) and a sliding
+dropout, no position bias/paged cache, and a causal mask only where the query and key
+lengths agree, plus Gemma-2's logit softcap (the `softcap` keyword: the op's softcap), a sliding
 window (`sliding_window` W, transformers' window of W keys, the query's own included: the op's
 window=(W - 1, 0), flash-attention's spelling, with no causal flag, as transformers' flash-attention
-path passes it), by calling evotune.torch.attention (which then routes each key to the tuned kernel or
+path passes it) and gpt-oss's attention sinks (the `s_aux` keyword, the layer's (H,) `sinks` parameter: the
+op's sinks), by calling evotune.torch.attention (which then routes each key to the tuned kernel or
 to its fallback by the tuning table, and says so). Grouped K/V heads go in un-repeated with
-enable_gqa=True. Every other call runs transformers' own sdpa_attention_forward (with a softcap, which
-transformers' sdpa refuses, evotune.torch.fallback.math_attention with the call's mask: the order of
-Gemma-2's eager attention) and says why once per reason (EvotuneFallbackWarning) in eager code; while
+enable_gqa=True. Every other call runs transformers' own sdpa_attention_forward (with a softcap or sinks, which
+transformers' sdpa refuses or ignores, evotune.torch.fallback.math_attention with the call's mask: the order of
+Gemma-2's and gpt-oss's eager attention) and says why once per reason (EvotuneFallbackWarning) in eager code; while
 torch.compile traces, a warning would break the graph, so the reason is only counted (fallbacks()).
 stats() counts every path. A decode step (one query, decode_call) under a window that cuts keys runs over the last W
 keys (views of the cache), where its mask builder left the mask out: a sliding layer's cached step with no padding
-among the window's keys (the plain sliding mask, like the prefill's). A decode step with a softcap is not the decode
-kernel's: it takes the adapter's own path (the op; over the window's keys where a window cuts).
+among the window's keys (the plain sliding mask, like the prefill's). A decode step with a softcap or sinks is not the
+decode kernel's (it has neither): it takes the adapter's own path (the op; over the window's keys where a window
+cuts).
 
 This module imports transformers; `import evotune` and `import evotune.torch` do not import it.
 """
@@ -250,8 +252,6 @@ def uncovered_reason(module, query, key, value, attention_mask, dropout, is_caus
         return "an additive position bias"
     if kwargs.get("cache") is not None:
         return "a paged KV cache"
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        return "attention sinks"
     if kwargs.get("output_attentions"):
         return "output_attentions=True"
     if is_causal and query.shape[2] != key.shape[2]:
@@ -278,8 +278,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         is_causal = getattr(module, "is_causal", True)
     causal = bool(sq > 1) and attention_mask is None and bool(is_causal)
     get = kwargs.get
-    # Gemma-2 passes softcap=None where the config has none, and every sliding layer its sliding_window.
+    # Gemma-2 passes softcap=None where the config has none, and every sliding layer its sliding_window; gpt-oss
+    # passes its layer's sink logits as s_aux.
     softcap, window = (get("softcap"), get("sliding_window")) if kwargs else (None, None)
+    sinks = _sinks_of(kwargs) if kwargs else None
     cuts = attention_mask is None and _cuts(window, sk)  # without a mask: the mask builder left the window to us
     if cuts and sq == 1:  # a decode step the decode kernel does not take (a softcap, say): the op over the window
         key, value, sk = _window_keys(key, value, window)
@@ -291,11 +293,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         key, value, sk = key[:, :, :sq], value[:, :, :sq], sq
     if (attention_mask is not None or dropout or (causal and sq != sk) or (cuts and not (causal and sq == sk))
             or (kwargs and (get("position_bias") is not None or get("cache") is not None
-                            or get("s_aux") is not None or get("sinks") is not None or get("output_attentions")))):
+                            or get("output_attentions")))):
         return _uncovered(module, query, key, value, attention_mask, dropout, scaling, is_causal, causal, kwargs)
     # A window that cuts keys: transformers' sliding_window W (sliding_window_overlay: key > query - W, W keys with
     # the query's own) is flash-attention's window_size (W - 1, 0), causal by itself; no causal flag beside it.
-    mods = {"softcap": softcap or 0.0, "window": (window - 1, 0) if cuts else None}
+    mods = {"softcap": softcap or 0.0, "window": (window - 1, 0) if cuts else None, "sinks": sinks}
     if cuts:
         causal = False
     if torch.compiler.is_compiling():
@@ -306,6 +308,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # The op returns the query's layout: a projection's (B, S, H, D) memory seen as (B, H, S, D), so this
     # transpose is already contiguous and .contiguous() copies nothing.
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sinks_of(kwargs):
+    """The sink logits a layer passes (gpt-oss: s_aux=self.sinks, a (H,) Parameter in the model's dtype; `sinks` the
+    same under another name), or None."""
+    sinks = kwargs.get("s_aux")
+    return kwargs.get("sinks") if sinks is None else sinks
 
 
 def _cuts(window, seq_k) -> bool:
@@ -323,13 +332,22 @@ def _window_keys(key, value, window: int):
 
 def _uncovered(module, query, key, value, attention_mask, dropout, scaling, is_causal, causal, kwargs):
     """A call the op does not take: transformers' sdpa_attention_forward, or with a softcap (which transformers'
-    sdpa refuses) math_attention with the call's mask and dropout, told once per reason."""
+    sdpa refuses) or sinks (which it would drop) math_attention with the call's mask and dropout, told once per
+    reason. Sinks beside a position bias or a paged cache are refused in one line: neither path computes the two."""
     why = uncovered_reason(module, query, key, value, attention_mask, dropout, causal, kwargs)
     get = kwargs.get
-    if get("softcap") is not None and all(get(n) is None for n in ("position_bias", "cache", "s_aux", "sinks")):
+    sinks = _sinks_of(kwargs)
+    if sinks is not None and (get("position_bias") is not None or get("cache") is not None):
+        from ..errors import UsageError
+
+        raise UsageError(f"evotune.torch.hf: attention sinks beside {why}: evotune's fallback takes neither, and "
+                         f"transformers' sdpa would drop the sinks; use attn_implementation='eager'")
+    if (get("softcap") is not None or sinks is not None) and all(get(n) is None for n in ("position_bias", "cache")):
         _fallback(why, "math")
-        out = math_attention(query, key, value, is_causal=causal, scale=scaling, softcap=float(get("softcap")),
-                             mask=attention_mask, dropout=dropout)
+        softcap = get("softcap")
+        out = math_attention(query, key, value, is_causal=causal, scale=scaling,
+                             softcap=0.0 if softcap is None else float(softcap), mask=attention_mask,
+                             dropout=dropout, sinks=sinks)
         return out.transpose(1, 2).contiguous(), None
     _fallback(why)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -344,8 +362,9 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
     transformers' sdpa mask builder drops its all-True mask, and the adapter's builder a sliding layer's plain
     window: with a `sliding_window` W that cuts keys the step runs over the last W keys, views of the cache) or a
     boolean mask that is exactly the bottom-right causal one (a cached prefill chunk). Checking that mask reads it on
-    the host (a sync), so only in eager code. Every other call gets None (the adapter's own path): a softcap (the
-    decode kernel has none), and a StaticCache's mask, which spans the whole cache with padding past the filled
+    the host (a sync), so only in eager code. Every other call gets None (the adapter's own path): a softcap or
+    sinks (the decode kernel has neither: the op takes such a step, over the window's last W keys where one cuts),
+    and a StaticCache's mask, which spans the whole cache with padding past the filled
     length, which the kernel cannot take without reading that length on the host."""
     sq, sk = query.shape[2], key.shape[2]
     if sq >= sk:  # a prefill, the adapter's own path: checked before the import, which costs every call
@@ -354,7 +373,7 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
 
     if not 1 <= sq <= min(MAX_SEQ_Q, sk - 1) or dropout or any(kwargs.get(name) is not None for name in (
             "softcap", "position_bias", "cache", "s_aux", "sinks")) or kwargs.get("output_attentions"):
-        return None  # the decode kernel has no softcap (the op's path takes it: no decode kernel, its fallback)
+        return None  # the decode kernel has no softcap and no sinks (the op's path takes them: its kernel or fallback)
     window = kwargs.get("sliding_window")
     if attention_mask is None and _cuts(window, sk):
         if sq > 1:
@@ -377,7 +396,7 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
 
 
 _RUNS = {"sdpa": "transformers' sdpa attention",
-         "math": "evotune.torch.fallback.math_attention (transformers' sdpa has no softcap)"}
+         "math": "evotune.torch.fallback.math_attention (transformers' sdpa has no softcap and no attention sinks)"}
 
 
 def _fallback(why: str, runs: str = "sdpa") -> None:

@@ -22,10 +22,10 @@ ON_CLEAR: list = []
 
 def shape_class(shape) -> tuple:
     """What of an attention shape the compiled code depends on (AttentionProblem.template_args reads
-    head_dim, dtype and causal, and whether there is a softcap and a window: the SOFTCAP and LOCAL traits, which also
-    add their entry parameters; V's own head dim, HEAD_DIM_V; sizes, strides, the K/V group size, the cap and the
-    window's sides are launch arguments)."""
-    return shape.dtype, shape.head_dim, shape.causal, shape.has_softcap, shape.has_window, shape.head_dim_v
+    head_dim, dtype and causal, and whether there is a softcap, a window and sinks: the SOFTCAP, LOCAL and SINKS
+    traits, which also add their entry parameters; V's own head dim, HEAD_DIM_V; sizes, strides, the K/V group size, the
+    cap, the window's sides and the sink logits' pointer are launch arguments)."""
+    return shape.dtype, shape.head_dim, shape.causal, shape.has_softcap, shape.has_window, shape.sinks, shape.head_dim_v
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,9 @@ class PreparedLaunch:
     grid, block and shared memory worked out once, and per thread a ParamPacket (evotune.gpu.packet) in which
     a call rewrites only the buffer addresses (and, for the Hopper variant or an mma.sync config with TMA loads,
     copies in the tensor maps of the new addresses, each encoded once per address) before cuLaunchKernel on torch's current stream
-    (cuLaunchKernelEx with programmatic stream serialization for a pdl config: launch_packet)."""
+    (cuLaunchKernelEx with programmatic stream serialization for a pdl config: launch_packet). A sinks shape's packet
+    ends with the sink logits' pointer, rewritten every call: the caller's (H,) float32 tensor may be a fresh
+    conversion each time."""
 
     def __init__(self, loaded: LoadedKernel, shape, strides: tuple, scale: float, out_strides: tuple | None = None):
         plan = PROBLEM.launch_plan(loaded.config, shape)
@@ -152,8 +154,10 @@ class PreparedLaunch:
         # A split-KV workspace or a causal persistent grid's tile counters: fresh (zeroed) per call, since
         # calls on two streams may run at once.
         self.needs_workspace = bool(plan.workspace[2])
-        # The shape's softcap and window (where it has them) add their run-time values last (SCORE_MOD_PARAMS).
+        # The shape's softcap and window (where it has them) add their run-time values last (SCORE_MOD_PARAMS), and
+        # its sinks the logits' pointer after them (SINK_PARAMS).
         self.params = PROBLEM.entry_params(loaded.config, loaded.write_lse, shape)
+        self.sinks = shape.sinks
         # (param, tensor index into (q, k, v, out), map args): the TMA-store epilogue maps the output too, laid out
         # as q unless told (the op allocates it like q).
         self.maps = ()
@@ -164,23 +168,31 @@ class PreparedLaunch:
         self._local = threading.local()
         self.function, self.device_index = loaded.function, loaded.device_index
 
-    def __call__(self, q, k, v, out, lse=None, addresses=None) -> None:
+    def __call__(self, q, k, v, out, lse=None, addresses=None, sinks=None) -> None:
         """Launch on q, k, v into out (and lse); `addresses`: q, k, v's data pointers where the caller has read them
-        already (the op's route, for its alignment check: each read is a call into torch)."""
+        already (the op's route, for its alignment check: each read is a call into torch). `sinks`: a sinks shape's
+        (H,) contiguous float32 sink logits on the tensors' device (kept alive by the caller until the launch is
+        enqueued; the caching allocator orders its reuse on the stream)."""
+        if self.sinks and sinks is None:
+            raise EvotuneError(f"internal: the sinks kernel of {self.shape.spec} launched without its sink logits")
         workspace = PROBLEM.new_workspace(self.loaded.config, self.shape, out.device) if self.needs_workspace else ()
         packet = getattr(self._local, "packet", None)
         if packet is None:
-            packet = self._local.packet = self._new_packet(q, k, v, out, lse, workspace)
+            packet = self._local.packet = self._new_packet(q, k, v, out, lse, workspace, sinks)
         else:
             self._patch(packet, q, k, v, out, lse, workspace, addresses)
+            if self.sinks:
+                packet.sinks.value = sinks.data_ptr()
         _packet.launch_packet(self.function, self.grid, self.block, self.smem, current_stream_handle(self.device_index),
                               packet, self.pdl)
 
-    def _new_packet(self, q, k, v, out, lse, workspace):
+    def _new_packet(self, q, k, v, out, lse, workspace, sinks=None):
         from ..gpu.packet import ParamPacket
 
-        values = PROBLEM.launch_values(self.loaded.config, self.shape, q, k, v, out, self.scale, lse, workspace)
+        values = PROBLEM.launch_values(self.loaded.config, self.shape, q, k, v, out, self.scale, lse, workspace,
+                                       sinks)
         packet = ParamPacket(self.params, values)
+        packet.sinks = packet.slot("sinks") if self.sinks else None
         packet.addresses = {}  # per map parameter: the address its bytes were made for
         # The slots a call rewrites, looked up once (o; q, k, v where they are pointers, not tensor maps).
         packet.o = packet.slot("o")
@@ -247,13 +259,14 @@ def current_stream_handle(device_index: int) -> int:
 _raw_stream = None
 
 
-def launch(loaded: LoadedKernel, shape, q, k, v, out, scale: float, lse=None) -> None:
+def launch(loaded: LoadedKernel, shape, q, k, v, out, scale: float, lse=None, sinks=None) -> None:
     """Run `loaded` on q, k, v into `out` (and `lse` for a write_lse kernel) on torch's current stream of
-    the tensors' device, which the caller has made current."""
+    the tensors' device, which the caller has made current; a sinks shape reads `sinks`, its (H,) contiguous float32
+    sink logits."""
     if loaded.write_lse != (lse is not None):
         raise EvotuneError(f"internal: a {'write_lse' if loaded.write_lse else 'forward-only'} kernel launched "
                            f"{'without' if lse is None else 'with'} a log-sum-exp output")
-    PREPARED.get(loaded, shape, q, k, v, out, scale)(q, k, v, out, lse)
+    PREPARED.get(loaded, shape, q, k, v, out, scale)(q, k, v, out, lse, None, sinks)
 
 
 CACHE = KernelCache()

@@ -20,8 +20,8 @@ from ..errors import UsageError
 from ..problems.shapes import Shape
 from . import fallback as _fallback
 from . import launcher, record, routing
-from .call import (DTYPES, NO_MODS, Call, aligned_for_sdpa, check_args, check_mods, misaligned, new_output,
-                   output_layout, score_mods)
+from .call import (DTYPES, NO_MODS, Call, aligned_for_sdpa, check_args, check_mods, check_sinks, misaligned,
+                   new_output, output_layout, score_mods)
 from .autograd import lse_backend
 from .kernels import CACHE, PREPARED, launch, load_for
 from .routing import FAST_ROUTES
@@ -36,36 +36,49 @@ from .routing import FAST_ROUTES
 _LIB = torch.library.Library("evotune", "FRAGMENT")
 # The score mods go last with the defaults of a call without them, so positional callers of the first seven keep
 # working; the window is two ints (flash-attention's window_size, -1: unbounded), not an int[], so the op's cached
-# routes key on plain values.
+# routes key on plain values. The sink logits (attention sinks) come last of all, an optional tensor: an input of
+# the call (the kernel reads them through a pointer), not a value its routes key on.
 _SCHEMA_ARGS = ("Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, bool enable_gqa=False, "
-                "str fallback='sdpa', float softcap=0.0, int window_left=-1, int window_right=-1")
+                "str fallback='sdpa', float softcap=0.0, int window_left=-1, int window_right=-1, Tensor? sinks=None")
 _LIB.define(f"attention({_SCHEMA_ARGS}) -> Tensor")
 
 
 def _op_body(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa", softcap=0.0, window_left=-1,
-             window_right=-1):
+             window_right=-1, sinks=None):
     """The op's kernel on real tensors. A compiled graph calls it at run time, call after call: the same cached
     routes as eager code."""
     if not record._ACTIVE:
-        fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-                                is_causal, scale, enable_gqa, fallback, softcap, window_left, window_right))
-        if fast is not None:
-            return fast(q, k, v)
-    return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, (softcap, window_left, window_right))
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
+               enable_gqa, fallback, softcap, window_left, window_right)
+        if sinks is None:
+            fast = FAST_ROUTES.get(key)
+            if fast is not None:
+                return fast(q, k, v)
+        else:
+            fast = FAST_ROUTES.get(key + (_sink_facts(sinks),))
+            if fast is not None:
+                return fast(q, k, v, sinks)
+    return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, (softcap, window_left, window_right), sinks)
 
 
 def _body_from_launcher(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa", softcap=0.0,
-                        window_left=-1, window_right=-1):
+                        window_left=-1, window_right=-1, sinks=None):
     """evotune::_attention_body: what the compiled launcher (evotune.torch.launcher) hands back, a call it has no
-    route for (a softcap or window call always: launcher.cpp hands those back unread). The op's body, but a kernel
-    route runs its Python launch: its compiled one would hand the call back again (a view off a 16-byte boundary,
-    another current device)."""
+    route for (a softcap, window or sinks call always: launcher.cpp hands those back unread). The op's body, but a
+    kernel route runs its Python launch: its compiled one would hand the call back again (a view off a 16-byte
+    boundary, another current device)."""
     if not record._ACTIVE:
-        fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-                                is_causal, scale, enable_gqa, fallback, softcap, window_left, window_right))
-        if fast is not None:
-            return getattr(fast, "python", fast)(q, k, v)
-    return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, (softcap, window_left, window_right))
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
+               enable_gqa, fallback, softcap, window_left, window_right)
+        if sinks is None:
+            fast = FAST_ROUTES.get(key)
+            if fast is not None:
+                return getattr(fast, "python", fast)(q, k, v)
+        else:
+            fast = FAST_ROUTES.get(key + (_sink_facts(sinks),))
+            if fast is not None:  # a sinks route is never the compiled launcher's: its closure is Python's
+                return fast(q, k, v, sinks)
+    return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, (softcap, window_left, window_right), sinks)
 
 
 # CompositeExplicitAutograd: every device's calls (CPU, CUDA, any other) reach the body, as custom_op's did;
@@ -79,44 +92,64 @@ record.ON_START.append(launcher.clear)
 attention_op = torch.ops.evotune.attention
 
 
-def _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
-    """The op's real implementation: route, then run evotune's kernel or the fallback (SDPA; for score mods
+def _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS, sinks=None):
+    """The op's real implementation: route, then run evotune's kernel or the fallback (SDPA; for score mods or sinks
     evotune.torch.fallback)."""
     routing.check_fallback(fallback)
     check_args(q, k, v, enable_gqa)
     if mods != NO_MODS:
         check_mods(*mods, is_causal, q.shape[2], k.shape[2])
-    decision = routing.decide_for(q, k, v, is_causal, mods)
+    if sinks is not None:
+        check_sinks(sinks, q)
+    decision = routing.decide_for(q, k, v, is_causal, mods, sinks is not None)
     record.observe(decision)
     if decision.route == "evotune":
-        return _run_evotune(decision, q, k, v, scale)
+        return _run_evotune(decision, q, k, v, scale, sinks)
     routing.notify(decision, fallback)
-    return _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods)
+    return _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods, sinks)
 
 
 @torch.library.register_fake("evotune::attention", lib=_LIB)
 def _attention_fake(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="sdpa", softcap=0.0,
-                    window_left=-1, window_right=-1):
+                    window_left=-1, window_right=-1, sinks=None):
     routing.check_fallback(fallback)
     check_args(q, k, v, enable_gqa)
     check_mods(softcap, window_left, window_right, is_causal, q.shape[2], k.shape[2])
+    check_sinks(sinks, q)
     return new_output(q, v)
 
 
-def _run_evotune(decision, q, k, v, scale):
+def _run_evotune(decision, q, k, v, scale, sinks=None):
     index = decision.call.device_index
     if index == torch.cuda.current_device():
-        return _launch_here(decision, q, k, v, scale)
+        return _launch_here(decision, q, k, v, scale, sinks)
     with torch.cuda.device(index):
-        return _launch_here(decision, q, k, v, scale)
+        return _launch_here(decision, q, k, v, scale, sinks)
 
 
-def _launch_here(decision, q, k, v, scale):
+def _launch_here(decision, q, k, v, scale, sinks=None):
     """Launch on the current device, the tensors'."""
     loaded = load_for(decision)
     out = new_output(q, v)
-    launch(loaded, decision.shape, q, k, v, out, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    launch(loaded, decision.shape, q, k, v, out, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+           sinks=kernel_sinks(sinks))
     return out
+
+
+def kernel_sinks(sinks):
+    """The sink logits as the kernel reads them: H contiguous float32 values behind one pointer (SINK_PARAMS). A
+    float32 contiguous tensor is passed as it is (.float() and .contiguous() return the tensor itself); another dtype
+    (gpt-oss keeps its sinks in the model's, bf16) or a strided view is converted here, once per call: one (H,) copy
+    beside the attention, which is never kept across calls, since the caller's tensor may change in place (a
+    training step, a loaded checkpoint) and a CUDA graph must capture the conversion to replay it. Freed after the
+    call, its memory is reused only by later work on the same stream (the caching allocator's stream order)."""
+    return None if sinks is None else sinks.float().contiguous()
+
+
+def _sink_facts(sinks) -> tuple:
+    """What of a call's sink logits its cached route was made for: size, dtype and device (their values and their
+    address may change from call to call; a route converts them or reads them each time)."""
+    return sinks.shape, sinks.dtype, sinks.device
 
 
 def _run_sdpa(q, k, v, is_causal, scale, enable_gqa):
@@ -125,12 +158,12 @@ def _run_sdpa(q, k, v, is_causal, scale, enable_gqa):
     return _in_query_layout(F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa), q, v)
 
 
-def _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods):
-    """What runs a call off the kernel, in the op's output layout: SDPA, or for a softcap or window the fallback
-    module's way (SDPA has neither)."""
-    if mods == NO_MODS:
+def _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods, sinks=None):
+    """What runs a call off the kernel, in the op's output layout: SDPA, or for a softcap, window or sinks the fallback
+    module's way (SDPA has none of them)."""
+    if mods == NO_MODS and sinks is None:
         return _run_sdpa(q, k, v, is_causal, scale, enable_gqa)
-    return _in_query_layout(_fallback.attention(q, k, v, is_causal, scale, enable_gqa, mods), q, v)
+    return _in_query_layout(_fallback.attention(q, k, v, is_causal, scale, enable_gqa, mods, sinks), q, v)
 
 
 def _in_query_layout(o, q, v):
@@ -154,18 +187,20 @@ def _check_options(q, k, v, is_causal, scale, enable_gqa) -> None:
         raise UsageError(f"evotune.torch.attention: scale must be a number or None, got {type(scale).__name__}")
 
 
-def _needs_grad(q, k, v) -> bool:
+def _needs_grad(q, k, v, sinks=None) -> bool:
     # The tensors' flags first (an attribute each); the grad mode (a function call) only where one is set.
-    return (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+    return ((q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad))
+            and torch.is_grad_enabled())
 
 
 def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-              fallback: str = "sdpa", softcap: float = 0.0, window: tuple[int, int] | None = None) -> torch.Tensor:
+              fallback: str = "sdpa", softcap: float = 0.0, window: tuple[int, int] | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(cap(scale·QKᵀ) [+ masks])·V with SDPA's semantics, on evotune's tuned kernel where the tuning table has
     one for this GPU and key, else the fallback if `fallback` is "sdpa" (told once per key) or a UsageError if it
     is "error" (where the table itself routes a key away from the kernel, the fallback runs). The fallback is PyTorch
-    SDPA; with a softcap, PyTorch math attention in fp32; with a window only, SDPA with the window's boolean mask
-    (evotune.torch.fallback: SDPA has neither).
+    SDPA; with a softcap or sinks, PyTorch math attention in fp32; with a window only, SDPA with the window's boolean
+    mask (evotune.torch.fallback: SDPA has none of them).
 
     q (B, H, Sq, D), k and v (B, Hk, Sk, D): any strides with a unit last one; the output has the query's layout.
     is_causal: SDPA's top-left causal mask. softcap: C > 0 caps each scaled score s at C·tanh(s / C) before the softmax
@@ -173,54 +208,80 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, e
     window_size (left, right): query i sees key j iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (bottom-right
     aligned), -1 leaving a side unbounded; (L, 0) is Mistral's causal sliding window of L + 1 keys. Beside is_causal
     a window needs Sq == Sk, where the two alignments agree. A row whose window holds no key is 0.
+    sinks: None, or a (H,) tensor of per-query-head sink logits on q's device, any float dtype (gpt-oss's s_aux,
+    flash-attention's learnable_sink): in the units of the scaled (and capped) scores, each head's joins every row's
+    softmax as one more column with no value, O_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij)); a row that
+    sees no key is 0.
     Inputs that require grad run `evotune::attention_lse` (the kernel with its log-sum-exp epilogue, then PyTorch's
-    attention backward: evotune.torch.autograd); with a softcap or window, whose backward that is not, the
-    fallback with its own autograd (told)."""
+    attention backward: evotune.torch.autograd); with a softcap, window or sinks, whose backward that is not, the
+    fallback with its own autograd (told; sinks that require grad get theirs)."""
     # The eager fast path first (see below): a call seen before costs this lookup and its route's work.
     if not torch.compiler.is_compiling() and FAST_ROUTES and not record._ACTIVE:
-        if launcher.ACTIVE[0] and window is None and not softcap and _to_launcher(q, k, v, is_causal, scale,
-                                                                                  enable_gqa, fallback):
+        if (launcher.ACTIVE[0] and window is None and not softcap and sinks is None
+                and _to_launcher(q, k, v, is_causal, scale, enable_gqa, fallback)):
             return _DISPATCH(q, k, v, is_causal, scale, enable_gqa, fallback)
         try:
             left, right = (-1, -1) if window is None else window
-            fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
-                                    q.device, is_causal, scale, enable_gqa, fallback, softcap or 0.0, left, right))
+            key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
+                   enable_gqa, fallback, softcap or 0.0, left, right)
+            # A sinks call's route is keyed by its logits' facts too, one key longer: never a dense call's route.
+            fast = FAST_ROUTES.get(key if sinks is None else key + (_sink_facts(sinks),))
         except (AttributeError, TypeError, ValueError):  # not tensors, unhashable options, no pair: the full path says
             fast = None
         # A route exists only for plain tensors of these facts; what a call may change is a mode or grads.
         if (fast is not None and not (q.requires_grad or k.requires_grad or v.requires_grad)
                 and type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR
                 and not _torch_function_mode() and not _dispatch_stack()):
-            return fast(q, k, v)
+            if sinks is None:
+                return fast(q, k, v)
+            if _plain_sinks(sinks):
+                return fast(q, k, v, sinks)
     _check_options(q, k, v, is_causal, scale, enable_gqa)
     scale = None if scale is None else float(scale)
     routing.check_fallback(fallback)
     mods = score_mods(softcap, window, is_causal, q, k)
-    if _needs_grad(q, k, v):
-        return _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
-    if _eager(q, k, v):
-        return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
-    if torch.compiler.is_compiling() and _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback, mods):
-        return _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods)
-    return torch.ops.evotune.attention(q, k, v, is_causal, scale, enable_gqa, fallback, *mods)
+    check_sinks(sinks, q)
+    if _needs_grad(q, k, v, sinks):
+        return _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback, mods, sinks)
+    if _eager(q, k, v, sinks):
+        return _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, mods, sinks)
+    if torch.compiler.is_compiling() and _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback, mods,
+                                                           sinks is not None):
+        return _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods, sinks)
+    if sinks is None:  # the schema's default: a dense call's traced graph reads as before sinks existed
+        return torch.ops.evotune.attention(q, k, v, is_causal, scale, enable_gqa, fallback, *mods)
+    return torch.ops.evotune.attention(q, k, v, is_causal, scale, enable_gqa, fallback, *mods, sinks)
 
 
-def eager_attention(q, k, v, is_causal: bool, scale, enable_gqa: bool, softcap: float = 0.0, window=None):
-    """attention(q, k, v, is_causal=, scale=, enable_gqa=, softcap=, window=) for a caller that has checked it is not
-    compiling (the transformers adapter, per layer call): the cached route without attention()'s keyword parsing and
-    compile check; a call without one goes to attention(). The same conditions as attention()'s fast path."""
+def eager_attention(q, k, v, is_causal: bool, scale, enable_gqa: bool, softcap: float = 0.0, window=None,
+                    sinks=None):
+    """attention(q, k, v, is_causal=, scale=, enable_gqa=, softcap=, window=, sinks=) for a caller that has checked it
+    is not compiling (the transformers adapter, per layer call): the cached route without attention()'s keyword
+    parsing and compile check; a call without one goes to attention(). The same conditions as attention()'s fast
+    path."""
     if FAST_ROUTES and not record._ACTIVE:
-        if launcher.ACTIVE[0] and window is None and not softcap and _to_launcher(q, k, v, is_causal, scale,
-                                                                                  enable_gqa, "sdpa"):
+        if (launcher.ACTIVE[0] and window is None and not softcap and sinks is None
+                and _to_launcher(q, k, v, is_causal, scale, enable_gqa, "sdpa")):
             return _DISPATCH(q, k, v, is_causal, scale, enable_gqa, "sdpa")
         left, right = (-1, -1) if window is None else window  # the adapter passes a pair or None
-        fast = FAST_ROUTES.get((q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
-                                is_causal, scale, enable_gqa, "sdpa", softcap or 0.0, left, right))
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
+               enable_gqa, "sdpa", softcap or 0.0, left, right)
+        fast = FAST_ROUTES.get(key if sinks is None else key + (_sink_facts(sinks),))
         if (fast is not None and not (q.requires_grad or k.requires_grad or v.requires_grad)
                 and type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR
                 and not _torch_function_mode() and not _dispatch_stack()):
-            return fast(q, k, v)
-    return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, softcap=softcap, window=window)
+            if sinks is None:
+                return fast(q, k, v)
+            if _plain_sinks(sinks):
+                return fast(q, k, v, sinks)
+    return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, softcap=softcap, window=window,
+                     sinks=sinks)
+
+
+def _plain_sinks(sinks) -> bool:
+    """Sink logits a cached route may take: a plain tensor or a module's Parameter (gpt-oss's sinks are one; a
+    Parameter dispatches as a tensor), not needing grad in this grad mode (a Parameter under no_grad does not)."""
+    return type(sinks) in _SINK_TYPES and not (sinks.requires_grad and torch.is_grad_enabled())
 
 
 # --------------------------------------------------------------------------- SDPA routes decided while tracing
@@ -233,14 +294,15 @@ def eager_attention(q, k, v, is_causal: bool, scale, enable_gqa: bool, softcap: 
 # symbolic (dynamic=True) and evotune routes keep the op: its body decides at run time.
 
 
-def _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback, mods=NO_MODS) -> bool:
-    """Whether the trace calls the fallback itself (SDPA, or for score mods evotune.torch.fallback's plain PyTorch)."""
+def _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback, mods=NO_MODS, sinks: bool = False) -> bool:
+    """Whether the trace calls the fallback itself (SDPA, or for score mods or sinks evotune.torch.fallback's plain
+    PyTorch)."""
     sizes = tuple(q.shape) + tuple(k.shape) + tuple(v.shape) + q.stride() + k.stride() + v.stride()
     if not all(_fixed_by_trace(n) for n in sizes) or record.active():  # symbolic, or every call must be recorded
         return False
     return _sdpa_route_of((tuple(q.shape), tuple(k.shape), tuple(v.shape)), (q.stride(), k.stride(), v.stride()),
                           DTYPES.get(q.dtype, str(q.dtype).replace("torch.", "")), q.device.type, q.device.index,
-                          bool(is_causal), bool(enable_gqa), fallback, *mods)
+                          bool(is_causal), bool(enable_gqa), fallback, *mods, sinks)
 
 
 def _fixed_by_trace(n) -> bool:
@@ -254,7 +316,7 @@ def _fixed_by_trace(n) -> bool:
 
 @torch.compiler.assume_constant_result
 def _sdpa_route_of(shapes, strides, dtype, device_type, device_index, is_causal, enable_gqa, fallback,
-                   softcap=0.0, window_left=-1, window_right=-1) -> bool:
+                   softcap=0.0, window_left=-1, window_right=-1, sinks=False) -> bool:
     """Whether this call's route is the fallback whatever its data (run once, while tracing; its notice is told then,
     and fallback="error" raises then)."""
     (b, h, sq, d), (_, hk, sk, _), (_, _, _, dv) = shapes
@@ -263,18 +325,18 @@ def _sdpa_route_of(shapes, strides, dtype, device_type, device_index, is_causal,
     device = device_type if device_index is None else f"{device_type}:{device_index}"
     layout = "bshd" if strides[0][1] < strides[0][2] else "bhsd"
     decision = routing.decide(Call(b, h, hk, sq, sk, d, dv, dtype, is_causal, layout, device, strides, softcap,
-                                   (window_left, window_right)))
+                                   (window_left, window_right), sinks))
     if decision.route == "evotune":
         return False
     routing.notify(decision, fallback)
     return True
 
 
-def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
+def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS, sinks=None):
     """The training op where a PyTorch backward takes (O, LSE) on this device; elsewhere SDPA with its own
     autograd, told once (in eager code; while torch.compile traces, a notice would break the graph)."""
-    if mods != NO_MODS:
-        return _grad_fallback(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
+    if mods != NO_MODS or sinks is not None:
+        return _grad_fallback(q, k, v, is_causal, scale, enable_gqa, fallback, mods, sinks)
     # A value head dim of its own (MLA): PyTorch's flash backwards, the op's backward on CUDA and the CPU, need one.
     own_dv = v.shape[-1] != q.shape[-1]
     if not own_dv and lse_backend(q, k, is_causal) is not None:
@@ -293,22 +355,24 @@ def _grad_path(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa)
 
 
-def _grad_fallback(q, k, v, is_causal, scale, enable_gqa, fallback, mods):
-    """A softcap or window call that needs gradients: the fallback (evotune.torch.fallback), differentiable through
-    PyTorch's autograd, told once. The op's backward is PyTorch's attention backward from the kernel's log-sum-exp,
-    which has neither a softcap nor a bottom-right window."""
+def _grad_fallback(q, k, v, is_causal, scale, enable_gqa, fallback, mods, sinks=None):
+    """A softcap, window or sinks call that needs gradients: the fallback (evotune.torch.fallback), differentiable
+    through PyTorch's autograd (in the sink logits too), told once. The op's backward is PyTorch's attention backward
+    from the kernel's log-sum-exp, which has neither a softcap, nor a bottom-right window, nor sinks."""
+    what = "a call with attention sinks" if sinks is not None else "a softcap or window call"
     if not torch.compiler.is_compiling():
         check_args(q, k, v, enable_gqa)
-        decision = routing.decide(Call.of(q, k, v, is_causal, mods))
+        decision = routing.decide(Call.of(q, k, v, is_causal, mods, sinks is not None))
         if decision.route == "evotune":
-            decision = routing.uncovered(decision, "a softcap or window call that needs gradients: the op's backward "
-                                                   "(PyTorch's, from the kernel's log-sum-exp) takes neither")
+            decision = routing.uncovered(decision, f"{what} that needs gradients: the op's backward (PyTorch's, from "
+                                                   f"the kernel's log-sum-exp) takes "
+                                                   f"{'no sinks' if sinks is not None else 'neither'}")
         record.observe(decision)
         routing.notify(decision, fallback)
     elif fallback == "error":
-        raise UsageError("evotune.torch.attention: a softcap or window call that needs gradients runs the fallback, "
-                         "not the kernel [fallback='error']")
-    return _fallback.attention(q, k, v, is_causal, scale, enable_gqa, mods)
+        raise UsageError(f"evotune.torch.attention: {what} that needs gradients runs the fallback, not the kernel "
+                         f"[fallback='error']")
+    return _fallback.attention(q, k, v, is_causal, scale, enable_gqa, mods, sinks)
 
 
 # --------------------------------------------------------------------------- the eager fast path
@@ -322,6 +386,7 @@ def _grad_fallback(q, k, v, is_causal, scale, enable_gqa, fallback, mods):
 
 
 _TENSOR = torch.Tensor
+_SINK_TYPES = (torch.Tensor, torch.nn.Parameter)  # what a cached route takes as sink logits (_plain_sinks)
 _torch_function_mode = torch._C._is_torch_function_mode_enabled
 _dispatch_stack = torch._C._len_torch_dispatch_stack
 # The op's C++ entry without OpOverload.__call__'s Python frame (on a CPU here, 23 against 31 us a call through the
@@ -346,44 +411,53 @@ def _plain(q, k, v) -> bool:
             and not torch._C._is_torch_function_mode_enabled() and not torch._C._len_torch_dispatch_stack())
 
 
-def _eager(q, k, v) -> bool:
-    return not torch.compiler.is_compiling() and _plain(q, k, v)  # compiling first: dynamo then reads no more
+def _eager(q, k, v, sinks=None) -> bool:
+    # compiling first: dynamo then reads no more. Sink logits of a tensor subclass go through the dispatcher too.
+    return not torch.compiler.is_compiling() and _plain(q, k, v) and (sinks is None or type(sinks) in _SINK_TYPES)
 
 
-def _facts(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS) -> tuple:
-    """The key of a call's cached route (FAST_ROUTES): the facts that fix its route, its score mods last."""
+def _facts(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS, sinks=None) -> tuple:
+    """The key of a call's cached route (FAST_ROUTES): the facts that fix its route, its score mods last; a sinks
+    call's key ends with its logits' facts (_sink_facts), so it is one longer than any call's without."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
-            enable_gqa, fallback) + tuple(mods)
+            enable_gqa, fallback) + tuple(mods) + (() if sinks is None else (_sink_facts(sinks),))
 
 
-def _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
-    out = _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
-    route = _route_for(q, k, v, is_causal, scale, enable_gqa, fallback, mods)
+def _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS, sinks=None):
+    out = _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback, mods, sinks)
+    route = _route_for(q, k, v, is_causal, scale, enable_gqa, fallback, mods, sinks is not None)
     if route is not None:
-        FAST_ROUTES[_facts(q, k, v, is_causal, scale, enable_gqa, fallback, mods)] = route
+        FAST_ROUTES[_facts(q, k, v, is_causal, scale, enable_gqa, fallback, mods, sinks)] = route
     return out
 
 
-def _route_for(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
-    """The closure that repeats this (just completed) call's route, or None where each call must decide. Calls with
-    score mods never register with the compiled launcher: its call key has no softcap or window (launcher.cpp hands
-    such calls back to Python, so a dense call's route there is never taken for them)."""
-    decision = routing.decide(Call.of(q, k, v, is_causal, mods))
+def _route_for(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS, sinks: bool = False):
+    """The closure that repeats this (just completed) call's route, or None where each call must decide; a sinks
+    call's (`sinks`: whether it has them) takes the logits as a fourth argument. Calls with score mods or sinks never
+    register with the compiled launcher: its call key has none of them (launcher.cpp hands such calls back to Python,
+    so a dense call's route there is never taken for them)."""
+    decision = routing.decide(Call.of(q, k, v, is_causal, mods, sinks))
     if decision.route != "evotune":
         if fallback == "error" and decision.refused_by_error_fallback:
             return None
-        if mods != NO_MODS:
-            return _mods_fallback_route(q, v, is_causal, scale, enable_gqa, mods)
+        if mods != NO_MODS or sinks:
+            return _mods_fallback_route(q, v, is_causal, scale, enable_gqa, mods, sinks)
         if q.is_cuda and not record._ACTIVE and launcher.load():  # the compiled launcher runs it from C++
             launcher.register_sdpa(q, k, v, is_causal, scale, enable_gqa, fallback, *output_layout(q, v))
         return _sdpa_route(q, v, is_causal, scale, enable_gqa)
     if misaligned(q, k, v):
         return None
-    return _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback, mods)
+    return _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback, mods, sinks)
 
 
-def _mods_fallback_route(q, v, is_causal, scale, enable_gqa, mods):
-    """A softcap or window call's fallback (_run_fallback's, evotune.torch.fallback), its result in the op's layout."""
+def _mods_fallback_route(q, v, is_causal, scale, enable_gqa, mods, sinks: bool = False):
+    """A softcap, window or sinks call's fallback (_run_fallback's, evotune.torch.fallback), its result in the op's
+    layout; a sinks call's takes the logits (q, k, v, sinks)."""
+    if sinks:
+        def run_with_sinks(q, k, v, sinks):
+            return _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods, sinks)
+
+        return run_with_sinks
 
     def run(q, k, v):
         return _run_fallback(q, k, v, is_causal, scale, enable_gqa, mods)
@@ -418,7 +492,7 @@ def _sdpa_route(q, v, is_causal, scale, enable_gqa):
     return run
 
 
-def _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS):
+def _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS, sinks: bool = False):
     index = decision.call.device_index
     size, stride = output_layout(q, v)
     out = new_output(q, v)
@@ -433,6 +507,17 @@ def _kernel_route(decision, q, k, v, is_causal, scale, enable_gqa, fallback, mod
         out = q.new_empty_strided(size, stride)
         prepared(q, k, v, out, None, addresses)
         return out
+
+    if sinks:  # the logits' pointer is read per call (kernel_sinks converts where their dtype or strides ask)
+        def run_with_sinks(q, k, v, sinks):
+            addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+            if (addresses[0] | addresses[1] | addresses[2]) & 15 or current_device() != index:
+                return _attention_impl(q, k, v, is_causal, scale, enable_gqa, fallback, mods, sinks)
+            out = q.new_empty_strided(size, stride)
+            prepared(q, k, v, out, None, addresses, kernel_sinks(sinks))
+            return out
+
+        return run_with_sinks
 
     # With the compiled launcher (opt-in: evotune.torch.launcher), the route is registered with it and a call goes
     # straight to its C++ kernel, which checks the alignment and device itself; what it hands back runs `run`.
@@ -478,12 +563,15 @@ class Explanation:
 
 
 def explain(q, k, v, *, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-            softcap: float = 0.0, window: tuple[int, int] | None = None) -> Explanation:
+            softcap: float = 0.0, window: tuple[int, int] | None = None,
+            sinks: torch.Tensor | None = None) -> Explanation:
     """Which kernel attention(q, k, v, ...) would use and why, without running it or warning (its key holds the
-    softcap flag and the window's bucket where the call has them)."""
+    softcap flag, the window's bucket and the sinks flag where the call has them)."""
     _check_options(q, k, v, is_causal, scale, enable_gqa)
     check_args(q, k, v, enable_gqa)
-    decision = routing.decide_for(q, k, v, is_causal, score_mods(softcap, window, is_causal, q, k))
+    mods = score_mods(softcap, window, is_causal, q, k)
+    check_sinks(sinks, q)
+    decision = routing.decide_for(q, k, v, is_causal, mods, sinks is not None)
     runs = "evotune kernel" if decision.route == "evotune" else routing.fallback_name(decision)
     return Explanation(decision.route, decision.kind, decision.reason, decision.call.as_dict(),
                        decision.key.as_dict() if decision.key else None, decision.match,

@@ -15,8 +15,8 @@ A call's route is decided once per distinct call (sizes, dtype, strides, device,
   tuned      evotune's kernel
 
 Every SDPA route is told once per key (EvotuneFallbackWarning), never silently. A call with a softcap or a window
-(the score mods) routes the same way, keyed with them (TableKey's softcap and window_bucket), and where it is not the
-kernel's runs evotune.torch.fallback (SDPA has neither), which its notice names.
+(the score mods) or attention sinks routes the same way, keyed with them (TableKey's softcap, window_bucket and
+sinks), and where it is not the kernel's runs evotune.torch.fallback (SDPA has none of them), which its notice names.
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ class Decision:
             return f"{head}: no tuned kernel for {self.key.spec()}: {self.reason}"
         if self.kind == "missing":
             return f"{head}: no tuned kernel for {self.key.spec()} ({self.reason}); tune it: {tune_command(self.shape)}"
-        away = "PyTorch SDPA" if self.call.mods == NO_MODS else "the fallback"  # SDPA has no softcap or window
+        away = "PyTorch SDPA" if self.call.plain else "the fallback"  # SDPA has no softcap, window or sinks
         return f"{head}: the tuning table routes {self.key.spec()} to {away} ({self.reason})"
 
     def notice_key(self) -> tuple:
-        # A call with a softcap or window says what runs instead (not SDPA): told once per reason and fallback.
-        runs = () if self.call.mods == NO_MODS else (_fallback.name(self.call.mods),)
+        # A call with a softcap, window or sinks says what runs instead (not SDPA): told once per reason and fallback.
+        runs = () if self.call.plain else (_fallback.name(self.call.mods, self.call.sinks),)
         told = (self.kind, self.key) if self.key is not None and self.kind != "uncovered" else (self.kind, self.reason)
         return told + runs
 
@@ -196,11 +196,11 @@ def decide(call: Call) -> Decision:
     return found
 
 
-def decide_for(q, k, v, is_causal: bool, mods: tuple = NO_MODS) -> Decision:
-    """decide() for these tensors (and score mods: call.NO_MODS, or (softcap, window_left, window_right)), turned to
-    SDPA where the kernel's route meets a view that starts off a 16-byte boundary (an address, not a call fact:
-    checked every call, never cached)."""
-    decision = decide(Call.of(q, k, v, is_causal, mods))
+def decide_for(q, k, v, is_causal: bool, mods: tuple = NO_MODS, sinks: bool = False) -> Decision:
+    """decide() for these tensors (and score mods: call.NO_MODS, or (softcap, window_left, window_right); `sinks`:
+    whether the call has sink logits), turned to SDPA where the kernel's route meets a view that starts off a 16-byte
+    boundary (an address, not a call fact: checked every call, never cached)."""
+    decision = decide(Call.of(q, k, v, is_causal, mods, sinks))
     why = misaligned(q, k, v) if decision.route == "evotune" else None
     return uncovered(decision, why) if why else decision
 
@@ -259,6 +259,6 @@ def notify(decision: Decision, fallback: str) -> None:
 
 
 def fallback_name(decision: Decision) -> str:
-    """What runs `decision`'s call off the kernel: PyTorch SDPA, or for a softcap or window evotune.torch.fallback's
-    way (never called evotune's kernel)."""
-    return _fallback.name(decision.call.mods)
+    """What runs `decision`'s call off the kernel: PyTorch SDPA, or for a softcap, window or sinks
+    evotune.torch.fallback's way (never called evotune's kernel)."""
+    return _fallback.name(decision.call.mods, decision.call.sinks)

@@ -13,9 +13,10 @@ op's Python body (evotune::_attention_body), as without it.
 
 Where no compiler is found ($CXX, else c++) or the build fails, the op launches from Python, told once
 (EvotuneLauncherWarning, naming the compiler's log). A pdl config (cuLaunchKernelEx) and the training variant keep the
-Python launch, and so does a call with a softcap or a window: the library's call key has neither, so it hands such a
-call to the Python body unread and the op registers no route for one (their packets carry the cap and the window's
-sides, which a key of their own and its registration would have to add; left out while they are new).
+Python launch, and so does a call with a softcap, a window or sink logits: the library's call key has none of them,
+so it hands such a call to the Python body unread and the op registers no route for one (their packets carry the cap
+and the window's sides, and a sinks call's the logits' pointer, rewritten per call, which a key of their own and its
+registration would have to add; left out while they are new).
 """
 
 from __future__ import annotations

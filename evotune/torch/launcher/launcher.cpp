@@ -156,13 +156,14 @@ std::shared_ptr<const Route> find_route(const std::vector<int64_t>& key) {
 
 at::Tensor python_body(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                        std::optional<double> scale, bool enable_gqa, c10::string_view fallback, double softcap,
-                       int64_t window_left, int64_t window_right) {
+                       int64_t window_left, int64_t window_right, const std::optional<at::Tensor>& sinks) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("evotune::_attention_body", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool,
-                                         std::optional<double>, bool, c10::string_view, double, int64_t, int64_t)>();
+                                         std::optional<double>, bool, c10::string_view, double, int64_t, int64_t,
+                                         const std::optional<at::Tensor>&)>();
   misses.fetch_add(1, std::memory_order_relaxed);
-  return op.call(q, k, v, is_causal, scale, enable_gqa, fallback, softcap, window_left, window_right);
+  return op.call(q, k, v, is_causal, scale, enable_gqa, fallback, softcap, window_left, window_right, sinks);
 }
 
 void encode_map(const Route& route, size_t i, uint64_t address, unsigned char* dst) {
@@ -243,12 +244,13 @@ at::Tensor run_sdpa(const Route& route, const at::Tensor& q, const at::Tensor& k
 }
 
 // evotune::attention's CUDA kernel: the registered route where the call's facts have one, else the Python body.
-// A call with a softcap or a window goes to the Python body unread: the routes here are keyed without them (Python
-// registers none for such calls), and their packets would need the score mods' values; Python runs them.
+// A call with a softcap, a window or sink logits goes to the Python body unread: the routes here are keyed without
+// them (Python registers none for such calls), and their packets would need the score mods' values and the logits'
+// pointer; Python runs them.
 at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                           std::optional<double> scale, bool enable_gqa, c10::string_view fallback, double softcap,
-                          int64_t window_left, int64_t window_right) {
-  const bool mods = softcap != 0.0 || window_left != -1 || window_right != -1;
+                          int64_t window_left, int64_t window_right, const std::optional<at::Tensor>& sinks) {
+  const bool mods = softcap != 0.0 || window_left != -1 || window_right != -1 || sinks.has_value();
   int64_t code = mods ? -1 : fallback_code(fallback);
   if (code >= 0) {
     auto route = find_route(call_key(q, k, v, is_causal, scale, enable_gqa, code));
@@ -262,7 +264,7 @@ at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Te
       if (!misaligned && current == route->device) return launch(*route, q, k, v);
     }
   }
-  return python_body(q, k, v, is_causal, scale, enable_gqa, fallback, softcap, window_left, window_right);
+  return python_body(q, k, v, is_causal, scale, enable_gqa, fallback, softcap, window_left, window_right, sinks);
 }
 
 template <size_t N, typename T>
