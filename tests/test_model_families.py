@@ -1,4 +1,4 @@
-"""tools/model_families.py on the CPU (issue 42): tiny Gemma-2, Mistral, Phi-3 and Qwen2 models through
+"""tools/model_families.py on the CPU (issue 42): tiny Gemma-2, Mistral, Phi-3, gpt-oss and Qwen2 models through
 attn_implementation="evotune", their logits beside sdpa/eager, every attention call counted and each fallback's
 reason told, the recorded shapes files, and bad options refused before any model is built."""
 
@@ -26,7 +26,7 @@ def families():
 
 @pytest.fixture(scope="module")
 def report(families, tmp_path_factory):
-    """One run of the tool over all four tiny families (module-scoped: the suite's time is tight)."""
+    """One run of the tool over all five tiny families (module-scoped: the suite's time is tight)."""
     out = tmp_path_factory.mktemp("families")
     mp = pytest.MonkeyPatch()
     mp.setenv("EVOTUNE_TABLE", str(out / "absent.json"))
@@ -46,12 +46,12 @@ def report(families, tmp_path_factory):
 
 
 def test_every_family_runs_and_its_logits_agree(report, capsys):
-    """All four families run with "evotune"; logits equal the family's reference within tol; tokens agree."""
+    """All five families run with "evotune"; logits equal the family's reference within tol; tokens agree."""
     rc, r, _ = report
     assert rc == 0 and r["failed_checks"] == [], r["failed_checks"]
-    assert [row["family"] for row in r["rows"]] == ["gemma2", "mistral", "phi3", "qwen2"]
+    assert [row["family"] for row in r["rows"]] == ["gemma2", "mistral", "phi3", "gptoss", "qwen2"]
     refs = {row["family"]: row["reference"] for row in r["rows"]}
-    assert refs == {"gemma2": "eager", "mistral": "sdpa", "phi3": "sdpa", "qwen2": "sdpa"}
+    assert refs == {"gemma2": "eager", "mistral": "sdpa", "phi3": "sdpa", "gptoss": "eager", "qwen2": "sdpa"}
     for row in r["rows"]:
         main = row["logits"][f"evotune_vs_{row['reference']}"]
         assert main["ok"] and main["rel"] <= r["tol"] == 1e-4, (row["family"], main)
@@ -65,6 +65,7 @@ def test_every_family_runs_and_its_logits_agree(report, capsys):
     models = r["models"]
     assert all(f in models["gemma2"] for f in ("head dim 256", "softcap 50", "layers sliding/full"))
     assert "head dim 96" in models["phi3"] and "longrope" in models["phi3"]
+    assert all(f in models["gptoss"] for f in ("head dim 64", "sinks", "8 q heads on 1 kv heads"))
     assert "7 q heads on 1 kv heads" in models["qwen2"] and f"window {SEQ // 2}" in models["mistral"]
 
 
@@ -83,13 +84,16 @@ def test_every_call_is_counted_and_each_fallback_says_why(report):
 def test_record_writes_each_familys_shapes_file(report):
     """--record DIR: one evotune.torch.record_shapes file per family, with its softcap and window where it has them."""
     _, r, out = report
-    for family in ("gemma2", "mistral", "phi3", "qwen2"):
+    for family in ("gemma2", "mistral", "phi3", "gptoss", "qwen2"):
         shapes = json.loads((out / "shapes" / f"{family}.shapes.json").read_text())
         assert shapes["kind"] == "evotune-attention-shapes" and shapes["shapes"], family
     gemma = json.loads((out / "shapes" / "gemma2.shapes.json").read_text())["shapes"]
     assert {row["head_dim"] for row in gemma} == {256} and all(row.get("softcap") == 50.0 for row in gemma
                                                                if row.get("family", "attention") == "attention")
     assert any(row.get("window") == [SEQ // 2 - 1, 0] for row in gemma)
+    oss = json.loads((out / "shapes" / "gptoss.shapes.json").read_text())["shapes"]
+    assert all(row.get("sinks") or ":sinks" in (row.get("shape") or "") for row in oss)  # prefill and decode rows
+    assert {row.get("head_dim", 64) for row in oss} == {64}
 
 
 @pytest.mark.parametrize("argv, fault", [

@@ -1,10 +1,12 @@
-"""Four model families end to end with attn_implementation="evotune" (issue 42), random weights, no download.
+"""Five model families end to end with attn_implementation="evotune" (issue 42), random weights, no download.
 
 Builds, from transformers configs, a Gemma-2-like model (Gemma-2-2B's attention: 8 query heads on 4 K/V heads,
 head dim 256, query_pre_attn_scalar 256, attn_logit_softcapping 50, final_logit_softcapping 30, alternating sliding
 and full layers), a Mistral-like one (Mistral-7B-v0.1: 32 on 8, head dim 128, sliding_window), a Phi-3-like one
 (Phi-3.5-mini: 32 on 32, head dim 96, longrope, its window of 262144) and a Qwen2-like one (Qwen2-7B: 28 on 4, head
-dim 128, q/k/v bias, rope theta 1e6), --layers layers each, seeded, and for each family and --batch x --seq:
+dim 128, q/k/v bias, rope theta 1e6) and a gpt-oss-like one (gpt-oss-20b: 64 on 8, head dim 64, attention sinks
+passed as s_aux, a sliding window of 128 on every other layer, mixture-of-experts MLPs), --layers layers each, seeded,
+and for each family and --batch x --seq:
 
   prefill   the logits of one forward (use_cache=False; the last --check-tokens positions) with "evotune"
             against the family's reference (what transformers runs it with: eager for Gemma-2, whose softcap
@@ -19,12 +21,12 @@ dim 128, q/k/v bias, rope theta 1e6), --layers layers each, seeded, and for each
             transformers' sdpa or math_attention), "op: ..." where the op routed it to SDPA (untuned key, uncovered
             head dim, no CUDA), "decode: ..." where the decode op did.
 
-The sliding window of Gemma-2 and Mistral is --window (default: half the shortest --seq, at most the real 4096, so
+The sliding window of Gemma-2, Mistral and gpt-oss is --window (default: half the shortest --seq, at most the real 4096 (gpt-oss: 128), so
 that it cuts keys at the lengths measured, as 4096 does at the models' own lengths). --record DIR writes each
 family's recorded calls as DIR/<family>.shapes.json (evotune.torch.record_shapes' file: `evotune tune --shapes` tunes
 it). Prints a short table last; --json writes the whole report. Exit status 1 where a check failed, 2 for bad input.
 
-    python tools/model_families.py                                   # all four: 1x512 and 8 new tokens
+    python tools/model_families.py                                   # all five: 1x512 and 8 new tokens
     python tools/model_families.py --record shapes/ --json families.json
     evotune tune --shapes shapes/qwen2.shapes.json --table table.json --decode-table table.decode.json
     python tools/model_families.py --table table.json --decode-table table.decode.json
@@ -81,6 +83,14 @@ FAMILIES = {
         "tiny": dict(vocab_size=256, hidden_size=384, intermediate_size=128, num_attention_heads=4,
                      num_key_value_heads=4),
     },
+    "gptoss": {  # gpt-oss-20b's attention: 64 on 8, head dim 64, sinks (s_aux), sliding window 128 on every other layer
+        "config": "GptOssConfig", "like": "gpt-oss-20b", "windowed": True, "window_cap": 128, "reference": "eager",
+        "real": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                     num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                     max_position_embeddings=131072),
+        "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_attention_heads=8,
+                     num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2),
+    },
     "qwen2": {
         "config": "Qwen2Config", "like": "Qwen2-7B", "windowed": False, "reference": "sdpa",
         "real": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
@@ -124,7 +134,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--layers", type=int, default=2, help="decoder layers per model (Gemma-2: sliding, full, ...)")
     p.add_argument("--window", default="auto",
-                   help="Gemma-2's and Mistral's sliding window (auto: half the shortest --seq, at most 4096)")
+                   help="the sliding window of Gemma-2, Mistral and gpt-oss (auto: half the shortest --seq, at most 4096; gpt-oss at most its 128)")
     p.add_argument("--tiny", action="store_true", help="tiny configs (the real head dims, GQA ratios and flags)")
     p.add_argument("--check-tokens", type=int, default=512,
                    help="logits compared at each sequence's last N positions (0: all; bounds the logits' memory)")
@@ -188,7 +198,7 @@ def build(family: str, args, torch, dtype, max_len: int):
     kw["num_hidden_layers"] = args.layers
     kw["max_position_embeddings"] = max(kw["max_position_embeddings"], max_len)
     if spec["windowed"]:
-        kw["sliding_window"] = args.window
+        kw["sliding_window"] = min(args.window, spec.get("window_cap", args.window))  # gpt-oss: its own 128
     cfg = getattr(transformers, spec["config"])(**kw)
     torch.manual_seed(args.seed)
     with torch.device(args.device):
@@ -206,6 +216,8 @@ def describe(family: str, cfg) -> str:
         flags.append("layers " + "/".join(t.split("_")[0] for t in cfg.layer_types))
     if getattr(cfg, "attn_logit_softcapping", None):
         flags.append(f"softcap {cfg.attn_logit_softcapping:g}, query_pre_attn_scalar {cfg.query_pre_attn_scalar}")
+    if getattr(cfg, "model_type", None) == "gpt_oss":  # its attention layers hold the sink logits (passed as s_aux)
+        flags.append(f"sinks, {cfg.num_local_experts} experts (top {cfg.num_experts_per_tok})")
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type")
     if rope:
         flags.append(f"rope {rope}")
