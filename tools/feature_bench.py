@@ -105,9 +105,17 @@ def bench_case(text: str, args, problem, space) -> dict:
     contenders = [("ours", shape), ("dense", dense)]
     if shape.sinks and replace(shape, sinks=False) != dense:
         contenders.append(("nosink", replace(shape, sinks=False)))  # the sink's own cost: the same mask and cap
+    if args.dense_tuned and args.table:
+        # The dense shape's own tuned config as a contender too: "never slower than the dense kernel" compares the
+        # feature's best with the dense shape's best, not only the same config with and without the feature.
+        dense_knobs, dense_source = config_for(dense, args, space)
+        if dense_source.startswith("table"):
+            contenders.append(("dense_tuned", dense))
+            rec["dense_tuned_config"] = dense_knobs
     for name, s in contenders:
         try:
-            fns[name], rec[name] = kernel_launch(problem, space, s, knobs, inputs)
+            cfg = rec["dense_tuned_config"] if name == "dense_tuned" else knobs
+            fns[name], rec[name] = kernel_launch(problem, space, s, cfg, inputs)
         except Exception as e:  # a contender that fails is a row, not the end of the run
             rec[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     try:
@@ -123,7 +131,7 @@ def bench_case(text: str, args, problem, space) -> dict:
     res = time_interleaved(fns, rounds=args.rounds)
     for name, t in res.timings.items():
         rec[name].update(t.as_dict())
-    for other in ("dense", "nosink", "flex"):
+    for other in ("dense", "dense_tuned", "nosink", "flex"):
         if other in fns:
             rec[f"ours_vs_{other}"] = res.ratios("ours", other)  # other's time over ours: > 1, ours is faster
     return rec
@@ -143,7 +151,7 @@ def row(rec: dict) -> str:
     errs = "; ".join(f"{n}: {rec[n]['error'][:70]}" for n in ("ours", "dense", "nosink", "flex")
                      if "error" in rec.get(n, {}))
     return (f"{rec['shape']:44} {cell('ours')} {cell('dense')} {cell('flex')}  {ratio('dense'):>20} {ratio('flex'):>20}"
-            f" {ratio('nosink'):>20}" + (f"  {errs}" if errs else ""))
+            f" {ratio('nosink'):>20} {ratio('dense_tuned'):>20}" + (f"  {errs}" if errs else ""))
 
 
 def main(argv=None) -> int:
@@ -151,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", required=True, help="a shape with a feature (repeatable)")
     ap.add_argument("--config", help="knobs (JSON) over the attention space's defaults, for every case")
     ap.add_argument("--table", help="a tuning table: each case's entry as the op selects it")
+    ap.add_argument("--dense-tuned", action="store_true", help="with --table: also the dense shape's own tuned config "
+                    "(its entry in the same table)")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--out", help="write every case's record (JSON) here")
@@ -177,7 +187,7 @@ def main(argv=None) -> int:
             Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                   "cases": recs}, indent=1))
     print(f"\n{'shape':44} {'ours us [p10-p90]':>24} {'dense, same config':>24} {'FlexAttention':>24}  "
-          f"{'dense/ours per round':>20} {'flex/ours per round':>20} {'no sink/ours':>20}")
+          f"{'dense/ours per round':>20} {'flex/ours per round':>20} {'no sink/ours':>20} {'dense tuned/ours':>20}")
     for rec in recs:
         print(row(rec))
     return 0
