@@ -27,9 +27,9 @@ Gemma-2's and gpt-oss's eager attention) and says why once per reason (EvotuneFa
 torch.compile traces, a warning would break the graph, so the reason is only counted (fallbacks()).
 stats() counts every path. A decode step (one query, decode_call) under a window that cuts keys runs over the last W
 keys (views of the cache), where its mask builder left the mask out: a sliding layer's cached step with no padding
-among the window's keys (the plain sliding mask, like the prefill's). A decode step with a softcap or sinks is not the
-decode kernel's (it has neither): it takes the adapter's own path (the op; over the window's keys where a window
-cuts).
+among the window's keys (the plain sliding mask, like the prefill's). A decode step with sinks goes to the decode op
+with them (its kernel has SINKS), the window handled the same way. A decode step with a softcap is not the decode
+kernel's (it has none): it takes the adapter's own path (the op; over the window's keys where a window cuts).
 
 This module imports transformers; `import evotune` and `import evotune.torch` do not import it.
 """
@@ -283,7 +283,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     softcap, window = (get("softcap"), get("sliding_window")) if kwargs else (None, None)
     sinks = _sinks_of(kwargs) if kwargs else None
     cuts = attention_mask is None and _cuts(window, sk)  # without a mask: the mask builder left the window to us
-    if cuts and sq == 1:  # a decode step the decode kernel does not take (a softcap, say): the op over the window
+    if cuts and sq == 1:  # a decode step the decode kernel does not take (a softcap): the op over the window
         key, value, sk = _window_keys(key, value, window)
         cuts = False
     if causal and sk > sq and not cuts:
@@ -362,9 +362,9 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
     transformers' sdpa mask builder drops its all-True mask, and the adapter's builder a sliding layer's plain
     window: with a `sliding_window` W that cuts keys the step runs over the last W keys, views of the cache) or a
     boolean mask that is exactly the bottom-right causal one (a cached prefill chunk). Checking that mask reads it on
-    the host (a sync), so only in eager code. Every other call gets None (the adapter's own path): a softcap or
-    sinks (the decode kernel has neither: the op takes such a step, over the window's last W keys where one cuts),
-    and a StaticCache's mask, which spans the whole cache with padding past the filled
+    the host (a sync), so only in eager code. Attention sinks (gpt-oss's s_aux) go with the step: the decode kernel
+    has SINKS. Every other call gets None (the adapter's own path): a softcap (the decode kernel has none: the op
+    takes such a step, over the window's last W keys where one cuts), and a StaticCache's mask, which spans the whole cache with padding past the filled
     length, which the kernel cannot take without reading that length on the host."""
     sq, sk = query.shape[2], key.shape[2]
     if sq >= sk:  # a prefill, the adapter's own path: checked before the import, which costs every call
@@ -372,8 +372,8 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
     from .decode import MAX_SEQ_Q, decode_attention
 
     if not 1 <= sq <= min(MAX_SEQ_Q, sk - 1) or dropout or any(kwargs.get(name) is not None for name in (
-            "softcap", "position_bias", "cache", "s_aux", "sinks")) or kwargs.get("output_attentions"):
-        return None  # the decode kernel has no softcap and no sinks (the op's path takes them: its kernel or fallback)
+            "softcap", "position_bias", "cache")) or kwargs.get("output_attentions"):
+        return None  # the decode kernel has no softcap (the op's path takes it: its kernel or fallback)
     window = kwargs.get("sliding_window")
     if attention_mask is None and _cuts(window, sk):
         if sq > 1:
@@ -391,7 +391,9 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
         return None  # no mask with several queries: sdpa's is_causal would be top-left; the adapter's path keeps it
     if not torch.compiler.is_compiling():
         _CALLS[0] += 1
-    out = decode_attention(query, key, value, causal=sq > 1, scale=scaling)
+    # gpt-oss's s_aux (the layer's (H,) sinks Parameter) goes in as it is: decode_attention casts it to the
+    # contiguous fp32 its kernel's SINKS reads, and its fallback is the sink math.
+    out = decode_attention(query, key, value, causal=sq > 1, scale=scaling, sinks=_sinks_of(kwargs))
     return out.transpose(1, 2).contiguous(), None
 
 
