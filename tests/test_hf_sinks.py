@@ -1,7 +1,7 @@
 """evotune.torch.hf with attention sinks (gpt-oss's s_aux) on the CPU: which path a call with sink logits takes and
-what reaches the op (prefill with and without a cutting window, decode steps over the window's keys, never the decode
-kernel), a masked call's math fallback with the sinks, and a tiny random-weight gpt-oss whose logits and greedy tokens
-equal transformers' eager attention with every call on the op."""
+what reaches the op (prefill with and without a cutting window) and the decode op (decode steps, over the window's
+keys), a masked call's math fallback with the sinks, and a tiny random-weight gpt-oss whose logits and greedy tokens
+equal transformers' eager attention with every prefill call on the op and every decode step on the decode op."""
 
 from __future__ import annotations
 
@@ -61,44 +61,51 @@ def brute(q, k, v, sinks, scale, seen):
 
 @pytest.fixture
 def to_op(monkeypatch):
-    """What reaches the op from the adapter, per call: (keys, is_causal, window, softcap, the sinks tensor); the decode
-    op may not be called (it has no sinks)."""
+    """What reaches evotune's ops from the adapter, per call: (which op, keys, is_causal, window, softcap, the sinks
+    tensor); "op" is evotune.torch.attention (window and softcap as passed), "decode" decode_attention (neither: None)."""
     seen = []
-    real = hf.eager_attention
+    real, real_decode = hf.eager_attention, D.decode_attention
 
     def spy(q, k, v, is_causal, scale, enable_gqa, softcap=0.0, window=None, sinks=None):
-        seen.append((k.shape[2], is_causal, window, softcap, sinks))
+        seen.append(("op", k.shape[2], is_causal, window, softcap, sinks))
         return real(q, k, v, is_causal, scale, enable_gqa, softcap=softcap, window=window, sinks=sinks)
 
+    def decode_spy(q, k, v, *, causal=False, scale=None, sinks=None):
+        seen.append(("decode", k.shape[2], causal, None, None, sinks))
+        return real_decode(q, k, v, causal=causal, scale=scale, sinks=sinks)
+
     monkeypatch.setattr(hf, "eager_attention", spy)
-    monkeypatch.setattr(D, "decode_attention", lambda *a, **kw: pytest.fail("a sinks call reached the decode op"))
+    monkeypatch.setattr(D, "decode_attention", decode_spy)
     return seen
 
 
 # --------------------------------------------------------------------------- the adapter's routing
 
 
-@pytest.mark.parametrize("sq, sk, window, name, keys, causal, op_window", [
-    (12, 12, None, "s_aux", 12, True, None),             # a full layer's prefill
-    (12, 12, WINDOW, "s_aux", 12, False, (WINDOW - 1, 0)),  # a sliding layer's prefill: the window cuts
-    (6, 6, WINDOW, "s_aux", 6, True, None),              # a prompt no longer than the window: the dense causal call
-    (1, 20, WINDOW, "s_aux", WINDOW, False, None),       # a sliding layer's decode step: the last W keys
-    (1, 5, WINDOW, "s_aux", 5, False, None),             # ... with fewer keys than the window
-    (1, 20, None, "s_aux", 20, False, None),             # a full layer's decode step: every key
-    (12, 12, None, "sinks", 12, True, None),             # the other spelling of the keyword
+@pytest.mark.parametrize("sq, sk, window, name, op, keys, causal, op_window", [
+    (12, 12, None, "s_aux", "op", 12, True, None),             # a full layer's prefill
+    (12, 12, WINDOW, "s_aux", "op", 12, False, (WINDOW - 1, 0)),  # a sliding layer's prefill: the window cuts
+    (6, 6, WINDOW, "s_aux", "op", 6, True, None),              # a prompt no longer than the window: the dense causal call
+    (1, 20, WINDOW, "s_aux", "decode", WINDOW, False, None),   # a sliding layer's decode step: the last W keys
+    (1, 5, WINDOW, "s_aux", "decode", 5, False, None),         # ... with fewer keys than the window
+    (1, 20, None, "s_aux", "decode", 20, False, None),         # a full layer's decode step: every key
+    (1, 20, None, "sinks", "decode", 20, False, None),         # the other spelling of the keyword
+    (12, 12, None, "sinks", "op", 12, True, None),
 ])
-def test_sinks_reach_the_op(to_op, sq, sk, window, name, keys, causal, op_window):
-    """With no mask, a call with sink logits goes to the op with them (the same tensor, not a copy), prefill or decode
-    step, its window as the softcap / window calls pass it; never transformers' sdpa (which drops sinks) nor the decode
-    kernel; the output is the brute force's over the keys the query sees."""
+def test_sinks_reach_the_op(to_op, sq, sk, window, name, op, keys, causal, op_window):
+    """With no mask, a call with sink logits goes with them (the same tensor, not a copy) to the op (a prefill, its
+    window as the softcap / window calls pass it) or to the decode op (a decode step, over the window's last W keys as
+    the other decode steps); never transformers' sdpa (which drops sinks); the output is the brute force's over the
+    keys the query sees."""
     q, k, v, sinks = tensors(sq, sk)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EvotuneFallbackWarning)
         out, weights = hf.attention_forward(_Module(), q, k, v, None, scaling=0.25, sliding_window=window,
                                             **{name: sinks})
     assert weights is None and out.shape == (2, sq, 4, 16) and out.is_contiguous()
-    ((got_keys, got_causal, got_window, softcap, got_sinks),) = to_op
-    assert (got_keys, got_causal, got_window, softcap) == (keys, causal, op_window, 0.0)
+    ((got_op, got_keys, got_causal, got_window, softcap, got_sinks),) = to_op
+    assert (got_op, got_keys, got_causal, got_window) == (op, keys, causal, op_window)
+    assert softcap == (0.0 if op == "op" else None)
     assert got_sinks is sinks
     assert hf.stats() == {"evotune": 1} and hf.fallbacks() == {}
     i = torch.arange(sq)[:, None] + (sk - sq)  # queries at the end of the keys (a cache's)
@@ -250,10 +257,10 @@ def test_padded_gpt_oss_runs_math_with_its_mask():
     assert len(told) == 1 and "math_attention" in told[0] and "attention mask" in told[0]
 
 
-def test_gpt_oss_generate_matches_eager_with_every_step_on_the_op():
-    """Greedy generation past the window: every decode step of both layers reaches the op with the sinks (none the
-    decode op, none transformers' sdpa), the sliding layer's over at most W keys; the tokens and per-step logits are
-    eager's."""
+def test_gpt_oss_generate_matches_eager_with_every_step_on_the_decode_op(to_op):
+    """Greedy generation past the window: each layer's prefill reaches the op with its sinks, and every decode step of
+    both layers the decode op with the layer's sinks Parameter itself (none transformers' sdpa, none the op), the
+    sliding layer's over at most W keys; the tokens and per-step logits are eager's."""
     model = tiny_gpt_oss()
     ids = ids_of(batch=1, seq=5)
     new = 10
@@ -263,15 +270,22 @@ def test_gpt_oss_generate_matches_eager_with_every_step_on_the_op():
     with torch.no_grad():
         want = model.generate(ids, **kw)
     model.set_attn_implementation("evotune")
+    to_op.clear()
     with warnings.catch_warnings(), et.record_shapes() as rec, torch.no_grad():
         warnings.simplefilter("ignore")
         got = model.generate(ids, **kw)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
     assert hf.fallbacks() == {} and hf.stats() == {"evotune": LAYERS * new}
-    assert all(r.get("family", "attention") == "attention" and r.get("sinks") for r in rec.shapes)
-    steps = [(r["seq_k"], r.get("window")) for r in rec.shapes for _ in range(r["calls"]) if r["seq_q"] == 1]
-    assert len(steps) == LAYERS * (new - 1) and all(window is None for _, window in steps)
-    keys = sorted(sk for sk, _ in steps)
+    sinks = [layer.self_attn.sinks for layer in model.model.layers]
+    prefill, steps = to_op[:LAYERS], to_op[LAYERS:]
+    assert [(op, keys, causal, window) for op, keys, causal, window, _, _ in prefill] == [
+        ("op", 5, True, None), ("op", 5, True, None)]  # a 5-token prompt: the window cuts nothing
+    assert len(steps) == LAYERS * (new - 1) and all(op == "decode" and not causal for op, _, causal, *_ in steps)
+    assert all(call[5] is sinks[i % LAYERS] for i, call in enumerate(to_op))
+    keys = sorted(call[1] for call in steps)
     want_keys = sorted([*range(6, 5 + new), *(min(5 + t, WINDOW) for t in range(1, new))])
     assert keys == want_keys
+    # The recorder: the prefill rows the op's (with sinks), the steps' the decode op's.
+    assert [r.get("family", "attention") for r in rec.shapes][:1] == ["attention"] and rec.shapes[0].get("sinks")
+    assert sum(r["calls"] for r in rec.shapes if r.get("family") == "attention-decode") == LAYERS * (new - 1)

@@ -27,9 +27,14 @@ Gemma-2's and gpt-oss's eager attention) and says why once per reason (EvotuneFa
 torch.compile traces, a warning would break the graph, so the reason is only counted (fallbacks()).
 stats() counts every path. A decode step (one query, decode_call) under a window that cuts keys runs over the last W
 keys (views of the cache), where its mask builder left the mask out: a sliding layer's cached step with no padding
-among the window's keys (the plain sliding mask, like the prefill's). A decode step with a softcap or sinks is not the
-decode kernel's (it has neither): it takes the adapter's own path (the op; over the window's keys where a window
-cuts).
+among the window's keys (the plain sliding mask, like the prefill's). A decode step with sinks goes to the decode op
+with them (its kernel has SINKS), the window handled the same way. A decode step with a softcap is not the decode
+kernel's (it has none): it takes the adapter's own path (the op; over the window's keys where a window cuts).
+
+Packed sequences (transformers' padding-free batches: batch 1, the sequences one after another, with flash-attention's
+kwargs cu_seq_lens_q / _k and max_length_q / _k, as DataCollatorWithFlattening(return_flash_attn_kwargs=True) gives
+them) go to evotune.torch.varlen.attention_varlen, per-sequence causal (or not, as the model is), where nothing else
+rides on the call (packed_call says what; the rest goes where it would without the kwargs, told once).
 
 This module imports transformers; `import evotune` and `import evotune.torch` do not import it.
 """
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections import Counter
 
 import torch
@@ -51,7 +57,8 @@ NAME = "evotune"
 
 _LOCK = threading.Lock()
 _WARNED: set[str] = set()
-_STATS: Counter = Counter()        # "sdpa" / "math": adapter calls sent to transformers' sdpa / math_attention (eager)
+_STATS: Counter = Counter()        # "sdpa" / "math" / "varlen": adapter calls sent to transformers' sdpa /
+                                   # math_attention / evotune.torch.varlen.attention_varlen (eager code only)
 _CALLS = [0]                       # adapter calls that reached evotune.torch.attention (eager code only)
 _FALLBACKS: Counter = Counter()    # reason -> calls sent to transformers' sdpa or math_attention (eager code only)
 _TRACED_FALLBACKS: dict = {}       # reason -> True, noted while torch.compile traced a fallback
@@ -212,16 +219,18 @@ def _sliding_window_of(mask_function) -> int | None:
 
 
 def stats() -> dict:
-    """Adapter calls made in eager code so far: {"evotune": n, "sdpa": n} (the op's own routing, kernel or
-    SDPA, is told by the op: evotune.torch.record_shapes / explain)."""
+    """Adapter calls made in eager code so far: {"evotune": n, "varlen": n, "sdpa": n, "math": n}, those with calls
+    ("evotune": the dense or decode op; "varlen": packed sequences to attention_varlen). The ops' own routing, kernel
+    or fallback, is told by the ops: evotune.torch.record_shapes / explain, varlen.explain_varlen."""
     out = {"evotune": _CALLS[0]} if _CALLS[0] else {}
     out.update(_STATS)
     return out
 
 
 def fallbacks() -> dict:
-    """Why calls went to transformers' sdpa: {reason: calls} from eager code, plus reasons met while tracing
-    under torch.compile (counted as 0 calls: the compiled graph's runs are not counted)."""
+    """Why calls went to transformers' sdpa (or math_attention), or, for packed sequences, past the varlen op:
+    {reason: calls} from eager code, plus reasons met while tracing under torch.compile (counted as 0 calls: the
+    compiled graph's runs are not counted)."""
     out = {reason: 0 for reason in _TRACED_FALLBACKS}
     out.update(_FALLBACKS)
     return out
@@ -269,9 +278,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # before the reasons are spelled (uncovered_reason, only for a call that is not).
     _, heads, sq, _ = query.shape
     _, kv_heads, sk, _ = key.shape
+    packed_why = None
+    if kwargs and kwargs.get("cu_seq_lens_q") is not None:  # packed sequences: the varlen op, where it takes them
+        packed, packed_why = packed_call(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                                         kwargs)
+        if packed is not None:
+            return packed
     if sq < sk:  # a decode step or a cached chunk (decode_call), else a prefill into an empty StaticCache
         decoded = decode_call(query, key, value, attention_mask, dropout, scaling, kwargs)
         if decoded is not None:
+            if packed_why:
+                _fallback(packed_why, None)
             return decoded
     # The causal flag as sdpa_attention_forward derives it (a single query attends to every key).
     if is_causal is None:
@@ -283,7 +300,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     softcap, window = (get("softcap"), get("sliding_window")) if kwargs else (None, None)
     sinks = _sinks_of(kwargs) if kwargs else None
     cuts = attention_mask is None and _cuts(window, sk)  # without a mask: the mask builder left the window to us
-    if cuts and sq == 1:  # a decode step the decode kernel does not take (a softcap, say): the op over the window
+    if cuts and sq == 1:  # a decode step the decode kernel does not take (a softcap): the op over the window
         key, value, sk = _window_keys(key, value, window)
         cuts = False
     if causal and sk > sq and not cuts:
@@ -294,7 +311,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if (attention_mask is not None or dropout or (causal and sq != sk) or (cuts and not (causal and sq == sk))
             or (kwargs and (get("position_bias") is not None or get("cache") is not None
                             or get("output_attentions")))):
-        return _uncovered(module, query, key, value, attention_mask, dropout, scaling, is_causal, causal, kwargs)
+        return _uncovered(module, query, key, value, attention_mask, dropout, scaling, is_causal, causal, kwargs,
+                          packed_why)
+    if packed_why:
+        _fallback(packed_why, None)
     # A window that cuts keys: transformers' sliding_window W (sliding_window_overlay: key > query - W, W keys with
     # the query's own) is flash-attention's window_size (W - 1, 0), causal by itself; no causal flag beside it.
     mods = {"softcap": softcap or 0.0, "window": (window - 1, 0) if cuts else None, "sinks": sinks}
@@ -308,6 +328,141 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # The op returns the query's layout: a projection's (B, S, H, D) memory seen as (B, H, S, D), so this
     # transpose is already contiguous and .contiguous() copies nothing.
     return out.transpose(1, 2).contiguous(), None
+
+
+# Packed sequences (transformers' padding-free batches: DataCollatorWithFlattening(return_flash_attn_kwargs=True), or a
+# caller's own): batch 1, the sequences one after another, and flash-attention's varlen kwargs beside them.
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# Offsets (and the mask beside them) already read and checked, per offsets tensor: every layer of a forward gets the
+# same tensors, so they are read on the host once per forward, not once per layer. Keyed by id, with weak references
+# that tell a reused id apart (nothing kept alive; a tensor's == is elementwise, so no WeakKeyDictionary); bounded.
+_CHECKED: dict = {}
+_MAX_CHECKED = 64
+
+
+def packed_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    """A packed call (the kwargs cu_seq_lens_q / _k, max_length_q / _k, as transformers' flash-attention path reads
+    them) run by evotune.torch.varlen.attention_varlen: ((output (1, total, H, D), None), None). Else (None, why): the call goes where it went
+    before (the dense op, decode_call, transformers' sdpa or math_attention, by its mask), `why` told once.
+
+    Taken: batch 1, as many keys as queries (no earlier keys in a cache), no dropout, softcap, sinks, position bias,
+    paged cache or output_attentions, a sliding window (if any) no shorter than the longest sequence (it cuts
+    nothing), causal (the adapter's is_causal, else the module's) with cu_seq_lens_q equal to cu_seq_lens_k, or
+    non-causal. The mask beside it must be None or exactly the packing's, which is then redundant: transformers'
+    create_causal_mask builds, from position_ids that restart per sequence (find_packed_sequence_indices, with no cache
+    and no padding mask), the block-diagonal causal mask of those sequences; the offsets describe the same blocks only
+    where position_ids restart exactly at them, so the mask is compared with the offsets' (in eager code, once per mask
+    tensor and offsets), not assumed. With no mask (a cache given, or position_ids that do not restart) the offsets
+    alone say where the sequences are, as in transformers' flash-attention path."""
+    get = kwargs.get
+    cu_q, cu_k, max_q, max_k = (get(name) for name in _PACKED_KWARGS)
+    what = _packed_reason(module, query, key, value, dropout, kwargs, cu_q, cu_k, max_q, max_k)
+    if what:
+        return None, _packed_told(what, attention_mask)
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    tracing = torch.compiler.is_compiling()
+    if tracing:
+        if attention_mask is not None:
+            return None, _packed_told("a mask tensor beside them while torch.compile traces (the adapter compares "
+                                      "it with the offsets' in eager code only)", attention_mask)
+        if not (_ints(max_q, max_k)):
+            return None, _packed_told("max_length_q / _k as tensors while torch.compile traces (the varlen op takes "
+                                      "Python ints)", attention_mask)
+    else:
+        max_q, max_k = int(max_q), int(max_k)
+        why = _check_packing(cu_q, cu_k, query.shape[2], causal, attention_mask)
+        if why:
+            return None, _packed_told(why, attention_mask)
+        if causal:
+            cu_k = cu_q  # checked equal: one tensor, which the op takes as given (no second compare)
+    window = get("sliding_window")
+    if window is not None and window < max_k:
+        return None, _packed_told(f"a sliding window of {window} keys shorter than the longest sequence "
+                                  f"({max_k}): the varlen op takes no window", attention_mask)
+    from .varlen import attention_varlen
+
+    # The adapter's (1, H, total, D) is a projection's (1, total, H, D) memory: [0].transpose(0, 1) is the varlen
+    # op's (total, H, D) as a view, nothing copied.
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if not tracing:
+        with _LOCK:
+            _STATS["varlen"] += 1
+    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=causal, scale=scaling)
+    return (out.unsqueeze(0), None), None  # the attention function's (output, weights), no reason
+
+
+def _packed_reason(module, query, key, value, dropout, kwargs, cu_q, cu_k, max_q, max_k) -> str | None:
+    """What keeps a call with packed-sequence kwargs from the varlen op, read from sizes and kwargs alone (no values)."""
+    get = kwargs.get
+    if any(x is None for x in (cu_k, max_q, max_k)):
+        return f"only some of {', '.join(_PACKED_KWARGS)} given"
+    if query.shape[0] != 1:
+        return f"a batch of {query.shape[0]} (packed sequences come as a batch of 1)"
+    if key.shape[2] != query.shape[2]:
+        return f"{query.shape[2]} queries over {key.shape[2]} keys (earlier keys in a cache)"
+    if dropout:
+        return f"attention dropout {dropout}"
+    for name in ("softcap", "position_bias", "cache"):
+        if get(name) is not None:
+            return {"softcap": "a logit softcap", "position_bias": "an additive position bias",
+                    "cache": "a paged KV cache"}[name]
+    if _sinks_of(kwargs) is not None:
+        return "attention sinks"
+    if get("output_attentions"):
+        return "output_attentions=True"
+    for name, t in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.device != query.device:
+            return f"{name} not a 1-D int32 tensor on the queries' device"
+    return None
+
+
+def _packed_told(what: str, attention_mask=None) -> str:
+    """The reason a packed call is kept from the varlen op, saying what computes it instead."""
+    where = ("by its mask" if attention_mask is not None else
+             "with no mask: across the packed sequences, as transformers' sdpa and eager attention compute it")
+    return f"packed sequences (cu_seq_lens_q / _k) with {what}: the call runs {where}"
+
+
+def _check_packing(cu_q, cu_k, total: int, causal: bool, attention_mask) -> str | None:
+    """In eager code: why the offsets (and the mask beside them) are not a packing the varlen op computes as given, or
+    None. Reads the offsets on the host and compares the mask with theirs: once per offsets tensor, mask and causal
+    flag (_CHECKED; a tensor changed in place, by its version counter, is read again)."""
+    token = (id(cu_k), cu_q._version, cu_k._version, total, causal,
+             None if attention_mask is None else (id(attention_mask), attention_mask._version))
+    seen = _CHECKED.get(id(cu_q))
+    if (seen is not None and seen[0]() is cu_q and seen[1] == token and seen[2]() is cu_k
+            and (attention_mask is None or seen[3]() is attention_mask)):
+        return seen[4]
+    why = _packing_fault(cu_q, cu_k, total, causal, attention_mask)
+    if len(_CHECKED) >= _MAX_CHECKED:
+        _CHECKED.clear()
+    _CHECKED[id(cu_q)] = (weakref.ref(cu_q), token, weakref.ref(cu_k),
+                          weakref.ref(attention_mask) if attention_mask is not None else None, why)
+    return why
+
+
+def _packing_fault(cu_q, cu_k, total: int, causal: bool, attention_mask) -> str | None:
+    offsets = cu_q.tolist()
+    if offsets[0] != 0 or offsets[-1] != total or any(b < a for a, b in zip(offsets, offsets[1:])):
+        return _packed_told(f"offsets {offsets[:8]}{'...' if len(offsets) > 8 else ''} that do not split the call's "
+                            f"{total} tokens", attention_mask)
+    if causal and cu_k is not cu_q and not torch.equal(cu_q, cu_k):
+        return _packed_told("cu_seq_lens_q != cu_seq_lens_k under a causal mask (the varlen op's causal mask is "
+                            "per-sequence self-attention)", attention_mask)
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (1, 1, total, total):
+        return _packed_told(f"a {attention_mask.dtype} mask of shape {tuple(attention_mask.shape)}, not the "
+                            f"packing's (1, 1, {total}, {total}) boolean mask", attention_mask)
+    lengths = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], device=attention_mask.device)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=attention_mask.device), lengths)
+    want = seq[:, None] == seq[None, :]
+    if causal:
+        want = want.tril()
+    if not torch.equal(attention_mask[0, 0], want):
+        return _packed_told("a mask that is not the offsets' block-diagonal" + (" causal" if causal else "")
+                            + " one (padding, a window or another overlay)", attention_mask)
+    return None
 
 
 def _sinks_of(kwargs):
@@ -330,11 +485,12 @@ def _window_keys(key, value, window: int):
     return key[:, :, -window:], value[:, :, -window:], window
 
 
-def _uncovered(module, query, key, value, attention_mask, dropout, scaling, is_causal, causal, kwargs):
+def _uncovered(module, query, key, value, attention_mask, dropout, scaling, is_causal, causal, kwargs, why=None):
     """A call the op does not take: transformers' sdpa_attention_forward, or with a softcap (which transformers'
     sdpa refuses) or sinks (which it would drop) math_attention with the call's mask and dropout, told once per
-    reason. Sinks beside a position bias or a paged cache are refused in one line: neither path computes the two."""
-    why = uncovered_reason(module, query, key, value, attention_mask, dropout, causal, kwargs)
+    reason (`why`, else uncovered_reason's). Sinks beside a position bias or a paged cache are refused in one line:
+    neither path computes the two."""
+    why = why or uncovered_reason(module, query, key, value, attention_mask, dropout, causal, kwargs)
     get = kwargs.get
     sinks = _sinks_of(kwargs)
     if sinks is not None and (get("position_bias") is not None or get("cache") is not None):
@@ -362,9 +518,9 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
     transformers' sdpa mask builder drops its all-True mask, and the adapter's builder a sliding layer's plain
     window: with a `sliding_window` W that cuts keys the step runs over the last W keys, views of the cache) or a
     boolean mask that is exactly the bottom-right causal one (a cached prefill chunk). Checking that mask reads it on
-    the host (a sync), so only in eager code. Every other call gets None (the adapter's own path): a softcap or
-    sinks (the decode kernel has neither: the op takes such a step, over the window's last W keys where one cuts),
-    and a StaticCache's mask, which spans the whole cache with padding past the filled
+    the host (a sync), so only in eager code. Attention sinks (gpt-oss's s_aux) go with the step: the decode kernel
+    has SINKS. Every other call gets None (the adapter's own path): a softcap (the decode kernel has none: the op
+    takes such a step, over the window's last W keys where one cuts), and a StaticCache's mask, which spans the whole cache with padding past the filled
     length, which the kernel cannot take without reading that length on the host."""
     sq, sk = query.shape[2], key.shape[2]
     if sq >= sk:  # a prefill, the adapter's own path: checked before the import, which costs every call
@@ -372,8 +528,8 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
     from .decode import MAX_SEQ_Q, decode_attention
 
     if not 1 <= sq <= min(MAX_SEQ_Q, sk - 1) or dropout or any(kwargs.get(name) is not None for name in (
-            "softcap", "position_bias", "cache", "s_aux", "sinks")) or kwargs.get("output_attentions"):
-        return None  # the decode kernel has no softcap and no sinks (the op's path takes them: its kernel or fallback)
+            "softcap", "position_bias", "cache")) or kwargs.get("output_attentions"):
+        return None  # the decode kernel has no softcap (the op's path takes it: its kernel or fallback)
     window = kwargs.get("sliding_window")
     if attention_mask is None and _cuts(window, sk):
         if sq > 1:
@@ -391,7 +547,9 @@ def decode_call(query, key, value, attention_mask, dropout, scaling, kwargs) -> 
         return None  # no mask with several queries: sdpa's is_causal would be top-left; the adapter's path keeps it
     if not torch.compiler.is_compiling():
         _CALLS[0] += 1
-    out = decode_attention(query, key, value, causal=sq > 1, scale=scaling)
+    # gpt-oss's s_aux (the layer's (H,) sinks Parameter) goes in as it is: decode_attention casts it to the
+    # contiguous fp32 its kernel's SINKS reads, and its fallback is the sink math.
+    out = decode_attention(query, key, value, causal=sq > 1, scale=scaling, sinks=_sinks_of(kwargs))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -399,15 +557,21 @@ _RUNS = {"sdpa": "transformers' sdpa attention",
          "math": "evotune.torch.fallback.math_attention (transformers' sdpa has no softcap and no attention sinks)"}
 
 
-def _fallback(why: str, runs: str = "sdpa") -> None:
+def _fallback(why: str, runs: str | None = "sdpa") -> None:
+    """Count and tell (once per reason) a call kept from evotune's op. runs=None: a packed call kept from the varlen
+    op that still reaches evotune's dense or decode op (counted there, under "evotune"; its reason here)."""
     if torch.compiler.is_compiling():
         _TRACED_FALLBACKS[why] = True
         return
     with _LOCK:
-        _STATS[runs] += 1
+        if runs is not None:
+            _STATS[runs] += 1
         _FALLBACKS[why] += 1
         if why in _WARNED:
             return
         _WARNED.add(why)
-    warnings.warn(f"evotune.torch.hf: this call runs {_RUNS[runs]}, not evotune.torch.attention: {why}",
-                  EvotuneFallbackWarning, stacklevel=4)
+    if runs is None:
+        said = f"evotune.torch.hf: this call runs evotune's dense op, not evotune.torch.varlen.attention_varlen: {why}"
+    else:
+        said = f"evotune.torch.hf: this call runs {_RUNS[runs]}, not evotune.torch.attention: {why}"
+    warnings.warn(said, EvotuneFallbackWarning, stacklevel=4)
