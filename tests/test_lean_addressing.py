@@ -115,7 +115,7 @@ inline void wgmma_commit() {}
 _DESC_MAIN = """
 template <int BLOCK_M, int BLOCK_N, int HEAD_DIM, bool Q_IN_REGS>
 struct Traits {
-    static constexpr int kBlockM = BLOCK_M, kBlockN = BLOCK_N, kHeadDim = HEAD_DIM, kTileDim = HEAD_DIM;
+    static constexpr int kBlockM = BLOCK_M, kBlockN = BLOCK_N, kHeadDim = HEAD_DIM, kTileDim = HEAD_DIM, kTileDimV = HEAD_DIM;
     static constexpr bool kQInRegs = Q_IN_REGS, kIsBf16 = false, kLeanAddressing = LEAN;
     static constexpr int kQKSteps = kHeadDim / 16, kQRegSteps = kQInRegs ? kQKSteps : 1, kPVSteps = kBlockN / 16;
     static constexpr int kSAcc = kBlockN / 2, kOAcc = kHeadDim / 2;

@@ -40,7 +40,7 @@ _ORDER_MAIN = r"""
 template <bool CAUSAL, int BLOCK_M, int HEAD_DIM>
 struct Traits {
     static constexpr bool kIsCausal = CAUSAL;
-    static constexpr int kBlockM = BLOCK_M, kBlockN = 64, kHeadDim = HEAD_DIM;
+    static constexpr int kBlockM = BLOCK_M, kBlockN = 64, kHeadDim = HEAD_DIM, kHeadDimV = HEAD_DIM;
 };
 template <class T>
 int run(int heads, int batch, int seq_q, int seq_k, int group) {

@@ -49,9 +49,9 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_attention_loads(space):
-    """The shipped attention.yaml loads with its twenty-five parameters (the variant knob mma first), seven derived values
-    and forty constraints, each with its reason: thirty-seven of validity and three measured priors, each of those
-    naming its evidence."""
+    """The shipped attention.yaml loads with its twenty-five parameters (the variant knob mma first), nine derived values
+    (V's tile width and row bytes beside Q's and K's: a value head dim of its own) and forty-two constraints, each with
+    its reason: thirty-nine of validity and three measured priors, each of those naming its evidence."""
     assert space.family == "attention"
     assert space.path == str(ATTENTION_YAML)
     assert space.param_names() == ["mma", "block_m", "block_n", "compute_warps", "producer_warps", "stages",
@@ -59,9 +59,9 @@ def test_attention_loads(space):
                                    "pdl", "epilogue", "key_merge", "kv_load", "kv_cluster", "exp2_fma", "rescale",
                                    "softmax_overlap", "lean_addressing", "p_operand", "empty_warpgroups",
                                    "causal_extent", "stripe_order"]
-    assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "tile_dim", "row_bytes",
-                                                     "smem_bytes", "acc_regs"]
-    assert len(space.constraints) == 41
+    assert [name for name, _, _ in space.derived] == ["threads", "row_groups", "rows_per_warp", "tile_dim", "tile_dim_v",
+                                                     "row_bytes", "row_bytes_v", "smem_bytes", "acc_regs"]
+    assert len(space.constraints) == 42
     assert all(c.why for c in space.constraints)
     assert sum(c.measured for c in space.constraints) == 3 and all(c.evidence for c in space.constraints if c.measured)
     assert space.params[0].values == ("sync", "wgmma") and space.params[0].default == "sync"
