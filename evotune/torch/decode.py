@@ -410,12 +410,13 @@ def _observe(q, k, v, causal: bool, decision, sinks: bool = False) -> None:
     ident = ("attention-decode", tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, bool(causal),
              bool(sinks))
 
-    _record(ident, lambda: _shape_of(q, k, v, causal, sinks), q, k, causal, decision)
+    _record(ident, lambda: _shape_of(q, k, v, causal, sinks), q, k, causal, decision, sinks)
 
 
-def _record(ident: tuple, shape_of, q, k, causal: bool, decision) -> None:
+def _record(ident: tuple, shape_of, q, k, causal: bool, decision, sinks: bool = False) -> None:
     """One row per distinct call `ident` in every active recorder: the call's decode shape (`shape_of()`, None where
-    the kernel has no such shape), its `--shape` spelling and table key, and the route its decision took."""
+    the kernel has no such shape), its `--shape` spelling and table key, the route its decision took, and `sinks`
+    where the call has them (a row whose shape is None still says so, as the attention op's rows do)."""
     def row() -> dict:
         shape = shape_of()
         key = None
@@ -425,7 +426,7 @@ def _record(ident: tuple, shape_of, q, k, causal: bool, decision) -> None:
         return {"family": PROBLEM.family, "shape": shape.spec if shape is not None else None, "key": key,
                 "q": list(q.shape), "k": list(k.shape), "dtype": str(q.dtype).replace("torch.", ""),
                 "causal": bool(causal), "device": str(q.device), "route": route,
-                "reason": None if route == "evotune" else what}
+                "reason": None if route == "evotune" else what, **({"sinks": True} if sinks else {})}
 
     for recorder in list(record._ACTIVE):
         recorder.add_row(ident, row)
@@ -658,7 +659,7 @@ def _observe_paged(q, k_cache, block_table, causal: bool, sinks: bool, max_seqle
         except (UsageError, ValueError, ZeroDivisionError):
             return None
 
-    _record(ident, shape_of, q, k_cache, causal, decision)
+    _record(ident, shape_of, q, k_cache, causal, decision, sinks)
 
 
 def paged_decode_route(q, k_cache, v_cache, block_table, cache_seqlens, causal: bool = True, sinks=None,
