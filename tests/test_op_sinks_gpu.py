@@ -15,22 +15,19 @@ torch = pytest.importorskip("torch")
 
 import evotune.torch as et  # noqa: E402
 from evotune.errors import UsageError  # noqa: E402
-from evotune.gpu import packet  # noqa: E402
 from evotune.problems import get_problem  # noqa: E402
 from evotune.problems.attention import TOLERANCE, sink_logits, visibility_mask  # noqa: E402
 from evotune.problems.shapes import Shape, parse_shape  # noqa: E402
-from evotune.space.searchspace import load_builtin, shape_context  # noqa: E402
-from evotune.torch import hf, launcher, op  # noqa: E402
+from evotune.torch import hf, op  # noqa: E402
 
-from _tables import entry, table  # noqa: E402
+from _tables import table  # noqa: E402
 from test_torch_gpu import gpu, make_qkv  # noqa: E402,F401 (gpu: the sm_90 fixture)
+# The softcap/window op tests' table and launch fixtures (python_launches: autouse), the same for sinks calls.
+from test_op_softcap_window_gpu import CONFIGS, launches, python_launches, tune_table  # noqa: E402,F401
 
 pytestmark = pytest.mark.gpu
 
 # The Hopper kernel's configs (the only kernel with SINKS): one tile per CTA, and the persistent grid.
-HOPPER = {"mma": "wgmma", "block_m": 128, "compute_warps": 8, "producer_warps": 4, "block_n": 128, "stages": 2,
-          "q_in_regs": False}
-CONFIGS = {"onetile": HOPPER, "persistent": {**HOPPER, "persistent": True}}
 CASES = [
     "2,8,300,64:bf16:sinks",                              # no mask: the sink beside every key
     "2,8,300,64:fp16:causal:sinks",
@@ -45,43 +42,6 @@ PERSISTENT_CASES = [
     "4,20,1000,64:bf16:window=128,0:kv4:sinks",
     "2,40,1000,64:bf16:causal:kv8:sinks",                 # causal: tiles handed out by a counter
 ]
-
-
-@pytest.fixture(autouse=True)
-def python_launches(monkeypatch):
-    """The op's Python launches (the compiled launcher hands these calls back anyway), no table after each test."""
-    monkeypatch.delenv(launcher.ENV, raising=False)
-    yield
-    et.use_table(None)
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """A count of the kernel launches the op makes (kernels.PreparedLaunch looks packet.launch_packet up per call)."""
-    real = packet.launch_packet
-    count = [0]
-
-    def counting(*args, **kwargs):
-        count[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(packet, "launch_packet", counting)
-    return count
-
-
-def hopper(knobs: dict) -> dict:
-    return {**load_builtin("attention").default_config().as_dict(), **knobs}
-
-
-def tune_table(gpu, shapes, knobs=HOPPER) -> None:
-    """A table routing each shape's key on this GPU to the Hopper config `knobs` (skipped where the space refuses it)."""
-    space = load_builtin("attention")
-    for shape in shapes:
-        why = space.violations(space.config(hopper(knobs)), shape_context(shape))
-        if why:
-            pytest.skip(f"{shape.spec}: not admitted: {why[0]}")
-    et.use_table(table(*{entry(s, hopper(knobs), gpu=gpu).key: entry(s, hopper(knobs), gpu=gpu) for s in shapes}
-                       .values()))
 
 
 def sinks_of(shape: Shape, seed: int, dtype=torch.float32) -> torch.Tensor:
