@@ -242,14 +242,24 @@ def coverage(call: Call, gpu_cc: tuple[int, int] | None) -> str | None:
         return f"{call.kv_heads} k/v heads for {call.heads} query heads: {unsupported('gqa')}"
     if 0 in (call.batch, call.heads, call.seq_q, call.seq_k):
         return "an empty tensor (a size is 0)"
-    for name, strides in zip("qkv", call.strides):
-        if strides[3] != 1 or any(s % 8 for s in strides[:3]):
-            return (f"{name} strides {strides}: the kernel needs a unit head-dim stride and the others "
-                    f"multiples of 8 elements (16-byte rows)")
+    fault = stride_fault(call.strides)
+    if fault:
+        return fault
     try:
         call.shape_or_raise()
     except UsageError as e:
         return str(e)
+    return None
+
+
+def stride_fault(strides) -> str | None:
+    """Why q, k, v with these strides (q's, k's, v's; the last the head dim's) cannot be the kernel's, or None: TMA
+    and the loaders need a unit head-dim stride and every other stride a multiple of 8 elements (16-byte rows). The
+    dense op's tensors are 4-D, the varlen op's packed ones 3-D."""
+    for name, st in zip("qkv", strides):
+        if st[-1] != 1 or any(s % 8 for s in st[:-1]):
+            return (f"{name} strides {st}: the kernel needs a unit head-dim stride and the others "
+                    f"multiples of 8 elements (16-byte rows)")
     return None
 
 

@@ -40,7 +40,7 @@ from ..problems.attention import HEAD_DIMS, sdpa_has_gqa
 from ..problems.varlen import call_shape, packed_view
 from ..records.tuning_table import TableKey, nearest_allowed, select
 from . import routing
-from .call import DTYPES, KERNEL_CC
+from .call import DTYPES, KERNEL_CC, stride_fault
 from .kernels import PROBLEM, KernelCache, current_stream_handle
 from .routing import EvotuneFallbackWarning
 
@@ -210,10 +210,9 @@ def coverage(call: VarlenCall) -> str | None:
                 f"{', '.join(map(str, HEAD_DIMS))}, the same for q, k and v")
     if 0 in (call.total_q, call.total_k):
         return "an empty tensor (no query or no key tokens)"
-    for name, strides in zip("qkv", call.strides):
-        if strides[2] != 1 or any(s % 8 for s in strides[:2]):
-            return (f"{name} strides {strides}: the kernel needs a unit head-dim stride and the others multiples of 8 "
-                    f"elements (16-byte rows)")
+    fault = stride_fault(call.strides)
+    if fault:
+        return fault
     try:
         call.shape()
     except UsageError as e:
