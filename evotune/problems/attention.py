@@ -697,7 +697,7 @@ extern "C" __global__ void __launch_bounds__(EvotuneTraits::kThreads){_cluster_d
         if pattern not in self.PATTERNS:
             raise UsageError(f"attention: unknown input pattern {pattern!r}; patterns: {', '.join(self.PATTERNS)}")
         if shape.is_varlen:  # the packed tensors as (1, H, total, D) views, and cu_seqlens_q / _k (problems.varlen)
-            return _varlen.make_inputs(self, shape, seed, device, pattern, sink_logits)
+            return _varlen.make_inputs(self, shape, seed, device, pattern)
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         dt = self.torch_dtype(shape)

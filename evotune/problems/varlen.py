@@ -15,6 +15,7 @@ sequence has one length (`dense_equivalent`, `sdpa_view`), and are skipped other
 from __future__ import annotations
 
 from ..errors import UsageError
+from . import sink_logits
 from .shapes import Shape
 
 
@@ -60,9 +61,9 @@ def dense_stand_in(shape: Shape) -> Shape:
                  kv_heads=shape.kv_heads)
 
 
-def make_inputs(problem, shape: Shape, seed: int, device, pattern: str, sink_logits) -> dict:
+def make_inputs(problem, shape: Shape, seed: int, device, pattern: str) -> dict:
     """A varlen shape's gate inputs: the packed tensors (as packed_view's views) drawn like a dense batch of one
-    (the input patterns span the packed rows), the offsets, and a sinks shape's logits (`sink_logits`: attention's)."""
+    (the input patterns span the packed rows), the offsets, and a sinks shape's logits (problems.sink_logits)."""
     import torch
 
     inputs = problem.make_inputs(dense_stand_in(shape), seed, device, pattern)
