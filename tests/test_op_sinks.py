@@ -432,13 +432,13 @@ def test_cached_routes_take_each_calls_logits(monkeypatch):
 
 
 def test_the_compiled_launcher_never_takes_a_sinks_call(monkeypatch):
-    """With the compiled launcher active, a sinks call never goes to its C++ entry (whose call key has no sinks: it
+    """With the compiled launcher active, a sinks call never goes to its C++ entries (whose call key has no sinks: they
     would hand the call back anyway) and no sinks route registers with it; the call's own route runs."""
     q, k, v = qkv(dtype=torch.float32, sq=16, sk=16)
     sinks = logits(4)
     first = run(q, k, v, sinks)  # a route exists, so the fast path is taken
     monkeypatch.setattr(launcher, "ACTIVE", [True])
-    monkeypatch.setattr(op, "_to_launcher", lambda *a: True)
+    monkeypatch.setattr(launcher, "CALL", [lambda *a: pytest.fail("sent to the compiled launcher")])
     monkeypatch.setattr(op, "_DISPATCH", lambda *a: pytest.fail("sent to the compiled launcher"))
     monkeypatch.setattr(launcher, "register", lambda *a: pytest.fail("registered with the launcher"))
     assert torch.equal(et.attention(q, k, v, sinks=sinks), first)

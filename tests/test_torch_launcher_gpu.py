@@ -1,7 +1,9 @@
-"""The compiled launcher (evotune.torch.launcher, EVOTUNE_CPP_LAUNCHER=1) on the GPU: its launches write the same bytes
-as the Python route's on every variant (pointers, TMA maps re-encoded for new addresses, the persistent grid's
-counters, split-KV workspace), CUDA-graph capture and torch.compile run through it, and what it has no route for
-(a view off a 16-byte boundary) comes back to Python; an SDPA route runs SDPA from C++."""
+"""The compiled launcher (evotune.torch.launcher, on by default) on the GPU: its launches write the same bytes as the
+Python route's on every variant (pointers, TMA maps re-encoded for new addresses, the persistent grid's counters,
+split-KV workspace), eager calls reach it through its Python entry (attention() and the transformers adapter's
+eager_attention), CUDA-graph capture and torch.compile run through it, and what it has no route for (a view off a
+16-byte boundary) comes back to Python; an SDPA route runs SDPA from C++. In a fresh process the first calls run
+Python while the library builds in the background, and a call after the build loads it."""
 
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ def cpp():
     if (major, minor) != (9, 0):
         pytest.skip(f"the kernels are compiled for sm_90a; this GPU is {name} ({major}.{minor})")
     mp = pytest.MonkeyPatch()
-    mp.setenv(launcher.ENV, "1")
-    if not launcher.load():
+    mp.delenv(launcher.ENV, raising=False)
+    if not launcher.load(wait=True):
         pytest.fail(f"the compiled launcher did not load: {launcher.why_not()}")
     yield name, f"{major}.{minor}"
     launcher.clear()
     launcher._STATE["loaded"] = launcher.ACTIVE[0] = False
+    launcher.CALL[0] = None
     mp.undo()
     et.use_table(None)
 
@@ -71,7 +74,23 @@ def test_launches_match_the_python_route_bitwise(cpp, variant):
         assert torch.equal(ours, theirs) and ours.stride() == theirs.stride()
         assert_close(ours, q, k, v, shape)
     assert torch.equal(first, et.attention(*make_qkv(shape, seed=1), is_causal=True))
-    assert launcher.counts()["launches"] == before["launches"] + 3
+    after = launcher.counts()
+    assert after["launches"] == before["launches"] + 3 and after["direct"] == before["direct"] + 3
+
+
+def test_the_adapters_eager_calls_reach_the_launcher(cpp):
+    """The transformers adapter's per-layer entry (eager_attention) serves a plain call from the library's Python
+    entry, with the bytes of the Python route."""
+    from evotune.torch.op import eager_attention
+
+    use_variant(cpp, "wgmma", [SHAPE])
+    q, k, v = make_qkv(SHAPE, seed=12)
+    et.attention(q, k, v, is_causal=True)
+    before = launcher.counts()
+    ours = eager_attention(q, k, v, True, None, False)
+    after = launcher.counts()
+    assert after["direct"] == before["direct"] + 1 and after["launches"] == before["launches"] + 1
+    assert torch.equal(ours, python_route(q, k, v, True))
 
 
 def test_dispatcher_and_compile_reach_the_launcher(cpp):
@@ -122,9 +141,13 @@ def test_misaligned_view_comes_back_to_python(cpp):
     odd.copy_(q)
     assert odd.data_ptr() % 16 == 8 and odd.stride() == q.stride()
     counts = launcher.counts()
-    out = et.attention(odd, k, v)
+    out = et.attention(odd, k, v)  # the Python entry declines it: the route's Python launch, which checks it too
     after = launcher.counts()
-    assert after["misses"] == counts["misses"] + 1 and after["launches"] == counts["launches"]
+    assert after["launches"] == counts["launches"] and after["direct"] == counts["direct"]
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v), atol=2e-3, rtol=2e-3)
+    out = torch.ops.evotune.attention.default(odd, k, v, False, None, False, "sdpa")  # the dispatcher hands it back
+    again = launcher.counts()
+    assert again["misses"] == after["misses"] + 1 and again["launches"] == after["launches"]
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v), atol=2e-3, rtol=2e-3)
 
 
@@ -202,3 +225,54 @@ def test_sinks_calls_come_back_to_python(cpp):
     counts = launcher.counts()
     et.attention(q, k, v)
     assert launcher.counts()["launches"] == counts["launches"] + 1
+
+
+_FRESH_PROCESS = """
+import sys, time, warnings
+sys.path.insert(0, "tests")
+import torch
+import evotune.torch as et
+from evotune.problems.shapes import Shape
+from evotune.torch import launcher
+from test_torch_gpu import make_qkv, use_variant
+
+warnings.simplefilter("ignore")
+shape = Shape(2, 8, 384, 384, 64, "fp16", True, "bshd")
+gpu = (torch.cuda.get_device_name(0), "%d.%d" % torch.cuda.get_device_capability(0))
+use_variant(gpu, "wgmma", [shape])
+q, k, v = make_qkv(shape, seed=13)
+first = et.attention(q, k, v, is_causal=True)   # works the route out: the build starts in the background
+assert launcher.ACTIVE == [False] and launcher._STATE["build"] is not None
+start = time.time()
+while launcher._STATE["build"].is_alive() and time.time() - start < 400:
+    assert torch.equal(et.attention(q, k, v, is_causal=True), first)   # meanwhile: the Python route
+    time.sleep(0.5)
+assert launcher.PENDING == [True], launcher._STATE
+assert torch.equal(et.attention(q, k, v, is_causal=True), first)        # loads it, forgets the Python routes
+assert launcher.ACTIVE == [True], launcher.why_not()
+assert torch.equal(et.attention(q, k, v, is_causal=True), first)        # the route registers with the library
+before = launcher.counts()
+out = et.attention(q, k, v, is_causal=True)
+after = launcher.counts()
+torch.cuda.synchronize()
+assert torch.equal(out, first) and after["direct"] == before["direct"] + 1, (before, after)
+print("ok", round(time.time() - start, 1))
+"""
+
+
+def test_a_fresh_process_builds_in_the_background_and_loads_it(tmp_path):
+    """The product's default in a new process with an empty cache: the first calls run Python while the library
+    builds, the call after the build loads it, and later calls are served from its Python entry, same bytes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the kernels are compiled for sm_90a")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != launcher.ENV}
+    env.update(EVOTUNE_CACHE=str(tmp_path), PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=540)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]

@@ -1,32 +1,40 @@
 """evotune's compiled launcher: evotune::attention's CUDA kernel in C++ (launcher.cpp), built on first use with the
 host's C++ compiler against the installed torch and cached, as Triton builds its launchers.
 
-Opt-in while it awaits its GPU verification: with EVOTUNE_CPP_LAUNCHER=1 the op's first kernel route builds (once per
-torch version and source: evotune's cache folder, launcher/<torch>-<digest>/) and loads the library, which registers
-the CUDA kernel of evotune::attention; each kernel route the op works out is then registered with it too (the loaded
-CUfunction, grid, block, shared memory, the packed parameters and the slots a call rewrites), so a repeated call,
-eager or from a compiled graph, allocates its output, patches the addresses (re-encoding a TMA map whose address
-changed) and calls cuLaunchKernel without running Python; an SDPA route (a key the table lacks or routes to SDPA)
-registers too and runs at::scaled_dot_product_attention from C++. With it loaded, the op's eager entry sends a plain
-CUDA call straight to the op (ACTIVE): no Python key, no Python route. Calls the library has no route for run the
-op's Python body (evotune::_attention_body), as without it.
+On by default (EVOTUNE_CPP_LAUNCHER=0 turns it off). The op's first kernel route on a CUDA device starts the build in
+a background thread (once per torch version and source: evotune's cache folder, launcher/<torch>-<digest>/; about
+15-30 s of one CPU core), so no call waits for a compiler: until the library is loaded the op launches from Python,
+and the first eager call after the build loads it (evotune.torch.warmup() builds and loads it at once). The library
+is a Python extension module and a torch library at once:
+- it registers the CUDA kernel of evotune::attention, so a compiled graph's call reaches C++ through the dispatcher;
+- it gives Python `call` (CALL[0]), which the op's eager entry tries first: a plain call whose facts have a route
+  allocates its output, patches the addresses (re-encoding a TMA map whose address changed) and calls cuLaunchKernel
+  (or runs at::scaled_dot_product_attention for an SDPA route) without the dispatcher's schema parsing and without
+  Python's route. Each kernel route the op works out registers with it (the loaded CUfunction, grid, block, shared
+  memory, the packed parameters and the slots a call rewrites); so does each SDPA route.
+Calls the library has no route for run the op's Python route, as without it (from the dispatcher: through
+evotune::_attention_body).
 
-Where no compiler is found ($CXX, else c++) or the build fails, the op launches from Python, told once
-(EvotuneLauncherWarning, naming the compiler's log). A pdl config (cuLaunchKernelEx) and the training variant keep the
-Python launch, and so does a call with a softcap, a window or sink logits: the library's call key has none of them,
-so it hands such a call to the Python body unread and the op registers no route for one (their packets carry the cap
-and the window's sides, and a sinks call's the logits' pointer, rewritten per call, which a key of their own and its
-registration would have to add; left out while they are new).
+Where no compiler is found ($CXX, else c++), Python's headers are missing or the build fails, the op launches from
+Python, told once (EvotuneLauncherWarning, naming the compiler's log). A pdl config (cuLaunchKernelEx) and the training
+variant keep the Python launch, and so does a call with a softcap, a window or sink logits: the library's call key has
+none of them, so it hands such a call to the Python body unread and the op registers no route for one (their packets
+carry the cap and the window's sides, and a sinks call's the logits' pointer, rewritten per call, which a key of their
+own and its registration would have to add).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import time
 import threading
 import warnings
 from pathlib import Path
@@ -48,13 +56,18 @@ class LauncherBuildError(Exception):
 
 
 _LOCK = threading.Lock()
-_STATE = {"loaded": None, "why": None}  # loaded: None = not tried, True / False after the first try
-ACTIVE = [False]  # whether the library is loaded and takes routes: read by the op's eager entry on every call
+# loaded: None = not tried, True / False after the try; build: the background build's thread, else None;
+# built: its result, the library's path or the LauncherBuildError.
+_STATE = {"loaded": None, "why": None, "build": None, "built": None}
+ACTIVE = [False]   # whether the library is loaded and takes routes: read by the op's eager entry on every call
+PENDING = [False]  # a background build finished and waits to be loaded: the op's eager entry then calls load()
+CALL = [None]      # the library's Python entry (launcher.cpp's py_call) once loaded
+ON_LOAD: list = []  # called once the library is loaded (the op forgets its Python routes, so they register here)
 
 
 def requested() -> bool:
-    """Whether EVOTUNE_CPP_LAUNCHER=1 asks for the compiled launcher."""
-    return os.environ.get(ENV, "") == "1"
+    """Whether the compiled launcher is wanted: yes unless EVOTUNE_CPP_LAUNCHER=0."""
+    return os.environ.get(ENV, "") != "0"
 
 
 def compiler() -> str | None:
@@ -67,9 +80,10 @@ def _flags(torch) -> list[str]:
 
     lib = library_paths()[0]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return (["-O2", "-std=c++20", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    python = sysconfig.get_paths()["include"]  # Python.h: the library is an extension module too
+    return (["-O2", "-std=c++20", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{python}"]
             + [f"-I{p}" for p in include_paths()] + [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu",
-                                                     "-ltorch", "-ldl"])
+                                                     "-ltorch", "-ltorch_python", "-ldl"])
 
 
 def build_dir(cache=None) -> Path:
@@ -97,6 +111,12 @@ def build(cache=None) -> Path:
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("tmp*.so"):  # a build whose process ended before its rename (an hour is no build's)
+        if time.time() - stale.stat().st_mtime > 3600:
+            stale.unlink(missing_ok=True)
+    if not Path(sysconfig.get_paths()["include"], "Python.h").is_file():
+        raise LauncherBuildError(f"no Python.h in {sysconfig.get_paths()['include']} (install this Python's "
+                                 f"development headers)")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     log = folder / "build.log"
@@ -118,25 +138,85 @@ def build(cache=None) -> Path:
     return target
 
 
-def load(cache=None) -> bool:
-    """Whether the compiled launcher is in use: False unless requested(); built and loaded on the first call that
-    asks; a failure is told once and the op launches from Python."""
+def load(cache=None, wait: bool = False) -> bool:
+    """Whether the compiled launcher is in use: False unless requested(). The first call starts its build in a
+    background thread and gives False (wait=True builds in this thread instead); a call after the build finished
+    loads it (PENDING says when). A failure is told once, and the op launches from Python."""
     if _STATE["loaded"] is not None:
         return _STATE["loaded"]
     if not requested():
         return False
     with _LOCK:
+        if _STATE["loaded"] is None and _STATE["build"] is None:
+            if wait:
+                try:
+                    _STATE["built"] = build(cache)
+                except LauncherBuildError as e:
+                    _STATE["built"] = e
+            else:
+                _STATE["build"] = threading.Thread(target=_build_in_background, args=(cache,), daemon=True,
+                                                   name="evotune-launcher-build")
+                _STATE["build"].start()
+                return False
+    thread = _STATE["build"]
+    if not wait and _capturing():  # loading forgets the op's routes, which are not worked out inside a capture
+        return False
+    if thread is not None and thread.is_alive():
+        if not wait:
+            return False
+        thread.join()
+    with _LOCK:
         if _STATE["loaded"] is None:
-            try:
-                import torch
-
-                torch.ops.load_library(str(build(cache)))
-                _STATE["loaded"] = ACTIVE[0] = True
-            except (LauncherBuildError, OSError, RuntimeError) as e:
-                _STATE["loaded"], _STATE["why"] = False, str(e)
-                warnings.warn(f"evotune.torch: {ENV}=1 but the compiled launcher cannot be used ({e}): the op "
-                              f"launches from Python", EvotuneLauncherWarning, stacklevel=3)
+            _finish(_STATE["built"])
     return _STATE["loaded"]
+
+
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _build_in_background(cache) -> None:
+    try:
+        _STATE["built"] = build(cache)
+    except LauncherBuildError as e:
+        _STATE["built"] = e
+    except Exception as e:  # noqa: BLE001 (an unforeseen failure of the build is told like a compiler's)
+        _STATE["built"] = LauncherBuildError(f"the build failed: {type(e).__name__}: {e}")
+    PENDING[0] = True
+
+
+def _finish(built) -> None:
+    """Import the built library (its registrations run as it loads), or tell why not; then the ON_LOAD callbacks."""
+    PENDING[0] = False
+    try:
+        if isinstance(built, BaseException):
+            raise built
+        module = _import(built)
+    except (LauncherBuildError, ImportError, OSError, RuntimeError) as e:
+        _STATE["loaded"], _STATE["why"] = False, str(e)
+        warnings.warn(f"evotune.torch: the compiled launcher cannot be used ({e}): the op launches from Python, "
+                      f"a few microseconds more per call than SDPA ({ENV}=0 stops the attempt)",
+                      EvotuneLauncherWarning, stacklevel=4)
+        return
+    CALL[0] = module.call
+    _STATE["loaded"] = ACTIVE[0] = True
+    for callback in ON_LOAD:
+        callback()
+
+
+def _import(path: Path):
+    """The library as the Python module evotune_launcher (PyInit_evotune_launcher), loaded from `path`."""
+    name = "evotune_launcher"
+    if name in sys.modules:  # one process imports it once: a second library would register the operators again
+        return sys.modules[name]
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 def why_not() -> str | None:
@@ -211,11 +291,12 @@ def clear() -> None:
 
 
 def counts() -> dict:
-    """{"routes", "launches", "misses", "sdpa"} of the library (all 0 where it is not loaded): kernel launches it made,
-    calls it handed to the Python body, and SDPA routes it ran."""
+    """{"routes", "launches", "misses", "sdpa", "direct"} of the library (all 0 where it is not loaded): kernel
+    launches it made, dispatcher calls it handed to the Python body, SDPA routes it ran, and the calls of either kind
+    it served from Python's `call` (the eager entry) rather than the dispatcher."""
     if not _STATE["loaded"]:
-        return {"routes": 0, "launches": 0, "misses": 0, "sdpa": 0}
+        return {"routes": 0, "launches": 0, "misses": 0, "sdpa": 0, "direct": 0}
     import torch
 
-    routes, launches, misses, sdpa = torch.ops.evotune_launcher.counts()
-    return {"routes": routes, "launches": launches, "misses": misses, "sdpa": sdpa}
+    routes, launches, misses, sdpa, direct = torch.ops.evotune_launcher.counts()
+    return {"routes": routes, "launches": launches, "misses": misses, "sdpa": sdpa, "direct": direct}

@@ -13,13 +13,22 @@
 // guard interface (getStream, getStreamNativeHandle), which libtorch_cuda implements once loaded.
 // The operators through their at::_ops entries (the *_ops.h headers, which Tensor.h's methods use already), not
 // ATen/ops/<name>.h and the context headers those bring.
+//
+// The library is also a Python extension module (evotune_launcher.call): eager code calls a route straight from
+// Python, without torch.ops' schema-driven argument parsing, which cost more than the whole launch (issue 41's host
+// parity: op-dispatch read 21.4 us per call against SDPA's 19.0 on an H200 host). Python.h comes first, as it asks.
+#include <Python.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty_ops.h>
 #include <ATen/ops/empty_strided_ops.h>
 #include <ATen/ops/scaled_dot_product_attention_ops.h>
 #include <ATen/ops/zeros_ops.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
@@ -111,7 +120,7 @@ struct KeyHash {
 
 std::shared_mutex routes_lock;
 std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Route>, KeyHash> routes;
-std::atomic<int64_t> launches{0}, misses{0}, sdpa_calls{0};
+std::atomic<int64_t> launches{0}, misses{0}, sdpa_calls{0}, direct_calls{0};
 
 int64_t fallback_code(c10::string_view fallback) {
   if (fallback == "sdpa") return 0;
@@ -337,7 +346,7 @@ void clear_routes() {
 
 std::vector<int64_t> counts() {
   std::shared_lock<std::shared_mutex> lock(routes_lock);
-  return {static_cast<int64_t>(routes.size()), launches.load(), misses.load(), sdpa_calls.load()};
+  return {static_cast<int64_t>(routes.size()), launches.load(), misses.load(), sdpa_calls.load(), direct_calls.load()};
 }
 
 // The key this library builds for a call (any device's tensors): tests compare it with Python's.
@@ -346,7 +355,74 @@ std::vector<int64_t> key_of(const at::Tensor& q, const at::Tensor& k, const at::
   return call_key(q, k, v, is_causal, scale, enable_gqa, fallback_code(fallback));
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// evotune_launcher.call(q, k, v, is_causal, scale, enable_gqa, fallback): the output of the call's registered route,
+// or None where the call is not one a route may serve here (then the op's Python path runs it, as before): tensors
+// that are not plain torch.Tensor, options of other types than the schema's, a torch-function or dispatch mode
+// active, a tensor needing grad under grad mode, no route for the facts, a view off a 16-byte boundary, another
+// current device. The checks are attention()'s fast path's own (evotune/torch/op.py), made here in C.
+PyObject* py_call(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 7) {
+    PyErr_SetString(PyExc_TypeError, "evotune_launcher.call takes q, k, v, is_causal, scale, enable_gqa, fallback");
+    return nullptr;
+  }
+  if (!THPVariable_CheckExact(args[0]) || !THPVariable_CheckExact(args[1]) || !THPVariable_CheckExact(args[2]))
+    Py_RETURN_NONE;
+  PyObject *causal = args[3], *scale_obj = args[4], *gqa = args[5], *fb = args[6];
+  if ((causal != Py_True && causal != Py_False) || (gqa != Py_True && gqa != Py_False)) Py_RETURN_NONE;
+  std::optional<double> scale;
+  if (scale_obj != Py_None) {
+    if (!PyFloat_CheckExact(scale_obj)) Py_RETURN_NONE;
+    scale = PyFloat_AS_DOUBLE(scale_obj);
+  }
+  if (!PyUnicode_Check(fb)) Py_RETURN_NONE;
+  int64_t code = PyUnicode_CompareWithASCIIString(fb, "sdpa") == 0    ? 0
+                 : PyUnicode_CompareWithASCIIString(fb, "error") == 0 ? 1
+                                                                      : -1;
+  if (code < 0) Py_RETURN_NONE;
+  const at::Tensor& q = THPVariable_Unpack(args[0]);
+  const at::Tensor& k = THPVariable_Unpack(args[1]);
+  const at::Tensor& v = THPVariable_Unpack(args[2]);
+  if (!q.is_cuda() || at::impl::torch_function_mode_enabled() || c10::impl::TorchDispatchModeTLS::stack_len() > 0)
+    Py_RETURN_NONE;
+  if ((q.requires_grad() || k.requires_grad() || v.requires_grad()) && c10::GradMode::is_enabled()) Py_RETURN_NONE;
+  const bool is_causal = causal == Py_True, enable_gqa = gqa == Py_True;
+  auto route = find_route(call_key(q, k, v, is_causal, scale, enable_gqa, code));
+  const uint64_t misaligned = (reinterpret_cast<uint64_t>(q.data_ptr()) | reinterpret_cast<uint64_t>(k.data_ptr()) |
+                               reinterpret_cast<uint64_t>(v.data_ptr())) & 15;
+  if (!route || misaligned) Py_RETURN_NONE;
+  try {
+    at::Tensor out;
+    if (route->sdpa) {
+      out = run_sdpa(*route, q, k, v, is_causal, scale, enable_gqa);
+    } else {
+      if (c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index() != route->device) Py_RETURN_NONE;
+      out = launch(*route, q, k, v);
+    }
+    direct_calls.fetch_add(1, std::memory_order_relaxed);
+    return THPVariable_Wrap(std::move(out));
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef module_methods[] = {
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(py_call)), METH_FASTCALL,
+     "call(q, k, v, is_causal, scale, enable_gqa, fallback): the registered route's output, or None"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "evotune_launcher",
+                          "evotune's compiled launcher (evotune/torch/launcher): the op's routes from C++", -1,
+                          module_methods};
+
 }  // namespace
+
+// Importing the library as a module runs its static registrations (the operators below) and gives Python `call`.
+PyMODINIT_FUNC PyInit_evotune_launcher() { return PyModule_Create(&module_def); }
 
 TORCH_LIBRARY(evotune_launcher, m) {
   m.def("add_route(int[] key, int function, int[] grid, int[] block, int smem, int device, int[] init, "
