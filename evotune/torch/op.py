@@ -47,6 +47,8 @@ def _op_body(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="s
              window_right=-1, sinks=None):
     """The op's kernel on real tensors. A compiled graph calls it at run time, call after call: the same cached
     routes as eager code."""
+    if launcher.PENDING[0]:  # a compiled graph's calls load the launcher's finished build too
+        launcher.load()
     if not record._ACTIVE:
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
                enable_gqa, fallback, softcap, window_left, window_right)
@@ -89,6 +91,8 @@ _LIB.define(f"_attention_body({_SCHEMA_ARGS}) -> Tensor")
 _LIB.impl("_attention_body", _body_from_launcher, "CompositeExplicitAutograd")
 routing.ON_FORGET.append(launcher.clear)
 record.ON_START.append(launcher.clear)
+# Routes worked out before the compiled launcher loaded are Python's: forgotten, the next call of each registers there.
+launcher.ON_LOAD.append(routing.forget_fast_routes)
 attention_op = torch.ops.evotune.attention
 
 
@@ -180,6 +184,10 @@ def _check_options(q, k, v, is_causal, scale, enable_gqa) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise UsageError(f"evotune.torch.attention: {name} must be a tensor, got {type(t).__name__}")
+    _check_values(is_causal, scale, enable_gqa)
+
+
+def _check_values(is_causal, scale, enable_gqa) -> None:
     for name, value in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(value, bool):
             raise UsageError(f"evotune.torch.attention: {name} must be True or False, got {value!r}")
@@ -217,9 +225,14 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, e
     fallback with its own autograd (told; sinks that require grad get theirs)."""
     # The eager fast path first (see below): a call seen before costs this lookup and its route's work.
     if not torch.compiler.is_compiling() and FAST_ROUTES and not record._ACTIVE:
-        if (launcher.ACTIVE[0] and window is None and not softcap and sinks is None
-                and _to_launcher(q, k, v, is_causal, scale, enable_gqa, fallback)):
-            return _DISPATCH(q, k, v, is_causal, scale, enable_gqa, fallback)
+        # The compiled launcher's entry first (evotune.torch.launcher): a route of these facts served from C, or None.
+        if launcher.ACTIVE[0]:
+            if window is None and not softcap and sinks is None:
+                out = launcher.CALL[0](q, k, v, is_causal, scale, enable_gqa, fallback)
+                if out is not None:
+                    return out
+        elif launcher.PENDING[0]:  # its background build just finished: load it (the routes then register there)
+            launcher.load()
         try:
             left, right = (-1, -1) if window is None else window
             key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
@@ -232,10 +245,14 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, e
         if (fast is not None and not (q.requires_grad or k.requires_grad or v.requires_grad)
                 and type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR
                 and not _torch_function_mode() and not _dispatch_stack()):
-            if sinks is None:
-                return fast(q, k, v)
+            if sinks is None:  # a route the library declined (another device, a misaligned view): its Python launch
+                return getattr(fast, "python", fast)(q, k, v)
             if _plain_sinks(sinks):
                 return fast(q, k, v, sinks)
+    elif window is None and not softcap and sinks is None and torch.compiler.is_compiling():
+        traced = _traced_plain(q, k, v, is_causal, scale, enable_gqa, fallback)
+        if traced is not None:
+            return traced
     _check_options(q, k, v, is_causal, scale, enable_gqa)
     scale = None if scale is None else float(scale)
     routing.check_fallback(fallback)
@@ -260,9 +277,13 @@ def eager_attention(q, k, v, is_causal: bool, scale, enable_gqa: bool, softcap: 
     parsing and compile check; a call without one goes to attention(). The same conditions as attention()'s fast
     path."""
     if FAST_ROUTES and not record._ACTIVE:
-        if (launcher.ACTIVE[0] and window is None and not softcap and sinks is None
-                and _to_launcher(q, k, v, is_causal, scale, enable_gqa, "sdpa")):
-            return _DISPATCH(q, k, v, is_causal, scale, enable_gqa, "sdpa")
+        if launcher.ACTIVE[0]:
+            if window is None and not softcap and sinks is None:
+                out = launcher.CALL[0](q, k, v, is_causal, scale, enable_gqa, "sdpa")
+                if out is not None:
+                    return out
+        elif launcher.PENDING[0]:
+            launcher.load()
         left, right = (-1, -1) if window is None else window  # the adapter passes a pair or None
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
                enable_gqa, "sdpa", softcap or 0.0, left, right)
@@ -271,7 +292,7 @@ def eager_attention(q, k, v, is_causal: bool, scale, enable_gqa: bool, softcap: 
                 and type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR
                 and not _torch_function_mode() and not _dispatch_stack()):
             if sinks is None:
-                return fast(q, k, v)
+                return getattr(fast, "python", fast)(q, k, v)
             if _plain_sinks(sinks):
                 return fast(q, k, v, sinks)
     return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, softcap=softcap, window=window,
@@ -292,6 +313,59 @@ def _plain_sinks(sinks) -> bool:
 # H100, GPT-2 16x1024 under torch.compile read 0.95x sdpa's speed with the opaque op around its SDPA route;
 # docs/PERFORMANCE.md). Shapes the trace keeps
 # symbolic (dynamic=True) and evotune routes keep the op: its body decides at run time.
+
+
+def _traced_plain(q, k, v, is_causal, scale, enable_gqa, fallback):
+    """attention() while torch.compile traces a call with no softcap, window or sinks, in as few Python steps as its
+    decision allows. Each function the trace steps into and each module global it reads becomes a guard that dynamo
+    checks before every call of the compiled graph: the general path's checks made about a hundred, which cost a
+    compiled call 4.8 of its 5.9 us over SDPA's on a CPU (0.91x; with guard evaluation skipped 0.99x: docs/
+    PERFORMANCE.md). Here the checks and the route are one constant function of the call's facts (_traced_plan).
+    None where the general path decides (a tensor needing grad, not a tensor)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    shapes, strides = (q.shape, k.shape, v.shape), (q.stride(), k.stride(), v.stride())
+    static = all(_fixed_by_trace(n) for sizes in shapes + strides for n in sizes)
+    plan, scale, layout = _traced_plan(
+        is_causal, scale, enable_gqa, fallback, tuple(tuple(x) for x in shapes) if static else None,
+        strides if static else None, q.dtype, q.device,
+        (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled(), len(record._ACTIVE) > 0)
+    if plan == "op":
+        return attention_op(q, k, v, is_causal, scale, enable_gqa, fallback)
+    if plan == "sdpa":
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                           **({"enable_gqa": True} if enable_gqa else {}))
+        size, stride = layout
+        if o.stride() == stride:
+            return o
+        out = q.new_empty_strided(size, stride)  # the op's output layout (call.new_output's), as _in_query_layout
+        out.copy_(o)
+        return out
+    return None
+
+
+@torch.compiler.assume_constant_result
+def _traced_plan(is_causal, scale, enable_gqa, fallback, shapes, strides, dtype, device, needs_grad: bool,
+                 recording: bool) -> tuple:
+    """(plan, scale, (size, stride) of the output) of a plain call being traced, run once at trace time: "sdpa"
+    where its route is SDPA whatever its data (told then; fallback="error" raises then), "op" where the op decides
+    at run time (an evotune route, sizes the trace keeps symbolic, a recorder active), "full" where the general
+    path takes it (grads). Bad options raise here, with the eager path's messages."""
+    _check_values(is_causal, scale, enable_gqa)
+    routing.check_fallback(fallback)
+    scale = None if scale is None else float(scale)
+    if needs_grad:
+        return "full", scale, None
+    if shapes is None or recording:
+        return "op", scale, None
+    dtype_name = DTYPES.get(dtype, str(dtype).replace("torch.", ""))
+    if not _sdpa_route_of(shapes, strides, dtype_name, device.type, device.index, bool(is_causal), bool(enable_gqa),
+                          fallback):
+        return "op", scale, None
+    (b, h, sq, _), _, (_, _, _, dv) = shapes
+    bshd = strides[0][1] < strides[0][2]  # call.layout_of's rule, on the trace's constant strides
+    stride = (sq * h * dv, dv, h * dv, 1) if bshd else (h * sq * dv, sq * dv, dv, 1)
+    return "sdpa", scale, ((b, h, sq, dv), stride)
 
 
 def _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback, mods=NO_MODS, sinks: bool = False) -> bool:
@@ -392,17 +466,6 @@ _dispatch_stack = torch._C._len_torch_dispatch_stack
 # The op's C++ entry without OpOverload.__call__'s Python frame (on a CPU here, 23 against 31 us a call through the
 # Python body: the difference is the wrapper's).
 _DISPATCH = getattr(attention_op.default, "_op", attention_op.default)
-
-
-def _to_launcher(q, k, v, is_causal, scale, enable_gqa, fallback) -> bool:
-    """Whether an eager call goes straight to the op, whose CUDA kernel is the compiled launcher's (it looks the
-    route up itself; what it has none for comes back to the Python body): plain CUDA tensors needing no grad, and
-    options of the types the op's schema takes (anything else takes attention()'s checks and their messages).
-    Modes need no check: the op's dispatch is what a mode sees anyway."""
-    return (type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and q.is_cuda
-            and not (q.requires_grad or k.requires_grad or v.requires_grad)
-            and type(is_causal) is bool and type(enable_gqa) is bool and (scale is None or type(scale) is float)
-            and (fallback == "sdpa" or fallback == "error"))
 
 
 def _plain(q, k, v) -> bool:
@@ -580,7 +643,8 @@ def explain(q, k, v, *, is_causal: bool = False, scale: float | None = None, ena
 
 def warmup(devices=None) -> list[dict]:
     """Compile and load, on each CUDA device (default: all visible), every table entry of that GPU that
-    routes to evotune, so no call compiles or loads later (do it before CUDA graph capture). Returns one
+    routes to evotune, and the compiled launcher (evotune.torch.launcher), so no call compiles or loads later (do it
+    before CUDA graph capture). Returns one
     row per entry and device: {"key", "device", "status": "loaded" | "skipped", "why"}."""
     from ..space.searchspace import Config
     from ..records.tuning_table import unusable_reason
@@ -602,4 +666,5 @@ def warmup(devices=None) -> list[dict]:
     if not rows:
         raise UsageError(f"{routing.table_path()}: no entry for the visible GPUs; the table holds "
                          f"{', '.join(table.gpus()) or 'no entries'}")
+    launcher.load(wait=True)  # the compiled launcher built and loaded now, not in the background after a first call
     return rows
