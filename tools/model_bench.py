@@ -782,6 +782,11 @@ def run_e2e(args) -> dict:
             result["warmup"] = et.warmup()
         except Exception as e:
             result["warmup"] = {"error": short(e)}
+    from evotune.torch import launcher
+
+    # The compiled launcher (evotune.torch.launcher): loaded by the warm-up where a table exists; its state is part of
+    # what a row measured (without it the op launches from Python).
+    result["env"]["launcher"] = {"loaded": bool(launcher.ACTIVE[0]), "why_not": launcher.why_not()}
     timer = Timer(torch, args.device)
 
     def over_budget():

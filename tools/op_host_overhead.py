@@ -24,14 +24,15 @@ graph of --graph-n captured calls (CUDA events around replays).
 
     python tools/op_host_overhead.py --shape 1,8,512,64 --graph --out op_host_overhead.json --md op_host_overhead.md
     python tools/op_host_overhead.py --device cpu --shape 1,1,1,64     # host cost on a CPU: no kernel rows
-    python tools/op_host_overhead.py --launcher cpp ...                # the tuned rows through the compiled launcher
+    python tools/op_host_overhead.py --launcher python ...             # the op's Python routes only
 
---launcher cpp sets EVOTUNE_CPP_LAUNCHER=1 for this process (evotune.torch.launcher: evotune::attention's CUDA kernel
-in C++, built on first use): the tuned rows (op-tuned, op-dispatch, hf-tuned, compile-tuned) then launch from C++ and
-their route reads "tuned-cpp", and the eager fallback rows run SDPA from C++ (op-fallback, op-dispatch and
-hf-fallback on the missing key; compile-fallback traces SDPA itself either way); the report says whether it loaded
-and what it ran (launcher_counts). Run the tool once per
-launcher and compare each run's ratios to its own SDPA rows (the library, once loaded, serves the whole process).
+--launcher cpp (the default, as the product's: evotune.torch.launcher, evotune::attention's CUDA kernel in C++ and a
+Python entry the eager calls try first) builds and loads the compiled launcher before the warm-up; the tuned rows then
+launch from C++ and their route reads "tuned-cpp", and the eager fallback rows run SDPA from C++ (op-fallback,
+op-dispatch and hf-fallback on the missing key; compile-fallback traces SDPA itself either way). --launcher python
+sets EVOTUNE_CPP_LAUNCHER=0 for this process. Each row's report says what its timed calls ran (the library's counters
+over them: "direct" calls served from its Python entry, "launches" of kernels, "sdpa" routes, "misses" handed back
+to the Python body). Run the tool once per launcher and compare each run's ratios to its own SDPA rows.
 
 Writes JSON to --out and the docs' markdown table to --md, prints a table last. Exit status 2 for bad options.
 """
@@ -39,6 +40,7 @@ Writes JSON to --out and the docs' markdown table to --md, prints a table last. 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -64,8 +66,9 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each row once a round)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     ap.add_argument("--space", default="attention-hopper", help="space whose default config the tuned rows run")
-    ap.add_argument("--launcher", default="python", choices=["python", "cpp"],
-                    help="the op's launch: its Python routes, or the compiled launcher (EVOTUNE_CPP_LAUNCHER=1)")
+    ap.add_argument("--launcher", default="cpp", choices=["python", "cpp"],
+                    help="the op's launch: the compiled launcher (the default), or its Python routes only "
+                         "(EVOTUNE_CPP_LAUNCHER=0)")
     ap.add_argument("--graph", action="store_true", help="also time each eager row inside a CUDA graph")
     ap.add_argument("--graph-n", type=int, default=100, help="calls captured per CUDA graph")
     ap.add_argument("--out", default=None, help="JSON results")
@@ -220,23 +223,31 @@ def markdown(report) -> str:
              + (f", transformers {report['transformers']}" if report.get("transformers") else "")
              + f"; shape {report['shape']} ({report['layout']} inputs); host us per call: median [min - max] of "
              f"{report['rounds']} interleaved rounds of {report['n']} calls; speed: SDPA's time in the same round "
-             "(compile rows: the compiled SDPA function's) / the row's, median [min - max]", "",
-             "| row | route | host us | speed vs SDPA | CUDA graph us |", "|---|---|---|---|---|"]
+             "(compile rows: the compiled SDPA function's) / the row's, median [min - max]; launcher: what the "
+             "compiled launcher's counters read per timed call", "",
+             "| row | route | host us | speed vs SDPA | CUDA graph us | launcher per call |", "|---|---|---|---|---|---|"]
+    calls = report["n"] * report["rounds"]
     for r in report["rows"]:
         h, sp = r["host_us"], r.get("speed_vs_sdpa") or r.get("speed_vs_compile-sdpa")
         g = r["graph_us"]
         lines.append(f"| {r['row']} | {r['route']} | {h['median']:.2f} [{h['min']:.2f} - {h['max']:.2f}] | "
                      + (f"{sp['median']:.2f}x [{sp['min']:.2f} - {sp['max']:.2f}]" if sp else "-") + " | "
-                     + (f"{g:.2f}" if isinstance(g, float) else (g or "-")) + " |")
+                     + (f"{g:.2f}" if isinstance(g, float) else (g or "-")) + " | "
+                     + served_text(r.get("launcher_served") or {}, calls) + " |")
     return "\n".join(lines) + "\n"
+
+
+def served_text(served: dict, calls: int) -> str:
+    """The launcher's counters over a row's timed calls, per call ("direct 1.00, launches 1.00"; "-": none moved)."""
+    moved = [f"{what} {count / calls:.2f}" for what, count in served.items() if count]
+    return ", ".join(moved) or "-"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     import os
 
-    if args.launcher == "cpp":
-        os.environ["EVOTUNE_CPP_LAUNCHER"] = "1"  # read when the op works out its first kernel route
+    os.environ["EVOTUNE_CPP_LAUNCHER"] = "1" if args.launcher == "cpp" else "0"  # read by launcher.load()
     import torch
 
     import evotune.torch as et
@@ -245,7 +256,9 @@ def main(argv=None) -> int:
     import _tables
 
     try:
-        shape = parse_shape(args.shape)
+        # The table's key spells the inputs' layout: a bhsd key never matches bshd inputs (before 2026-11-28 the
+        # fixture's key kept the spec's bhsd while the inputs were bshd, so every "tuned" row ran the SDPA route).
+        shape = dataclasses.replace(parse_shape(args.shape), layout=args.layout)
     except UsageError as e:
         print(f"op_host_overhead: {e}", file=sys.stderr)
         return 2
@@ -256,7 +269,13 @@ def main(argv=None) -> int:
     _EMPTY[0] = _tables.table(path="<empty table: every key missing>")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     warnings.simplefilter("ignore")  # the fallback rows' notices, told once each
-    rows, _ = build_rows(args, shape, torch)
+    from evotune.torch import launcher
+
+    cpp = args.device == "cuda" and args.launcher == "cpp" and launcher.load(wait=True)  # built now, not behind a call
+    if args.device == "cuda" and args.launcher == "cpp" and not cpp:
+        print(f"op_host_overhead: the compiled launcher did not load ({launcher.why_not()}): the rows are Python's",
+              file=sys.stderr)
+    rows, inputs = build_rows(args, shape, torch)
     # Warm-up, once per row under its table: compiles (kernel and torch.compile), loads, caches routes.
     routes = {}
     for name, (table, fn) in rows.items():
@@ -267,16 +286,18 @@ def main(argv=None) -> int:
             fn()
         sync()
         routes[name] = "tuned" if table is not None else ("sdpa" if name.endswith(("sdpa",)) else "fallback")
-    from evotune.torch import launcher
-
-    cpp = launcher.load() if args.launcher == "cpp" else False
+        if table is not None and name.startswith(("op", "hf")):  # a tuned row must run the kernel: checked, not assumed
+            q, k, v = inputs
+            said = et.explain(q, k, v, is_causal=shape.causal, enable_gqa=shape.kv_heads != shape.heads)
+            if said.route != "evotune":
+                print(f"op_host_overhead: the {name} row's call does not route to the kernel ({said.reason})",
+                      file=sys.stderr)
+                return 1
     if cpp:
         routes = {name: route + "-cpp" if route in ("tuned", "fallback") and name != "compile-fallback" else route
                   for name, route in routes.items()}
-    elif args.launcher == "cpp":
-        print(f"op_host_overhead: the compiled launcher did not load ({launcher.why_not()}): tuned rows are Python",
-              file=sys.stderr)
     samples = {name: [] for name in rows}
+    served = {name: {} for name in rows}  # the library's counters over each row's timed calls, summed over rounds
     order = list(rows)
     for r in range(args.rounds):
         for name in order[r % len(order):] + order[:r % len(order)]:
@@ -284,7 +305,11 @@ def main(argv=None) -> int:
             _use(table, et)
             for _ in range(20):
                 fn()
+            before = launcher.counts()
             samples[name].append(time_host(fn, args.n, sync))
+            for what, count in launcher.counts().items():
+                if what != "routes":
+                    served[name][what] = served[name].get(what, 0) + count - before[what]
     graph = {}
     if args.graph and args.device == "cuda":
         for name, (table, fn) in rows.items():
@@ -301,7 +326,8 @@ def main(argv=None) -> int:
         base = "compile-sdpa" if name.startswith("compile") else "sdpa"
         ratio = ([b / x for x, b in zip(xs, samples[base])] if base in samples else None)
         report_rows.append({"row": name, "route": routes[name], "host_us": spread(xs), "samples_us": xs,
-                            "speed_vs_" + base: spread(ratio) if ratio else None, "graph_us": graph.get(name)})
+                            "speed_vs_" + base: spread(ratio) if ratio else None, "graph_us": graph.get(name),
+                            "launcher_served": served[name]})
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (no kernel rows)"
     report = {"shape": shape.spec, "layout": args.layout, "device": gpu, "torch": torch.__version__, "n": args.n, "rounds": args.rounds,
               "space": args.space, "rows": report_rows, "launcher": "cpp" if cpp else "python",
