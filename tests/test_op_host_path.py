@@ -91,6 +91,19 @@ def test_host_overhead_bad_options_exit_2(argv, fault, capsys):
 
 
 @pytest.mark.parametrize("argv, fault", [
+    (["--size", "512", "--table", __file__], "--size takes BxS"),
+    (["--table", "/nonexistent/table.json"], "no tuning table at /nonexistent/table.json"),
+])
+def test_profile_forward_bad_options_exit_2(argv, fault, capsys):
+    """tools/profile_forward.py: a bad option is one line and exit status 2, before any model is built."""
+    import profile_forward
+
+    with pytest.raises(SystemExit) as e:
+        profile_forward.parse_args(argv)
+    assert e.value.code == 2 and fault in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, fault", [
     (["--e2e", "--prefill", "mistral:1x8"], "bad size 'mistral:1x8'"),
     (["--e2e", "--prefill-modes", "eager,fast"], "--prefill-modes of"),
     (["--e2e", "--tune-only"], "--tune-only needs --tune-trials"),

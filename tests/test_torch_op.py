@@ -107,6 +107,28 @@ def test_compile_traces_an_sdpa_route_as_sdpa():
         strict(q, k, v)
 
 
+def test_compile_traces_a_plain_call_in_one_constant_step(monkeypatch):
+    """A plain call (no softcap, window or sinks) traces through _traced_plain, not the general path's checks, whose
+    inlined functions each left dynamo guards checked before every compiled call; the result is SDPA's, and a bad
+    option still raises with its message (inside dynamo's error)."""
+    from evotune.torch import op
+
+    def not_traced(*args, **kwargs):
+        raise AssertionError("the general path's checks were traced")
+
+    torch._dynamo.reset()
+    q, k, v = qkv(layout="bshd")
+    monkeypatch.setattr(op, "score_mods", not_traced)
+    monkeypatch.setattr(op, "check_sinks", not_traced)
+    fn = torch.compile(lambda q, k, v: et.attention(q, k, v, is_causal=True, scale=0.25), fullgraph=True,
+                       backend="eager")
+    torch.testing.assert_close(quiet(fn, q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25))
+    torch._dynamo.reset()
+    bad = torch.compile(lambda q, k, v: et.attention(q, k, v, is_causal="yes"), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="is_causal must be True or False"):
+        bad(q, k, v)
+
+
 @pytest.mark.parametrize("how", ["automatic", "dynamic", "bounded"])
 @pytest.mark.parametrize("mods", [{}, {"softcap": 30.0}, {"window": (4, 0), "softcap": 5.0}])
 def test_compile_with_symbolic_sizes(how, mods):

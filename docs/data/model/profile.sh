@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Issue 41's profile of one forward (tools/profile_forward.py): transformers' sdpa against evotune, wall and host ms
+# per forward, the kernels each side launches, attention's apart; the GPT-2-like model at 1x512 and 1x8192 and the
+# Qwen2-like at 1x512, each on its table of 2026-11-28 (docs/data/2026-11-28-h200/launcher/e2e-call3/). One device
+# call, one GPU:  bash docs/data/model/profile.sh   (writes $OUT/profile-*.json, prints each table)
+set -u
+OUT=${OUT:-/tmp/profile-out}
+. tools/device_env.sh || exit 1
+mkdir -p "$OUT"
+export EVOTUNE_CACHE=${TMPDIR:-/tmp}/profile-cache
+tables=docs/data/2026-11-28-h200/launcher/e2e-call3
+for spec in gpt2:1x512 gpt2:1x8192 qwen2:1x512; do
+  IFS=: read -r model size <<< "$spec"
+  timeout 150 python3 tools/profile_forward.py --model "$model" --size "$size" --table "$tables/e2e-table-$model.json" \
+    --out "$OUT/profile-$model-$size.json" 2>&1 | tail -n 5
+done
