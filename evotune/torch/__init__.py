@@ -12,8 +12,9 @@ for every device, no mutated arguments, a fake implementation), so torch.compile
 traces it without a graph break and a compiled graph calls the body with no custom_op wrapper layers. It reads the
 tuning table in $EVOTUNE_TABLE, else evotune.records.tuning_table.default_table_path(), or one given to
 use_table(); evotune.records.tuning_table documents the table, its buckets and its selection rules, and
-evotune.torch.routing the fallback policy. EVOTUNE_CPP_LAUNCHER=1 (opt-in, awaiting its GPU verification) builds and
-loads evotune.torch.launcher, the op's CUDA kernel in C++, on first use: repeated calls then launch with no Python.
+evotune.torch.routing the fallback policy. evotune.torch.launcher, the op's launches in C++, is built in the
+background on the first kernel route (or by warmup()) and loaded on a later call: repeated calls then launch with no
+Python route (EVOTUNE_CPP_LAUNCHER=0 turns it off).
 """
 
 from .kernels import supports
