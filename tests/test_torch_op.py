@@ -112,6 +112,7 @@ def test_compile_traces_a_plain_call_in_one_constant_step(monkeypatch):
     inlined functions each left dynamo guards checked before every compiled call; the result is SDPA's, and a bad
     option still raises with its message (inside dynamo's error)."""
     from evotune.torch import op
+    from evotune.torch.call import output_layout
 
     def not_traced(*args, **kwargs):
         raise AssertionError("the general path's checks were traced")
@@ -122,7 +123,9 @@ def test_compile_traces_a_plain_call_in_one_constant_step(monkeypatch):
     monkeypatch.setattr(op, "check_sinks", not_traced)
     fn = torch.compile(lambda q, k, v: et.attention(q, k, v, is_causal=True, scale=0.25), fullgraph=True,
                        backend="eager")
-    torch.testing.assert_close(quiet(fn, q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25))
+    got = quiet(fn, q, k, v)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25))
+    assert got.stride() == output_layout(q, v)[1] and got.stride(1) < got.stride(2)  # the query's layout: bshd
     torch._dynamo.reset()
     bad = torch.compile(lambda q, k, v: et.attention(q, k, v, is_causal="yes"), fullgraph=True, backend="eager")
     with pytest.raises(Exception, match="is_causal must be True or False"):

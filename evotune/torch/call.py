@@ -50,9 +50,13 @@ def new_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def output_layout(q, v) -> tuple[tuple, tuple]:
     """(size, stride) of the op's output for q and v (new_output's, without allocating)."""
-    b, h, s = q.shape[0], q.shape[1], q.shape[2]
-    dv = v.shape[3]
-    if layout_of(q) == "bshd":
+    return layout_for(q.shape[0], q.shape[1], q.shape[2], v.shape[3], layout_of(q) == "bshd")
+
+
+def layout_for(b: int, h: int, s: int, dv: int, bshd: bool) -> tuple[tuple, tuple]:
+    """(size, stride) of the op's output, (B, H, Sq, Dv) dense in the query's layout, from its sizes (torch.compile's
+    trace-time plan reads them as constants)."""
+    if bshd:
         return (b, h, s, dv), (s * h * dv, dv, h * dv, 1)
     return (b, h, s, dv), (h * s * dv, s * dv, dv, 1)
 

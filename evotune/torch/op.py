@@ -20,8 +20,8 @@ from ..errors import UsageError
 from ..problems.shapes import Shape
 from . import fallback as _fallback
 from . import launcher, record, routing
-from .call import (DTYPES, NO_MODS, Call, aligned_for_sdpa, check_args, check_mods, check_sinks, misaligned,
-                   new_output, output_layout, score_mods)
+from .call import (DTYPES, NO_MODS, Call, aligned_for_sdpa, check_args, check_mods, check_sinks, layout_for,
+                   misaligned, new_output, output_layout, score_mods)
 from .autograd import lse_backend
 from .kernels import CACHE, PREPARED, launch, load_for
 from .routing import FAST_ROUTES
@@ -363,9 +363,7 @@ def _traced_plan(is_causal, scale, enable_gqa, fallback, shapes, strides, dtype,
                           fallback):
         return "op", scale, None
     (b, h, sq, _), _, (_, _, _, dv) = shapes
-    bshd = strides[0][1] < strides[0][2]  # call.layout_of's rule, on the trace's constant strides
-    stride = (sq * h * dv, dv, h * dv, 1) if bshd else (h * sq * dv, sq * dv, dv, 1)
-    return "sdpa", scale, ((b, h, sq, dv), stride)
+    return "sdpa", scale, layout_for(b, h, sq, dv, strides[0][1] < strides[0][2])  # layout_of's rule, on constants
 
 
 def _sdpa_when_traced(q, k, v, is_causal, enable_gqa, fallback, mods=NO_MODS, sinks: bool = False) -> bool:
