@@ -8,6 +8,7 @@ Developer tool (bash docs/data/model/profile.sh runs it on this session's tables
 
     python tools/profile_forward.py --model gpt2 --size 1x512 \
         --table docs/data/2026-11-28-h200/launcher/e2e-call3/e2e-table-gpt2.json --out prof.json
+    python tools/profile_forward.py --what first-token --model gpt2 --size 1x2048 --table ...   # generate()'s TTFT
 
 Writes JSON (--out) with each side's kernel table, and prints a short table last. Exit status 2 for bad options.
 """
@@ -37,6 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--table", required=True, help="the tuning table evotune's calls read")
     p.add_argument("--layers", type=int, default=None, help="layers (default: model_bench's: gpt2 12, else 4)")
     p.add_argument("--forwards", type=int, default=5, help="forwards profiled per side")
+    p.add_argument("--what", default="forward", choices=["forward", "first-token"],
+                   help="a plain forward (use_cache=False), or generate()'s first token under a DynamicCache (what "
+                        "model_bench's time to first token times)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     try:
@@ -69,7 +73,7 @@ def main(argv=None) -> int:
                                   device="cuda", llama_vocab=128256)
     model, cfg = mb.build_model(args.model, margs, args.seq, torch, torch.float16)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda")
-    report = {"model": args.model, "size": args.size, "layers": layers, "device": torch.cuda.get_device_name(0),
+    report = {"model": args.model, "size": args.size, "what": args.what, "layers": layers, "device": torch.cuda.get_device_name(0),
               "torch": torch.__version__, "launcher": bool(launcher.ACTIVE[0]), "sides": {}}
     from evotune.torch import hf, routing
 
@@ -78,7 +82,8 @@ def main(argv=None) -> int:
         hf.reset_stats()
         served = launcher.counts()
         with torch.no_grad():
-            forward = mb.forward_fn(model, ids, 1)
+            forward = (mb.forward_fn(model, ids, 1) if args.what == "forward"
+                       else mb._generate_fn(model, ids, "dynamic", 1))
             for _ in range(10):
                 forward()
             torch.cuda.synchronize()
@@ -119,8 +124,8 @@ def main(argv=None) -> int:
             "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:25])}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{args.model} {args.size} ({layers} layers) on {report['device']}, torch {report['torch']}, "
-          f"launcher {'loaded' if report['launcher'] else 'not loaded'}: per forward")
+    print(f"{args.model} {args.size} {args.what} ({layers} layers) on {report['device']}, torch {report['torch']}, "
+          f"launcher {'loaded' if report['launcher'] else 'not loaded'}: per {args.what}")
     print(f"{'side':<8} {'wall ms':>8} {'host ms':>8} {'kernels':>8} {'GPU us':>9}  attention kernels (count, us)")
     for side, r in report["sides"].items():
         att = "; ".join(f"{k[:40]} x{v['count']:.0f} {v['us']:.0f}" for k, v in r["attention_kernels"].items())
