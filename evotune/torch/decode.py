@@ -340,9 +340,13 @@ def _fallback_name(sinks, paged: bool = False) -> str:
 def _call_key(q, k, v, causal, scale, sinks=None):
     """What a decision depends on: everything but the cache length, which enters as its table bucket (a decode
     step grows the cache by one key: the bucket's decision, kernel and launch serve the next step too)."""
-    sk = k.shape[-2] if k.dim() == 4 else 0
-    return (q.shape, q.stride(), k.shape[:-2] if k.dim() == 4 else k.shape, k.shape[-1], v.shape[:-2] if v.dim() == 4
-            else v.shape, seq_bucket(sk) if sk else 0, q.dtype, q.device, bool(causal), scale, sinks is not None)
+    # Every decode step of every layer builds this key: sizes read once, the bucket as seq_bucket computes it (its
+    # check of the argument is for table files; a tensor's size is a positive int).
+    ks, vs = k.shape, v.shape
+    four = len(ks) == 4
+    sk = ks[2] if four else 0
+    return (q.shape, q.stride(), ks[:2] if four else ks, ks[-1], vs[:2] if len(vs) == 4 else vs,
+            1 << (sk - 1).bit_length() if sk else 0, q.dtype, q.device, bool(causal), scale, sinks is not None)
 
 
 def _per_call_fault(q, k, v) -> str | None:
