@@ -12,6 +12,9 @@ round), so a slow stretch of the machine lands on all rows alike:
   hf-sdpa         transformers' sdpa_attention_forward (no mask, is_causal), as a model calls it
   hf-tuned        evotune.torch.hf.attention_forward, tuned key (CUDA only)
   hf-fallback     evotune.torch.hf.attention_forward, missing key
+  hf-decode-sdpa  transformers' sdpa_attention_forward on a decode step: one query of --shape over its keys
+  hf-decode       the adapter on the same step (the decode op: its kernel where a decode table routes the key, else
+                  SDPA, told once; the tool loads no decode table, so the SDPA route)
   compile-sdpa    torch.compile(fullgraph=True, default mode) of a function calling SDPA then one small op
   compile-tuned   the same function calling evotune.torch.attention on the tuned key (CUDA only)
   compile-fallback  ... on the missing key (the trace calls SDPA itself: op._sdpa_when_traced)
@@ -51,8 +54,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROWS = ("sdpa", "op-tuned", "op-fallback", "op-dispatch", "hf-sdpa", "hf-tuned", "hf-fallback", "compile-sdpa",
-        "compile-tuned", "compile-fallback")
+ROWS = ("sdpa", "op-tuned", "op-fallback", "op-dispatch", "hf-sdpa", "hf-tuned", "hf-fallback", "hf-decode-sdpa",
+        "hf-decode", "compile-sdpa", "compile-tuned", "compile-fallback")
 CUDA_ONLY = ("op-tuned", "hf-tuned", "compile-tuned")
 
 
@@ -149,6 +152,9 @@ def build_rows(args, shape, torch):
         adapter = lambda: hf.attention_forward(module, q, k, v, None, is_causal=causal)  # noqa: E731
         fns["hf-tuned"] = (tuned, adapter)
         fns["hf-fallback"] = (None, adapter)
+        step = q[:, :, -1:]  # a decode step's query over the shape's keys as its cache
+        fns["hf-decode-sdpa"] = (None, lambda: sdpa_attention_forward(module, step, k, v, None, is_causal=causal))
+        fns["hf-decode"] = (None, lambda: hf.attention_forward(module, step, k, v, None, is_causal=causal))
 
     # One function per compiled row, each its own code object: dynamo keeps a compiled graph per code object
     # (guarded on its inputs, not on the op's table), so the tuned and fallback rows must not share one.
@@ -223,18 +229,23 @@ def markdown(report) -> str:
              + (f", transformers {report['transformers']}" if report.get("transformers") else "")
              + f"; shape {report['shape']} ({report['layout']} inputs); host us per call: median [min - max] of "
              f"{report['rounds']} interleaved rounds of {report['n']} calls; speed: SDPA's time in the same round "
-             "(compile rows: the compiled SDPA function's) / the row's, median [min - max]; launcher: what the "
-             "compiled launcher's counters read per timed call", "",
+             "(compile rows: the compiled SDPA function's; hf-decode: transformers' sdpa on the same step) / the "
+             "row's, median [min - max]; launcher: what the compiled launcher's counters read per timed call", "",
              "| row | route | host us | speed vs SDPA | CUDA graph us | launcher per call |", "|---|---|---|---|---|---|"]
     calls = report["n"] * report["rounds"]
     for r in report["rows"]:
-        h, sp = r["host_us"], r.get("speed_vs_sdpa") or r.get("speed_vs_compile-sdpa")
+        h, sp = r["host_us"], _speed(r)
         g = r["graph_us"]
         lines.append(f"| {r['row']} | {r['route']} | {h['median']:.2f} [{h['min']:.2f} - {h['max']:.2f}] | "
                      + (f"{sp['median']:.2f}x [{sp['min']:.2f} - {sp['max']:.2f}]" if sp else "-") + " | "
                      + (f"{g:.2f}" if isinstance(g, float) else (g or "-")) + " | "
                      + served_text(r.get("launcher_served") or {}, calls) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _speed(row: dict):
+    """A row's speed against its base row (sdpa; compile rows compile-sdpa; decode rows hf-decode-sdpa)."""
+    return next((value for key, value in row.items() if key.startswith("speed_vs_")), None)
 
 
 def served_text(served: dict, calls: int) -> str:
@@ -323,7 +334,8 @@ def main(argv=None) -> int:
     et.use_table(None)
     report_rows = []
     for name, xs in samples.items():
-        base = "compile-sdpa" if name.startswith("compile") else "sdpa"
+        base = ("compile-sdpa" if name.startswith("compile") else "hf-decode-sdpa" if name.startswith("hf-decode")
+                else "sdpa")
         ratio = ([b / x for x, b in zip(xs, samples[base])] if base in samples else None)
         report_rows.append({"row": name, "route": routes[name], "host_us": spread(xs), "samples_us": xs,
                             "speed_vs_" + base: spread(ratio) if ratio else None, "graph_us": graph.get(name),
@@ -349,7 +361,7 @@ def main(argv=None) -> int:
     print(f"{'row':<17} {'route':<9} {'host us':>9} {'[min - max]':>17} {'speed vs sdpa':>22} {'graph us':>9}")
     for r in report_rows:
         h = r["host_us"]
-        sp = r.get("speed_vs_sdpa") or r.get("speed_vs_compile-sdpa")
+        sp = _speed(r)
         g = r["graph_us"]
         span = "[%.2f - %.2f]" % (h["min"], h["max"])
         speed = "%.2fx [%.2f-%.2f]" % (sp["median"], sp["min"], sp["max"]) if sp else "-"
