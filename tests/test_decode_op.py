@@ -102,6 +102,18 @@ def test_fake_implementation_gives_the_query_metadata():
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
 
 
+def test_a_decision_is_not_reused_for_a_cache_of_another_dtype():
+    """The decision is keyed by K's and V's dtype and device too (it checked them): a cache of another dtype in the
+    same bucket decides anew, where reusing a kernel decision would read its bytes as the first dtype's."""
+    q = torch.randn(1, 8, 1, 64)
+    kv = torch.randn(1, 2, 300, 64)
+    D.decode_attention(q, kv, kv)
+    assert len(D._DECISIONS) == 1
+    with pytest.raises(RuntimeError):  # the SDPA route's own refusal of mixed dtypes, after a decision of its own
+        D.decode_attention(q, kv.double(), kv.double())
+    assert len(D._DECISIONS) == 2
+
+
 def test_one_decision_serves_a_cache_length_bucket():
     """Decode steps that grow the cache within a power-of-two bucket reuse one decision; the next bucket decides anew."""
     q = torch.randn(1, 8, 1, 64)

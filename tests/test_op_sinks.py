@@ -298,7 +298,7 @@ def test_a_parameter_sink_needs_grad_only_in_grad_mode():
     with torch.no_grad():
         first = run(q, k, v, sinks)
     assert not first.requires_grad
-    facts = [key for key in routing.FAST_ROUTES if len(key) == 16]
+    facts = [key for key in routing.FAST_ROUTES if len(key) == 20]
     assert facts == [op._facts(q, k, v, False, None, False, "sdpa", (0.0, -1, -1), sinks)]
     decided = routing.decide
     try:
@@ -427,8 +427,8 @@ def test_cached_routes_take_each_calls_logits(monkeypatch):
     run(q, k, v, two.to(torch.bfloat16))
     dense = quiet(et.attention, q, k, v)
     lengths = sorted(len(key) for key in routing.FAST_ROUTES)
-    assert lengths == [15, 16, 16] and not torch.allclose(dense, first)
-    assert {key[-1][1] for key in routing.FAST_ROUTES if len(key) == 16} == {torch.float32, torch.bfloat16}
+    assert lengths == [19, 20, 20] and not torch.allclose(dense, first)
+    assert {key[-1][1] for key in routing.FAST_ROUTES if len(key) == 20} == {torch.float32, torch.bfloat16}
 
 
 def test_the_compiled_launcher_never_takes_a_sinks_call(monkeypatch):

@@ -162,8 +162,12 @@ _BUILD_AND_REGISTER = textwrap.dedent("""
     key = torch.ops.evotune_launcher.key_of(q, q, q, True, 0.125, False, "error")
     sizes, strides = [1, 2, 64, 64] * 3, [8192, 64, 128, 1] * 3
     assert key[:24] == sizes + strides, key
-    assert key[25:] == [-1, 1, 0, 1, key[29], 1] and key[29] != 0, key  # CPU index -1, causal, no gqa, scale, error
+    dtype_device = key[24:30]  # per tensor: dtype, then device type * 65536 + index (the CPU: type 0, index -1)
+    assert dtype_device == [dtype_device[0], -1] * 3, key
+    assert key[30:] == [1, 0, 1, key[33], 1] and key[33] != 0, key  # causal, no gqa, a scale, its bits, error
     assert torch.ops.evotune_launcher.key_of(q, q, q, False, None, False, "other")[-1] == -1
+    # K of another dtype, same sizes and strides: another key (a route made for the uniform call is not its own)
+    assert torch.ops.evotune_launcher.key_of(q, q.to(torch.bfloat16), q, True, 0.125, False, "error") != key
     # A route registers from a PreparedLaunch of the plain mma.sync config (no tensor maps: nothing needs libcuda).
     shape = Shape(1, 2, 64, 64, 64, "fp16", True, "bshd")
     config = load_builtin("attention").default_config()

@@ -47,8 +47,8 @@ def cpp():
 
 def python_route(q, k, v, causal):
     """The cached route's Python launch for these facts (what the launcher's route must match byte for byte)."""
-    fast = FAST_ROUTES[(q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, causal,
-                        None, False, "sdpa", 0.0, -1, -1)]
+    fast = FAST_ROUTES[(q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                        q.device, k.device, v.device, causal, None, False, "sdpa", 0.0, -1, -1)]
     assert hasattr(fast, "python"), "the route did not register with the compiled launcher"
     return fast.python(q, k, v)
 

@@ -107,6 +107,24 @@ def test_compile_traces_an_sdpa_route_as_sdpa():
         strict(q, k, v)
 
 
+@pytest.mark.parametrize("entry_point", ["attention", "eager_attention"])
+def test_a_cached_route_is_not_taken_by_another_k_or_v_dtype(entry_point):
+    """After a uniform call cached its route, a call of the same sizes and strides with K or V of another dtype is not
+    served by that route (a kernel route would read the other dtype's bytes as the first's): the full path refuses it
+    with its one line. The route's key holds each tensor's dtype and device."""
+    from evotune.torch.op import eager_attention
+
+    call = (lambda q, k, v: et.attention(q, k, v, is_causal=True)) if entry_point == "attention" else (
+        lambda q, k, v: eager_attention(q, k, v, True, None, False))
+    q, k, v = qkv(layout="bshd")
+    quiet(call, q, k, v)
+    assert len(routing.FAST_ROUTES) == 1
+    for other in ((q, k.double(), v), (q, k, v.double())):
+        with pytest.raises(UsageError, match="must share one floating dtype"):
+            call(*other)
+    assert len(routing.FAST_ROUTES) == 1
+
+
 def test_compile_traces_a_plain_call_in_one_constant_step(monkeypatch):
     """A plain call (no softcap, window or sinks) traces through _traced_plain, not the general path's checks, whose
     inlined functions each left dynamo guards checked before every compiled call; the result is SDPA's, and a bad

@@ -341,12 +341,14 @@ def _call_key(q, k, v, causal, scale, sinks=None):
     """What a decision depends on: everything but the cache length, which enters as its table bucket (a decode
     step grows the cache by one key: the bucket's decision, kernel and launch serve the next step too)."""
     # Every decode step of every layer builds this key: sizes read once, the bucket as seq_bucket computes it (its
-    # check of the argument is for table files; a tensor's size is a positive int).
+    # check of the argument is for table files; a tensor's size is a positive int). K's and V's dtype and device are
+    # in it: the decision checked them (uncovered_reason), so a cache of another dtype or device must not reuse it.
     ks, vs = k.shape, v.shape
     four = len(ks) == 4
     sk = ks[2] if four else 0
     return (q.shape, q.stride(), ks[:2] if four else ks, ks[-1], vs[:2] if len(vs) == 4 else vs,
-            1 << (sk - 1).bit_length() if sk else 0, q.dtype, q.device, bool(causal), scale, sinks is not None)
+            1 << (sk - 1).bit_length() if sk else 0, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            bool(causal), scale, sinks is not None)
 
 
 def _per_call_fault(q, k, v) -> str | None:

@@ -50,8 +50,8 @@ def _op_body(q, k, v, is_causal=False, scale=None, enable_gqa=False, fallback="s
     if launcher.PENDING[0]:  # a compiled graph's calls load the launcher's finished build too
         launcher.load()
     if not record._ACTIVE:
-        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
-               enable_gqa, fallback, softcap, window_left, window_right)
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+               k.device, v.device, is_causal, scale, enable_gqa, fallback, softcap, window_left, window_right)
         if sinks is None:
             fast = FAST_ROUTES.get(key)
             if fast is not None:
@@ -70,8 +70,8 @@ def _body_from_launcher(q, k, v, is_causal=False, scale=None, enable_gqa=False, 
     kernel route runs its Python launch: its compiled one would hand the call back again (a view off a 16-byte
     boundary, another current device)."""
     if not record._ACTIVE:
-        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
-               enable_gqa, fallback, softcap, window_left, window_right)
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+               k.device, v.device, is_causal, scale, enable_gqa, fallback, softcap, window_left, window_right)
         if sinks is None:
             fast = FAST_ROUTES.get(key)
             if fast is not None:
@@ -235,8 +235,8 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None, e
             launcher.load()
         try:
             left, right = (-1, -1) if window is None else window
-            key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
-                   enable_gqa, fallback, softcap or 0.0, left, right)
+            key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                   q.device, k.device, v.device, is_causal, scale, enable_gqa, fallback, softcap or 0.0, left, right)
             # A sinks call's route is keyed by its logits' facts too, one key longer: never a dense call's route.
             fast = FAST_ROUTES.get(key if sinks is None else key + (_sink_facts(sinks),))
         except (AttributeError, TypeError, ValueError):  # not tensors, unhashable options, no pair: the full path says
@@ -285,8 +285,8 @@ def eager_attention(q, k, v, is_causal: bool, scale, enable_gqa: bool, softcap: 
         elif launcher.PENDING[0]:
             launcher.load()
         left, right = (-1, -1) if window is None else window  # the adapter passes a pair or None
-        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
-               enable_gqa, "sdpa", softcap or 0.0, left, right)
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+               k.device, v.device, is_causal, scale, enable_gqa, "sdpa", softcap or 0.0, left, right)
         fast = FAST_ROUTES.get(key if sinks is None else key + (_sink_facts(sinks),))
         if (fast is not None and not (q.requires_grad or k.requires_grad or v.requires_grad)
                 and type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR
@@ -479,9 +479,12 @@ def _eager(q, k, v, sinks=None) -> bool:
 
 def _facts(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS, sinks=None) -> tuple:
     """The key of a call's cached route (FAST_ROUTES): the facts that fix its route, its score mods last; a sinks
-    call's key ends with its logits' facts (_sink_facts), so it is one longer than any call's without."""
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, is_causal, scale,
-            enable_gqa, fallback) + tuple(mods) + (() if sinks is None else (_sink_facts(sinks),))
+    call's key ends with its logits' facts (_sink_facts), so it is one longer than any call's without. K's and V's
+    dtype and device are facts too: a later call of the same sizes with another K or V dtype or device (which the full
+    path refuses) must not take a kernel route made for the uniform call."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, is_causal, scale, enable_gqa, fallback) + tuple(mods) + (
+                () if sinks is None else (_sink_facts(sinks),))
 
 
 def _eager_call(q, k, v, is_causal, scale, enable_gqa, fallback, mods=NO_MODS, sinks=None):

@@ -138,7 +138,7 @@ int64_t double_bits(double x) {
 std::vector<int64_t> call_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                               std::optional<double> scale, bool enable_gqa, int64_t fallback) {
   std::vector<int64_t> key;
-  key.reserve(36);
+  key.reserve(40);
   for (const at::Tensor* t : {&q, &k, &v}) {
     auto sizes = t->sizes();
     key.insert(key.end(), sizes.begin(), sizes.end());
@@ -147,8 +147,12 @@ std::vector<int64_t> call_key(const at::Tensor& q, const at::Tensor& k, const at
     auto strides = t->strides();
     key.insert(key.end(), strides.begin(), strides.end());
   }
-  key.push_back(static_cast<int64_t>(q.scalar_type()));
-  key.push_back(q.device().index());
+  // Each tensor's dtype and device: a call of the same sizes with another K or V dtype or device (which the op's full
+  // path refuses) must not take a route made for a uniform call.
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    key.push_back(static_cast<int64_t>(t->scalar_type()));
+    key.push_back(static_cast<int64_t>(t->device().type()) * 65536 + t->device().index());
+  }
   key.push_back(is_causal);
   key.push_back(enable_gqa);
   key.push_back(scale.has_value());
