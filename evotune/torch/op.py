@@ -318,8 +318,8 @@ def _plain_sinks(sinks) -> bool:
 def _traced_plain(q, k, v, is_causal, scale, enable_gqa, fallback):
     """attention() while torch.compile traces a call with no softcap, window or sinks, in as few Python steps as its
     decision allows. Each function the trace steps into and each module global it reads becomes a guard that dynamo
-    checks before every call of the compiled graph: the general path's checks made about a hundred, which cost a
-    compiled call 4.8 of its 5.9 us over SDPA's on a CPU (0.91x; with guard evaluation skipped 0.99x: docs/
+    checks before every call of the compiled graph: the general path's checks made 95 (SDPA's call: 12; 37 now:
+    docs/data/model/guards_probe.py), most of a compiled fallback call's cost over SDPA's on a CPU (docs/
     PERFORMANCE.md). Here the checks and the route are one constant function of the call's facts (_traced_plan).
     None where the general path decides (a tensor needing grad, not a tensor)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
