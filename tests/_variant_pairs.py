@@ -86,6 +86,27 @@ def compile_config(attention, space, shape, cfg):
     return config, src, compile_source(src.code, src.entry)
 
 
+def assert_gate_passes(attention, space, text, cfg, skip_spills: bool = False) -> None:
+    """The family's full gate (fresh inputs, NaN-poisoned output, perturbed keys, the fp32 reference's tolerance) on
+    the shape spelled `text`, for a config given as a dict of knobs; skipped where the shape does not admit it, and
+    with skip_spills where it spills (the static gate prunes it)."""
+    import pytest
+
+    from evotune.gpu.evaluate import evaluate_compiled
+    from evotune.problems.shapes import parse_shape
+    from evotune.records import result as R
+    from evotune.space.searchspace import shape_context
+
+    shape = parse_shape(text)
+    if space.violations(space.config(cfg), shape_context(shape)):
+        pytest.skip("not admitted on this shape")
+    config, _, compiled = compile_config(attention, space, shape, cfg)
+    if skip_spills and compiled.resources.spill_stores:
+        pytest.skip("spills: pruned by the static gate")
+    res = evaluate_compiled(attention, shape, config, compiled, time_it=False)
+    assert res.status == R.OK, res.message
+
+
 def assert_compiles_clean(attention, space, shape, cfg):
     """(config, Compiled, launch geometry) of a config given as a dict, after checking it compiled for sm_90a with no
     stack frame, no spill and within the static gate (registers, setmaxnreg split, shared memory) for its launch."""

@@ -333,19 +333,9 @@ GPU_CASES = [
 
 
 def _gate(attention, space, text, cfg):
-    from _variant_pairs import compile_config
+    from _variant_pairs import assert_gate_passes
 
-    from evotune.gpu.evaluate import evaluate_compiled
-    from evotune.records import result as R
-
-    shape = parse_shape(text)
-    if space.violations(space.config(cfg), shape_context(shape)):
-        pytest.skip("not admitted on this shape")
-    config, _, compiled = compile_config(attention, space, shape, cfg)
-    if compiled.resources.spill_stores:
-        pytest.skip("spills: pruned by the static gate")
-    res = evaluate_compiled(attention, shape, config, compiled, time_it=False)
-    assert res.status == R.OK, res.message
+    assert_gate_passes(attention, space, text, cfg, skip_spills=True)
 
 
 @pytest.mark.gpu

@@ -182,18 +182,9 @@ GPU_CONFIGS = [{}, {"persistent": True}, {"producer_warps": 0, "stages": 3}, {"p
 def test_gate_passes(attention, space, text, knobs):
     """The full gate (fresh inputs with fresh sink logits, NaN-poisoned output, perturbed keys, the fp32 reference's
     tolerance) passes."""
-    from _variant_pairs import compile_config
+    from _variant_pairs import assert_gate_passes
 
-    from evotune.gpu.evaluate import evaluate_compiled
-    from evotune.records import result as R
-
-    shape = parse_shape(text)
-    cfg = {**HOPPER, **knobs}
-    if space.violations(space.config(cfg), shape_context(shape)):
-        pytest.skip("not admitted on this shape")
-    config, _, compiled = compile_config(attention, space, shape, cfg)
-    res = evaluate_compiled(attention, shape, config, compiled, time_it=False)
-    assert res.status == R.OK, res.message
+    assert_gate_passes(attention, space, text, {**HOPPER, **knobs})
 
 
 @pytest.mark.gpu

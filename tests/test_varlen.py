@@ -328,18 +328,9 @@ CONFIG_IDS = ["producer", "noproducer", "pingpong", "wg3skip"]
 def test_gate_passes(attention, space, text, knobs):
     """The full gate (fresh inputs, NaN-poisoned output, repeat launches bitwise equal, a perturbed key of one sequence
     moving only that sequence's rows, the fp32 reference's tolerance) passes."""
-    from _variant_pairs import compile_config
+    from _variant_pairs import assert_gate_passes
 
-    from evotune.gpu.evaluate import evaluate_compiled
-    from evotune.records import result as R
-
-    shape = parse_shape(text)
-    cfg = {**HOPPER, **knobs}
-    if space.violations(space.config(cfg), shape_context(shape)):
-        pytest.skip("not admitted on this shape")
-    config, _, compiled = compile_config(attention, space, shape, cfg)
-    res = evaluate_compiled(attention, shape, config, compiled, time_it=False)
-    assert res.status == R.OK, res.message
+    assert_gate_passes(attention, space, text, {**HOPPER, **knobs})
 
 
 @pytest.mark.gpu
