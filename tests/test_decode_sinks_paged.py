@@ -19,14 +19,7 @@ from evotune.problems.decode import (DecodeShape, entry_params, gather_rows, pag
 from evotune.torch import decode as D
 from evotune.torch.routing import EvotuneFallbackWarning
 
-
-@pytest.fixture(autouse=True)
-def fresh(tmp_path, monkeypatch):
-    monkeypatch.setenv(D.TABLE_ENV, str(tmp_path / "none.json"))
-    D.use_decode_table(None)
-    D.clear()
-    yield
-    D.clear()
+from test_decode_op import fresh  # noqa: E402,F401 (autouse: no decode table, the op's caches cleared around each test)
 
 
 # ------------------------------------------------------------------ shapes
